@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install the project and its test tools into the current Python (3.11).
+# torch/torchvision first, as the pair that imports together (GUIDE section 5); deepspeed builds against
+# the installed torch, so it skips build isolation (an isolated build would fetch another torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" -m pip install --quiet --disable-pip-version-check "torch==2.14.1" "torchvision==0.29.1"
+"$PY" -m pip install --quiet --disable-pip-version-check --no-build-isolation "deepspeed==0.19.8"
+"$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"

@@ -1,0 +1,113 @@
+"""Command-line entry shared by every stage: `python -m components.<stage> --config FILE [key=value ...]`.
+
+The config file is either a preset (one section per stage; the stage's section is used) or a bare stage
+section. `key=value` overrides use dotted paths (`optim.lr=2e-5`); values are parsed as YAML scalars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from components._shared.config import format_validation_error
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`["a.b=1", "c=x"]` -> `{"a": {"b": 1}, "c": "x"}`; a pair without '=' is an error that says so."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"Override '{pair}' is not key=value (example: optim.lr=2e-5).")
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = _scalar(raw)
+    return out
+
+
+def _scalar(raw: str) -> Any:
+    """A YAML scalar, with `2e-5` read as a number (YAML 1.1 wants `2.0e-5`)."""
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `base` with `update` merged in (nested dicts merged, other values replaced)."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_section(config_file: Path | None, section: str) -> dict[str, Any]:
+    """The stage section of a preset file, or the whole file when it is a bare section."""
+    if config_file is None:
+        return {}
+    data = yaml.safe_load(Path(config_file).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_file}: expected a mapping at the top level.")
+    if section in data:
+        return data[section] or {}
+    if "stages" in data and section in (data["stages"] or {}):
+        return data["stages"][section] or {}
+    return data
+
+
+def validate(config_cls, section: str, data: dict[str, Any]):
+    """Build the config, turning a pydantic error into one that names the setting and how to fix it."""
+    from pydantic import ValidationError
+
+    try:
+        return config_cls.model_validate(data)
+    except ValidationError as err:
+        raise ValueError(format_validation_error(section, err)) from None
+
+
+def stage_main(
+    config_cls,
+    run: Callable[..., dict[str, Any]],
+    *,
+    section: str,
+    inputs: tuple[str, ...],
+    argv: list[str] | None = None,
+) -> dict[str, Any]:
+    """Parse the command line, validate the config, run the stage under a tracker, print its metrics as JSON."""
+    parser = argparse.ArgumentParser(prog=f"python -m components.{section}", description=run.__doc__)
+    parser.add_argument("--config", type=Path, help="Preset YAML (uses its '%s' section) or a bare section." % section)
+    parser.add_argument("--output-dir", type=Path, required=True, help="Where the stage writes its outputs.")
+    parser.add_argument("--experiment", default="vlm", help="MLflow experiment name.")
+    for name in inputs:
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, required=True, help=f"Input '{name}'.")
+    parser.add_argument("overrides", nargs="*", help="Dotted key=value overrides of the config.")
+    args = parser.parse_args(argv)
+
+    data = deep_merge(read_section(args.config, section), parse_overrides(args.overrides))
+    cfg = validate(config_cls, section, data)
+
+    from components._shared.launch import execute
+
+    metrics = execute(
+        section,
+        cfg,
+        run,
+        inputs={name: getattr(args, name) for name in inputs},
+        output_dir=args.output_dir,
+        experiment=args.experiment,
+        record_as=section,
+    )
+    print(json.dumps(metrics, indent=2, sort_keys=True, default=str))
+    return metrics

@@ -1,0 +1,78 @@
+"""Base class of every stage config. Imports pydantic only, so the pipeline compiles without torch.
+
+KFP hands dict parameters back with whole numbers turned into floats (``{"max_steps": 2.0}``); the
+base class turns such floats back into ints where the field is an int, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+def _accepts_int_not_float(annotation: Any) -> bool:
+    """True when a field's type admits int but not float (``int``, ``int | None``, ``Annotated[int, ...]``)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _accepts_int_not_float(typing.get_args(annotation)[0])
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        members = typing.get_args(annotation)
+        return int in members and float not in members
+    return annotation is int
+
+
+def coerce_whole_floats(model_cls: type[BaseModel], data: Any) -> Any:
+    """Turn ``2.0`` into ``2`` for int fields of ``model_cls`` (recursing into nested configs and lists)."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for name, field in model_cls.model_fields.items():
+        key = field.alias or name
+        if key not in out:
+            continue
+        value = out[key]
+        if isinstance(value, float) and value.is_integer() and _accepts_int_not_float(field.annotation):
+            out[key] = int(value)
+        elif isinstance(value, list) and typing.get_origin(field.annotation) is list:
+            (item_type,) = typing.get_args(field.annotation) or (Any,)
+            if item_type is int:
+                out[key] = [int(v) if isinstance(v, float) and v.is_integer() else v for v in value]
+    return out
+
+
+class StageConfig(BaseModel):
+    """Stage settings: unknown keys are errors, values are immutable once validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    seed: int = Field(0, ge=0, description="Seed for every random choice the stage makes.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _coerce_kfp_floats(cls, data: Any) -> Any:
+        return coerce_whole_floats(cls, data)
+
+
+class SubConfig(BaseModel):
+    """A nested block of a stage config (same strictness, same float coercion)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _coerce_kfp_floats(cls, data: Any) -> Any:
+        return coerce_whole_floats(cls, data)
+
+
+def format_validation_error(section: str, error: Exception) -> str:
+    """A pydantic ValidationError rewritten as 'section.field: message' lines a person can act on."""
+    errors = getattr(error, "errors", None)
+    if not callable(errors):
+        return f"{section}: {error}"
+    lines = []
+    for item in errors():
+        where = ".".join(str(p) for p in item.get("loc", ())) or "(config)"
+        lines.append(f"  {section}.{where}: {item.get('msg')} (got {item.get('input')!r})")
+    return f"Invalid config for stage '{section}':\n" + "\n".join(lines)

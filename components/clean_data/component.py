@@ -1,0 +1,70 @@
+"""KFP wrappers of clean_data: list the lake's shards, clean each shard (fan-out), merge (fan-in).
+
+All logic lives in components/clean_data/stage.py.
+"""
+
+from typing import List
+
+from kfp import dsl
+
+from components._shared.images import DATA_IMAGE
+
+
+@dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)
+def list_shards_op(lake_uri: str) -> List[str]:
+    """The lake's shard URIs (img2dataset tars or Parquet files), sorted."""
+    from components.clean_data.stage import list_shards
+
+    return list_shards(lake_uri)
+
+
+@dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)
+def clean_shard_op(shard_uri: str, config: dict, shard: dsl.Output[dsl.Dataset], experiment: str = "vlm"):
+    """Filter one shard: every record kept or rejected with one reason (kept.parquet, rejected.parquet).
+
+    Args:
+        shard_uri: One shard of the lake.
+        config: CleanDataConfig as a dict.
+        shard: This shard's kept/rejected records and shard_report.json.
+        experiment: MLflow experiment name (the merge task logs for all shards).
+    """
+    from components._shared.launch import run_stage
+
+    run_stage(
+        "clean_data", config, experiment=experiment, function="clean_shard",
+        inputs={"shard_uri": shard_uri}, output_dir=shard.path, record_as=None,
+    )
+
+
+@dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)
+def merge_shards_op(
+    shards: dsl.Input[List[dsl.Dataset]],
+    config: dict,
+    clean_data: dsl.Output[dsl.Dataset],
+    metrics: dsl.Output[dsl.Metrics],
+    report: dsl.Output[dsl.Markdown],
+    experiment: str = "vlm",
+):
+    """Cross-shard dedup and outliers, final Parquet shards keyed by image hash, manifest and report.
+
+    Args:
+        shards: The outputs of every clean_shard_op task.
+        config: CleanDataConfig as a dict.
+        clean_data: kept/ and rejected/ Parquet shards plus manifest.json (exact accounting).
+        metrics: records_in / kept / rejected and rejections per reason, for the KFP UI.
+        report: Counts per reason and score histograms.
+        experiment: MLflow experiment name.
+    """
+    import shutil
+    from pathlib import Path
+
+    from components._shared.launch import flatten_metrics, run_stage
+
+    results = run_stage(
+        "clean_data", config, experiment=experiment, function="merge_shards",
+        inputs={"shard_dirs": [Path(s.path) for s in shards]}, output_dir=clean_data.path,
+        artifacts={"clean_data": clean_data.path, "report": report.path}, record_as="clean_data",
+    )
+    shutil.copyfile(Path(clean_data.path) / "report.md", report.path)
+    for name, value in flatten_metrics(results).items():
+        metrics.log_metric(name, value)

@@ -1,0 +1,3 @@
+from components.preflight.stage import main
+
+main()

@@ -1,0 +1,44 @@
+"""KFP wrapper of the preflight checks. Logic lives in components/preflight/stage.py."""
+
+from kfp import dsl
+
+from components._shared.images import DATA_IMAGE
+
+
+@dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)
+def preflight_op(
+    lake_uri: str,
+    base_model_uri: str,
+    config: dict,
+    clean_data_config: dict,
+    extract_features_config: dict,
+    report: dsl.Output[dsl.Artifact],
+    experiment: str = "vlm",
+):
+    """Validate every stage config, reach the lake / MLflow / S3, resolve the models. Never cached.
+
+    Args:
+        lake_uri: Lake directory or s3:// prefix (img2dataset tars or Parquet).
+        base_model_uri: Base model (local dir, s3:// prefix, or builtin:NAME).
+        config: PreflightConfig as a dict.
+        clean_data_config: The clean_data section, validated here before any work starts.
+        extract_features_config: The extract_features section, validated here too.
+        report: preflight.json with what was checked and where the models resolved to.
+        experiment: MLflow experiment name.
+    """
+    from components._shared.launch import run_stage
+    from components.preflight.stage import model_uris_in
+
+    stage_configs = {"clean_data": clean_data_config, "extract_features": extract_features_config}
+    run_stage(
+        "preflight",
+        config,
+        experiment=experiment,
+        inputs={
+            "lake_uri": lake_uri,
+            "model_uris": [base_model_uri, *model_uris_in(stage_configs)],
+            "stage_configs": stage_configs,
+        },
+        output_dir=report.path,
+        record_as="preflight",
+    )

@@ -1,0 +1,16 @@
+"""Config of the preflight checks. Imports pydantic only."""
+
+from typing import Annotated
+
+from pydantic import Field
+
+from components._shared.config import StageConfig
+
+
+class PreflightConfig(StageConfig):
+    """Which checks run before the DAG asks for GPUs."""
+
+    check_lake: bool = Field(True, description="List the lake and require at least one shard.")
+    check_tracking: bool = Field(True, description="Reach the MLflow tracking server (HTTP URIs only).")
+    resolve_models: bool = Field(True, description="Resolve (download or build) every model URI into the cache.")
+    timeout_s: Annotated[float, Field(gt=0, le=600, description="Network timeout per check, seconds.")] = 20.0

@@ -1,0 +1,137 @@
+"""Preflight checks: fail in seconds, on a CPU pod, what would otherwise fail an hour into a GPU stage.
+
+1 process:  python -m components.preflight --output-dir /tmp/pf --lake-uri DIR --model-uris builtin:tiny-qwen2_5-vl \
+                --stage-configs pipelines/presets/tiny.yaml
+In the pipeline: components/preflight/component.py (never cached).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from components._shared.tracking import Tracker
+from components.preflight.config import PreflightConfig
+
+LAKE_SUFFIXES = (".tar", ".parquet")
+
+
+def validate_stage_configs(stage_configs: dict[str, dict[str, Any]]) -> int:
+    """Validate every stage section; one error lists every invalid setting of every stage."""
+    from components._shared.cli import validate
+    from components.stages import STAGES, load_config_class
+
+    problems = []
+    for stage, data in stage_configs.items():
+        if stage not in STAGES:
+            problems.append(f"Unknown stage section '{stage}'. Known: {', '.join(STAGES)}.")
+            continue
+        try:
+            validate(load_config_class(stage), stage, data or {})
+        except ValueError as err:
+            problems.append(str(err))
+    if problems:
+        raise ValueError("\n".join(problems))
+    return len(stage_configs)
+
+
+def count_lake_shards(lake_uri: str) -> int:
+    """Number of shards (tar/parquet) under the lake; an empty or unreachable lake is an error."""
+    from components._shared import storage
+
+    try:
+        shards = [u for u in storage.list_files(lake_uri) if u.endswith(LAKE_SUFFIXES)]
+    except Exception as err:  # noqa: BLE001 - re-raised with the URI and the fix
+        raise ValueError(f"Cannot list the lake at {lake_uri}: {err}") from err
+    if not shards:
+        raise ValueError(
+            f"No shards (*.tar, *.parquet) under the lake {lake_uri}. Point lake_uri at a directory or s3:// "
+            "prefix of img2dataset output (e.g. `qvl lake synth --out DIR` writes DIR/lake)."
+        )
+    return len(shards)
+
+
+def check_tracking_server(timeout_s: float) -> str:
+    """Reach an HTTP MLflow server's /health; file and sqlite stores need no check."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri.startswith(("http://", "https://")):
+        return "local"
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            if resp.status != 200:
+                raise OSError(f"HTTP {resp.status}")
+    except OSError as err:
+        raise ValueError(
+            f"MLflow tracking server {uri} is not reachable ({err}). Check MLFLOW_TRACKING_URI and that the "
+            "server is up (manifests/ deploys one)."
+        ) from err
+    return "server"
+
+
+def model_uris_in(stage_configs: dict[str, dict[str, Any]]) -> list[str]:
+    """Model URIs named by stage configs (fields `*_model`, `*_model_uri`, `text_encoder`)."""
+    uris = []
+    for data in stage_configs.values():
+        for key, value in (data or {}).items():
+            if isinstance(value, str) and value and (key.endswith(("_model", "_model_uri")) or key == "text_encoder"):
+                uris.append(value)
+    return uris
+
+
+def run(
+    cfg: PreflightConfig,
+    *,
+    lake_uri: str,
+    model_uris: list[str],
+    stage_configs: dict[str, dict[str, Any]],
+    output_dir: Path,
+    tracker: Tracker,
+) -> dict[str, Any]:
+    """Validate configs, then reach the lake, the tracking server and the models; raise on the first failure."""
+    metrics: dict[str, Any] = {"configs_validated": validate_stage_configs(stage_configs)}
+    if cfg.check_lake:
+        metrics["lake_shards"] = count_lake_shards(lake_uri)
+    if cfg.check_tracking:
+        metrics["tracking"] = check_tracking_server(cfg.timeout_s)
+    resolved = {}
+    if cfg.resolve_models:
+        from components._shared.models import resolve_model
+
+        for uri in dict.fromkeys(u for u in model_uris if u):
+            resolved[uri] = str(resolve_model(uri))
+        metrics["models_resolved"] = len(resolved)
+    (output_dir / "preflight.json").write_text(json.dumps({"metrics": metrics, "models": resolved}, indent=2))
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    import yaml
+
+    from components._shared.cli import stage_main
+
+    # model_uris and stage_configs arrive as text on the command line: parse them before the generic runner.
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model-uris", default="")
+    pre.add_argument("--stage-configs", default=None)
+    known, rest = pre.parse_known_args(argv)
+    from components.stages import DAG_ORDER
+
+    preset = yaml.safe_load(Path(known.stage_configs).read_text()) if known.stage_configs else {}
+    stage_configs = {k: (preset or {}).get(k) or {} for k in DAG_ORDER if k in (preset or {})}
+
+    def _run(cfg, *, lake_uri, output_dir, tracker):
+        return run(
+            cfg,
+            lake_uri=lake_uri,
+            model_uris=[u for u in known.model_uris.split(",") if u] + model_uris_in(stage_configs),
+            stage_configs=stage_configs,
+            output_dir=output_dir,
+            tracker=tracker,
+        )
+
+    stage_main(PreflightConfig, _run, section="preflight", inputs=("lake_uri",), argv=rest)

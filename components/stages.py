@@ -1,0 +1,38 @@
+"""The stage registry: stage name -> its config class and stage module, as import strings.
+
+Strings keep this importable without torch; `load_config_class` and `load_stage` import on demand.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+STAGES: dict[str, tuple[str, str]] = {
+    "preflight": ("components.preflight.config:PreflightConfig", "components.preflight.stage"),
+    "clean_data": ("components.clean_data.config:CleanDataConfig", "components.clean_data.stage"),
+    "extract_features": (
+        "components.extract_features.config:ExtractFeaturesConfig",
+        "components.extract_features.stage",
+    ),
+}
+
+# Stages in DAG order (preflight is a check, not a stage of the run summary's training flow).
+DAG_ORDER: tuple[str, ...] = ("clean_data", "extract_features")
+
+
+def _check(stage: str) -> tuple[str, str]:
+    if stage not in STAGES:
+        raise ValueError(f"Unknown stage '{stage}'. Known stages: {', '.join(STAGES)}.")
+    return STAGES[stage]
+
+
+def load_config_class(stage: str):
+    """The pydantic config class of `stage`."""
+    module_name, _, class_name = _check(stage)[0].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def load_stage(stage: str) -> ModuleType:
+    """The stage module of `stage` (imports torch etc. where the stage needs them)."""
+    return importlib.import_module(_check(stage)[1])

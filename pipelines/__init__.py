@@ -1,0 +1,1 @@
+"""The KFP pipeline, its presets, the Kubernetes helpers and the `qvl` command line."""

@@ -1,0 +1,102 @@
+"""`qvl`: the pipeline's command line (synthesise a lake, run the DAG locally, run one stage, compile).
+
+    qvl lake synth --out runs/world --records 2000
+    qvl run --local --preset demo --lake runs/world/lake --out runs/demo
+    qvl stage clean_data --config pipelines/presets/tiny.yaml --lake-uri runs/world/lake --output-dir runs/clean
+    qvl compile
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
+lake_app = typer.Typer(help="Data lakes: the synthetic shapes world.", no_args_is_help=True)
+models_app = typer.Typer(help="Builtin helper models of the presets (tokenizer, tiny Qwen-VL, tiny CLIP).")
+app.add_typer(lake_app, name="lake")
+app.add_typer(models_app, name="models")
+
+
+@lake_app.command("synth")
+def lake_synth(
+    out: Path = typer.Option(..., help="Output directory: DIR/lake, DIR/heldout, DIR/ground_truth.jsonl."),
+    records: int = typer.Option(2000, min=1, help="Lake records (defects included)."),
+    seed: int = typer.Option(0, min=0, help="Seed: the same seed writes the same bytes."),
+):
+    """Write the synthetic shapes world: a lake with labelled defects plus held-out splits."""
+    from rich.console import Console
+
+    from components.synth_world.lake import write_world
+
+    with Console(stderr=True).status(f"Writing {records} records to {out} ..."):
+        counts = write_world(out, records=records, seed=seed)
+    typer.echo(json.dumps(counts, indent=2, default=str))
+
+
+@models_app.command("build")
+def models_build(
+    names: list[str] = typer.Argument(None, help="Builtin names (default: every builtin of the tiny and demo presets)."),
+):
+    """Build builtin models into the cache now (otherwise they are built on first use)."""
+    from components._shared.models import resolve_model
+
+    for name in names or ["tiny-qwen2_5-vl", "demo-qwen2_5-vl", "tiny-clip"]:
+        uri = name if name.startswith("builtin:") else f"builtin:{name}"
+        typer.echo(f"{uri} -> {resolve_model(uri)}")
+
+
+@app.command("run")
+def run(
+    local: bool = typer.Option(False, "--local", help="Run with kfp.local on this machine (the only mode here)."),
+    preset: str = typer.Option("tiny", help="Preset name (pipelines/presets/NAME.yaml) or a YAML path."),
+    lake: Optional[str] = typer.Option(None, help="Lake dir or s3:// prefix (default: the preset's lake_uri)."),
+    out: Path = typer.Option(Path("runs/local"), help="Run directory (run_summary.json, mlflow.db, artifacts)."),
+    until: Optional[str] = typer.Option(None, help="Last stage to run (default: all)."),
+    cache: bool = typer.Option(False, help="Reuse outputs of tasks whose inputs did not change (kfp.local cache)."),
+):
+    """Run the DAG and write OUT/run_summary.json."""
+    if not local:
+        typer.echo("Only --local runs from here; submit to a cluster with `kfp run create` (docs/operations.md).")
+        raise typer.Exit(2)
+    from pipelines.local_run import SUMMARY_FILE, run_local
+    from pipelines.presets import load_preset
+
+    lake_uri = lake or load_preset(preset).lake_uri
+    if not lake_uri:
+        typer.echo("No lake given: pass --lake DIR (e.g. the DIR/lake written by `qvl lake synth`).", err=True)
+        raise typer.Exit(2)
+    summary = run_local(lake_uri=lake_uri, out_dir=out, preset=preset, until=until, enable_caching=cache)
+    for stage, result in summary["stages"].items():
+        typer.echo(f"{stage:18s} {result['status']:10s} {result.get('seconds', 0):8.1f}s")
+    typer.echo(f"{summary['status']}: {out / SUMMARY_FILE}")
+    raise typer.Exit(0 if summary["status"] == "succeeded" else 1)
+
+
+@app.command(
+    "stage", context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+)
+def stage(ctx: typer.Context, name: str = typer.Argument(..., help="Stage package name, e.g. clean_data.")):
+    """Run one stage on its own (no KFP): the remaining arguments go to `python -m components.NAME`."""
+    from components.stages import load_stage
+
+    load_stage(name).main(list(ctx.args))
+
+
+@app.command("compile")
+def compile_(
+    preset: str = typer.Option("prod-7b", help="Preset whose configs become the parameter defaults."),
+    out: Path = typer.Option(None, help="Output YAML (default pipelines/compiled/vlm_training.yaml)."),
+):
+    """Compile the pipeline YAML (the committed one is checked by a test)."""
+    from pipelines.compile import COMPILED, compile_pipeline
+
+    typer.echo(compile_pipeline(preset, out or COMPILED))
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app(sys.argv[1:])

@@ -1,0 +1,67 @@
+"""Presets: one YAML per environment, one section per stage (see load_preset)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+PRESET_DIR = Path(__file__).parent
+TOP_LEVEL_KEYS = {"description", "base_model_uri", "experiment", "lake_uri"}
+
+
+class Preset(BaseModel):
+    """A validated preset: top-level settings plus every stage section with defaults filled in."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    description: str = ""
+    base_model_uri: str = Field(description="Base model: local dir, s3:// prefix or builtin:NAME.")
+    experiment: str = "vlm"
+    lake_uri: str | None = Field(None, description="Default lake when none is given on the command line.")
+    stages: dict[str, dict[str, Any]]
+
+    def pipeline_args(self) -> dict[str, Any]:
+        """Keyword arguments of the pipeline function for this preset (lake_uri excluded)."""
+        args: dict[str, Any] = {"base_model_uri": self.base_model_uri, "experiment": self.experiment}
+        args.update({f"{stage}_config": cfg for stage, cfg in self.stages.items()})
+        return args
+
+
+def preset_path(name_or_path: str | Path) -> Path:
+    """`tiny` -> pipelines/presets/tiny.yaml; a path to a YAML file is used as it is."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    candidate = PRESET_DIR / f"{name_or_path}.yaml"
+    if not candidate.exists():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ValueError(f"Unknown preset '{name_or_path}'. Known presets: {', '.join(known)}; or pass a YAML path.")
+    return candidate
+
+
+def load_preset(name_or_path: str | Path = "tiny", overrides: dict[str, Any] | None = None) -> Preset:
+    """Read and validate a preset; every stage section goes through its config class (errors name the setting)."""
+    from components._shared.cli import deep_merge, validate
+    from components.stages import STAGES, load_config_class
+
+    path = preset_path(name_or_path)
+    data = yaml.safe_load(path.read_text()) or {}
+    data = deep_merge(data, overrides or {})
+    unknown = set(data) - TOP_LEVEL_KEYS - set(STAGES)
+    if unknown:
+        raise ValueError(
+            f"{path}: unknown section(s) {sorted(unknown)}. Allowed: {sorted(TOP_LEVEL_KEYS | set(STAGES))}."
+        )
+    # None values are left out (KFP parameters cannot hold null): the config's default, None, applies again.
+    stages = {
+        stage: validate(load_config_class(stage), stage, data.get(stage) or {}).model_dump(mode="json", exclude_none=True)
+        for stage in STAGES
+    }
+    top = {k: data[k] for k in TOP_LEVEL_KEYS if k in data}
+    if "base_model_uri" not in top:
+        raise ValueError(f"{path}: 'base_model_uri' is required (a local dir, s3:// prefix or builtin:NAME).")
+    return Preset(name=path.stem, stages=stages, **top)

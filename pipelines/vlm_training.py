@@ -1,0 +1,72 @@
+"""The VLM training DAG: preflight -> clean_data (fan-out over shards, merge) -> extract_features.
+
+Later stages (pretrain, sft, reward_model, rl, distill, select_checkpoint) join the same DAG.
+`build_pipeline(preset, until)` returns the pipeline function with the preset's configs as parameter
+defaults; `vlm_training` is the full DAG on the `prod-7b` preset, the one that is compiled and committed.
+"""
+
+
+from components.clean_data.component import clean_shard_op, list_shards_op, merge_shards_op
+from components.extract_features.component import extract_features_op
+from components.preflight.component import preflight_op
+from components.stages import DAG_ORDER
+from kfp import dsl
+from pipelines.k8s import on_cpu, on_gpus, with_runtime_env
+from pipelines.presets import load_preset
+
+PIPELINE_NAME = "vlm-training"
+DEFAULT_PRESET = "prod-7b"
+
+
+def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
+    """The pipeline function for `preset`, with the stages up to and including `until` (all when None)."""
+    if until is not None and until not in DAG_ORDER:
+        raise ValueError(f"until='{until}' is not a stage; choose one of: {', '.join(DAG_ORDER)}.")
+    p = load_preset(preset)
+    last = DAG_ORDER.index(until) if until else len(DAG_ORDER) - 1
+    wanted = set(DAG_ORDER[: last + 1])
+
+    @dsl.pipeline(name=PIPELINE_NAME, description=__doc__.splitlines()[0])
+    def vlm_training(
+        lake_uri: str,
+        base_model_uri: str = p.base_model_uri,
+        experiment: str = p.experiment,
+        preflight_config: dict = p.stages["preflight"],
+        clean_data_config: dict = p.stages["clean_data"],
+        extract_features_config: dict = p.stages["extract_features"],
+    ):
+        preflight = on_cpu(with_runtime_env(preflight_op(
+            lake_uri=lake_uri,
+            base_model_uri=base_model_uri,
+            config=preflight_config,
+            clean_data_config=clean_data_config,
+            extract_features_config=extract_features_config,
+            experiment=experiment,
+        )), cpu="1", memory="4Gi")
+        preflight.set_display_name("Preflight checks").set_caching_options(False)
+
+        shards = on_cpu(with_runtime_env(list_shards_op(lake_uri=lake_uri)), cpu="1", memory="2Gi")
+        shards.set_display_name("List lake shards").set_caching_options(False).after(preflight)
+        with dsl.ParallelFor(shards.output, parallelism=16) as shard_uri:
+            clean_shard = on_cpu(with_runtime_env(clean_shard_op(
+                shard_uri=shard_uri, config=clean_data_config, experiment=experiment,
+            )), cpu="4", memory="16Gi")
+            clean_shard.set_display_name("Clean shard").set_retry(num_retries=2, backoff_duration="30s")
+        clean = on_cpu(with_runtime_env(merge_shards_op(
+            shards=dsl.Collected(clean_shard.outputs["shard"]), config=clean_data_config, experiment=experiment,
+        )), cpu="4", memory="16Gi")
+        clean.set_display_name("Clean data: merge shards")
+
+        if "extract_features" in wanted:
+            features = on_gpus(with_runtime_env(extract_features_op(
+                clean_data=clean.outputs["clean_data"],
+                base_model_uri=base_model_uri,
+                config=extract_features_config,
+                experiment=experiment,
+            )), gpus=1, memory="64Gi")
+            features.set_display_name("Extract vision features").set_retry(num_retries=2, backoff_duration="60s")
+
+    return vlm_training
+
+
+vlm_training = build_pipeline()

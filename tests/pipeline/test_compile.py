@@ -1,0 +1,86 @@
+"""The compiled pipeline: stage order, Kubernetes settings, no secrets, and the committed YAML is current."""
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.compile import COMPILED, compile_pipeline
+
+SENTINEL = "sentinel-secret-value-4f1c"
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> tuple[dict, dict, str]:
+    out = tmp_path_factory.mktemp("compiled") / "vlm_training.yaml"
+    with pytest.MonkeyPatch.context() as mp:
+        # Credentials present in the compiling environment must not leak into the YAML.
+        for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_TRACKING_PASSWORD"):
+            mp.setenv(var, SENTINEL)
+        mp.delenv("QVL_IMAGE_REGISTRY", raising=False)
+        compile_pipeline("prod-7b", out)
+    text = out.read_text()
+    docs = list(yaml.safe_load_all(text))
+    return docs[0], (docs[1] if len(docs) > 1 else {}), text
+
+
+def _normalize(text: str) -> list:
+    """Parsed documents without the SDK version (the header comment's dict order is not stable)."""
+    text = re.sub(r"kfp==[0-9.]+", "kfp==X", re.sub(r"sdkVersion: kfp-[0-9.]+", "sdkVersion: X", text))
+    return list(yaml.safe_load_all(text))
+
+
+def _tasks(spec: dict) -> dict:
+    return spec["root"]["dag"]["tasks"]
+
+
+def test_committed_yaml_is_current(compiled):
+    assert COMPILED.exists(), "Run `qvl compile` and commit pipelines/compiled/vlm_training.yaml."
+    assert _normalize(compiled[2]) == _normalize(COMPILED.read_text()), (
+        "pipelines/compiled/vlm_training.yaml is stale: run `qvl compile` and commit it."
+    )
+
+
+def test_stage_order(compiled):
+    tasks = _tasks(compiled[0])
+    assert "preflight-op" in tasks["list-shards-op"]["dependentTasks"]
+    # The fan-out lives in a ParallelFor sub-DAG; the merge collects from it.
+    loops = [name for name, task in tasks.items() if name.startswith("for-loop")]
+    assert len(loops) == 1
+    assert loops[0] in tasks["merge-shards-op"]["dependentTasks"]
+    assert "merge-shards-op" in tasks["extract-features-op"]["dependentTasks"]
+
+
+def test_preflight_is_never_cached(compiled):
+    assert _tasks(compiled[0])["preflight-op"]["cachingOptions"] == {}
+
+
+def test_extract_features_requests_a_gpu_and_shm(compiled):
+    spec, platform, _ = compiled
+    executor = spec["deploymentSpec"]["executors"]["exec-extract-features-op"]["container"]
+    assert executor["resources"]["accelerator"]["resourceCount"] == "1"
+    assert executor["resources"]["accelerator"]["resourceType"] == "nvidia.com/gpu"
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-extract-features-op"]
+    assert k8s["emptyDirMounts"][0]["mountPath"] == "/dev/shm"
+    assert any(t["key"] == "nvidia.com/gpu" for t in k8s["tolerations"])
+
+
+def test_credentials_come_from_kubernetes_secrets_only(compiled):
+    spec, platform, text = compiled
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    for name, executor in k8s.items():
+        secret_names = {s.get("secretName") or s.get("secretNameParameter", {}).get("runtimeValue", {}).get(
+            "constant") for s in executor.get("secretAsEnv", [])}
+        assert "qvl-s3-credentials" in secret_names, name
+    assert SENTINEL not in text
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert not any("secret" in p.lower() or "password" in p.lower() for p in params)
+
+
+def test_images_are_pinned_to_the_package_version(compiled):
+    from components import __version__
+
+    for name, executor in compiled[0]["deploymentSpec"]["executors"].items():
+        image = executor["container"]["image"]
+        assert image.endswith(f":{__version__}"), (name, image)

@@ -1,0 +1,61 @@
+"""Stage execution: results recorded for the run summary, failures recorded and re-raised, metrics flattened."""
+
+import json
+
+import pytest
+
+from components._shared.config import StageConfig
+from components._shared.launch import RESULT_FILE, SUMMARY_DIR_ENV, execute, flatten_metrics
+
+
+class ToyConfig(StageConfig):
+    factor: float = 2.0
+
+
+def toy_run(cfg, *, value, output_dir, tracker):
+    (output_dir / "out.txt").write_text(str(value * cfg.factor))
+    return {"doubled": value * cfg.factor, "by_reason": {"a": 1, "b": 2}, "backend": "pil"}
+
+
+def failing_run(cfg, *, value, output_dir, tracker):
+    raise ValueError(f"record 7: value {value} is bad")
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv(SUMMARY_DIR_ENV, str(tmp_path / "results"))
+    monkeypatch.delenv("QVL_MLFLOW_PARENT_RUN_ID", raising=False)
+    return tmp_path
+
+
+def test_flatten_keeps_numbers_and_flattens_dicts():
+    assert flatten_metrics({"a": 1, "b": {"c": 2.5, "d": "x"}, "e": True, "f": "s"}) == {"a": 1.0, "b.c": 2.5, "e": 1.0}
+
+
+def test_success_is_recorded_in_output_and_summary_dir(env):
+    metrics = execute("toy", ToyConfig(), toy_run, inputs={"value": 3}, output_dir=env / "out",
+                      experiment="t", record_as="toy")
+    assert metrics["doubled"] == 6.0
+    assert (env / "out" / "out.txt").read_text() == "6.0"
+    for path in (env / "out" / RESULT_FILE, env / "results" / "toy.json"):
+        result = json.loads(path.read_text())
+        assert result["status"] == "succeeded"
+        assert result["metrics"]["by_reason"] == {"a": 1, "b": 2}
+        assert result["artifacts"]["output"] == str(env / "out")
+
+
+def test_failure_is_recorded_then_raised(env):
+    with pytest.raises(ValueError, match="record 7"):
+        execute("toy", ToyConfig(), failing_run, inputs={"value": 3}, output_dir=env / "out",
+                experiment="t", record_as="toy")
+    result = json.loads((env / "results" / "toy.json").read_text())
+    assert result["status"] == "failed"
+    assert "record 7" in result["error"]
+
+
+def test_unrecorded_shard_run_writes_no_summary(env):
+    execute("toy", ToyConfig(), toy_run, inputs={"value": 1}, output_dir=env / "shard", experiment="t",
+            record_as=None)
+    assert not (env / "results").exists()
+    assert not (env / "shard" / RESULT_FILE).exists()
