@@ -1,0 +1,1 @@
+"""The synthetic shapes world: scenes with exact ground truth, a defect-labelled lake, held-out splits."""
