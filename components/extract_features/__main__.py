@@ -1,0 +1,3 @@
+from components.extract_features.stage import main
+
+main()
