@@ -1,0 +1,142 @@
+"""Model URIs -> a validated local Hugging Face directory.
+
+Accepted forms:
+    /path/to/dir       a from_pretrained directory (config.json; weights only as *.safetensors)
+    s3://bucket/prefix a committed prefix (has _COMMITTED.json), downloaded once into the cache and verified
+    builtin:NAME       a builtin tiny model (components/synth_world/builtin_models.py), built once into the cache
+
+The cache is `cache_dir` or env QVL_CACHE_DIR or ~/.cache/qvl. Builds and downloads go into a temporary
+directory under a file lock and are renamed into place when complete, so several processes may ask at
+once and a crash never leaves a half-built model behind.
+
+Import rule exception (docs/architecture.md): `builtin:` imports components.synth_world lazily, here only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+UNSAFE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+LOCK_TIMEOUT_S = 3600  # a demo build takes minutes; waiting longer means the holder is stuck
+
+
+def default_cache_dir() -> Path:
+    """QVL_CACHE_DIR if set, else ~/.cache/qvl."""
+    return Path(os.environ.get("QVL_CACHE_DIR") or Path.home() / ".cache" / "qvl")
+
+
+def resolve_model(uri: str, *, cache_dir: Path | None = None) -> Path:
+    """A local, validated HF model directory for `uri` (see the module docstring for the forms)."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise ValueError(f"Model URI {uri!r} is empty; {_accepted_forms()}")
+    uri = uri.strip()
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if uri.startswith(BUILTIN_PREFIX):
+        return _resolve_builtin(uri[len(BUILTIN_PREFIX) :], cache)
+    if uri.startswith("s3://"):
+        return _resolve_s3(uri, cache)
+    if "://" in uri or (":" in uri.split("/")[0] and not Path(uri).exists()):
+        raise ValueError(f"Unsupported model URI scheme in {uri!r}; {_accepted_forms()}")
+    path = Path(uri).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"Model directory {uri!r} does not exist (or is not a directory); {_accepted_forms()}"
+        )
+    return validate_model_dir(path)
+
+
+def validate_model_dir(path: Path) -> Path:
+    """Check that `path` is an HF directory whose weights are safetensors only; returns it."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"Model directory {path} has no config.json; point at a from_pretrained/save_pretrained directory."
+        )
+    unsafe = sorted(
+        p.relative_to(path).as_posix() for p in path.rglob("*") if p.suffix.lower() in UNSAFE_WEIGHT_SUFFIXES
+    )
+    if unsafe:
+        raise ValueError(
+            f"Model directory {path} holds pickle-format weights {unsafe}; they can run code when loaded. Convert to "
+            "safetensors (model.save_pretrained(dir) in transformers >= 5 writes *.safetensors) and remove those files."
+        )
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(
+            f"Model directory {path} has no *.safetensors weights; save the model with save_pretrained."
+        )
+    return path
+
+
+def describe(uri: str, *, cache_dir: Path | None = None) -> dict:
+    """What `uri` resolves to: local path, model type, architectures, and builtin.json when present."""
+    path = resolve_model(uri, cache_dir=cache_dir)
+    config = json.loads((path / "config.json").read_text())
+    info = {
+        "uri": uri,
+        "path": str(path),
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures"),
+    }
+    if (path / "builtin.json").is_file():
+        info["builtin"] = json.loads((path / "builtin.json").read_text())
+    return info
+
+
+def _resolve_builtin(name: str, cache: Path) -> Path:
+    from components.synth_world import builtin_models  # documented exception to "_shared imports no stage"
+
+    if name not in builtin_models.BUILTIN_NAMES:
+        raise ValueError(f"Unknown builtin model {name!r}; {_accepted_forms()}")
+    target = cache / f"{name}-{builtin_models.recipe_version(name)}"
+    return _materialize(target, lambda tmp: builtin_models.build(name, tmp))
+
+
+def _resolve_s3(uri: str, cache: Path) -> Path:
+    from components._shared import storage
+
+    prefix = uri.rstrip("/")
+    try:
+        marker = storage.read_bytes(storage.join(prefix, "_COMMITTED.json"))
+    except Exception as error:
+        raise ValueError(
+            f"Model prefix {uri} has no readable _COMMITTED.json marker ({error}); publish it with "
+            "storage.publish_dir so downloads can be verified."
+        ) from error
+    key = hashlib.sha256(prefix.encode() + b"\n" + marker).hexdigest()
+    target = cache / "s3" / key
+    return _materialize(target, lambda tmp: storage.fetch_dir(prefix, tmp, require_commit=True))
+
+
+def _materialize(target: Path, produce) -> Path:
+    """Return `target` once it is complete; otherwise produce it into a temp dir under a lock and rename it in."""
+    from filelock import FileLock
+
+    if target.is_dir():
+        return validate_model_dir(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock", timeout=LOCK_TIMEOUT_S):
+        if target.is_dir():  # another process finished while we waited
+            return validate_model_dir(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            produce(tmp)
+            validate_model_dir(tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _accepted_forms() -> str:
+    try:
+        from components.synth_world.builtin_models import BUILTIN_NAMES
+    except ImportError:
+        BUILTIN_NAMES = ()
+    names = ", ".join(f"builtin:{n}" for n in BUILTIN_NAMES) or "builtin:NAME"
+    return f"accepted forms: a local model directory, s3://bucket/prefix (a committed prefix), or one of {names}."
