@@ -51,6 +51,7 @@ def run_local(
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     p = load_preset(preset)
+    pipeline = build_pipeline(preset, until)  # validates `until` before anything starts
     if lake_uri and "://" not in lake_uri:
         lake_uri = str(Path(lake_uri).resolve())
     results_dir = out_dir / "stage_results"
@@ -70,7 +71,6 @@ def run_local(
         cache_root=str(out_dir / "kfp_cache") if enable_caching else None,
     )
     started = time.time()
-    pipeline = build_pipeline(preset, until)
     pipeline(lake_uri=lake_uri, **p.pipeline_args())
 
     expected = ["preflight", *DAG_ORDER[: DAG_ORDER.index(until) + 1 if until else len(DAG_ORDER)]]

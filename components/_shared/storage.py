@@ -1,0 +1,354 @@
+"""Files at local paths or `s3://bucket/prefix` URIs, with atomic, checksummed publication of directories.
+
+S3 goes through boto3: adaptive retries, multipart transfers above a threshold, SHA-256 checksums
+requested from S3 where supported, path-style addressing when a custom endpoint is set (SeaweedFS,
+MinIO). Credentials and endpoint come from the standard environment variables, which boto3 reads itself:
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, AWS_DEFAULT_REGION.
+
+A published prefix is *committed* once `_COMMITTED.json` exists in it. `publish_dir` writes that marker
+last; it lists every file with size and sha256, and `fetch_dir` verifies each downloaded file against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+COMMIT_MARKER = "_COMMITTED.json"
+MULTIPART_THRESHOLD = int(float(os.environ.get("QVL_S3_MULTIPART_THRESHOLD_MB", "64")) * 1024**2)
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for non-AWS S3); "
+                     "on Kubernetes, mount them from the S3 secret (manifests/, pipelines/k8s.py)")
+
+
+class IntegrityError(ValueError):
+    """A published prefix is uncommitted, or a file does not match its commit marker."""
+
+
+def is_s3(uri: str | Path) -> bool:
+    return str(uri).startswith("s3://")
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """`s3://bucket/a/b` -> ("bucket", "a/b"). Raises ValueError naming the URI when it is malformed."""
+    if not is_s3(uri):
+        raise ValueError(f"{uri!r} is not an S3 URI: expected s3://bucket/key (lowercase 's3://').")
+    bucket, _, key = str(uri)[5:].partition("/")
+    if not _BUCKET.match(bucket) or ".." in bucket:
+        raise ValueError(f"{uri!r} has an invalid bucket name {bucket!r}: use 3-63 lowercase letters, digits, "
+                         f"'.' or '-', as in s3://my-bucket/prefix.")
+    if "//" in key:
+        raise ValueError(f"{uri!r} contains an empty path segment ('//'); remove the doubled slash.")
+    return bucket, key
+
+
+def join(uri: str | Path, *parts: str) -> str:
+    """Append path parts to a local path or S3 URI."""
+    if not is_s3(uri):
+        return str(Path(_local(uri), *parts))
+    cleaned = [p.strip("/") for p in (str(uri).rstrip("/"), *parts) if p.strip("/")]
+    return "/".join(cleaned)
+
+
+def _local(uri: str | Path) -> Path:
+    text = str(uri)
+    if text.lower().startswith("s3:") or text.startswith("S3://"):
+        raise ValueError(f"{text!r} looks like a malformed S3 URI: write it as s3://bucket/key.")
+    return Path(text)
+
+
+# --- boto3 plumbing --------------------------------------------------------------------------------
+
+def _client():
+    env = tuple(os.environ.get(k) for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+                                            "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION"))
+    return _client_for(env)
+
+
+@functools.lru_cache(maxsize=8)
+def _client_for(env: tuple[str | None, ...]):
+    import boto3
+    from botocore.config import Config
+
+    custom_endpoint = bool(env[0] or env[1])
+    config = Config(retries={"mode": "adaptive", "max_attempts": 10},
+                    s3={"addressing_style": "path" if custom_endpoint else "auto"},
+                    request_checksum_calculation="when_supported", response_checksum_validation="when_supported")
+    region = env[4] or env[5] or "us-east-1"
+    client = boto3.session.Session().client("s3", region_name=region, config=config)
+    if custom_endpoint:
+        # SeaweedFS stalls a PUT sent with "Expect: 100-continue" after a zero-byte PUT on the same
+        # connection (until the read timeout). The header only saves bandwidth on rejected uploads.
+        from botocore.handlers import add_expect_header
+
+        client.meta.events.unregister("before-call.s3", add_expect_header)
+    return client
+
+
+def _transfer_config(multipart_threshold: int | None):
+    from boto3.s3.transfer import TransferConfig
+
+    threshold = MULTIPART_THRESHOLD if multipart_threshold is None else multipart_threshold
+    return TransferConfig(multipart_threshold=threshold, multipart_chunksize=max(threshold, 5 * 1024**2))
+
+
+@contextlib.contextmanager
+def _s3_errors(uri: str) -> Iterator[None]:
+    """Turn botocore errors into built-in ones whose message names the URI and what to do."""
+    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
+
+    try:
+        yield
+    except NoCredentialsError as error:
+        raise PermissionError(f"No S3 credentials to access {uri}: {_CREDENTIALS_HINT}.") from error
+    except EndpointConnectionError as error:
+        raise ConnectionError(f"Cannot reach the S3 endpoint for {uri} ({error}); check AWS_ENDPOINT_URL "
+                              f"and that the S3 service is up.") from error
+    except ClientError as error:
+        code = str(error.response.get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchKey", "NotFound"):
+            raise FileNotFoundError(f"{uri} does not exist.") from error
+        if code == "NoSuchBucket":
+            raise FileNotFoundError(f"Bucket of {uri} does not exist; create it or fix the URI.") from error
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise PermissionError(f"S3 refused access to {uri} ({code}): check the credentials; "
+                                  f"{_CREDENTIALS_HINT}.") from error
+        raise OSError(f"S3 request for {uri} failed: {error}") from error
+    except BotoCoreError as error:
+        raise OSError(f"S3 request for {uri} failed: {error}") from error
+
+
+# --- single files ----------------------------------------------------------------------------------
+
+def exists(uri: str | Path) -> bool:
+    """True for an existing file or a non-empty directory / S3 prefix."""
+    if not is_s3(uri):
+        return _local(uri).exists()
+    bucket, key = split_s3(str(uri))
+    if key and _head_or_missing(bucket, key, str(uri)):
+        return True
+    with _s3_errors(str(uri)):
+        prefix = key.rstrip("/") + "/" if key else ""
+        return _client().list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0) > 0
+
+
+def _head_or_missing(bucket: str, key: str, uri: str) -> bool:
+    try:
+        with _s3_errors(uri):
+            _client().head_object(Bucket=bucket, Key=key)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def list_files(prefix_uri: str | Path, *, suffix: str | None = None) -> list[str]:
+    """Every file under a directory or S3 prefix (recursive), as full URIs, sorted."""
+    if not is_s3(prefix_uri):
+        root = _local(prefix_uri)
+        found = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
+        return sorted(str(p) for p in found if suffix is None or p.name.endswith(suffix))
+    bucket, key = split_s3(str(prefix_uri))
+    prefix = key.rstrip("/") + "/" if key else ""
+    out = []
+    with _s3_errors(str(prefix_uri)):
+        for page in _client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            out += [f"s3://{bucket}/{o['Key']}" for o in page.get("Contents", [])
+                    if not o["Key"].endswith("/") and (suffix is None or o["Key"].endswith(suffix))]
+    return sorted(out)
+
+
+def read_bytes(uri: str | Path) -> bytes:
+    with open_read(uri) as stream:
+        return stream.read()
+
+
+def write_bytes(uri: str | Path, data: bytes) -> None:
+    """Write a whole file: atomically (temp file + rename) locally, one checksummed PUT on S3."""
+    if is_s3(uri):
+        bucket, key = split_s3(str(uri))
+        with _s3_errors(str(uri)):
+            _client().put_object(Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm="SHA256")
+        return
+    path = _local(uri)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def open_read(uri: str | Path) -> Iterator[IO[bytes]]:
+    """A binary stream: the S3 object's streaming body, or the local file."""
+    if not is_s3(uri):
+        with open(_local(uri), "rb") as handle:
+            yield handle
+        return
+    bucket, key = split_s3(str(uri))
+    with _s3_errors(str(uri)):
+        body = _client().get_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")["Body"]
+    try:
+        yield body
+    finally:
+        body.close()
+
+
+def download_file(uri: str | Path, local_path: str | Path, *, multipart_threshold: int | None = None) -> Path:
+    """Copy one file to `local_path` (parents created; the file appears complete or not at all)."""
+    dest = Path(local_path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        if is_s3(uri):
+            bucket, key = split_s3(str(uri))
+            with _s3_errors(str(uri)):
+                _client().download_file(bucket, key, str(tmp), Config=_transfer_config(multipart_threshold))
+        else:
+            shutil.copyfile(_local(uri), tmp)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+def upload_file(local_path: str | Path, uri: str | Path, *, multipart_threshold: int | None = None) -> None:
+    """Copy one local file to `uri`; multipart above `multipart_threshold` bytes (default 64 MiB)."""
+    if not is_s3(uri):
+        download_file(local_path, _local(uri))  # a local copy: same temp-file-and-rename path
+        return
+    bucket, key = split_s3(str(uri))
+    with _s3_errors(str(uri)):
+        _client().upload_file(str(local_path), bucket, key, Config=_transfer_config(multipart_threshold),
+                              ExtraArgs={"ChecksumAlgorithm": "SHA256"})
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --- committed directories -------------------------------------------------------------------------
+
+def publish_dir(local_dir: str | Path, dest_uri: str | Path, *, multipart_threshold: int | None = None) -> dict:
+    """Copy every file of `local_dir` to `dest_uri`, then write `_COMMITTED.json` last; return the marker.
+
+    Local destinations are filled in a sibling temp dir and renamed into place (a previous publication
+    at `dest_uri` is replaced). On S3 an old marker is deleted first, so readers never see a marker
+    that does not match the files.
+    """
+    source = Path(local_dir)
+    if not source.is_dir():
+        raise FileNotFoundError(f"publish_dir: {source} is not a directory.")
+    files = sorted(p for p in source.rglob("*") if p.is_file() and p.relative_to(source).as_posix() != COMMIT_MARKER)
+    marker = {"files": {p.relative_to(source).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                        for p in files},
+              "created": datetime.now(UTC).isoformat()}
+    marker_bytes = json.dumps(marker, indent=1, sort_keys=True).encode()
+    if is_s3(dest_uri):
+        bucket, key = split_s3(str(dest_uri))
+        with _s3_errors(str(dest_uri)):
+            _client().delete_object(Bucket=bucket, Key=join(key, COMMIT_MARKER) if key else COMMIT_MARKER)
+        for path in files:
+            upload_file(path, join(str(dest_uri), path.relative_to(source).as_posix()),
+                        multipart_threshold=multipart_threshold)
+        write_bytes(join(str(dest_uri), COMMIT_MARKER), marker_bytes)
+        return marker
+    dest = _local(dest_uri)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.publish-", dir=dest.parent))
+    try:
+        for path in files:
+            target = staging / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+        (staging / COMMIT_MARKER).write_bytes(marker_bytes)
+        if dest.exists():
+            retired = dest.with_name(f".{dest.name}.retired-{uuid.uuid4().hex}")
+            os.replace(dest, retired)
+            shutil.rmtree(retired, ignore_errors=True)
+        os.replace(staging, dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return marker
+
+
+def is_committed(uri: str | Path) -> bool:
+    marker = join(uri, COMMIT_MARKER)
+    if not is_s3(marker):
+        return Path(marker).is_file()
+    bucket, key = split_s3(marker)
+    return _head_or_missing(bucket, key, marker)
+
+
+def read_marker(uri: str | Path) -> dict[str, Any]:
+    """The parsed `_COMMITTED.json` of a published prefix; IntegrityError when there is none."""
+    try:
+        marker = json.loads(read_bytes(join(uri, COMMIT_MARKER)))
+    except FileNotFoundError as error:
+        raise IntegrityError(f"{uri} is not committed (no {COMMIT_MARKER}): its publication never finished; "
+                             f"re-run the stage that produces it.") from error
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
+        raise IntegrityError(f"{join(uri, COMMIT_MARKER)} is malformed: expected {{'files': {{...}}, 'created': ...}}.")
+    return marker
+
+
+def fetch_dir(uri: str | Path, local_dir: str | Path, *, require_commit: bool = True) -> Path:
+    """Download a published prefix into `local_dir`, verifying every file's size and sha256 against the marker.
+
+    With `require_commit=False` a prefix without a marker is copied as is (nothing to verify against).
+    """
+    dest = Path(local_dir)
+    if not require_commit and not is_committed(uri):
+        for file_uri in list_files(uri):
+            relative = (file_uri[len(str(uri).rstrip("/")) + 1:] if is_s3(uri)
+                        else Path(file_uri).relative_to(_local(uri)).as_posix())
+            download_file(file_uri, dest / relative)
+        return dest
+    marker = read_marker(uri)
+    for relative, expected in sorted(marker["files"].items()):
+        if relative.startswith("/") or ".." in Path(relative).parts:
+            raise IntegrityError(f"{join(uri, COMMIT_MARKER)} lists an unsafe path {relative!r}.")
+        file_uri, target = join(uri, relative), dest / relative
+        try:
+            download_file(file_uri, target)
+        except FileNotFoundError as error:
+            raise IntegrityError(f"{file_uri} is listed in {COMMIT_MARKER} but missing; re-publish {uri}.") from error
+        size, digest = target.stat().st_size, sha256_file(target)
+        if size != expected["size"] or digest != expected["sha256"]:
+            target.unlink()
+            raise IntegrityError(f"{file_uri} does not match {COMMIT_MARKER}: size {size} sha256 {digest[:12]}..., "
+                                 f"expected size {expected['size']} sha256 {expected['sha256'][:12]}...; the object "
+                                 f"was modified or corrupted after publication; re-publish {uri}.")
+    write_bytes(dest / COMMIT_MARKER, json.dumps(marker, indent=1, sort_keys=True).encode())
+    return dest
+
+
+def list_committed(prefix_uri: str | Path) -> list[str]:
+    """Immediate children of a directory / S3 prefix that hold a commit marker, sorted (others are ignored)."""
+    if not is_s3(prefix_uri):
+        root = _local(prefix_uri)
+        children = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        return [str(p) for p in children if (p / COMMIT_MARKER).is_file()]
+    bucket, key = split_s3(str(prefix_uri))
+    prefix = key.rstrip("/") + "/" if key else ""
+    children = []
+    with _s3_errors(str(prefix_uri)):
+        for page in _client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
+            children += [f"s3://{bucket}/{p['Prefix'].rstrip('/')}" for p in page.get("CommonPrefixes", [])]
+    return sorted(child for child in children if is_committed(child))

@@ -1,0 +1,71 @@
+"""The DAG runs locally (kfp.local) on the tiny preset: preflight, clean_data fan-out/merge, extract_features."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    from components.synth_world.lake import write_world
+
+    out = tmp_path_factory.mktemp("world")
+    write_world(out, records=400, seed=3)  # two shards: the fan-out really fans out
+    return out
+
+
+@pytest.fixture(scope="module")
+def summary(world, tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("run")
+    env_cmd = [sys.executable, "-m", "pipelines.cli", "run", "--local", "--preset", "tiny",
+               "--lake", str(world / "lake"), "--out", str(out)]
+    proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads((out / "run_summary.json").read_text()), out
+
+
+def test_every_stage_succeeded_with_the_summary_schema(summary):
+    data, _ = summary
+    assert data["status"] == "succeeded"
+    assert set(data["stages"]) == {"preflight", "clean_data", "extract_features"}
+    for stage, result in data["stages"].items():
+        assert result["status"] == "succeeded", stage
+        assert isinstance(result["metrics"], dict) and isinstance(result["artifacts"], dict)
+
+
+def test_clean_data_accounting_in_the_summary(summary, world):
+    metrics = summary[0]["stages"]["clean_data"]["metrics"]
+    lines = (world / "ground_truth.jsonl").read_text().splitlines()
+    assert metrics["records_in"] == len(lines)
+    assert metrics["records_kept"] + metrics["records_rejected"] == metrics["records_in"]
+    assert sum(metrics["rejected_by_reason"].values()) == metrics["records_rejected"]
+    defects = sum(1 for line in lines if json.loads(line)["defect"])
+    assert metrics["records_rejected"] >= 0.9 * defects
+
+
+def test_features_cover_every_kept_image(summary):
+    stages = summary[0]["stages"]
+    index = json.loads((Path(stages["extract_features"]["artifacts"]["features"]) / "index.json").read_text())
+    assert len(index["images"]) == stages["clean_data"]["metrics"]["records_kept"]
+
+
+def test_one_parent_mlflow_run_with_nested_stage_runs(summary):
+    data, _ = summary
+    mlflow.set_tracking_uri(data["mlflow_tracking_uri"])
+    client = MlflowClient()
+    parent = client.get_run(data["mlflow_run_id"])
+    assert parent.info.status == "FINISHED"
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{data['mlflow_run_id']}'"
+    )
+    names = {run.data.tags.get("qvl.stage") for run in children}
+    assert {"preflight", "clean_data", "extract_features"} <= names
+    clean = next(r for r in children if r.data.tags.get("qvl.stage") == "clean_data")
+    assert clean.data.metrics["records_in"] == data["stages"]["clean_data"]["metrics"]["records_in"]
