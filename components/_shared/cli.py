@@ -88,7 +88,7 @@ def stage_main(
     """Parse the command line, validate the config, run the stage under a tracker, print its metrics as JSON."""
     parser = argparse.ArgumentParser(prog=f"python -m components.{section}", description=run.__doc__)
     parser.add_argument("--config", type=Path, help="Preset YAML (uses its '%s' section) or a bare section." % section)
-    parser.add_argument("--output-dir", type=Path, required=True, help="Where the stage writes its outputs.")
+    parser.add_argument("--output-dir", required=True, help="Output directory or s3:// prefix (published atomically).")
     parser.add_argument("--experiment", default="vlm", help="MLflow experiment name.")
     for name in inputs:
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, required=True, help=f"Input '{name}'.")
@@ -98,16 +98,24 @@ def stage_main(
     data = deep_merge(read_section(args.config, section), parse_overrides(args.overrides))
     cfg = validate(config_cls, section, data)
 
+    import tempfile
+
+    from components._shared import storage
     from components._shared.launch import execute
 
-    metrics = execute(
-        section,
-        cfg,
-        run,
-        inputs={name: getattr(args, name) for name in inputs},
-        output_dir=args.output_dir,
-        experiment=args.experiment,
-        record_as=section,
-    )
+    with tempfile.TemporaryDirectory(prefix=f"qvl-{section}-") as scratch:
+        # An s3:// output is written locally first, then published: files first, commit marker last.
+        local_out = Path(scratch) / "out" if storage.is_s3(args.output_dir) else Path(args.output_dir)
+        metrics = execute(
+            section,
+            cfg,
+            run,
+            inputs={name: getattr(args, name) for name in inputs},
+            output_dir=local_out,
+            experiment=args.experiment,
+            record_as=section,
+        )
+        if storage.is_s3(args.output_dir):
+            storage.publish_dir(local_out, args.output_dir)
     print(json.dumps(metrics, indent=2, sort_keys=True, default=str))
     return metrics

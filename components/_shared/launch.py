@@ -3,7 +3,8 @@
 `run_stage` is the one call a component body makes. It re-validates the config (KFP hands dicts back with
 floats for ints), opens the stage's nested MLflow run, calls the stage function and records a result file:
 `<output_dir>/_stage_result.json`, plus `$QVL_RUN_SUMMARY_DIR/<stage>.json` when that variable is set
-(the local runner collects those into run_summary.json). The variable is run-scoped, so it travels in the
+(the local runner collects those into run_summary.json). Inputs that are committed directories are verified
+against their `_COMMITTED.json` first; the output directory gets its own marker last, on success only. The variable is run-scoped, so it travels in the
 environment and never in a cached task input.
 """
 
@@ -15,6 +16,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
+
+from components._shared import storage
 
 RESULT_FILE = "_stage_result.json"
 SUMMARY_DIR_ENV = "QVL_RUN_SUMMARY_DIR"
@@ -64,6 +67,7 @@ def execute(
 
     from components._shared.tracking import NullTracker, stage_tracker
 
+    verify_inputs(inputs)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     artifacts = {"output": str(output_dir), **(artifacts or {})}
@@ -102,7 +106,21 @@ def execute(
             },
             output_dir,
         )
+    storage.commit_dir(output_dir)  # last: readers treat a directory without the marker as unfinished
     return metrics
+
+
+def verify_inputs(inputs: dict[str, Any]) -> int:
+    """Verify every input that is a committed local directory (or a list of them) against its marker."""
+    verified = 0
+    for value in inputs.values():
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, (str, Path)) and not storage.is_s3(item):
+                path = Path(item)
+                if path.is_dir() and storage.is_committed(path):
+                    storage.verify_dir(path)
+                    verified += 1
+    return verified
 
 
 def run_stage(

@@ -245,6 +245,36 @@ def sha256_file(path: str | Path) -> str:
 
 # --- committed directories -------------------------------------------------------------------------
 
+def _marker_for(source: Path) -> tuple[list[Path], dict[str, Any]]:
+    """The files of a directory (marker excluded) and the `_COMMITTED.json` content that lists them."""
+    if not source.is_dir():
+        raise FileNotFoundError(f"{source} is not a directory.")
+    files = sorted(p for p in source.rglob("*") if p.is_file() and p.relative_to(source).as_posix() != COMMIT_MARKER)
+    marker = {"files": {p.relative_to(source).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                        for p in files},
+              "created": datetime.now(UTC).isoformat()}
+    return files, marker
+
+
+def commit_dir(local_dir: str | Path) -> dict:
+    """Mark a finished local output directory as committed, in place: `_COMMITTED.json` written last, atomically."""
+    _, marker = _marker_for(Path(local_dir))
+    write_bytes(Path(local_dir) / COMMIT_MARKER, json.dumps(marker, indent=1, sort_keys=True).encode())
+    return marker
+
+
+def verify_dir(local_dir: str | Path) -> int:
+    """Check a local committed directory against its marker; returns the number of files verified."""
+    root = Path(local_dir)
+    marker = read_marker(root)
+    for relative, expected in sorted(marker["files"].items()):
+        path = root / relative
+        if not path.is_file() or path.stat().st_size != expected["size"] or sha256_file(path) != expected["sha256"]:
+            raise IntegrityError(f"{path} does not match {COMMIT_MARKER} (missing, truncated or modified); "
+                                 f"re-run the stage that produced {root}.")
+    return len(marker["files"])
+
+
 def publish_dir(local_dir: str | Path, dest_uri: str | Path, *, multipart_threshold: int | None = None) -> dict:
     """Copy every file of `local_dir` to `dest_uri`, then write `_COMMITTED.json` last; return the marker.
 
@@ -253,12 +283,7 @@ def publish_dir(local_dir: str | Path, dest_uri: str | Path, *, multipart_thresh
     that does not match the files.
     """
     source = Path(local_dir)
-    if not source.is_dir():
-        raise FileNotFoundError(f"publish_dir: {source} is not a directory.")
-    files = sorted(p for p in source.rglob("*") if p.is_file() and p.relative_to(source).as_posix() != COMMIT_MARKER)
-    marker = {"files": {p.relative_to(source).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                        for p in files},
-              "created": datetime.now(UTC).isoformat()}
+    files, marker = _marker_for(source)
     marker_bytes = json.dumps(marker, indent=1, sort_keys=True).encode()
     if is_s3(dest_uri):
         bucket, key = split_s3(str(dest_uri))

@@ -59,3 +59,25 @@ def test_unrecorded_shard_run_writes_no_summary(env):
             record_as=None)
     assert not (env / "results").exists()
     assert not (env / "shard" / RESULT_FILE).exists()
+
+
+def test_output_is_committed_last_and_only_on_success(env):
+    from components._shared import storage
+
+    execute("toy", ToyConfig(), toy_run, inputs={"value": 2}, output_dir=env / "ok", experiment="t", record_as="toy")
+    marker = storage.read_marker(env / "ok")
+    assert set(marker["files"]) == {"out.txt", RESULT_FILE}
+    with pytest.raises(ValueError):
+        execute("toy", ToyConfig(), failing_run, inputs={"value": 2}, output_dir=env / "bad", experiment="t",
+                record_as="toy")
+    assert not storage.is_committed(env / "bad")
+
+
+def test_a_modified_committed_input_is_refused(env):
+    from components._shared.storage import IntegrityError
+
+    execute("toy", ToyConfig(), toy_run, inputs={"value": 2}, output_dir=env / "up", experiment="t", record_as="up")
+    (env / "up" / "out.txt").write_text("tampered")
+    with pytest.raises(IntegrityError, match="out.txt"):
+        execute("toy", ToyConfig(), toy_run, inputs={"value": str(env / "up")}, output_dir=env / "down",
+                experiment="t", record_as="down")
