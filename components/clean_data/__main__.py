@@ -1,0 +1,3 @@
+from components.clean_data.stage import main
+
+main()
