@@ -1,7 +1,6 @@
 """The compiled pipeline: stage order, Kubernetes settings, no secrets, and the committed YAML is current."""
 
 import re
-from pathlib import Path
 
 import pytest
 import yaml
