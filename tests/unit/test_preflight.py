@@ -1,0 +1,63 @@
+"""Preflight: every problem it exists to catch fails fast with a message that names it."""
+
+import socket
+
+import pytest
+
+from components._shared.tracking import NullTracker
+from components.preflight.config import PreflightConfig
+from components.preflight.stage import model_uris_in, run
+
+
+def _run(tmp_path, lake, **kwargs):
+    defaults = {"model_uris": [], "stage_configs": {"clean_data": {}, "extract_features": {}}}
+    defaults.update(kwargs)
+    cfg = defaults.pop("cfg", PreflightConfig(check_tracking=False))
+    return run(cfg, lake_uri=str(lake), output_dir=tmp_path, tracker=NullTracker(), **defaults)
+
+
+@pytest.fixture
+def lake(tmp_path):
+    path = tmp_path / "lake"
+    path.mkdir()
+    (path / "00000.tar").write_bytes(b"")
+    return path
+
+
+def test_passes_and_counts_on_a_good_setup(tmp_path, lake):
+    metrics = _run(tmp_path, lake)
+    assert metrics == {"configs_validated": 2, "lake_shards": 1, "models_resolved": 0}
+    assert (tmp_path / "preflight.json").exists()
+
+
+def test_every_invalid_setting_of_every_stage_is_reported_at_once(tmp_path, lake):
+    configs = {"clean_data": {"min_side": -1}, "extract_features": {"dtype": "int8"}}
+    with pytest.raises(ValueError) as err:
+        _run(tmp_path, lake, stage_configs=configs)
+    assert "clean_data.min_side" in str(err.value) and "extract_features.dtype" in str(err.value)
+
+
+def test_empty_lake_is_refused_with_the_fix(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="No shards"):
+        _run(tmp_path, tmp_path / "empty")
+
+
+def test_unreachable_tracking_server_is_refused(tmp_path, lake, monkeypatch):
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    with pytest.raises(ValueError, match="not reachable"):
+        _run(tmp_path, lake, cfg=PreflightConfig(timeout_s=2))
+
+
+def test_unknown_model_uri_is_refused(tmp_path, lake):
+    with pytest.raises(ValueError, match="builtin"):
+        _run(tmp_path, lake, model_uris=["builtin:no-such-model"])
+
+
+def test_model_uris_are_found_in_stage_configs():
+    configs = {"clean_data": {"clip_model": "builtin:tiny-clip", "judge_model": None},
+               "extract_features": {"text_encoder": "s3://m/clip", "dtype": "bfloat16"}}
+    assert model_uris_in(configs) == ["builtin:tiny-clip", "s3://m/clip"]
