@@ -63,7 +63,7 @@ class ClipRecipe:
     max_text_tokens: int = 64
     tokenizer_vocab: int = 512
     train_pairs: int = 4000
-    steps: int = 600
+    steps: int = 800
     batch_size: int = 128
     lr: float = 2e-3
     warmup_steps: int = 40
@@ -120,7 +120,7 @@ TINY_QWEN2_VL = QwenRecipe(
     vision_heads=4,
     vision_intermediate=256,
 )
-TINY_CLIP = ClipRecipe(version="1")
+TINY_CLIP = ClipRecipe(version="3")  # 3: lake-like sizes, no centre crop, the lake's mismatches as negatives
 
 RECIPES: dict[str, QwenRecipe | ClipRecipe] = {
     "tiny-qwen2_5-vl": TINY_QWEN2_5_VL,
@@ -132,17 +132,17 @@ BUILTIN_NAMES: tuple[str, ...] = tuple(RECIPES)
 
 
 def recipe_version(name: str) -> str:
-    """The cache key version of a builtin: "<recipe version>.<hash of world.py + tokenizer.py>".
+    """The cache key version of a builtin: "<recipe version>.<hash of world.py + lake.py + tokenizer.py>".
 
     Bump the recipe version when a recipe changes; a change of the world or the tokenizer code (which
     changes the vocabulary and CLIP's training data) gives a new key by itself, so no cache goes stale.
     """
     import hashlib
 
-    from components.synth_world import world
+    from components.synth_world import lake, world
 
     digest = hashlib.sha256()
-    for module in (world, world_tokenizer):
+    for module in (world, lake, world_tokenizer):
         digest.update(Path(module.__file__).read_bytes())
     return f"{_recipe(name).version}.{digest.hexdigest()[:8]}"
 
@@ -300,7 +300,9 @@ def clip_processor(tokenizer, recipe: ClipRecipe = TINY_CLIP):
         model_max_length=recipe.max_text_tokens,
     )
     size = recipe.image_size
-    images = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    # Resize the whole picture to size x size (no centre crop): lake images are up to 2:1, and a crop would
+    # cut away objects the caption names, which reads as a mismatch.
+    images = CLIPImageProcessor(size={"height": size, "width": size}, do_center_crop=False)
     return CLIPProcessor(image_processor=images, tokenizer=text_tokenizer)
 
 
@@ -441,13 +443,15 @@ def train_clip(
     torch.manual_seed(seed)
     model = CLIPModel(config)
 
-    images = [img for img, _ in train_pairs]
-    captions = [cap for _, cap in train_pairs]
+    images = [pair[0] for pair in train_pairs]
+    captions = [pair[1] for pair in train_pairs]
+    altered = [pair[2] if len(pair) > 2 else None for pair in train_pairs]  # the pair's own mismatched caption
     pixels = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
-    unique = sorted(set(captions))
+    unique = sorted(set(captions) | {a for a in altered if a})
     caption_index = {c: i for i, c in enumerate(unique)}
     text = processor.tokenizer(unique, padding=True, truncation=True, return_tensors="pt")
     cap_ids = torch.tensor([caption_index[c] for c in captions])
+    altered_ids = torch.tensor([caption_index[a] if a else -1 for a in altered])
     neighbours = one_word_neighbours(unique) if recipe.hard_negatives else {}
     hard = [[caption_index[n] for n in neighbours.get(c, [])] for c in unique]
 
@@ -469,6 +473,7 @@ def train_clip(
         )
         ids = cap_ids[batch]
         negs = [rng.choice(hard[i]) for i in ids.tolist() if hard[i]]
+        negs += [a for a in altered_ids[batch].tolist() if a >= 0]
         text_set = torch.unique(torch.cat([ids, torch.tensor(negs, dtype=torch.long)]))
         image_emb = model.get_image_features(pixel_values=pixels[batch]).pooler_output
         text_emb = model.get_text_features(
@@ -510,13 +515,17 @@ def evaluate_clip(
     """Held-out separation of matched vs mismatched (another scene's caption) pairs.
 
     Without `threshold`, one is chosen on these pairs (use a calibration split for that)."""
-    images = [img for img, _ in pairs]
-    captions = [cap for _, cap in pairs]
+    images = [pair[0] for pair in pairs]
+    captions = [pair[1] for pair in pairs]
     matched = clip_cosine(model, processor, images, captions)
-    mismatched = clip_cosine(model, processor, images, mismatched_captions(captions))
+    shifted = clip_cosine(model, processor, images, mismatched_captions(captions))
+    # Triples carry the lake's kind of mismatch (every object altered): calibrate on that, the harder kind.
+    altered = [pair[2] for pair in pairs if len(pair) > 2]
+    mismatched = clip_cosine(model, processor, images, altered) if len(altered) == len(pairs) else shifted
     if threshold is None:
         threshold = choose_threshold(matched, mismatched, min_precision=min_precision)
     metrics = separation_metrics(matched, mismatched, threshold)
+    metrics["other_scene_caption_recall"] = float((shifted < threshold).mean())
     neighbours = one_word_neighbours(captions)
     hard_idx = [i for i, c in enumerate(captions) if neighbours[c]]
     if hard_idx:
@@ -529,13 +538,12 @@ def evaluate_clip(
 
 
 def _build_clip(recipe: ClipRecipe, dest_dir: Path, *, seed: int) -> dict:
-    from components.synth_world.world import sample_clean_pairs
+    from components.synth_world.lake import lake_like_pairs
 
-    size = (recipe.image_size, recipe.image_size)
     tokenizer = build_world_tokenizer(recipe.tokenizer_vocab, seed=seed)
-    train = sample_clean_pairs(recipe.train_pairs, seed=seed * 1000 + 1, size=size)
-    calibration = sample_clean_pairs(recipe.calibration_pairs, seed=seed * 1000 + 2, size=size)
-    test = sample_clean_pairs(recipe.test_pairs, seed=seed * 1000 + 3, size=size)
+    train = lake_like_pairs(recipe.train_pairs, seed=seed * 1000 + 1)
+    calibration = lake_like_pairs(recipe.calibration_pairs, seed=seed * 1000 + 2)
+    test = lake_like_pairs(recipe.test_pairs, seed=seed * 1000 + 3)
     model, processor, stats = train_clip(recipe, tokenizer, train, seed=seed)
     calibration_metrics = evaluate_clip(model, processor, calibration, min_precision=recipe.min_precision)
     threshold = calibration_metrics["threshold"]

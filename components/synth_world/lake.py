@@ -109,6 +109,26 @@ def _normal_size(rng: np.random.Generator) -> tuple[int, int]:
     return width, height
 
 
+def lake_like_pairs(
+    n: int, seed: int, *, word_fraction: float = 0.3, max_objects: int = 3
+) -> list[tuple[Image.Image, str, str]]:
+    """``n`` (picture, caption, mismatched caption) triples drawn like the lake's records: the same sizes and
+    aspect ratios, 70% JPEG at the same qualities (encoded and decoded again), the rest PNG; the mismatched
+    caption is made as the lake's `mismatched_caption` defect is (every object's colour and/or shape changed).
+    The builtin CLIP trains on these (the mismatch as a hard negative) and calibrates its threshold on them,
+    so the threshold holds on lake images and lake mismatches."""
+    rng = np.random.default_rng([seed, 23])
+    pairs = []
+    for _ in range(n):
+        word = WORDS[int(rng.integers(len(WORDS)))] if rng.random() < word_fraction else None
+        scene = random_scene(rng, *_normal_size(rng), max_objects=max_objects, word=word)
+        image = render(scene)
+        if rng.random() < 0.7:
+            image = Image.open(io.BytesIO(_encode(image, "jpg", int(rng.integers(80, 96))))).convert("RGB")
+        pairs.append((image, caption(scene, rng), caption(altered_scene(scene, rng), rng)))
+    return pairs
+
+
 def _garbage_caption(rng: np.random.Generator) -> str:
     n = int(rng.integers(0, 100000))
     kind = int(rng.integers(7))

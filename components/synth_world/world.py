@@ -214,6 +214,9 @@ def altered_scene(scene: Scene, rng: np.random.Generator) -> Scene:
         colors = [c for c in COLORS if c != obj.color] if mode in ("color", "both") else [obj.color]
         shapes = [s for s in SHAPES if s != obj.shape] if mode in ("shape", "both") else [obj.shape]
         options = [(c, s) for c in colors for s in shapes if (c, s) not in taken]
+        if not options:  # e.g. three same-colour objects and only shapes may change: change both
+            options = [(c, s) for c in COLORS for s in SHAPES
+                       if c != obj.color and s != obj.shape and (c, s) not in taken]
         color, shape = options[int(rng.integers(len(options)))]
         taken.add((color, shape))
         objects.append(replace(obj, color=color, shape=shape))

@@ -20,6 +20,7 @@ from components.synth_world.world import (
     QUESTION_TYPES,
     WORDS,
     Scene,
+    altered_scene,
     ask,
     mentioned_objects,
     mentioned_words,
@@ -347,3 +348,15 @@ def test_rapidocr_reads_the_drawn_words():
         s.word in " ".join(engine(np.asarray(render(s)), use_cls=False).txts or ()).lower() for s in scenes
     ]
     assert sum(read) >= 4, [s.word for s in scenes]
+
+
+def test_altered_scenes_never_keep_a_real_object():
+    """Every object changes and no altered (colour, shape) pair is one of the originals, for any scene."""
+    rng = np.random.default_rng(11)
+    for _ in range(3000):
+        scene = random_scene(rng, 224, 224, max_objects=3)
+        altered = altered_scene(scene, rng)
+        original = {(o.color, o.shape) for o in scene.objects}
+        changed = [(o.color, o.shape) for o in altered.objects]
+        assert len(set(changed)) == len(changed) == len(scene.objects)
+        assert not original & set(changed)
