@@ -3,7 +3,7 @@
 1 process (CPU/tiny):  python -m components.extract_features --config pipelines/presets/tiny.yaml \
                            --clean-data OUT/clean_data --base-model builtin:tiny-qwen2_5-vl \
                            --output-dir OUT/features
-1 GPU (DALI decode):   python -m components.extract_features --config pipelines/presets/dev.yaml \
+1 GPU (DALI decode):   python -m components.extract_features --config pipelines/presets/prod-7b.yaml \
                            --clean-data OUT/clean_data --base-model s3://models/Qwen2.5-VL-7B-Instruct \
                            --output-dir OUT/features
 One process per node and GPU; multi-GPU sharding of the kept parts is not implemented yet.
