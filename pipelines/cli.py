@@ -98,5 +98,9 @@ def compile_(
     typer.echo(compile_pipeline(preset, out or COMPILED))
 
 
-def main() -> None:  # pragma: no cover - console entry
+def main() -> None:
     app(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

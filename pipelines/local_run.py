@@ -11,22 +11,64 @@ import json
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from components._shared.launch import SUMMARY_DIR_ENV
+from components._shared.launch import RESULT_FILE, SUMMARY_DIR_ENV
 from components.stages import DAG_ORDER
 
 SUMMARY_FILE = "run_summary.json"
 
 
-def _collect(results_dir: Path, expected: list[str]) -> dict[str, Any]:
+@contextmanager
+def _recording_cache_hits() -> Iterator[list[dict[str, Any]]]:
+    """Yield a list that collects the outputs of every kfp.local cache hit during the block.
+
+    kfp.local logs its hits at INFO on a logger it leaves at WARNING, so the lookup itself is wrapped.
+    """
+    from kfp.local import cache as kfp_cache
+
+    hits: list[dict[str, Any]] = []
+    original = kfp_cache.LocalCache.get
+
+    def get(self, key):
+        outputs = original(self, key)
+        if outputs is not None:
+            hits.append(outputs)
+        return outputs
+
+    kfp_cache.LocalCache.get = get
+    try:
+        yield hits
+    finally:
+        kfp_cache.LocalCache.get = original
+
+
+def _cached_results(hits: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Stage results of cached tasks: the `_stage_result.json` inside the artifacts they reused."""
+    results: dict[str, dict[str, Any]] = {}
+    for outputs in hits:
+        for value in outputs.values():
+            uri = getattr(value, "uri", None)
+            result_file = Path(uri or "") / RESULT_FILE
+            if uri and result_file.is_file():
+                result = json.loads(result_file.read_text())
+                if result.get("stage"):
+                    results[result["stage"]] = {**result, "status": "cached"}
+    return results
+
+
+def _collect(results_dir: Path, expected: list[str], cached: dict[str, dict[str, Any]]) -> dict[str, Any]:
     stages: dict[str, Any] = {}
     for stage in expected:
         path = results_dir / f"{stage}.json"
-        if not path.exists():
+        if path.exists():
+            result = json.loads(path.read_text())
+        elif stage in cached:
+            result = cached[stage]
+        else:
             continue
-        result = json.loads(path.read_text())
         stages[stage] = {key: result.get(key) for key in ("status", "metrics", "artifacts", "seconds", "error")}
         if not stages[stage]["error"]:
             stages[stage].pop("error")
@@ -63,18 +105,20 @@ def run_local(
     os.environ["QVL_MLFLOW_PARENT_RUN_ID"] = parent_run_id
     os.environ[SUMMARY_DIR_ENV] = str(results_dir)
 
+    cache_root = out_dir / "kfp_cache"
     local.init(
         runner=local.SubprocessRunner(use_venv=False),
         pipeline_root=str(out_dir / "pipeline_root"),
         raise_on_error=False,
         enable_caching=enable_caching,
-        cache_root=str(out_dir / "kfp_cache") if enable_caching else None,
+        cache_root=str(cache_root) if enable_caching else None,
     )
     started = time.time()
-    pipeline(lake_uri=lake_uri, **p.pipeline_args())
+    with _recording_cache_hits() as hits:
+        pipeline(lake_uri=lake_uri, **p.pipeline_args())
 
     expected = ["preflight", *DAG_ORDER[: DAG_ORDER.index(until) + 1 if until else len(DAG_ORDER)]]
-    stages = _collect(results_dir, expected)
+    stages = _collect(results_dir, expected, _cached_results(hits))
     ok = all(stages.get(s, {}).get("status") in ("succeeded", "cached") for s in expected)
     finish_pipeline_run(parent_run_id, "FINISHED" if ok else "FAILED")
     summary = {

@@ -37,8 +37,21 @@ def flatten_metrics(metrics: dict[str, Any], prefix: str = "") -> dict[str, floa
     return flat
 
 
+def report_metrics(artifact, metrics: dict[str, Any]) -> None:
+    """Mirror a stage's metrics to a KFP Metrics artifact: logged for the UI and written as JSON at its path.
+
+    The file matters: KFP's local cache treats an output whose path does not exist as missing and re-runs
+    the task, and a Metrics artifact otherwise has no file.
+    """
+    flat = flatten_metrics(metrics)
+    for name, value in flat.items():
+        artifact.log_metric(name, value)
+    Path(artifact.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(artifact.path).write_text(json.dumps(flat, indent=2, sort_keys=True))
+
+
 def _record(stage: str, result: dict[str, Any], output_dir: Path | None) -> None:
-    text = json.dumps(result, indent=2, sort_keys=True, default=str)
+    text = json.dumps({"stage": stage, **result}, indent=2, sort_keys=True, default=str)
     if output_dir is not None and output_dir.is_dir():
         (output_dir / RESULT_FILE).write_text(text)
     summary_dir = os.environ.get(SUMMARY_DIR_ENV)

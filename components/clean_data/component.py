@@ -58,7 +58,7 @@ def merge_shards_op(
     import shutil
     from pathlib import Path
 
-    from components._shared.launch import flatten_metrics, run_stage
+    from components._shared.launch import report_metrics, run_stage
 
     results = run_stage(
         "clean_data", config, experiment=experiment, function="merge_shards",
@@ -66,5 +66,4 @@ def merge_shards_op(
         artifacts={"clean_data": clean_data.path, "report": report.path}, record_as="clean_data",
     )
     shutil.copyfile(Path(clean_data.path) / "report.md", report.path)
-    for name, value in flatten_metrics(results).items():
-        metrics.log_metric(name, value)
+    report_metrics(metrics, results)

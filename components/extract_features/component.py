@@ -24,12 +24,11 @@ def extract_features_op(
         metrics: Images, visual tokens and throughput, for the KFP UI.
         experiment: MLflow experiment name.
     """
-    from components._shared.launch import flatten_metrics, run_stage
+    from components._shared.launch import report_metrics, run_stage
 
     results = run_stage(
         "extract_features", config, experiment=experiment,
         inputs={"clean_data": clean_data.path, "base_model": base_model_uri},
         output_dir=features.path, artifacts={"features": features.path}, record_as="extract_features",
     )
-    for name, value in flatten_metrics(results).items():
-        metrics.log_metric(name, value)
+    report_metrics(metrics, results)

@@ -24,11 +24,15 @@ def world(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def summary(world, tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("run")
-    env_cmd = [sys.executable, "-m", "pipelines.cli", "run", "--local", "--preset", "tiny",
-               "--lake", str(world / "lake"), "--out", str(out)]
-    proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    _qvl_run(world, out)
     return json.loads((out / "run_summary.json").read_text()), out
+
+
+def _qvl_run(world: Path, out: Path) -> None:
+    cmd = [sys.executable, "-m", "pipelines.cli", "run", "--local", "--preset", "tiny", "--cache",
+           "--lake", str(world / "lake"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 
 def test_every_stage_succeeded_with_the_summary_schema(summary):
@@ -69,3 +73,15 @@ def test_one_parent_mlflow_run_with_nested_stage_runs(summary):
     assert {"preflight", "clean_data", "extract_features"} <= names
     clean = next(r for r in children if r.data.tags.get("qvl.stage") == "clean_data")
     assert clean.data.metrics["records_in"] == data["stages"]["clean_data"]["metrics"]["records_in"]
+
+
+def test_a_rerun_with_unchanged_inputs_reuses_every_stage(summary, world):
+    first, out = summary
+    _qvl_run(world, out)
+    second = json.loads((out / "run_summary.json").read_text())
+    assert second["status"] == "succeeded"
+    assert second["stages"]["preflight"]["status"] == "succeeded"  # never cached
+    for stage in ("clean_data", "extract_features"):
+        assert second["stages"][stage]["status"] == "cached", stage
+        assert second["stages"][stage]["metrics"] == first["stages"][stage]["metrics"]
+        assert second["stages"][stage]["artifacts"] == first["stages"][stage]["artifacts"]
