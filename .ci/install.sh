@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pip install --quiet --disable-pip-version-check "torch==2.14.1" "torchvision==0.29.1"
-"$PY" -m pip install --quiet --disable-pip-version-check --no-build-isolation "deepspeed==0.19.8"
-"$PY" -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+"$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "torch==2.14.1" "torchvision==0.29.1"
+"$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-build-isolation "deepspeed==0.19.8"
+"$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e ".[dev]"
