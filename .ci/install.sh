@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "torch==2.14.1" "torchvision==0.29.1"
+"$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "torch==2.14.1" "torchvision==0.29.1" \
+    numpy packaging "setuptools>=70.1" wheel ninja psutil py-cpuinfo hjson   # deepspeed's build needs these
 "$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-build-isolation "deepspeed==0.19.8"
 "$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e ".[dev]"
+# pyenv installs need their shims refreshed for the new `qvl` console script.
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
