@@ -68,6 +68,8 @@ class ClipRecipe:
     lr: float = 2e-3
     warmup_steps: int = 40
     hard_negatives: bool = True
+    altered_per_image: int = 1  # lake-style mismatched captions drawn per training picture (all scored each step)
+    altered_loss_weight: float = 0.0  # weight of a per-image softmax: own caption vs only its altered captions
     calibration_pairs: int = 1000
     test_pairs: int = 1000
     min_precision: float = 0.99  # chosen on calibration with a margin over the 0.98 goal on held-out pairs
@@ -120,7 +122,9 @@ TINY_QWEN2_VL = QwenRecipe(
     vision_heads=4,
     vision_intermediate=256,
 )
-TINY_CLIP = ClipRecipe(version="3")  # 3: lake-like sizes, no centre crop, the lake's mismatches as negatives
+# 3: lake-like sizes, no centre crop, the lake's mismatches as negatives. 4: four altered captions per picture
+# plus a per-picture softmax against them (held-out lake-mismatch recall 0.745 at precision 0.987, v3 0.68).
+TINY_CLIP = ClipRecipe(version="4", altered_per_image=4, altered_loss_weight=1.0)
 
 RECIPES: dict[str, QwenRecipe | ClipRecipe] = {
     "tiny-qwen2_5-vl": TINY_QWEN2_5_VL,
@@ -445,13 +449,16 @@ def train_clip(
 
     images = [pair[0] for pair in train_pairs]
     captions = [pair[1] for pair in train_pairs]
-    altered = [pair[2] if len(pair) > 2 else None for pair in train_pairs]  # the pair's own mismatched caption
+    altered = [list(pair[2:]) for pair in train_pairs]  # the pair's own mismatched captions (lake-style)
     pixels = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
-    unique = sorted(set(captions) | {a for a in altered if a})
+    unique = sorted(set(captions) | {a for alts in altered for a in alts})
     caption_index = {c: i for i, c in enumerate(unique)}
     text = processor.tokenizer(unique, padding=True, truncation=True, return_tensors="pt")
     cap_ids = torch.tensor([caption_index[c] for c in captions])
-    altered_ids = torch.tensor([caption_index[a] if a else -1 for a in altered])
+    width = max((len(alts) for alts in altered), default=0)
+    altered_ids = torch.full((len(train_pairs), max(1, width)), -1, dtype=torch.long)
+    for i, alts in enumerate(altered):
+        altered_ids[i, : len(alts)] = torch.tensor([caption_index[a] for a in alts], dtype=torch.long)
     neighbours = one_word_neighbours(unique) if recipe.hard_negatives else {}
     hard = [[caption_index[n] for n in neighbours.get(c, [])] for c in unique]
 
@@ -473,7 +480,8 @@ def train_clip(
         )
         ids = cap_ids[batch]
         negs = [rng.choice(hard[i]) for i in ids.tolist() if hard[i]]
-        negs += [a for a in altered_ids[batch].tolist() if a >= 0]
+        batch_altered = altered_ids[batch]  # [B, K], -1 = none
+        negs += [a for a in batch_altered.flatten().tolist() if a >= 0]
         text_set = torch.unique(torch.cat([ids, torch.tensor(negs, dtype=torch.long)]))
         image_emb = model.get_image_features(pixel_values=pixels[batch]).pooler_output
         text_emb = model.get_text_features(
@@ -489,6 +497,16 @@ def train_clip(
         soft = positives[has_pos] / positives[has_pos].sum(1, keepdim=True)
         loss_t2i = -(soft * torch.log_softmax(logits.T[has_pos], dim=-1)).sum(1).mean()
         loss = (loss_i2t + loss_t2i) / 2
+        if recipe.altered_loss_weight > 0 and (batch_altered >= 0).any():
+            # each picture against only its own altered captions: the lake's mismatch, sharpened
+            own = torch.searchsorted(text_set, batch_altered.clamp(min=0))
+            hard_logits = torch.cat([logits.gather(1, target[:, None]), logits.gather(1, own)], dim=1)
+            hard_logits[:, 1:] = hard_logits[:, 1:].masked_fill(batch_altered < 0, float("-inf"))
+            rows = (batch_altered >= 0).any(1)
+            hard_target = torch.zeros(int(rows.sum()), dtype=torch.long)
+            loss = loss + recipe.altered_loss_weight * torch.nn.functional.cross_entropy(
+                hard_logits[rows], hard_target
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -541,7 +559,7 @@ def _build_clip(recipe: ClipRecipe, dest_dir: Path, *, seed: int) -> dict:
     from components.synth_world.lake import lake_like_pairs
 
     tokenizer = build_world_tokenizer(recipe.tokenizer_vocab, seed=seed)
-    train = lake_like_pairs(recipe.train_pairs, seed=seed * 1000 + 1)
+    train = lake_like_pairs(recipe.train_pairs, seed=seed * 1000 + 1, altered=recipe.altered_per_image)
     calibration = lake_like_pairs(recipe.calibration_pairs, seed=seed * 1000 + 2)
     test = lake_like_pairs(recipe.test_pairs, seed=seed * 1000 + 3)
     model, processor, stats = train_clip(recipe, tokenizer, train, seed=seed)

@@ -110,13 +110,13 @@ def _normal_size(rng: np.random.Generator) -> tuple[int, int]:
 
 
 def lake_like_pairs(
-    n: int, seed: int, *, word_fraction: float = 0.3, max_objects: int = 3
-) -> list[tuple[Image.Image, str, str]]:
-    """``n`` (picture, caption, mismatched caption) triples drawn like the lake's records: the same sizes and
-    aspect ratios, 70% JPEG at the same qualities (encoded and decoded again), the rest PNG; the mismatched
-    caption is made as the lake's `mismatched_caption` defect is (every object's colour and/or shape changed).
-    The builtin CLIP trains on these (the mismatch as a hard negative) and calibrates its threshold on them,
-    so the threshold holds on lake images and lake mismatches."""
+    n: int, seed: int, *, altered: int = 1, word_fraction: float = 0.3, max_objects: int = 3
+) -> list[tuple]:
+    """``n`` (picture, caption, mismatched caption x ``altered``) tuples drawn like the lake's records: the same
+    sizes and aspect ratios, 70% JPEG at the same qualities (encoded and decoded again), the rest PNG; each
+    mismatched caption is made as the lake's `mismatched_caption` defect is (every object's colour and/or shape
+    changed, a fresh draw each). The builtin CLIP trains on these (the mismatches as hard negatives) and
+    calibrates its threshold on them, so the threshold holds on lake images and lake mismatches."""
     rng = np.random.default_rng([seed, 23])
     pairs = []
     for _ in range(n):
@@ -125,7 +125,8 @@ def lake_like_pairs(
         image = render(scene)
         if rng.random() < 0.7:
             image = Image.open(io.BytesIO(_encode(image, "jpg", int(rng.integers(80, 96))))).convert("RGB")
-        pairs.append((image, caption(scene, rng), caption(altered_scene(scene, rng), rng)))
+        mismatched = [caption(altered_scene(scene, rng), rng) for _ in range(altered)]
+        pairs.append((image, caption(scene, rng), *mismatched))
     return pairs
 
 

@@ -360,3 +360,16 @@ def test_altered_scenes_never_keep_a_real_object():
         changed = [(o.color, o.shape) for o in altered.objects]
         assert len(set(changed)) == len(changed) == len(scene.objects)
         assert not original & set(changed)
+
+
+def test_lake_like_pairs_match_the_lake_distribution_and_mismatch_every_object():
+    from components.synth_world.lake import NORMAL_SIDES, lake_like_pairs
+
+    pairs = lake_like_pairs(40, seed=4, altered=3)
+    low, high = NORMAL_SIDES
+    for image, text, *mismatched in pairs:
+        assert low <= min(image.size) and max(image.size) <= high and max(image.size) / min(image.size) <= 2
+        assert len(mismatched) == 3
+        for wrong in mismatched:
+            assert mentioned_objects(wrong) and not mentioned_objects(wrong) & mentioned_objects(text)
+    assert len({image.size for image, *_ in pairs}) > 10  # sizes vary like the lake's, not one square
