@@ -377,3 +377,27 @@ def list_committed(prefix_uri: str | Path) -> list[str]:
         for page in _client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
             children += [f"s3://{bucket}/{p['Prefix'].rstrip('/')}" for p in page.get("CommonPrefixes", [])]
     return sorted(child for child in children if is_committed(child))
+
+
+LAKE_SHARD_SUFFIXES = (".tar", ".parquet")
+
+
+def list_lake_shards(lake_uri: str) -> list[str]:
+    """A lake's shard URIs (img2dataset `*.tar` / `*.parquet`; a directory, one shard file, or an s3:// prefix), sorted.
+
+    Raises ValueError naming the URI and the fix when it does not exist or holds no shard.
+    """
+    if is_s3(lake_uri):
+        uris = [u for u in list_files(lake_uri) if u.endswith(LAKE_SHARD_SUFFIXES)]
+    else:
+        root = Path(lake_uri)
+        if root.is_file():
+            uris = [str(root)] if root.name.endswith(LAKE_SHARD_SUFFIXES) else []
+        elif root.is_dir():
+            uris = [str(p) for p in root.iterdir() if p.is_file() and p.name.endswith(LAKE_SHARD_SUFFIXES)]
+        else:
+            raise ValueError(f"lake_uri={lake_uri!r} does not exist; pass the directory img2dataset wrote or an s3:// prefix.")
+    if not uris:
+        raise ValueError(f"No *.tar or *.parquet shards under lake_uri={lake_uri!r}; point it at an img2dataset "
+                         "WebDataset/Parquet output directory or s3:// prefix (`qvl lake synth --out DIR` writes DIR/lake).")
+    return sorted(uris)

@@ -42,7 +42,6 @@ REASONS = (
     "too_small", "too_large", "extreme_aspect", "exact_duplicate", "near_duplicate",
     "low_clip_score", "nsfw", "ocr_caption_mismatch", "embedding_outlier", "self_judge",
 )
-SHARD_SUFFIXES = (".tar", ".parquet")
 MODEL_SIDE = 1024  # images are shrunk to this longer side before the model levels (all resize further)
 
 REJECTED_SCHEMA = pa.schema([("key", pa.string()), ("shard", pa.string()), ("reason", pa.string()),
@@ -113,22 +112,9 @@ def _reason_counts(reasons) -> dict[str, int]:
 
 def list_shards(lake_uri: str) -> list[str]:
     """The lake's shard URIs (`*.tar`, `*.parquet`), local or s3://, sorted."""
-    if lake_uri.startswith("s3://"):
-        from components._shared.storage import list_files
+    from components._shared.storage import list_lake_shards
 
-        uris = [u for u in list_files(lake_uri) if u.endswith(SHARD_SUFFIXES)]
-    else:
-        root = Path(lake_uri)
-        if root.is_file():
-            uris = [str(root)] if root.name.endswith(SHARD_SUFFIXES) else []
-        elif root.is_dir():
-            uris = [str(p) for p in root.iterdir() if p.is_file() and p.name.endswith(SHARD_SUFFIXES)]
-        else:
-            raise ValueError(f"lake_uri={lake_uri!r} does not exist; pass the directory img2dataset wrote or an s3:// prefix.")
-    if not uris:
-        raise ValueError(f"No *.tar or *.parquet shards under lake_uri={lake_uri!r}; point it at an img2dataset "
-                         "WebDataset/Parquet output directory (or s3:// prefix).")
-    return sorted(uris)
+    return list_lake_shards(str(lake_uri))
 
 
 # ---------------------------------------------------------------- one shard

@@ -16,9 +16,6 @@ from typing import Any
 from components._shared.tracking import Tracker
 from components.preflight.config import PreflightConfig
 
-LAKE_SUFFIXES = (".tar", ".parquet")
-
-
 def validate_stage_configs(stage_configs: dict[str, dict[str, Any]]) -> int:
     """Validate every stage section; one error lists every invalid setting of every stage."""
     from components._shared.cli import validate
@@ -39,19 +36,13 @@ def validate_stage_configs(stage_configs: dict[str, dict[str, Any]]) -> int:
 
 
 def count_lake_shards(lake_uri: str) -> int:
-    """Number of shards (tar/parquet) under the lake; an empty or unreachable lake is an error."""
+    """Number of shards (tar/parquet) in the lake; an empty, missing or unreachable lake is an error."""
     from components._shared import storage
 
     try:
-        shards = [u for u in storage.list_files(lake_uri) if u.endswith(LAKE_SUFFIXES)]
-    except Exception as err:  # noqa: BLE001 - re-raised with the URI and the fix
+        return len(storage.list_lake_shards(lake_uri))
+    except (OSError, PermissionError) as err:  # unreachable S3, missing credentials: name the lake
         raise ValueError(f"Cannot list the lake at {lake_uri}: {err}") from err
-    if not shards:
-        raise ValueError(
-            f"No shards (*.tar, *.parquet) under the lake {lake_uri}. Point lake_uri at a directory or s3:// "
-            "prefix of img2dataset output (e.g. `qvl lake synth --out DIR` writes DIR/lake)."
-        )
-    return len(shards)
 
 
 def check_tracking_server(timeout_s: float) -> str:
