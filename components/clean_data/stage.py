@@ -458,6 +458,8 @@ def merge_shards(cfg: CleanDataConfig, *, shard_dirs: list[Path], output_dir: Pa
     metrics = {k: manifest[k] for k in ("records_in", "records_kept", "records_rejected", "rejected_by_reason")}
     metrics["kept_fraction"] = manifest["records_kept"] / max(1, manifest["records_in"])
     metrics["shard_errors"] = len(manifest["shard_errors"])
+    # Seconds spent in the filters of every shard and the merge (the task's own wall time covers only the merge).
+    metrics["filter_seconds_total"] = round(sum(t["seconds"] for t in manifest["timings"].values()), 2)
     metrics["records_per_second"] = {
         name: round(t["records"] / t["seconds"], 2) for name, t in manifest["timings"].items() if t["seconds"] > 0
     }
