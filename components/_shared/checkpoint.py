@@ -1,0 +1,172 @@
+"""Atomic, verifiable training checkpoints with the whole state needed for an exact resume.
+
+A checkpoint is a directory `step-NNNNNNN/` under the stage's checkpoint location (local or s3://):
+    trainable.safetensors   every parameter with requires_grad (frozen ones come back from the base model)
+    optimizer.pt            {"optimizer": ..., "scheduler": ...} (torch.save; read back with weights_only=True)
+    rng.safetensors         torch CPU (and CUDA) generator states
+    state.json              step, data position, python / numpy RNG, metric history, anything the stage adds
+    deepspeed/              with the DeepSpeed backend, the engine's own checkpoint instead of the two .pt/.safetensors
+    _COMMITTED.json         written last (sizes + sha256 of everything above)
+
+Readers only see committed directories and verify every file before loading, so a process killed while
+writing a checkpoint leaves a directory that is never loaded (and is removed on the next save).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from components._shared import storage
+
+STEP_PREFIX = "step-"
+
+
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:07d}"
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, json-able) RNG state of torch, CUDA, python and numpy."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = state
+    version, keys, pos, has_gauss, gauss = np.random.get_state()
+    py_version, py_state, py_gauss = random.getstate()
+    return tensors, {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [version, keys.tolist(), pos, has_gauss, gauss],
+    }
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], states: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    py_version, py_state, py_gauss = states["python"]
+    random.setstate((py_version, tuple(py_state), py_gauss))
+    version, keys, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((version, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+class CheckpointStore:
+    """Saves and finds committed checkpoints under `root` (a local directory or an s3:// prefix)."""
+
+    def __init__(self, root: str | Path, *, keep: int = 2, scratch: str | Path | None = None) -> None:
+        self.root = str(root)
+        self.keep = keep
+        self.remote = storage.is_s3(self.root)
+        self.scratch = Path(scratch or tempfile.gettempdir()) if self.remote else Path(self.root)
+        if not self.remote:
+            Path(self.root).mkdir(parents=True, exist_ok=True)
+
+    def staging_dir(self, step: int) -> Path:
+        """A fresh, empty directory to write checkpoint `step` into (removes leftovers of killed writes)."""
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        for stale in self.scratch.glob(f".{STEP_PREFIX}*.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        return Path(tempfile.mkdtemp(prefix=f".{step_name(step)}.partial-", dir=self.scratch))
+
+    def commit(self, staging: Path, step: int) -> str:
+        """Publish a fully written staging dir as checkpoint `step` (marker last) and prune old ones."""
+        if self.remote:
+            uri = storage.join(self.root, step_name(step))
+            storage.publish_dir(staging, uri)
+            shutil.rmtree(staging, ignore_errors=True)
+        else:
+            storage.commit_dir(staging)
+            target = Path(self.root) / step_name(step)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+            uri = str(target)
+        self._prune()
+        return uri
+
+    def committed(self) -> list[str]:
+        return [u for u in storage.list_committed(self.root) if Path(u.rstrip("/")).name.startswith(STEP_PREFIX)]
+
+    def latest(self) -> str | None:
+        found = self.committed()
+        return found[-1] if found else None
+
+    def local_copy(self, uri: str) -> Path:
+        """A verified local directory of committed checkpoint `uri` (downloaded when remote)."""
+        if not self.remote:
+            storage.verify_dir(uri)
+            return Path(uri)
+        target = self.scratch / f"resume-{Path(uri).name}"
+        shutil.rmtree(target, ignore_errors=True)
+        return storage.fetch_dir(uri, target)
+
+    def _prune(self) -> None:
+        found = self.committed()
+        for uri in found[: max(0, len(found) - self.keep)]:
+            if self.remote:
+                bucket, key = storage.split_s3(uri)
+                client = storage._client()
+                for file_uri in storage.list_files(uri):
+                    client.delete_object(Bucket=bucket, Key=storage.split_s3(file_uri)[1])
+                del key
+            else:
+                shutil.rmtree(uri, ignore_errors=True)
+
+
+def write_state(directory: Path, state: dict[str, Any]) -> None:
+    (directory / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
+
+
+def read_state(directory: Path) -> dict[str, Any]:
+    return json.loads((Path(directory) / "state.json").read_text())
+
+
+def save_torch_state(directory: Path, model, optimizer, scheduler) -> None:
+    """Trainable weights (safetensors), optimizer + scheduler (weights-only torch file), RNG tensors."""
+    from safetensors.torch import save_file
+
+    trainable = {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    save_file(trainable, str(directory / "trainable.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, directory / "optimizer.pt")
+
+
+def load_torch_state(directory: Path, model, optimizer, scheduler) -> None:
+    from safetensors.torch import load_file
+
+    trainable = load_file(str(directory / "trainable.safetensors"))
+    params = dict(model.named_parameters())
+    missing = sorted({n for n, p in params.items() if p.requires_grad} - set(trainable))
+    if missing:
+        raise ValueError(
+            f"checkpoint {directory} lacks trainable parameters {missing[:3]}...; it was written by a run with other "
+            "trainable modules (LoRA targets / frozen groups). Resume with the same config or start a new output."
+        )
+    with torch.no_grad():
+        for name, tensor in trainable.items():
+            params[name].copy_(tensor)
+    blob = torch.load(directory / "optimizer.pt", weights_only=True, map_location="cpu")
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(blob["scheduler"])
+
+
+def save_rng(directory: Path) -> dict[str, Any]:
+    from safetensors.torch import save_file
+
+    tensors, states = rng_state()
+    save_file(tensors, str(directory / "rng.safetensors"))
+    return states
+
+
+def load_rng(directory: Path, states: dict[str, Any]) -> None:
+    from safetensors.torch import load_file
+
+    set_rng_state(load_file(str(directory / "rng.safetensors")), states)

@@ -1,0 +1,262 @@
+"""Evaluation metrics for the held-out VQA set: exact match, grounding IoU, ANLS and CIDEr-D.
+
+Pure Python (no torch): the eval stage and the tests import this on CPU. `summarize` turns scored
+records into the flat metric dict logged to MLflow; `majority_baseline` gives the floor to beat.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+
+QUESTION_TYPES = ("caption", "color", "count", "shape", "position", "relation", "grounding", "ocr")
+Box = tuple[float, float, float, float]
+
+_QUOTES = "\"'`\u201c\u201d\u2018\u2019"
+_TRAILING_PUNCT = ".,;:!?"
+_NUM = r"\s*(-?\d+(?:\.\d+)?)\s*"
+_BOX_RE = re.compile(rf"\({_NUM},{_NUM}\)\s*,?\s*\({_NUM},{_NUM}\)|\[{_NUM},{_NUM},{_NUM},{_NUM}\]")
+_PUNCT_RE = re.compile(r"[^\w\s]|_")
+_CIDER_N, _CIDER_SIGMA = 4, 6.0
+
+
+def _require_str(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a string, got {value!r}")
+    return value
+
+
+def normalize_answer(text: str) -> str:
+    """Lowercase, collapse whitespace, drop surrounding quotes and trailing punctuation ('"Fish".' -> fish)."""
+    s = " ".join(_require_str(text, "answer").lower().split())
+    while True:
+        stripped = s.rstrip(_TRAILING_PUNCT).strip(_QUOTES).strip()
+        if stripped == s:
+            return s
+        s = stripped
+
+
+def exact_match(pred: str, gold: str) -> float:
+    """1.0 if the normalized strings are equal, else 0.0."""
+    return float(normalize_answer(pred) == normalize_answer(gold))
+
+
+def parse_box(text: str) -> Box | None:
+    """First box written "(x1,y1),(x2,y2)" or "[x1, y1, x2, y2]" in `text`, ordered so x1<=x2, y1<=y2."""
+    match = _BOX_RE.search(_require_str(text, "box text"))
+    if match is None:
+        return None
+    x1, y1, x2, y2 = (float(g) for g in match.groups() if g is not None)
+    return min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)
+
+
+def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
+    """Intersection over union of two (x1, y1, x2, y2) boxes; 0.0 when the union has no area."""
+    for box in (a, b):
+        if len(box) != 4 or not all(math.isfinite(float(v)) for v in box):
+            raise ValueError(f"a box must be 4 finite numbers (x1, y1, x2, y2), got {box!r}")
+    ax1, ay1, ax2, ay2 = min(a[0], a[2]), min(a[1], a[3]), max(a[0], a[2]), max(a[1], a[3])
+    bx1, by1, bx2, by2 = min(b[0], b[2]), min(b[1], b[3]), max(b[0], b[2]), max(b[1], b[3])
+    inter = max(0.0, min(ax2, bx2) - max(ax1, bx1)) * max(0.0, min(ay2, by2) - max(ay1, by1))
+    union = (ax2 - ax1) * (ay2 - ay1) + (bx2 - bx1) * (by2 - by1) - inter
+    return float(inter / union) if union > 0 else 0.0
+
+
+def grounding_correct(pred: str, gold: str, threshold: float = 0.5) -> float:
+    """1.0 if IoU(pred box, gold box) >= threshold (1e-9 float slack); an unparsable prediction scores 0."""
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"IoU threshold must be in (0, 1], got {threshold!r}")
+    gold_box = parse_box(gold)
+    if gold_box is None:
+        raise ValueError(f"gold grounding answer has no parsable box: {gold!r}")
+    pred_box = parse_box(pred)
+    return float(pred_box is not None and box_iou(pred_box, gold_box) >= threshold - 1e-9)
+
+
+def levenshtein(a: str, b: str) -> int:
+    """Edit distance (insert, delete, substitute; unit costs), two-row dynamic programme."""
+    if len(a) < len(b):
+        a, b = b, a
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def anls(pred: str, gold_or_golds: str | Sequence[str], tau: float = 0.5) -> float:
+    """ANLS: max over golds of 1 - NL (NL = edit distance / longer length), 0 where NL >= tau.
+
+    Strings are lowercased, stripped and whitespace-collapsed first (as the ST-VQA/DocVQA scripts do).
+    """
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"ANLS tau must be in (0, 1], got {tau!r}")
+    golds = [gold_or_golds] if isinstance(gold_or_golds, str) else list(gold_or_golds)
+    if not golds:
+        raise ValueError(f"ANLS needs at least one gold answer, got {gold_or_golds!r}")
+    p = " ".join(_require_str(pred, "prediction").lower().split())
+    best = 0.0
+    for gold in golds:
+        g = " ".join(_require_str(gold, "gold answer").lower().split())
+        longest = max(len(p), len(g))
+        nl = levenshtein(p, g) / longest if longest else 0.0
+        best = max(best, 1.0 - nl if nl < tau else 0.0)
+    return best
+
+
+def cider_tokens(text: str) -> list[str]:
+    """CIDEr tokenisation: lowercase, punctuation replaced by spaces, split on whitespace."""
+    return _PUNCT_RE.sub(" ", _require_str(text, "caption").lower()).split()
+
+
+def _ngrams(text: str) -> Counter[tuple[str, ...]]:
+    words = cider_tokens(text)
+    return Counter(tuple(words[i : i + k]) for k in range(1, _CIDER_N + 1) for i in range(len(words) - k + 1))
+
+
+def _tfidf(counts: Counter, df: Mapping[tuple[str, ...], int], log_n: float):
+    """Per-n tf-idf vectors, their norms and the 'length' the reference code uses (its bigram count)."""
+    vec: list[dict[tuple[str, ...], float]] = [{} for _ in range(_CIDER_N)]
+    norm = [0.0] * _CIDER_N
+    for ngram, tf in counts.items():
+        k = len(ngram) - 1
+        vec[k][ngram] = value = tf * (log_n - math.log(max(1.0, df.get(ngram, 0))))
+        norm[k] += value * value
+    length = sum(tf for ngram, tf in counts.items() if len(ngram) == 2)  # sic: reference `if n == 1`
+    return vec, [math.sqrt(x) for x in norm], length
+
+
+def _cider_sim(hyp, ref) -> float:
+    """Clipped cosine per n times the Gaussian length penalty, averaged over n."""
+    (vh, nh, lh), (vr, nr, lr) = hyp, ref
+    penalty = math.exp(-((lh - lr) ** 2) / (2 * _CIDER_SIGMA**2))
+    total = 0.0
+    for k in range(_CIDER_N):
+        val = sum(min(v, vr[k].get(g, 0.0)) * vr[k].get(g, 0.0) for g, v in vh[k].items())
+        if nh[k] != 0 and nr[k] != 0:
+            val /= nh[k] * nr[k]
+        total += val * penalty
+    return total / _CIDER_N
+
+
+def cider_d(
+    candidates: Mapping[str, str], references: Mapping[str, Sequence[str]]
+) -> tuple[float, dict[str, float]]:
+    """CIDEr-D as in coco-caption's cider_scorer.py (corpus document frequency, n=1..4, sigma=6).
+
+    Document frequency = number of images whose reference set contains the n-gram; idf uses
+    log(number of images), so a one-image corpus scores 0. Returns (mean score, score per id).
+    """
+    if set(candidates) != set(references):
+        only_c, only_r = sorted(set(candidates) - set(references)), sorted(set(references) - set(candidates))
+        raise ValueError(
+            f"candidate and reference ids differ: only in candidates {only_c}, only in refs {only_r}"
+        )
+    if not candidates:
+        raise ValueError("cider_d needs at least one candidate, got none")
+    ref_counts: dict[str, list[Counter]] = {}
+    df: Counter[tuple[str, ...]] = Counter()
+    for key, refs in references.items():
+        if isinstance(refs, str) or not refs:
+            raise ValueError(f"references for id {key!r} must be a non-empty list of strings, got {refs!r}")
+        ref_counts[key] = [_ngrams(r) for r in refs]
+        df.update({g for counts in ref_counts[key] for g in counts})
+    log_n = math.log(len(references))
+    scores: dict[str, float] = {}
+    for key, cand in candidates.items():
+        hyp = _tfidf(_ngrams(cand), df, log_n)
+        sims = [_cider_sim(hyp, _tfidf(r, df, log_n)) for r in ref_counts[key]]
+        scores[key] = 10.0 * sum(sims) / len(sims)
+    return sum(scores.values()) / len(scores), scores
+
+
+def _check_type(question_type: str) -> str:
+    if question_type not in QUESTION_TYPES:
+        raise ValueError(f"unknown question type {question_type!r}; known types: {', '.join(QUESTION_TYPES)}")
+    return question_type
+
+
+def score_answer(question_type: str, pred: str, gold: str) -> float:
+    """Per-record score: grounding -> IoU >= 0.5, every other type -> normalized exact match."""
+    if _check_type(question_type) == "grounding":
+        return grounding_correct(pred, gold)
+    return exact_match(pred, gold)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def summarize(records: Iterable[Mapping[str, str]]) -> dict[str, float]:
+    """Flat metrics over records {"id", "type", "prediction", "answer"}; keys appear only if their set is non-empty.
+
+    - `exact_match/<type>`: mean `score_answer` over that type (so grounding is IoU >= 0.5).
+    - `vqa_exact_match`: mean `score_answer` over all non-caption records (record-weighted).
+    - `grounding_accuracy`: fraction of grounding records with IoU >= 0.5.
+    - `anls`: mean ANLS (tau 0.5) over ocr records.  `cider_d`: corpus CIDEr-D over caption records.
+    - `count/<type>`: number of records of that type.
+    """
+    by_type: dict[str, list[Mapping[str, str]]] = defaultdict(list)
+    for rec in records:
+        missing = [k for k in ("id", "type", "prediction", "answer") if k not in rec]
+        if missing:
+            raise ValueError(f"record {rec!r} lacks keys {missing}")
+        by_type[_check_type(rec["type"])].append(rec)
+    if not by_type:
+        raise ValueError("summarize needs at least one record, got none")
+    out: dict[str, float] = {}
+    vqa: list[float] = []
+    for qtype in (t for t in QUESTION_TYPES if t in by_type):
+        recs = by_type[qtype]
+        scores = [score_answer(qtype, r["prediction"], r["answer"]) for r in recs]
+        out[f"exact_match/{qtype}"] = _mean(scores)
+        out[f"count/{qtype}"] = float(len(recs))
+        if qtype != "caption":
+            vqa.extend(scores)
+    if vqa:
+        out["vqa_exact_match"] = _mean(vqa)
+    if "grounding" in by_type:
+        out["grounding_accuracy"] = out["exact_match/grounding"]
+    if "ocr" in by_type:
+        out["anls"] = _mean([anls(r["prediction"], r["answer"]) for r in by_type["ocr"]])
+    if "caption" in by_type:
+        caps = by_type["caption"]
+        if len({r["id"] for r in caps}) != len(caps):
+            raise ValueError("caption records have duplicate ids; CIDEr-D needs one candidate per id")
+        refs = {r["id"]: [r["answer"]] if isinstance(r["answer"], str) else list(r["answer"]) for r in caps}
+        out["cider_d"] = cider_d({r["id"]: r["prediction"] for r in caps}, refs)[0]
+    return out
+
+
+def majority_answer(answers: Iterable[str]) -> str:
+    """Most frequent normalized answer (ties -> lexicographically smallest); "" when there are none."""
+    counts = Counter(normalize_answer(a) for a in answers)
+    return min(counts, key=lambda a: (-counts[a], a)) if counts else ""
+
+
+def majority_baseline(
+    train_answers_by_type: Mapping[str, Sequence[str]], eval_records: Iterable[Mapping[str, str]]
+) -> dict[str, float]:
+    """Score "always answer the type's most frequent training answer" on the eval records.
+
+    Returns `majority/<type>` for every type present in the eval records and
+    `vqa_majority_baseline`, averaged like `vqa_exact_match` (all non-caption records).
+    """
+    for qtype in train_answers_by_type:
+        _check_type(qtype)
+    guesses = {t: majority_answer(train_answers_by_type.get(t, ())) for t in QUESTION_TYPES}
+    by_type: dict[str, list[float]] = defaultdict(list)
+    for rec in eval_records:
+        if "type" not in rec or "answer" not in rec:
+            raise ValueError(f"eval record {rec!r} needs 'type' and 'answer'")
+        qtype = _check_type(rec["type"])
+        by_type[qtype].append(score_answer(qtype, guesses[qtype], rec["answer"]))
+    out = {f"majority/{t}": _mean(by_type[t]) for t in QUESTION_TYPES if t in by_type}
+    vqa = [s for t, scores in by_type.items() if t != "caption" for s in scores]
+    if vqa:
+        out["vqa_majority_baseline"] = _mean(vqa)
+    return out

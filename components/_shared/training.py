@@ -1,0 +1,345 @@
+"""The training loop the model stages share: packed micro-batches, per-group AdamW, schedules, exact resume.
+
+    loop = TrainLoop(model, train=cfg.train, optim=cfg.optim, schedule=cfg.schedule,
+                     sample=dataset.__getitem__, phases=[Phase("all", cfg.train.steps, range(len(dataset)))],
+                     checkpoints=CheckpointStore(output_dir / "checkpoints"), tracker=tracker)
+    result = loop.run(evaluate=lambda step: {...})     # resumes from the newest committed checkpoint
+
+Data order is a pure function of (seed, phase, epoch), and a step takes the next `samples_per_step` indices
+of its phase, so the data position is three integers saved with the checkpoint. Each step packs its samples
+first-fit-decreasing into micro-batches of at most `max_tokens_per_micro_batch` tokens and normalises the
+loss by the step's number of target tokens, so a step's gradient does not depend on how it was packed.
+
+Written by hand rather than with the HF Trainer: that trainer's resume does not restore this model's
+weights, restores RNG one batch late and writes non-atomic checkpoints (GUIDE section 5). The DeepSpeed
+backend (components/_shared/ds_backend.py) plugs into the same loop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from components._shared import checkpoint as ckpt
+from components._shared.packing import Sample, forward_logits, pack, plan_micro_batches, token_loss
+from components._shared.tracking import NullTracker, Tracker
+from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.vlm import named_groups
+
+LossFn = Callable[[Any, dict, list[Sample]], tuple[torch.Tensor, int, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of training on one pool of sample indices, with its own learning-rate scale (curriculum)."""
+
+    name: str
+    steps: int
+    pool: Sequence[int]
+    lr_scale: float = 1.0
+
+
+@dataclass
+class DataCursor:
+    phase: int = 0
+    step_in_phase: int = 0
+    epoch: int = 0
+    offset: int = 0
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    resumed_from: int | None
+    history: list[dict[str, float]] = field(default_factory=list)
+    evals: list[dict[str, float]] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    padding_efficiency: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def default_loss(model, batch: dict, samples: list[Sample]) -> tuple[torch.Tensor, int, dict[str, float]]:
+    """Summed next-token cross-entropy over assistant tokens, and their count."""
+    loss_sum, targets = token_loss(forward_logits(model, batch), batch)
+    return loss_sum, targets, {}
+
+
+def lr_factor(step: int, total: int, schedule: ScheduleConfig) -> float:
+    """Multiplier of the peak learning rate at optimizer step `step` (0-based) of `total`."""
+    points = [(0, 0.0)]
+    if schedule.warmup_segments:
+        at = 0.0
+        for seg in schedule.warmup_segments:
+            at += seg.fraction * total
+            points.append((at, seg.lr_fraction))
+    elif schedule.warmup_steps:
+        points.append((schedule.warmup_steps, 1.0))
+    warm_end, warm_value = points[-1]
+    if len(points) > 1 and step < warm_end:
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if step < x1:
+                # step+1 so that the first step already trains (a zero learning rate would waste it)
+                return y0 + (y1 - y0) * min(1.0, (step + 1 - x0) / max(x1 - x0, 1e-9))
+    peak = warm_value if len(points) > 1 else 1.0
+    if schedule.decay == "constant":
+        return peak
+    progress = (step - warm_end) / max(1.0, total - warm_end)
+    floor = schedule.min_lr_ratio * peak
+    if schedule.decay == "linear":
+        return floor + (peak - floor) * (1.0 - progress)
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_optimizer(model, optim: OptimConfig) -> tuple[torch.optim.Optimizer, list[str]]:
+    """AdamW over the trainable parameters, one group per module group with its lr and clip."""
+    groups, names = [], []
+    for group, params in named_groups(model).items():
+        groups.append({
+            "params": [p for _, p in params], "lr": optim.group_lr.get(group, optim.lr),
+            "max_grad_norm": optim.group_max_grad_norm.get(group, optim.max_grad_norm), "name": group,
+        })
+        names.append(group)
+    if not groups:
+        raise ValueError("no trainable parameters: check the freeze / LoRA settings of this stage.")
+    for g in groups:
+        g["initial_lr"] = g["lr"]
+    optimizer = torch.optim.AdamW(groups, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    return optimizer, names
+
+
+def clip_per_group(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Clip each parameter group on its own gradient norm; returns the norms before clipping."""
+    norms = {}
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if params:
+            norms[group["name"]] = float(torch.nn.utils.clip_grad_norm_(params, group["max_grad_norm"]))
+    return norms
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device='cuda' but no CUDA GPU is visible; use device: auto or cpu.")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class TrainLoop:
+    """One training run over `phases`; see the module docstring."""
+
+    def __init__(self, model, *, train: TrainConfig, optim: OptimConfig, schedule: ScheduleConfig,
+                 sample: Callable[[int], Sample], phases: list[Phase], checkpoints: ckpt.CheckpointStore,
+                 tracker: Tracker | None = None, loss_fn: LossFn = default_loss, seed: int = 0,
+                 extra_state: Callable[[], dict] | None = None) -> None:
+        if sum(p.steps for p in phases) != train.steps:
+            raise ValueError(f"phases have {sum(p.steps for p in phases)} steps but train.steps={train.steps}; make "
+                             "the phase steps add up to train.steps.")
+        for p in phases:
+            if len(p.pool) == 0 and p.steps:
+                raise ValueError(f"phase '{p.name}' has no samples; check its data filter.")
+        if train.threads:
+            torch.set_num_threads(train.threads)
+        self.model, self.train, self.optim_cfg, self.schedule = model, train, optim, schedule
+        self.sample, self.phases, self.store = sample, phases, checkpoints
+        self.tracker = tracker or NullTracker()
+        self.loss_fn, self.seed, self.extra_state = loss_fn, seed, extra_state
+        self.device = resolve_device(train.device)
+        self.autocast = train.precision == "bf16" or (train.precision == "auto" and self.device.type == "cuda")
+        if train.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        model.to(self.device)
+        if train.backend == "deepspeed":
+            from components._shared.ds_backend import DeepSpeedBackend
+
+            self.backend = DeepSpeedBackend(model, train=train, optim=optim, lr_lambda=self._lr_lambda)
+        else:
+            self.backend = TorchBackend(model, optim=optim, lr_lambda=self._lr_lambda)
+        self.cursor = DataCursor()
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+        self.evals: list[dict[str, float]] = []
+        self._order_cache: dict[tuple[int, int], np.ndarray] = {}
+
+    # -- data position -------------------------------------------------------------------------------------
+    def _order(self, phase: int, epoch: int) -> np.ndarray:
+        key = (phase, epoch)
+        if key not in self._order_cache:
+            rng = np.random.default_rng([self.seed, phase, epoch])
+            self._order_cache = {key: rng.permutation(np.asarray(self.phases[phase].pool))}
+        return self._order_cache[key]
+
+    def _next_indices(self) -> tuple[list[int], Phase]:
+        c = self.cursor
+        while c.step_in_phase >= self.phases[c.phase].steps:
+            c.phase, c.step_in_phase, c.epoch, c.offset = c.phase + 1, 0, 0, 0
+        phase = self.phases[c.phase]
+        picked: list[int] = []
+        while len(picked) < self.train.samples_per_step:
+            order = self._order(c.phase, c.epoch)
+            take = order[c.offset: c.offset + self.train.samples_per_step - len(picked)]
+            picked += [int(i) for i in take]
+            c.offset += len(take)
+            if c.offset >= len(order):
+                c.epoch, c.offset = c.epoch + 1, 0
+        c.step_in_phase += 1
+        return picked, phase
+
+    def _lr_lambda(self, step: int) -> float:
+        return lr_factor(step, self.train.steps, self.schedule) * self._phase_at(step).lr_scale
+
+    def _phase_at(self, step: int) -> Phase:
+        at = 0
+        for phase in self.phases:
+            at += phase.steps
+            if step < at:
+                return phase
+        return self.phases[-1]
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> str:
+        staging = self.store.staging_dir(self.step)
+        self.backend.save(staging)
+        states = ckpt.save_rng(staging)
+        _crash_point("QVL_TEST_KILL_IN_CHECKPOINT", self.step)
+        state = {"step": self.step, "cursor": vars(self.cursor), "rng": states, "history": self.history,
+                 "evals": self.evals, "extra": self.extra_state() if self.extra_state else {}}
+        ckpt.write_state(staging, state)
+        return self.store.commit(staging, self.step)
+
+    def try_resume(self) -> int | None:
+        latest = self.store.latest()
+        if latest is None:
+            return None
+        local = self.store.local_copy(latest)
+        state = ckpt.read_state(local)
+        self.backend.load(local)
+        self.step = int(state["step"])
+        self.cursor = DataCursor(**state["cursor"])
+        self.history, self.evals = state["history"], state["evals"]
+        ckpt.load_rng(local, state["rng"])  # last: nothing after this may consume randomness before training
+        return self.step
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def run(self, evaluate: Callable[[int], dict[str, float]] | None = None) -> TrainResult:
+        started = time.perf_counter()
+        resumed = self.try_resume()
+        if resumed is None and evaluate is not None:
+            self._evaluate(evaluate)
+        real_tokens = slots = 0
+        saved: list[str] = []
+        while self.step < self.train.steps:
+            indices, phase = self._next_indices()
+            samples = [self.sample(i) for i in indices]
+            metrics = self._train_step(samples)
+            real_tokens += metrics.pop("_tokens")
+            slots += metrics.pop("_slots")
+            self.step += 1
+            metrics.update(step=self.step, phase=self.phases.index(phase))
+            self.history.append(metrics)
+            if self.step % self.train.log_every == 0 or self.step == self.train.steps:
+                self.tracker.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step=self.step)
+            _crash_point("QVL_TEST_KILL_AT_STEP", self.step)
+            if evaluate is not None and self.train.eval_every and self.step % self.train.eval_every == 0 \
+                    and self.step < self.train.steps:
+                self._evaluate(evaluate)
+            if self.train.checkpoint_every and self.step % self.train.checkpoint_every == 0 \
+                    and self.step < self.train.steps:
+                saved.append(self.save_checkpoint())
+        if evaluate is not None and (not self.evals or self.evals[-1]["step"] != self.step):
+            self._evaluate(evaluate)
+        saved.append(self.save_checkpoint())
+        return TrainResult(steps=self.step, resumed_from=resumed, history=self.history, evals=self.evals,
+                           checkpoints=saved, padding_efficiency=real_tokens / slots if slots else 0.0,
+                           tokens=real_tokens, seconds=time.perf_counter() - started)
+
+    def _evaluate(self, evaluate: Callable[[int], dict[str, float]]) -> None:
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad(), self._autocast():
+            result = {"step": self.step, **evaluate(self.step)}
+        self.model.train(was_training)
+        self.evals.append(result)
+        self.tracker.log_metrics({f"eval/{k}": v for k, v in result.items() if k != "step"}, step=self.step)
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
+
+    def _train_step(self, samples: list[Sample]) -> dict[str, float]:
+        self.model.train()
+        plan = plan_micro_batches([s.num_tokens for s in samples], self.train.max_tokens_per_micro_batch)
+        total_targets = sum(s.num_targets for s in samples)
+        if total_targets == 0:
+            raise ValueError(f"a training step's {len(samples)} samples have no target tokens; check the data "
+                             f"(first ids: {[s.sample_id for s in samples[:3]]}).")
+        loss_total, extras = 0.0, {}
+        self.backend.begin_step(len(plan))
+        for group in plan:
+            micro = [samples[i] for i in group]
+            batch = _to_device(pack(micro), self.device)
+            with self._autocast():
+                loss_sum, _, extra = self.loss_fn(self.backend.module, batch, micro)
+            self.backend.backward(loss_sum / total_targets)
+            loss_total += float(loss_sum.detach())
+            for k, v in extra.items():
+                extras[k] = extras.get(k, 0.0) + v / len(plan)
+        norms, lrs = self.backend.step()
+        tokens = sum(s.num_tokens for s in samples)
+        slots = len(plan) * self.train.max_tokens_per_micro_batch
+        return {"loss": loss_total / total_targets, "micro_batches": float(len(plan)),
+                "padding_efficiency": tokens / slots, "lr": lrs[0] if lrs else 0.0,
+                **{f"grad_norm/{k}": v for k, v in norms.items()}, **extras, "_tokens": tokens, "_slots": slots}
+
+
+class TorchBackend:
+    """Plain AdamW with per-group clipping and a LambdaLR schedule."""
+
+    def __init__(self, model, *, optim: OptimConfig, lr_lambda: Callable[[int], float]) -> None:
+        self.module = model
+        self.optimizer, self.groups = build_optimizer(model, optim)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+
+    def begin_step(self, micro_batches: int) -> None:
+        pass
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> tuple[dict[str, float], list[float]]:
+        norms = clip_per_group(self.optimizer)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        self.scheduler.step()
+        return norms, lrs
+
+    def save(self, directory) -> None:
+        ckpt.save_torch_state(directory, self.module, self.optimizer, self.scheduler)
+
+    def load(self, directory) -> None:
+        ckpt.load_torch_state(directory, self.module, self.optimizer, self.scheduler)
+
+    @contextmanager
+    def gathered(self):
+        yield
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _crash_point(variable: str, step: int) -> None:
+    """Fault injection for the resume tests: SIGKILL this process when env `variable` equals `step`."""
+    if os.environ.get(variable) == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
