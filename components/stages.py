@@ -15,6 +15,8 @@ STAGES: dict[str, tuple[str, str]] = {
         "components.extract_features.config:ExtractFeaturesConfig",
         "components.extract_features.stage",
     ),
+    "pretrain": ("components.pretrain.config:PretrainConfig", "components.pretrain.stage"),
+    "sft": ("components.sft.config:SftConfig", "components.sft.stage"),
 }
 
 # Stages in DAG order (preflight is a check, not a stage of the run summary's training flow).

@@ -1,0 +1,180 @@
+"""The held-out eval suite every model stage reports: VQA by type, grounding, ANLS, CIDEr-D, held-out loss, ECE.
+
+Data: a directory (local, or an s3:// prefix fetched once) with `eval.jsonl` records
+{"id","image","question","answer","type"}, image paths relative to the directory (`qvl lake synth` writes one
+under DIR/heldout). Generation is greedy, batched with left padding and the KV cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from components._shared import metrics as M
+from components._shared.packing import IGNORE_INDEX, ConversationEncoder, Sample, forward_logits, pack, per_sample_loss
+from components._shared.packing import plan_micro_batches
+
+
+def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
+    """A local directory for a data URI (s3:// prefixes are downloaded into `scratch`)."""
+    from components._shared import storage
+
+    if storage.is_s3(uri):
+        return storage.fetch_dir(uri, scratch / "data", require_commit=storage.is_committed(uri))
+    path = Path(uri)
+    if not path.is_dir():
+        raise ValueError(f"data directory {uri!r} does not exist; pass the held-out directory `qvl lake synth` "
+                         "wrote (DIR/heldout) or an s3:// prefix with eval.jsonl / sft.jsonl and images.")
+    return path
+
+
+def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
+    """Records of a JSONL file; a clear error names the line and the missing field."""
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist; the data directory must hold {path.name}.")
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{n}: not valid JSON ({error.msg}); fix or remove that line.") from error
+        missing = [k for k in required if k not in record]
+        if missing:
+            raise ValueError(f"{path}:{n} (id={record.get('id')!r}): missing field(s) {missing}.")
+        records.append(record)
+    return records
+
+
+def load_image(root: Path, relative: str) -> Image.Image:
+    path = (root / relative).resolve()
+    if root.resolve() not in path.parents:
+        raise ValueError(f"image path {relative!r} leaves the data directory {root}; use paths inside it.")
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def load_eval_records(data_dir: Path, *, per_type: int | None = None) -> list[dict]:
+    """eval.jsonl, at most `per_type` records of each question type (file order), images loaded."""
+    records = read_jsonl(data_dir / "eval.jsonl", ("id", "image", "question", "answer", "type"))
+    counts: dict[str, int] = defaultdict(int)
+    kept = []
+    for record in records:
+        if record["type"] not in M.QUESTION_TYPES:
+            raise ValueError(f"eval record {record['id']!r}: unknown type {record['type']!r}; use one of "
+                             f"{M.QUESTION_TYPES}.")
+        if per_type is None or counts[record["type"]] < per_type:
+            counts[record["type"]] += 1
+            kept.append({**record, "pil": load_image(data_dir, record["image"])})
+    return kept
+
+
+def prompt_turns(question: str) -> list[dict]:
+    return [{"role": "user", "text": f"<image>\n{question}"}]
+
+
+@torch.no_grad()
+def generate_answers(model, encoder: ConversationEncoder, records: list[dict], *, batch_size: int = 16,
+                     max_new_tokens: int = 48) -> list[str]:
+    """Greedy answers, batched with left padding (the KV cache on)."""
+    tokenizer = encoder.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    device = next(model.parameters()).device
+    answers: list[str] = []
+    for start in range(0, len(records), batch_size):
+        chunk = records[start: start + batch_size]
+        samples = [encoder.encode(prompt_turns(r["question"]), images=[r["pil"]], add_generation_prompt=True,
+                                  sample_id=r["id"]) for r in chunk]
+        width = max(s.num_tokens for s in samples)
+        ids = torch.full((len(samples), width), pad_id, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for b, s in enumerate(samples):
+            ids[b, width - s.num_tokens:] = s.input_ids
+            mask[b, width - s.num_tokens:] = 1
+        out = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device),
+            pixel_values=torch.cat([s.pixel_values for s in samples]).to(device),
+            image_grid_thw=torch.cat([s.image_grid_thw for s in samples]).to(device),
+            max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, eos_token_id=end_id, pad_token_id=pad_id,
+        )
+        for row in out[:, width:]:
+            row = row.tolist()
+            row = row[: row.index(end_id)] if end_id in row else row
+            answers.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+    return answers
+
+
+def answer_samples(encoder: ConversationEncoder, records: list[dict], answers: list[str]) -> list[Sample]:
+    """Teacher-forced samples (prompt + given answer) for loss and confidence."""
+    return [encoder.encode([*prompt_turns(r["question"]), {"role": "assistant", "text": a}], images=[r["pil"]],
+                           sample_id=r["id"]) for r, a in zip(records, answers)]
+
+
+@torch.no_grad()
+def heldout_loss(model, samples: list[Sample], *, max_tokens: int = 4096) -> list[float]:
+    """Per-sample mean target-token loss, packed (exact)."""
+    device = next(model.parameters()).device
+    losses = [0.0] * len(samples)
+    for group in plan_micro_batches([s.num_tokens for s in samples], max(max_tokens, max(s.num_tokens for s in samples))):
+        batch = pack([samples[i] for i in group])
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        for i, value in zip(group, per_sample_loss(forward_logits(model, batch), batch).tolist()):
+            losses[i] = value
+    return losses
+
+
+@torch.no_grad()
+def answer_logits(model, samples: list[Sample], *, max_tokens: int = 4096) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each sample, (logits at its target positions (n, V), target ids (n,)), float32 on the CPU."""
+    device = next(model.parameters()).device
+    out: list = [None] * len(samples)
+    for group in plan_micro_batches([s.num_tokens for s in samples], max(max_tokens, max(s.num_tokens for s in samples))):
+        batch = pack([samples[i] for i in group])
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        logits = forward_logits(model, batch)[0].float().cpu()
+        targets, seq = batch["targets"][0].cpu(), batch["seq_index"][0].cpu()
+        for local, i in enumerate(group):
+            where = (seq == local) & (targets != IGNORE_INDEX)
+            out[i] = (logits[where], targets[where])
+    return out
+
+
+def confidences(pairs: list[tuple[torch.Tensor, torch.Tensor]], temperature: float) -> list[float]:
+    """Sequence probability of each answer under temperature-scaled logits."""
+    return [math.exp(float(torch.log_softmax(lg / temperature, -1).gather(1, t[:, None]).sum())) for lg, t in pairs]
+
+
+def expected_calibration_error(conf: list[float], correct: list[float], bins: int = 10) -> float:
+    """ECE with equal-width confidence bins."""
+    if len(conf) != len(correct) or not conf:
+        raise ValueError("ECE needs the same, non-zero number of confidences and correctness values.")
+    total, error = len(conf), 0.0
+    for b in range(bins):
+        lo, hi = b / bins, (b + 1) / bins
+        idx = [i for i, c in enumerate(conf) if lo < c <= hi or (b == 0 and c == 0.0)]
+        if idx:
+            error += len(idx) / total * abs(sum(conf[i] for i in idx) / len(idx) - sum(correct[i] for i in idx) / len(idx))
+    return error
+
+
+def fit_temperature(pairs, correct: list[float], grid: tuple[float, ...] | None = None) -> tuple[float, float]:
+    """(temperature, ECE) minimising ECE over a grid (seed 001: temperature scaling after SFT)."""
+    grid = grid or tuple(round(0.25 * k, 2) for k in range(2, 41))
+    best = min(grid, key=lambda t: (expected_calibration_error(confidences(pairs, t), correct), abs(t - 1.0)))
+    return best, expected_calibration_error(confidences(pairs, best), correct)
+
+
+def evaluate_vqa(model, encoder: ConversationEncoder, records: list[dict], *, batch_size: int = 16,
+                 max_new_tokens: int = 48) -> tuple[dict[str, float], list[dict]]:
+    """Suite metrics (metrics.summarize) and the per-record predictions."""
+    answers = generate_answers(model, encoder, records, batch_size=batch_size, max_new_tokens=max_new_tokens)
+    rows = [{"id": r["id"], "type": r["type"], "question": r["question"], "answer": r["answer"], "prediction": a,
+             "score": M.score_answer(r["type"], a, r["answer"])} for r, a in zip(records, answers)]
+    return M.summarize(rows), rows

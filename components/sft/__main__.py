@@ -1,0 +1,3 @@
+from components.sft.stage import main
+
+main()

@@ -1,0 +1,93 @@
+"""Config of the sft stage. Imports pydantic only, so pipelines/ compiles without torch."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from components._shared.config import StageConfig, SubConfig
+from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
+
+# LoRA targets by default: LM attention + MLP, the ViT's fused qkv and the merger's two linears.
+# The merger is listed explicitly: LoRA that silently leaves the projector frozen is a known pain (seed 003).
+DEFAULT_LORA_TARGETS = [
+    r"language_model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",
+    r"language_model\.layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)",
+    r"visual\.blocks\.\d+\.attn\.qkv",
+    r"visual\.merger\.mlp\.(0|2)",
+]
+
+
+class LoraConfig(SubConfig):
+    r: Annotated[int, Field(ge=1, le=1024)] = 16
+    alpha: Annotated[float, Field(gt=0)] = 32.0
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    target_modules: Annotated[list[str], Field(min_length=1, description=(
+        "Regexes (full match on module names) of the Linear layers that get adapters; the defaults include the "
+        "ViT qkv and the merger."))] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    require_targets: Annotated[list[str], Field(description=(
+        "Module-name fragments that must have received adapters; the stage fails instead of silently skipping "
+        "them (e.g. a renamed merger)."))] = Field(default_factory=lambda: ["visual.merger", "attn.qkv"])
+
+
+class QLoraConfig(SubConfig):
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    double_quant: bool = True
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class CurriculumPhase(SubConfig):
+    """Train `steps` steps on the records whose difficulty is in `difficulties` (empty = all), lr scaled."""
+
+    name: str
+    steps: Annotated[int, Field(ge=1)]
+    difficulties: list[str] = Field(default_factory=list)
+    lr_scale: Annotated[float, Field(gt=0, le=10)] = 1.0
+
+
+class EvalConfig(SubConfig):
+    per_type: Annotated[int, Field(ge=1, description="Held-out questions per question type.")] = 50
+    batch_size: Annotated[int, Field(ge=1)] = 32
+    max_new_tokens: Annotated[int, Field(ge=1, le=4096)] = 48
+
+
+class CalibrationConfig(SubConfig):
+    enabled: bool = True
+    fraction: Annotated[float, Field(gt=0, lt=1, description=(
+        "Share of the held-out answers used to fit the temperature; ECE is reported on the rest."))] = 0.5
+
+
+class SftConfig(StageConfig):
+    """Supervised fine-tuning of a Qwen2(.5)-VL on image conversations (ShareGPT / LLaVA style)."""
+
+    mode: Literal["lora", "qlora", "full"] = "lora"
+    lora: LoraConfig = LoraConfig()
+    qlora: QLoraConfig = QLoraConfig()
+    freeze: list[Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]] = Field(
+        default_factory=list, description="Module groups kept frozen in full mode.")
+    min_pixels: Annotated[int, Field(ge=28 * 28)] = 56 * 56
+    max_pixels: Annotated[int, Field(ge=28 * 28)] = 1280 * 28 * 28
+    max_length: Annotated[int, Field(ge=16)] = 4096
+    max_records: Annotated[int | None, Field(ge=1, description="Use at most this many training records.")] = None
+    curriculum: list[CurriculumPhase] = Field(default_factory=list, description=(
+        "Phases in order; their steps must sum to train.steps. Empty = one phase on everything. Seed 001: "
+        "basic -> advanced -> all with falling learning rates."))
+    train: TrainConfig = TrainConfig(steps=200, samples_per_step=32, max_tokens_per_micro_batch=2048)
+    optim: OptimConfig = OptimConfig(lr=2e-4)
+    schedule: ScheduleConfig = ScheduleConfig(warmup_steps=10)
+    eval: EvalConfig = EvalConfig()
+    calibration: CalibrationConfig = CalibrationConfig()
+    merge_lora: bool = Field(True, description="Also write the adapters merged into the base weights (model/).")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}; swap or fix them.")
+        if self.curriculum and sum(p.steps for p in self.curriculum) != self.train.steps:
+            raise ValueError(
+                f"curriculum steps sum to {sum(p.steps for p in self.curriculum)} but train.steps="
+                f"{self.train.steps}; make them equal.")
+        if self.mode == "qlora" and self.train.backend == "deepspeed":
+            raise ValueError("mode=qlora runs with train.backend=torch (4-bit weights are not ZeRO-partitioned).")
+        return self

@@ -1,0 +1,255 @@
+"""sft: instruction-tune a Qwen2(.5)-VL on image conversations (LoRA, QLoRA or full), evaluate, calibrate.
+
+1 process (CPU/tiny):  python -m components.sft --config pipelines/presets/tiny.yaml \
+                           --base-model builtin:tiny-qwen2_5-vl --data runs/world/heldout --output-dir OUT/sft
+N GPUs (DeepSpeed):    torchrun --nproc-per-node 8 -m components.sft --config pipelines/presets/prod-7b.yaml \
+                           --base-model s3://bucket/pretrain/model --data s3://bucket/sft-data --output-dir s3://...
+In the pipeline:       components/sft/component.py calls run_stage("sft", ...).
+
+Data (`--data`): `sft.jsonl` ({"id", "image" | "images", "conversations": [{"from": "human"|"gpt", "value"}],
+optional "difficulty"/"type"}, LLaVA / ShareGPT style, `<image>` placeholders) and `eval.jsonl` (held-out VQA).
+Writes model/ (merged HF checkpoint: AutoModelForImageTextToText + AutoProcessor load it), adapter/ (LoRA/QLoRA),
+checkpoints/ (resume), eval_predictions.jsonl, calibration.json and report.md.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from components._shared import evaluation as E
+from components._shared import metrics as M
+from components._shared.checkpoint import CheckpointStore
+from components._shared.packing import ConversationEncoder
+from components._shared.tracking import Tracker
+from components._shared.training import Phase, TrainLoop
+from components._shared.vlm import count_parameters, freeze, load_vlm, save_vlm
+from components.sft.config import SftConfig
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+def load_sft_records(data_dir: Path, max_records: int | None = None) -> list[dict]:
+    """sft.jsonl as [{"id", "images": [paths], "turns": [{"role","text"}], "difficulty", "type"}]."""
+    records = []
+    for raw in E.read_jsonl(data_dir / "sft.jsonl", ("id", "conversations")):
+        images = raw.get("images") or ([raw["image"]] if raw.get("image") else [])
+        turns = []
+        for i, turn in enumerate(raw["conversations"]):
+            role = ROLES.get(turn.get("from") or turn.get("role"))
+            text = turn.get("value", turn.get("content"))
+            if role is None or not isinstance(text, str):
+                raise ValueError(f"sft record {raw['id']!r} turn {i}: expected from=human|gpt (or role=user|assistant) "
+                                 f"and a string value, got {turn!r}.")
+            turns.append({"role": role, "text": text})
+        if not any(t["role"] == "assistant" for t in turns):
+            raise ValueError(f"sft record {raw['id']!r} has no gpt/assistant turn to learn from; drop or fix it.")
+        records.append({"id": raw["id"], "images": images, "turns": turns,
+                        "difficulty": raw.get("difficulty", "all"), "type": raw.get("type", "unknown")})
+        if max_records and len(records) >= max_records:
+            break
+    return records
+
+
+def build_model(cfg: SftConfig, base_model: str):
+    """(model, processor, trainable description) for the configured mode."""
+    torch.manual_seed(cfg.seed)  # LoRA init is part of the run's determinism (exact resume)
+    if cfg.mode == "qlora":
+        model, processor = _load_4bit(cfg, base_model)
+    else:
+        model, processor = load_vlm(base_model)
+    if cfg.mode == "full":
+        freeze(model, tuple(cfg.freeze))
+        return model, processor
+    from peft import LoraConfig, get_peft_model
+
+    # QLoRA: peft's prepare_model_for_kbit_training is not used; it only upcasts half-precision weights (the
+    # trainable ones are fp32 here already) and its input-grad hook breaks bitsandbytes' CPU 4-bit path.
+    pattern = r".*(?:" + "|".join(f"(?:{t})" for t in cfg.lora.target_modules) + r")"
+    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=pattern,
+                      bias="none")
+    model = get_peft_model(model, lora)
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
+    missing = [frag for frag in cfg.lora.require_targets if not any(frag in n for n in adapted)]
+    if missing:
+        raise ValueError(f"LoRA targets {cfg.lora.target_modules} gave no adapter on {missing}; fix "
+                         "lora.target_modules (module names: visual.blocks.N.attn.qkv, visual.merger.mlp.0/2, "
+                         "language_model.layers.N.self_attn.q_proj ...) or lora.require_targets.")
+    return model, processor
+
+
+def _load_4bit(cfg: SftConfig, base_model: str):
+    """The base in 4-bit (nf4, double quant) with the vision tower and lm_head kept in full precision.
+
+    transformers 5 matches skip patterns from the start of the module name, so the tower is "model.visual".
+    """
+    from transformers import AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
+
+    from components._shared.models import resolve_model
+
+    path = resolve_model(base_model)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=cfg.qlora.quant_type, bnb_4bit_use_double_quant=cfg.qlora.double_quant,
+        bnb_4bit_compute_dtype=getattr(torch, cfg.qlora.compute_dtype), llm_int8_skip_modules=["model.visual", "lm_head"],
+    )
+    model = AutoModelForImageTextToText.from_pretrained(path, quantization_config=quant, use_safetensors=True,
+                                                        trust_remote_code=False, dtype=torch.float32)
+    for module in model.modules():
+        # bitsandbytes repacks 4-bit weights in place for CPU inference (eval mode, no grad) and training on a
+        # repacked weight then fails; held-out evals run between training steps, so keep the trainable layout.
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model, AutoProcessor.from_pretrained(path, trust_remote_code=False)
+
+
+def phases_for(cfg: SftConfig, records: list[dict]) -> list[Phase]:
+    if not cfg.curriculum:
+        return [Phase("all", cfg.train.steps, list(range(len(records))))]
+    phases = []
+    for p in cfg.curriculum:
+        pool = [i for i, r in enumerate(records) if not p.difficulties or r["difficulty"] in p.difficulties]
+        if not pool:
+            known = sorted({r["difficulty"] for r in records})
+            raise ValueError(f"curriculum phase '{p.name}' selects difficulties {p.difficulties}, but the data has "
+                             f"only {known}; fix the phase or the data.")
+        phases.append(Phase(p.name, p.steps, pool, p.lr_scale))
+    return phases
+
+
+def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, tracker: Tracker) -> dict[str, Any]:
+    """Fine-tune, evaluate against the majority baseline, calibrate, save; returns the stage metrics."""
+    output_dir = Path(output_dir)
+    data_dir = E.resolve_data_dir(data, scratch=output_dir / ".scratch")
+    records = load_sft_records(data_dir, cfg.max_records)
+    eval_records = E.load_eval_records(data_dir, per_type=cfg.eval.per_type)
+    model, processor = build_model(cfg, base_model)
+    encoder = ConversationEncoder(processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+                                  max_length=cfg.max_length)
+    images: dict[str, Any] = {}
+
+    def sample(i: int):
+        r = records[i]
+        pics = [images.get(p) or images.setdefault(p, E.load_image(data_dir, p)) for p in r["images"]]
+        return encoder.encode(r["turns"], images=pics, sample_id=r["id"])
+
+    quick = [r for r in eval_records if r["type"] != "caption"][: 8 * cfg.eval.batch_size]
+
+    def evaluate(step: int) -> dict[str, float]:
+        summary, _ = E.evaluate_vqa(loop.backend.module, encoder, quick, batch_size=cfg.eval.batch_size,
+                                    max_new_tokens=cfg.eval.max_new_tokens)
+        return {"vqa_exact_match": summary.get("vqa_exact_match", 0.0)}
+
+    loop = TrainLoop(model, train=cfg.train, optim=cfg.optim, schedule=cfg.schedule, sample=sample,
+                     phases=phases_for(cfg, records), checkpoints=CheckpointStore(output_dir / "checkpoints",
+                     keep=cfg.train.keep_checkpoints), tracker=tracker, seed=cfg.seed)
+    trainable = count_parameters(model, trainable_only=True)
+    tracker.log_params({"trainable_parameters": trainable, "records": len(records)})
+    result = loop.run(evaluate=evaluate)
+    model = loop.backend.module
+    model.eval()
+
+    with torch.no_grad(), loop.backend.gathered():
+        summary, rows = E.evaluate_vqa(model, encoder, eval_records, batch_size=cfg.eval.batch_size,
+                                       max_new_tokens=cfg.eval.max_new_tokens)
+        calibration = calibrate(cfg, model, encoder, eval_records, rows) if cfg.calibration.enabled else {}
+        saved = save_outputs(cfg, model, processor, base_model, output_dir, encoder, eval_records[:4])
+    train_answers: dict[str, list[str]] = defaultdict(list)
+    for r in records:
+        if r["type"] in M.QUESTION_TYPES:
+            train_answers[r["type"]].append(next(t["text"] for t in reversed(r["turns"]) if t["role"] == "assistant"))
+    baseline = M.majority_baseline(train_answers, rows)
+
+    with (output_dir / "eval_predictions.jsonl").open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    (output_dir / "calibration.json").write_text(json.dumps(calibration, indent=2))
+    first_eval = result.evals[0] if result.evals else {}
+    metrics = {
+        "mode": cfg.mode,
+        "steps": result.steps,
+        "resumed_from_step": result.resumed_from if result.resumed_from is not None else -1,
+        "train_loss_first": result.history[0]["loss"] if result.history else float("nan"),
+        "train_loss_final": result.history[-1]["loss"] if result.history else float("nan"),
+        "padding_efficiency": round(result.padding_efficiency, 4),
+        "tokens_per_second": round(result.tokens / result.seconds, 1) if result.seconds else 0.0,
+        "trainable_parameters": trainable,
+        "vqa_exact_match_initial": first_eval.get("vqa_exact_match", float("nan")),
+        **summary,
+        **baseline,
+        **calibration,
+        **saved,
+    }
+    (output_dir / "report.md").write_text(report(metrics))
+    tracker.log_text(report(metrics), "report.md")
+    return metrics
+
+
+def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: list[dict]) -> dict[str, float]:
+    """Temperature scaling on short answers: fit on one part of the held-out answers, ECE on the rest."""
+    picked = [(r, row) for r, row in zip(eval_records, rows) if r["type"] != "caption"]
+    if len(picked) < 4:
+        return {}
+    pairs = E.answer_logits(model, E.answer_samples(encoder, [r for r, _ in picked], [w["prediction"] for _, w in picked]))
+    correct = [w["score"] for _, w in picked]
+    cut = max(1, int(len(picked) * cfg.calibration.fraction))
+    fit_idx = [i for i in range(len(picked)) if (i * 7919) % len(picked) < cut]  # spread over question types
+    test_idx = [i for i in range(len(picked)) if i not in set(fit_idx)]
+    temperature, _ = E.fit_temperature([pairs[i] for i in fit_idx], [correct[i] for i in fit_idx])
+    test_pairs, test_correct = [pairs[i] for i in test_idx], [correct[i] for i in test_idx]
+    return {
+        "temperature": temperature,
+        "ece_before": round(E.expected_calibration_error(E.confidences(test_pairs, 1.0), test_correct), 4),
+        "ece_after": round(E.expected_calibration_error(E.confidences(test_pairs, temperature), test_correct), 4),
+        "calibration_fit_answers": len(fit_idx),
+        "calibration_test_answers": len(test_idx),
+    }
+
+
+def save_outputs(cfg: SftConfig, model, processor, base_model: str, output_dir: Path, encoder,
+                 probe: list[dict]) -> dict[str, float]:
+    """adapter/ (LoRA modes) and model/ (merged, HF format); checks that merging kept the logits."""
+    meta = {"stage": "sft", "mode": cfg.mode, "base_model": str(base_model)}
+    if cfg.mode == "full":
+        save_vlm(model, processor, output_dir / "model", metadata=meta)
+        return {}
+    model.save_pretrained(output_dir / "adapter", safe_serialization=True)
+    samples = E.answer_samples(encoder, probe, [r["answer"] for r in probe])
+    before = E.answer_logits(model, samples)
+    if cfg.mode == "qlora":  # merge into the full-precision base, the way QLoRA adapters are deployed
+        from peft import PeftModel
+
+        base, _ = load_vlm(base_model)
+        merged = PeftModel.from_pretrained(base, output_dir / "adapter").merge_and_unload()
+    else:
+        merged = model.merge_and_unload()
+    after = E.answer_logits(merged, samples)
+    diff = max(float((a[0] - b[0]).abs().max()) for a, b in zip(before, after))
+    save_vlm(merged, processor, output_dir / "model", metadata={**meta, "merged_adapter": True})
+    return {"merge_max_abs_logit_diff": diff}
+
+
+def report(metrics: dict[str, Any]) -> str:
+    lines = ["# SFT", "", f"mode: {metrics['mode']}, steps: {metrics['steps']}, train loss "
+             f"{metrics['train_loss_first']:.3f} -> {metrics['train_loss_final']:.3f}", "",
+             "| type | exact match | majority baseline | n |", "|---|---|---|---|"]
+    for t in M.QUESTION_TYPES:
+        if f"exact_match/{t}" in metrics:
+            lines.append(f"| {t} | {metrics[f'exact_match/{t}']:.3f} | {metrics.get(f'majority/{t}', 0.0):.3f} | "
+                         f"{int(metrics.get(f'count/{t}', 0))} |")
+    lines += ["", f"VQA exact match {metrics.get('vqa_exact_match', 0):.3f} vs majority baseline "
+              f"{metrics.get('vqa_majority_baseline', 0):.3f}; grounding {metrics.get('grounding_accuracy', 0):.3f}, "
+              f"ANLS {metrics.get('anls', 0):.3f}, CIDEr-D {metrics.get('cider_d', 0):.3f}."]
+    if "ece_before" in metrics:
+        lines.append(f"Calibration: T={metrics['temperature']}, ECE {metrics['ece_before']} -> {metrics['ece_after']}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from components._shared.cli import stage_main
+
+    stage_main(SftConfig, run, section="sft", inputs=("base_model", "data"), argv=argv)
+

@@ -1,0 +1,105 @@
+"""The sft stage on the tiny model: LoRA (incl. vision qkv and merger), QLoRA and full; merging; outputs load."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from components._shared.tracking import NullTracker
+from components.sft.config import SftConfig
+from components.sft.stage import load_sft_records, run
+from components.synth_world.splits import write_splits
+
+BASE = "builtin:tiny-qwen2_5-vl"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("heldout")
+    write_splits(out, seed=5, eval_per_type=4, sft_records=48, preference_pairs=2)
+    return out
+
+
+def _cfg(mode, **over):
+    base = {
+        "mode": mode, "min_pixels": 3136, "max_pixels": 12544, "max_records": 48,
+        "train": {"steps": 4, "samples_per_step": 8, "max_tokens_per_micro_batch": 256, "threads": 1},
+        "optim": {"lr": 0.01}, "eval": {"per_type": 2, "batch_size": 16, "max_new_tokens": 8},
+    }
+    base.update(over)
+    return SftConfig.model_validate(base)
+
+
+def _run(cfg, data_dir, out):
+    return run(cfg, base_model=BASE, data=str(data_dir), output_dir=out, tracker=NullTracker())
+
+
+def test_lora_trains_vision_qkv_and_merger_adapters_and_merges_exactly(data_dir, tmp_path):
+    metrics = _run(_cfg("lora"), data_dir, tmp_path)
+    adapter = load_file(str(tmp_path / "adapter/adapter_model.safetensors"))
+    for fragment in ("visual.merger.mlp.0", "visual.merger.mlp.2", "visual.blocks.0.attn.qkv",
+                     "language_model.layers.0.self_attn.q_proj"):
+        b = [v for k, v in adapter.items() if fragment in k and "lora_B" in k]
+        assert b, f"no LoRA adapter on {fragment}"
+        assert float(b[0].abs().max()) > 0, f"LoRA B of {fragment} never moved from its zero init"
+    assert metrics["merge_max_abs_logit_diff"] < 1e-4
+    assert metrics["trainable_parameters"] > 0
+    assert metrics["train_loss_final"] < metrics["train_loss_first"]
+    # the merged model is a plain HF checkpoint that answers a held-out question
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model")
+    processor = AutoProcessor.from_pretrained(tmp_path / "model")
+    record = json.loads((data_dir / "eval.jsonl").read_text().splitlines()[0])
+    from PIL import Image
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": record["question"]}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[Image.open(data_dir / record["image"]).convert("RGB")], return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > inputs["input_ids"].shape[1]
+    for key in ("vqa_exact_match", "vqa_majority_baseline", "padding_efficiency", "ece_before", "ece_after"):
+        assert key in metrics
+    assert (tmp_path / "report.md").read_text().count("| color |") == 1
+
+
+def test_full_sft_with_frozen_vision_changes_only_unfrozen_weights(data_dir, tmp_path):
+    _run(_cfg("full", freeze=["vision_lower", "vision_upper"], calibration={"enabled": False}), data_dir, tmp_path)
+    from components._shared.models import resolve_model
+
+    before = load_file(str(resolve_model(BASE) / "model.safetensors"))
+    after = load_file(str(tmp_path / "model/model.safetensors"))
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert not any(".visual.blocks." in k or "patch_embed" in k for k in changed)
+    assert any("merger" in k for k in changed) and any(k.startswith("model.layers.") for k in changed)
+
+
+def test_qlora_quantises_the_lm_but_not_vision_or_lm_head(data_dir, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from components.sft.stage import build_model
+
+    cfg = _cfg("qlora", calibration={"enabled": False})
+    model, _ = build_model(cfg, BASE)
+    kinds = {n: type(m).__name__ for n, m in model.named_modules()}
+    assert any(k.endswith("language_model.layers.0.self_attn.q_proj.base_layer") and v == "Linear4bit"
+               for k, v in kinds.items())
+    assert not any("visual" in k and v == "Linear4bit" for k, v in kinds.items())
+    assert not any(k.endswith("lm_head") and v == "Linear4bit" for k, v in kinds.items())
+    metrics = _run(cfg, data_dir, tmp_path)
+    assert metrics["train_loss_final"] < metrics["train_loss_first"]
+    assert (tmp_path / "model/model.safetensors").is_file()
+    print(f"qlora merge max abs logit diff (4-bit vs merged fp32): {metrics['merge_max_abs_logit_diff']:.4f}")
+
+
+def test_bad_records_and_config_are_rejected_with_the_fix(tmp_path):
+    (tmp_path / "sft.jsonl").write_text(json.dumps({"id": "r1", "conversations": [{"from": "bot", "value": "x"}]}))
+    with pytest.raises(ValueError, match="'r1' turn 0: expected from=human\\|gpt"):
+        load_sft_records(tmp_path)
+    with pytest.raises(ValueError, match="curriculum steps sum to 3 but train.steps=4"):
+        _cfg("lora", curriculum=[{"name": "basic", "steps": 3}])
+    with pytest.raises(ValueError, match="gave no adapter on"):
+        from components.sft.stage import build_model
+
+        build_model(_cfg("lora", lora={"target_modules": [r"language_model\.layers\.\d+\.self_attn\.q_proj"]}), BASE)
