@@ -22,8 +22,8 @@ share of the padded step (its forward+backward timed alone on the same images; p
 speed-up packing could reach if the LM's cost were linear in slots. It is not: `pack` puts a micro-batch in one
 row and, with `attn_implementation="sdpa"`, the LM attends over the whole row under a block-causal mask, so its
 attention costs budget^2 per row rather than the sum of per-sample length^2 (flash-attention's varlen kernel, on
-a GPU, skips the cross-sample blocks). Hence the smaller budgets among the default arms. Each arm trains its own copy of the
-model; two untimed warm-up steps each; `--repeats` epochs over all samples, interleaved padded/packed so machine
+a GPU, skips the cross-sample blocks). Hence the smaller budgets among the default arms. Each arm trains its own
+copy of the model; two untimed warm-up steps each; `--repeats` epochs over all samples, interleaved padded/packed so machine
 load hits both alike; the median epoch rate counts. The goals (efficiency >= 0.98, speed-up >= 1.5x) are printed
 beside the numbers, never asserted.
 """
@@ -36,10 +36,15 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+
+if __package__ in (None, ""):  # run as a script: make `components` importable from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from components._shared.packing import (
     ConversationEncoder,
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     padded = [pad([samples[i] for i in order[k:k + args.batch_size]], processor.tokenizer.pad_token_id)
               for k in range(0, len(samples), args.batch_size)]
     pad_real, pad_slots = efficiency(padded)
-    mean_slots = int(round(pad_slots / len(padded)))
+    mean_slots = round(pad_slots / len(padded))
     arms: dict[str, list[dict]] = {"padded": padded}
     budgets: dict[str, int] = {}
     for item in str(args.budget).split(","):
@@ -248,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{fill:>12s} {arm['tokens_per_cpu_s']:10.0f} {arm['tokens_per_wall_s']:11.0f} {arm['speedup']:9.2f}x")
     print(f"vision tower fwd+bwd: {share:.2f} of the padded step's CPU time (the same work in every arm); if the LM's "
           f"cost were linear in slots, packing could gain at most {results['linear_ceiling_speedup']:.2f}x here")
-    met = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+    met = lambda ok: "met" if ok else "NOT met"
     for name in budgets:
         arm = results["arms"][name]
         print(f"goals {name}: efficiency {arm['efficiency']:.3f} (budget fill {arm['budget_fill']:.3f}) vs padded "

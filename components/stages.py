@@ -20,7 +20,7 @@ STAGES: dict[str, tuple[str, str]] = {
 }
 
 # Stages in DAG order (preflight is a check, not a stage of the run summary's training flow).
-DAG_ORDER: tuple[str, ...] = ("clean_data", "extract_features")
+DAG_ORDER: tuple[str, ...] = ("clean_data", "extract_features", "pretrain", "sft")
 
 
 def _check(stage: str) -> tuple[str, str]:

@@ -55,6 +55,9 @@ def run(
     local: bool = typer.Option(False, "--local", help="Run with kfp.local on this machine (the only mode here)."),
     preset: str = typer.Option("tiny", help="Preset name (pipelines/presets/NAME.yaml) or a YAML path."),
     lake: Optional[str] = typer.Option(None, help="Lake dir or s3:// prefix (default: the preset's lake_uri)."),
+    data: Optional[str] = typer.Option(
+        None, help="Held-out / SFT data dir or s3:// prefix (eval.jsonl, sft.jsonl; default: LAKE/../heldout)."
+    ),
     out: Path = typer.Option(Path("runs/local"), help="Run directory (run_summary.json, mlflow.db, artifacts)."),
     until: Optional[str] = typer.Option(None, help="Last stage to run (default: all)."),
     cache: bool = typer.Option(False, help="Reuse outputs of tasks whose inputs did not change (kfp.local cache)."),
@@ -70,7 +73,10 @@ def run(
     if not lake_uri:
         typer.echo("No lake given: pass --lake DIR (e.g. the DIR/lake written by `qvl lake synth`).", err=True)
         raise typer.Exit(2)
-    summary = run_local(lake_uri=lake_uri, out_dir=out, preset=preset, until=until, enable_caching=cache)
+    if data is None and "://" not in lake_uri:
+        data = str(Path(lake_uri).resolve().parent / "heldout")  # where `qvl lake synth` puts it
+    summary = run_local(lake_uri=lake_uri, data_uri=data or "", out_dir=out, preset=preset, until=until,
+                        enable_caching=cache)
     for stage, result in summary["stages"].items():
         typer.echo(f"{stage:18s} {result['status']:10s} {result.get('seconds', 0):8.1f}s")
     typer.echo(f"{summary['status']}: {out / SUMMARY_FILE}")

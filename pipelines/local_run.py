@@ -79,11 +79,13 @@ def run_local(
     *,
     lake_uri: str,
     out_dir: Path,
+    data_uri: str = "",
     preset: str = "tiny",
     until: str | None = None,
     enable_caching: bool = False,
 ) -> dict[str, Any]:
-    """Run the DAG (up to `until`) on `lake_uri`; returns the run summary, also written to out_dir/run_summary.json."""
+    """Run the DAG (up to `until`) on `lake_uri` with held-out / SFT data at `data_uri`; returns the run summary,
+    also written to out_dir/run_summary.json."""
     from kfp import local
 
     from components._shared.tracking import default_tracking_uri, finish_pipeline_run, start_pipeline_run
@@ -96,6 +98,8 @@ def run_local(
     pipeline = build_pipeline(preset, until)  # validates `until` before anything starts
     if lake_uri and "://" not in lake_uri:
         lake_uri = str(Path(lake_uri).resolve())
+    if data_uri and "://" not in data_uri:
+        data_uri = str(Path(data_uri).resolve())
     results_dir = out_dir / "stage_results"
     shutil.rmtree(results_dir, ignore_errors=True)
     results_dir.mkdir()
@@ -115,7 +119,7 @@ def run_local(
     )
     started = time.time()
     with _recording_cache_hits() as hits:
-        pipeline(lake_uri=lake_uri, **p.pipeline_args())
+        pipeline(lake_uri=lake_uri, eval_data_uri=data_uri, sft_data_uri=data_uri, **p.pipeline_args())
 
     expected = ["preflight", *DAG_ORDER[: DAG_ORDER.index(until) + 1 if until else len(DAG_ORDER)]]
     stages = _collect(results_dir, expected, _cached_results(hits))
@@ -126,6 +130,7 @@ def run_local(
         "mlflow_tracking_uri": os.environ["MLFLOW_TRACKING_URI"],
         "preset": p.name,
         "lake_uri": lake_uri,
+        "data_uri": data_uri,
         "status": "succeeded" if ok else "failed",
         "seconds": round(time.time() - started, 1),
         "stages": stages,

@@ -1,6 +1,6 @@
-"""The VLM training DAG: preflight -> clean_data (fan-out over shards, merge) -> extract_features.
+"""The VLM training DAG: preflight -> clean_data (fan-out over shards, merge) -> extract_features -> pretrain -> sft.
 
-Later stages (pretrain, sft, reward_model, rl, distill, select_checkpoint) join the same DAG.
+Later stages (reward_model, rl, distill, select_checkpoint) join the same DAG.
 `build_pipeline(preset, until)` returns the pipeline function with the preset's configs as parameter
 defaults; `vlm_training` is the full DAG on the `prod-7b` preset, the one that is compiled and committed.
 """
@@ -9,6 +9,8 @@ defaults; `vlm_training` is the full DAG on the `prod-7b` preset, the one that i
 from components.clean_data.component import clean_shard_op, list_shards_op, merge_shards_op
 from components.extract_features.component import extract_features_op
 from components.preflight.component import preflight_op
+from components.pretrain.component import pretrain_op
+from components.sft.component import sft_op
 from components.stages import DAG_ORDER
 from kfp import dsl
 from pipelines.k8s import on_cpu, on_gpus, with_runtime_env
@@ -29,11 +31,15 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
     @dsl.pipeline(name=PIPELINE_NAME, description=__doc__.splitlines()[0])
     def vlm_training(
         lake_uri: str,
+        eval_data_uri: str = "",
+        sft_data_uri: str = "",
         base_model_uri: str = p.base_model_uri,
         experiment: str = p.experiment,
         preflight_config: dict = p.stages["preflight"],
         clean_data_config: dict = p.stages["clean_data"],
         extract_features_config: dict = p.stages["extract_features"],
+        pretrain_config: dict = p.stages["pretrain"],
+        sft_config: dict = p.stages["sft"],
     ):
         preflight = on_cpu(with_runtime_env(preflight_op(
             lake_uri=lake_uri,
@@ -41,6 +47,10 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
             config=preflight_config,
             clean_data_config=clean_data_config,
             extract_features_config=extract_features_config,
+            pretrain_config=pretrain_config,
+            sft_config=sft_config,
+            eval_data_uri=eval_data_uri if "pretrain" in wanted else "",
+            sft_data_uri=sft_data_uri if "sft" in wanted else "",
             experiment=experiment,
         )), cpu="1", memory="4Gi")
         preflight.set_display_name("Preflight checks").set_caching_options(False)
@@ -65,6 +75,27 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
                 experiment=experiment,
             )), gpus=1, memory="64Gi")
             features.set_display_name("Extract vision features").set_retry(num_retries=2, backoff_duration="60s")
+
+        if "pretrain" in wanted:
+            # Checkpoints live in the task's output artifact, so a retried task resumes from its last commit.
+            pretrain = on_gpus(with_runtime_env(pretrain_op(
+                clean_data=clean.outputs["clean_data"],
+                features=features.outputs["features"],
+                base_model_uri=base_model_uri,
+                eval_data_uri=eval_data_uri,
+                config=pretrain_config,
+                experiment=experiment,
+            )), gpus=1, memory="64Gi")
+            pretrain.set_display_name("Pretrain (alignment)").set_retry(num_retries=2, backoff_duration="60s")
+
+        if "sft" in wanted:
+            sft = on_gpus(with_runtime_env(sft_op(
+                pretrained=pretrain.outputs["model"],
+                sft_data_uri=sft_data_uri,
+                config=sft_config,
+                experiment=experiment,
+            )), gpus=1, memory="64Gi")
+            sft.set_display_name("SFT").set_retry(num_retries=2, backoff_duration="60s")
 
     return vlm_training
 

@@ -83,9 +83,10 @@ class ConversationEncoder:
 
     def encode(self, turns: list[dict], *, images=(), grids=None, features=None, sample_id: str = "",
                add_generation_prompt: bool = False, meta: dict | None = None) -> Sample:
-        """Encode `turns` ([{"role": "user"|"assistant", "text": ...}]) with PIL `images`, or with cached
-        `features` (list of pre-merger rows) and their `grids` instead of pixels."""
-        if features is not None:
+        """Encode `turns` ([{"role": "user"|"assistant", "text": ...}]) with PIL `images`, or with `grids` and
+        cached `features` (pre-merger rows per image) instead of pixels; `grids` alone leaves the visual rows to
+        be passed to forward_logits as `image_embeds`."""
+        if grids is not None:  # cached features, or image tokens only (visual rows supplied at forward time)
             pixel_values, grid_list = None, [torch.as_tensor(g, dtype=torch.int64) for g in grids]
         else:
             prepared = [self.prepare_image(img) for img in images]
@@ -251,22 +252,37 @@ def batch_tokens(batch: dict) -> tuple[int, int]:
     return real, int(batch["input_ids"].numel())
 
 
-def forward_logits(model, batch: dict) -> torch.Tensor:
-    """Logits (B, L, V) of a packed or padded batch; cached features go through the merger only."""
+def image_embeddings(model, batch: dict) -> torch.Tensor | None:
+    """Merged visual tokens (n_image_tokens, hidden) of a batch: merger(cached features) or the full ViT."""
+    qwen = qwen_model(model)
+    if "features" in batch:
+        return qwen.visual.merger(batch["features"].to(qwen.visual.merger.mlp[0].weight.dtype))
+    if "pixel_values" in batch:
+        return torch.cat(list(qwen.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output))
+    return None
+
+
+def forward_logits(model, batch: dict, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits (B, L, V) of a packed or padded batch.
+
+    Pixels go through the model's own forward; cached features (merger only) or precomputed `image_embeds`
+    are spliced into the input embeddings at the image tokens.
+    """
     kwargs = {
         "position_ids": batch["position_ids"], "attention_mask": batch["attention_mask"], "use_cache": False,
     }
-    if "features" in batch:
+    if image_embeds is None and "features" in batch:
+        image_embeds = image_embeddings(model, batch)
+    if image_embeds is not None:
         qwen = qwen_model(model)
         embeds = model.get_input_embeddings()(batch["input_ids"])
-        image_embeds = qwen.visual.merger(batch["features"].to(embeds.dtype))
         mask = batch["input_ids"] == qwen.config.image_token_id
         if int(mask.sum()) != image_embeds.shape[0]:
             raise ValueError(
-                f"{int(mask.sum())} image tokens but {image_embeds.shape[0]} merged feature rows; the cached features "
+                f"{int(mask.sum())} image tokens but {image_embeds.shape[0]} merged visual rows; the cached features "
                 "were extracted with other min_pixels/max_pixels than the encoder's."
             )
-        embeds = embeds.masked_scatter(mask[..., None], image_embeds)
+        embeds = embeds.masked_scatter(mask[..., None], image_embeds.to(embeds.dtype))
         return model(inputs_embeds=embeds, **kwargs).logits
     vision = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
     return model(input_ids=batch["input_ids"], **vision, **kwargs).logits

@@ -259,7 +259,8 @@ class TrainLoop:
                 saved.append(self.save_checkpoint())
         if evaluate is not None and (not self.evals or self.evals[-1]["step"] != self.step):
             self._evaluate(evaluate)
-        saved.append(self.save_checkpoint())
+        if resumed != self.train.steps:  # a run resumed from its final checkpoint has nothing new to save
+            saved.append(self.save_checkpoint())
         return TrainResult(steps=self.step, resumed_from=resumed, history=self.history, evals=self.evals,
                            checkpoints=saved, padding_efficiency=real_tokens / slots if slots else 0.0,
                            tokens=real_tokens, seconds=time.perf_counter() - started)

@@ -52,6 +52,16 @@ def save_vlm(model, processor, out_dir: str | Path, *, metadata: dict[str, Any] 
     return validate_model_dir(out_dir)
 
 
+def set_pixel_bounds(processor, min_pixels: int, max_pixels: int) -> None:
+    """Make the processor resize images within [min_pixels, max_pixels] (saved with the model, so a checkpoint's
+    AutoProcessor sees images at the resolution the model was trained on)."""
+    image_processor = processor.image_processor
+    image_processor.size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if hasattr(image_processor, name):
+            setattr(image_processor, name, value)
+
+
 def student_config(
     teacher_config,
     *,

@@ -12,7 +12,11 @@ def preflight_op(
     config: dict,
     clean_data_config: dict,
     extract_features_config: dict,
+    pretrain_config: dict,
+    sft_config: dict,
     report: dsl.Output[dsl.Artifact],
+    eval_data_uri: str = "",
+    sft_data_uri: str = "",
     experiment: str = "vlm",
 ):
     """Validate every stage config, reach the lake / MLflow / S3, resolve the models. Never cached.
@@ -23,13 +27,22 @@ def preflight_op(
         config: PreflightConfig as a dict.
         clean_data_config: The clean_data section, validated here before any work starts.
         extract_features_config: The extract_features section, validated here too.
+        pretrain_config: The pretrain section.
+        sft_config: The sft section.
+        eval_data_uri: Held-out data (must hold eval.jsonl); empty skips the check (DAG cut before pretrain).
+        sft_data_uri: SFT data (must hold sft.jsonl and eval.jsonl); empty skips the check.
         report: preflight.json with what was checked and where the models resolved to.
         experiment: MLflow experiment name.
     """
     from components._shared.launch import run_stage
     from components.preflight.stage import model_uris_in
 
-    stage_configs = {"clean_data": clean_data_config, "extract_features": extract_features_config}
+    stage_configs = {"clean_data": clean_data_config, "extract_features": extract_features_config,
+                     "pretrain": pretrain_config, "sft": sft_config}
+    data_files: dict = {}
+    for uri, names in ((eval_data_uri, ["eval.jsonl"]), (sft_data_uri, ["sft.jsonl", "eval.jsonl"])):
+        if uri:
+            data_files.setdefault(uri, []).extend(n for n in names if n not in data_files.get(uri, []))
     run_stage(
         "preflight",
         config,
@@ -38,6 +51,7 @@ def preflight_op(
             "lake_uri": lake_uri,
             "model_uris": [base_model_uri, *model_uris_in(stage_configs)],
             "stage_configs": stage_configs,
+            "data_files": data_files,
         },
         output_dir=report.path,
         record_as="preflight",

@@ -72,6 +72,20 @@ def model_uris_in(stage_configs: dict[str, dict[str, Any]]) -> list[str]:
     return uris
 
 
+def check_data(data_files: dict[str, list[str]]) -> int:
+    """Require every named file under each data URI ({uri: [file, ...]}); returns how many were found."""
+    from components._shared import storage
+
+    found = 0
+    for uri, names in data_files.items():
+        for name in names:
+            if not storage.exists(storage.join(uri, name)):
+                raise ValueError(f"{storage.join(uri, name)} does not exist; the training data at {uri} needs {name} "
+                                 "(`qvl lake synth --out DIR` writes DIR/heldout with eval.jsonl and sft.jsonl).")
+            found += 1
+    return found
+
+
 def run(
     cfg: PreflightConfig,
     *,
@@ -80,11 +94,15 @@ def run(
     stage_configs: dict[str, dict[str, Any]],
     output_dir: Path,
     tracker: Tracker,
+    data_files: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
-    """Validate configs, then reach the lake, the tracking server and the models; raise on the first failure."""
+    """Validate configs, then reach the lake, the data, the tracking server and the models; raise on the first
+    failure."""
     metrics: dict[str, Any] = {"configs_validated": validate_stage_configs(stage_configs)}
     if cfg.check_lake:
         metrics["lake_shards"] = count_lake_shards(lake_uri)
+    if data_files:
+        metrics["data_files"] = check_data(data_files)
     if cfg.check_tracking:
         metrics["tracking"] = check_tracking_server(cfg.timeout_s)
     resolved = {}

@@ -27,7 +27,7 @@ from components._shared.checkpoint import CheckpointStore
 from components._shared.packing import ConversationEncoder
 from components._shared.tracking import Tracker
 from components._shared.training import Phase, TrainLoop
-from components._shared.vlm import count_parameters, freeze, load_vlm, save_vlm
+from components._shared.vlm import count_parameters, freeze, load_vlm, save_vlm, set_pixel_bounds
 from components.sft.config import SftConfig
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -127,6 +127,7 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
     records = load_sft_records(data_dir, cfg.max_records)
     eval_records = E.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     model, processor = build_model(cfg, base_model)
+    set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     encoder = ConversationEncoder(processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
                                   max_length=cfg.max_length)
     images: dict[str, Any] = {}

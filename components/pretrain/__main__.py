@@ -1,0 +1,3 @@
+from components.pretrain.stage import main
+
+main()

@@ -1,0 +1,77 @@
+"""Config of the pretrain stage. Imports pydantic only, so pipelines/ compiles without torch."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from components._shared.config import StageConfig, SubConfig
+from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
+
+Group = Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]
+
+
+class Stage1Config(SubConfig):
+    """ViT frozen; the merger (and optionally the LM) learns from cached pre-merger features."""
+
+    train_lm: bool = Field(False, description="Also train the language model (otherwise only the merger).")
+    train: TrainConfig = TrainConfig(steps=200, samples_per_step=32, max_tokens_per_micro_batch=2048)
+    optim: OptimConfig = OptimConfig(lr=1e-3)
+    schedule: ScheduleConfig = ScheduleConfig(warmup_steps=10)
+
+
+class Stage2Config(SubConfig):
+    """Joint training from pixels; `train.steps: 0` skips it. Per-module learning rates via optim.group_lr."""
+
+    enabled: bool = False
+    freeze: list[Group] = Field(default_factory=list, description="Module groups kept frozen in stage 2.")
+    train: TrainConfig = TrainConfig(steps=100, samples_per_step=32, max_tokens_per_micro_batch=2048)
+    optim: OptimConfig = OptimConfig(lr=1e-4, group_lr={"vision_lower": 1e-5, "vision_upper": 3e-5})
+    schedule: ScheduleConfig = ScheduleConfig(warmup_steps=10)
+
+
+class InfoNceConfig(SubConfig):
+    """Auxiliary contrastive loss between pooled merged image tokens and pooled caption token embeddings
+    (seeds 000/001), in-batch negatives; `hard_negatives` keeps only the k most similar negatives."""
+
+    weight: Annotated[float, Field(ge=0, description="0 disables the auxiliary loss.")] = 0.0
+    temperature: Annotated[float, Field(gt=0, le=10)] = 0.07
+    hard_negatives: Annotated[int, Field(ge=0, description="0 = all in-batch negatives.")] = 0
+
+
+class PretrainEvalConfig(SubConfig):
+    heldout_captions: Annotated[int, Field(ge=2, description="Held-out caption records for the caption loss.")] = 64
+    retrieval_candidates: Annotated[int, Field(ge=2, le=256, description=(
+        "Images (and their captions) in the image->text retrieval pool; costs candidates^2 scored pairs."))] = 32
+
+
+class PretrainConfig(StageConfig):
+    """Image-caption alignment of a Qwen2(.5)-VL: stage 1 on cached features, optional stage 2 from pixels."""
+
+    prompt: str = Field("Describe the image.", min_length=1, description="User turn that precedes each caption.")
+    min_pixels: Annotated[int, Field(ge=28 * 28, description="Must equal extract_features' min_pixels.")] = 56 * 56
+    max_pixels: Annotated[int, Field(ge=28 * 28, description="Must equal extract_features' max_pixels.")] = 1280 * 28 * 28
+    max_length: Annotated[int, Field(ge=16)] = 4096
+    max_records: Annotated[int | None, Field(ge=1)] = None
+    stage1: Stage1Config = Stage1Config()
+    stage2: Stage2Config = Stage2Config()
+    infonce: InfoNceConfig = InfoNceConfig()
+    eval: PretrainEvalConfig = PretrainEvalConfig()
+    keep_best_of_last: Annotated[int, Field(ge=1, description=(
+        "Export the best of the last N evaluated checkpoints by held-out caption loss (seed 001); set the "
+        "last stage's train.keep_checkpoints >= N and eval_every = checkpoint_every."))] = 1
+    selection_metric: Literal["heldout_caption_loss", "retrieval_r1"] = "heldout_caption_loss"
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}; swap or fix them.")
+        last = self.stage2.train if self.stage2.enabled else self.stage1.train
+        if self.keep_best_of_last > last.keep_checkpoints:
+            raise ValueError(f"keep_best_of_last={self.keep_best_of_last} needs the last stage's "
+                             f"train.keep_checkpoints >= {self.keep_best_of_last} (it is {last.keep_checkpoints}).")
+        if self.keep_best_of_last > 1 and last.eval_every != last.checkpoint_every:
+            raise ValueError("keep_best_of_last > 1 needs the last stage's train.eval_every == checkpoint_every, so "
+                             "every kept checkpoint has a held-out score.")
+        return self

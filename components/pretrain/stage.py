@@ -1,0 +1,299 @@
+"""pretrain: image-caption alignment. Stage 1 (ViT frozen) trains the merger, optionally the LM, on the cached
+pre-merger features of extract_features; stage 2 trains jointly from pixels with per-module learning rates.
+
+1 process (CPU/tiny):  python -m components.pretrain --config pipelines/presets/tiny.yaml \
+                           --clean-data OUT/clean_data --features OUT/features --base-model builtin:tiny-qwen2_5-vl \
+                           --data runs/world/heldout --output-dir OUT/pretrain
+N GPUs (DeepSpeed):    torchrun --nproc-per-node 8 -m components.pretrain --config pipelines/presets/prod-7b.yaml ...
+In the pipeline:       components/pretrain/component.py calls run_stage("pretrain", ...).
+
+Convergence is tracked on held-out captions (`--data`: eval.jsonl, type "caption"): the mean caption loss and
+image->text retrieval R@1 (each image ranks every candidate caption by its caption loss given the image minus
+that caption's mean loss over all candidate images, so generic, likely captions do not win everywhere). The exported
+model/ is the best of the last N evaluated checkpoints (seed 001). Writes model/, checkpoints/, report.md.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from components._shared import evaluation as E
+from components._shared.checkpoint import CheckpointStore
+from components._shared.imaging import decode_image
+from components._shared.packing import (
+    IGNORE_INDEX,
+    ConversationEncoder,
+    forward_logits,
+    image_embeddings,
+    pack,
+    per_sample_loss,
+    plan_micro_batches,
+    token_loss,
+)
+from components._shared.tracking import Tracker
+from components._shared.training import Phase, TrainLoop, TrainResult
+from components._shared.vlm import freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
+from components.pretrain.config import InfoNceConfig, PretrainConfig
+
+MAX_IMAGE_PIXELS = 89_478_485
+
+
+def load_kept(clean_data: Path, max_records: int | None) -> list[dict]:
+    """clean_data's kept records: image_hash, image bytes and caption, in file order."""
+    import pyarrow.parquet as pq
+
+    parts = sorted((clean_data / "kept").glob("part-*.parquet"))
+    if not parts:
+        raise ValueError(f"{clean_data}/kept has no part-*.parquet files; point --clean-data at clean_data's output.")
+    rows: list[dict] = []
+    for part in parts:
+        table = pq.read_table(part, columns=["image_hash", "image", "caption"]).to_pylist()
+        rows += [r for r in table if r["caption"]]
+        if max_records and len(rows) >= max_records:
+            return rows[:max_records]
+    return rows
+
+
+class FeatureStore:
+    """Lazy access to extract_features' safetensors shards: pre-merger rows and grid of an image hash."""
+
+    def __init__(self, features_dir: Path) -> None:
+        index_file = features_dir / "index.json"
+        if not index_file.is_file():
+            raise ValueError(f"{features_dir} has no index.json; point --features at extract_features' output.")
+        self.dir = features_dir
+        self.index = json.loads(index_file.read_text())
+        self._handles: dict[str, Any] = {}
+
+    def __contains__(self, image_hash: str) -> bool:
+        return image_hash in self.index["images"]
+
+    def get(self, image_hash: str) -> tuple[torch.Tensor, list[int]]:
+        from safetensors import safe_open
+
+        entry = self.index["images"][image_hash]
+        handle = self._handles.get(entry["file"])
+        if handle is None:
+            handle = self._handles[entry["file"]] = safe_open(str(self.dir / entry["file"]), framework="pt")
+        return handle.get_tensor(image_hash).float(), entry["grid_thw"]
+
+
+def infonce_loss(cfg: InfoNceConfig, embeds: torch.Tensor, batch: dict, text_embeds: torch.Tensor) -> torch.Tensor:
+    """Symmetric InfoNCE between each sample's mean merged image token and mean caption-token embedding."""
+    seq = batch["seq_index"][0]
+    n = batch["num_samples"]
+    image_mask = batch["image_mask"][0]
+    caption_mask = torch.roll(batch["targets"][0] != IGNORE_INDEX, 1)  # token t is a label iff targets[t-1] is
+    image_seq = seq[image_mask]
+    img = torch.zeros(n, embeds.shape[-1], dtype=embeds.dtype, device=embeds.device).index_add_(0, image_seq, embeds)
+    img = img / torch.bincount(image_seq, minlength=n).clamp_min(1)[:, None]
+    txt_rows = text_embeds[0][caption_mask]
+    txt_seq = seq[caption_mask]
+    txt = torch.zeros(n, txt_rows.shape[-1], dtype=txt_rows.dtype, device=txt_rows.device).index_add_(0, txt_seq, txt_rows)
+    txt = txt / torch.bincount(txt_seq, minlength=n).clamp_min(1)[:, None]
+    sim = F.normalize(img.float(), dim=-1) @ F.normalize(txt.float(), dim=-1).T / cfg.temperature
+    if cfg.hard_negatives and cfg.hard_negatives < n - 1:
+        eye = torch.eye(n, dtype=torch.bool, device=sim.device)
+        keep = eye.clone()
+        for scores, out in ((sim, keep), (sim.T, keep.T)):
+            hardest = scores.masked_fill(eye, float("-inf")).topk(cfg.hard_negatives, dim=1).indices
+            out.scatter_(1, hardest, True)
+        row = sim.masked_fill(~keep, float("-inf"))
+        col = sim.T.masked_fill(~keep.T, float("-inf"))
+    else:
+        row, col = sim, sim.T
+    labels = torch.arange(n, device=sim.device)
+    return 0.5 * (F.cross_entropy(row, labels) + F.cross_entropy(col, labels))
+
+
+def make_loss(cfg: PretrainConfig):
+    """Caption cross-entropy (+ weighted InfoNCE when enabled) for the TrainLoop."""
+
+    def loss(model, batch: dict, samples) -> tuple[torch.Tensor, int, dict[str, float]]:
+        embeds = image_embeddings(model, batch)
+        logits = forward_logits(model, batch, image_embeds=embeds)
+        loss_sum, targets = token_loss(logits, batch)
+        if cfg.infonce.weight <= 0 or batch["num_samples"] < 2:
+            return loss_sum, targets, {}
+        image_token = qwen_model(model).config.image_token_id
+        batch = {**batch, "image_mask": batch["input_ids"] == image_token}
+        nce = infonce_loss(cfg.infonce, embeds, batch, model.get_input_embeddings()(batch["input_ids"]))
+        return loss_sum + cfg.infonce.weight * nce * targets, targets, {"infonce": float(nce.detach())}
+
+    return loss
+
+
+class HeldoutCaptions:
+    """Held-out caption loss and image->text retrieval R@1 on eval.jsonl's caption records."""
+
+    def __init__(self, cfg: PretrainConfig, encoder: ConversationEncoder, data_dir: Path) -> None:
+        records = [r for r in E.load_eval_records(data_dir) if r["type"] == "caption"]
+        if len(records) < 2:
+            raise ValueError(f"{data_dir}/eval.jsonl has {len(records)} caption records; pretrain needs >= 2 to "
+                             "measure held-out caption loss and retrieval.")
+        self.cfg, self.encoder = cfg, encoder
+        turns = lambda caption: [{"role": "user", "text": f"<image>\n{cfg.prompt}"},  # noqa: E731
+                                 {"role": "assistant", "text": caption}]
+        self.loss_samples = [encoder.encode(turns(r["answer"]), images=[r["pil"]], sample_id=r["id"])
+                             for r in records[: cfg.eval.heldout_captions]]
+        pool = records[: cfg.eval.retrieval_candidates]
+        self.image_samples = self.loss_samples[: len(pool)] if len(pool) <= len(self.loss_samples) else [
+            encoder.encode(turns(r["answer"]), images=[r["pil"]], sample_id=r["id"]) for r in pool]
+        grids = [s.image_grid_thw[0] for s in self.image_samples]
+        self.pairs = [encoder.encode(turns(pool[j]["answer"]), grids=[grids[i]], sample_id=f"{i}:{j}")
+                      for i in range(len(pool)) for j in range(len(pool))]
+        self.pool = len(pool)
+
+    @torch.no_grad()
+    def __call__(self, model) -> dict[str, float]:
+        losses = E.heldout_loss(model, self.loss_samples)
+        device = next(model.parameters()).device
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in pack(self.image_samples).items()}
+        per_image = list(image_embeddings(model, batch).split(
+            [int(s.image_grid_thw.prod()) // self.encoder.merge_unit for s in self.image_samples]))
+        scores = torch.empty(self.pool, self.pool)
+        budget = max(4096, max(s.num_tokens for s in self.pairs))
+        for group in plan_micro_batches([s.num_tokens for s in self.pairs], budget):
+            micro = [self.pairs[k] for k in group]
+            mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in pack(micro).items()}
+            embeds = torch.cat([per_image[k // self.pool] for k in group])
+            logits = forward_logits(model, mb, image_embeds=embeds)
+            for k, value in zip(group, per_sample_loss(logits, mb).tolist()):
+                scores[k // self.pool, k % self.pool] = value
+        # Caption-prior normalisation (PMI): a caption that is likely under every image must not win for all.
+        normalised = scores - scores.mean(dim=0, keepdim=True)
+        r1 = float((normalised.argmin(dim=1) == torch.arange(self.pool)).float().mean())
+        return {"heldout_caption_loss": sum(losses) / len(losses), "retrieval_r1": r1}
+
+
+def train_phase(name: str, model, cfg: PretrainConfig, block, sample, n: int, output_dir: Path, tracker: Tracker,
+                evaluate) -> tuple[TrainLoop, TrainResult]:
+    loop = TrainLoop(model, train=block.train, optim=block.optim, schedule=block.schedule, sample=sample,
+                     phases=[Phase(name, block.train.steps, list(range(n)))],
+                     checkpoints=CheckpointStore(output_dir / "checkpoints" / name, keep=block.train.keep_checkpoints),
+                     tracker=_Prefixed(tracker, name), loss_fn=make_loss(cfg), seed=cfg.seed)
+    return loop, loop.run(evaluate=evaluate)
+
+
+def select_best(loop: TrainLoop, cfg: PretrainConfig) -> dict[str, float]:
+    """Load the best of the last N evaluated, still committed checkpoints into the model; returns its eval."""
+    committed = {int(Path(u).name.split("-")[1]): u for u in loop.store.committed()}
+    candidates = [e for e in loop.evals if e["step"] in committed][-cfg.keep_best_of_last:]
+    if not candidates:
+        return loop.evals[-1]
+    sign = 1.0 if cfg.selection_metric == "heldout_caption_loss" else -1.0
+    best = min(candidates, key=lambda e: (sign * e[cfg.selection_metric], -e["step"]))
+    if best["step"] != loop.step:
+        loop.backend.load(loop.store.local_copy(committed[best["step"]]))
+    return best
+
+
+def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str, data: str,
+        output_dir: str | Path, tracker: Tracker) -> dict[str, Any]:
+    """Stage 1 (+ optional stage 2); returns held-out caption loss before/after, retrieval R@1 and throughput."""
+    output_dir = Path(output_dir)
+    records = load_kept(Path(clean_data), cfg.max_records)
+    store = FeatureStore(Path(features))
+    missing = [r["image_hash"] for r in records if r["image_hash"] not in store]
+    if missing:
+        raise ValueError(f"{len(missing)} kept images have no cached features (first: {missing[0]}); run "
+                         "extract_features on this clean_data output.")
+    torch.manual_seed(cfg.seed)
+    model, processor = load_vlm(base_model)
+    set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
+    encoder = ConversationEncoder(processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+                                  max_length=cfg.max_length)
+    heldout = HeldoutCaptions(cfg, encoder, E.resolve_data_dir(data, scratch=output_dir / ".scratch"))
+
+    def turns(caption: str) -> list[dict]:
+        return [{"role": "user", "text": f"<image>\n{cfg.prompt}"}, {"role": "assistant", "text": caption}]
+
+    def from_features(i: int):
+        rows, grid = store.get(records[i]["image_hash"])
+        return encoder.encode(turns(records[i]["caption"]), grids=[grid], features=[rows],
+                              sample_id=records[i]["image_hash"])
+
+    def from_pixels(i: int):
+        image = decode_image(records[i]["image"], max_image_pixels=MAX_IMAGE_PIXELS).image
+        return encoder.encode(turns(records[i]["caption"]), images=[image], sample_id=records[i]["image_hash"])
+
+    frozen = ["vision_lower", "vision_upper"] + ([] if cfg.stage1.train_lm else ["lm_lower", "lm_upper"])
+    freeze(model, tuple(frozen))
+    loop, first = train_phase("stage1", model, cfg, cfg.stage1, from_features, len(records), output_dir, tracker,
+                              lambda step: heldout(model))
+    metrics: dict[str, Any] = _phase_metrics("stage1", first)
+    if cfg.stage2.enabled:
+        for param in model.parameters():
+            param.requires_grad_(True)
+        freeze(model, tuple(cfg.stage2.freeze))
+        loop, second = train_phase("stage2", model, cfg, cfg.stage2, from_pixels, len(records), output_dir, tracker,
+                                   lambda step: heldout(model))
+        metrics.update(_phase_metrics("stage2", second))
+    best = select_best(loop, cfg)
+    final = heldout(model) if best["step"] != loop.step else best
+    initial = first.evals[0]
+    metrics.update({
+        "records": len(records),
+        "heldout_caption_loss_initial": initial["heldout_caption_loss"],
+        "heldout_caption_loss_final": final["heldout_caption_loss"],
+        "heldout_caption_loss_reduction": 1.0 - final["heldout_caption_loss"] / initial["heldout_caption_loss"],
+        "retrieval_r1_initial": initial["retrieval_r1"],
+        "retrieval_r1": final["retrieval_r1"],
+        "retrieval_chance": 1.0 / heldout.pool,
+        "selected_step": best["step"],
+        "selected_from": len([e for e in loop.evals if e["step"] <= loop.step][-cfg.keep_best_of_last:]),
+    })
+    for param in model.parameters():
+        param.requires_grad_(False)
+    with loop.backend.gathered():
+        save_vlm(loop.backend.module, processor, output_dir / "model",
+                 metadata={"stage": "pretrain", "base_model": str(base_model), "selected_step": best["step"]})
+    (output_dir / "report.md").write_text(report(metrics, loop.evals))
+    tracker.log_text(report(metrics, loop.evals), "report.md")
+    return metrics
+
+
+def _phase_metrics(name: str, result: TrainResult) -> dict[str, float]:
+    return {
+        f"{name}_steps": result.steps,
+        f"{name}_steps_per_second": round(len(result.history) / result.seconds, 3) if result.seconds else 0.0,
+        f"{name}_train_loss_first": result.history[0]["loss"] if result.history else float("nan"),
+        f"{name}_train_loss_final": result.history[-1]["loss"] if result.history else float("nan"),
+        f"{name}_padding_efficiency": round(result.padding_efficiency, 4),
+    }
+
+
+def report(metrics: dict[str, Any], evals: list[dict]) -> str:
+    lines = ["# Pretrain", "", f"Held-out caption loss {metrics['heldout_caption_loss_initial']:.3f} -> "
+             f"{metrics['heldout_caption_loss_final']:.3f} ({100 * metrics['heldout_caption_loss_reduction']:.1f}% "
+             f"lower); retrieval R@1 {metrics['retrieval_r1_initial']:.3f} -> {metrics['retrieval_r1']:.3f} "
+             f"(chance {metrics['retrieval_chance']:.3f}); exported step {metrics['selected_step']}.", "",
+             "| step | held-out caption loss | retrieval R@1 |", "|---|---|---|"]
+    lines += [f"| {e['step']} | {e['heldout_caption_loss']:.4f} | {e['retrieval_r1']:.3f} |" for e in evals]
+    return "\n".join(lines) + "\n"
+
+
+class _Prefixed:
+    """A tracker view that prefixes metric names with the phase (stage1/..., stage2/...)."""
+
+    def __init__(self, tracker: Tracker, prefix: str) -> None:
+        self.tracker, self.prefix = tracker, prefix
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.tracker.log_metrics({f"{self.prefix}/{k}": v for k, v in metrics.items()}, step=step)
+
+    def __getattr__(self, name: str):
+        return getattr(self.tracker, name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from components._shared.cli import stage_main
+
+    stage_main(PretrainConfig, run, section="pretrain", inputs=("clean_data", "features", "base_model", "data"),
+               argv=argv)
+

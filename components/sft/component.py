@@ -1,0 +1,39 @@
+"""KFP wrapper of sft. All logic lives in components/sft/stage.py."""
+
+from kfp import dsl
+
+from components._shared.images import TRAIN_IMAGE
+
+
+@dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
+def sft_op(
+    pretrained: dsl.Input[dsl.Model],
+    sft_data_uri: str,
+    config: dict,
+    model: dsl.Output[dsl.Model],
+    metrics: dsl.Output[dsl.Metrics],
+    report: dsl.Output[dsl.Markdown],
+    experiment: str = "vlm",
+):
+    """Instruction-tune the pretrained VLM (LoRA / QLoRA / full), evaluate held-out VQA, calibrate.
+
+    Args:
+        pretrained: Output of pretrain (its model/ directory is the base).
+        sft_data_uri: Conversations (sft.jsonl) and held-out questions (eval.jsonl) with images; dir or s3://.
+        config: SftConfig as a dict.
+        model: model/ (merged, HF format), adapter/, checkpoints/, eval_predictions.jsonl, calibration.json.
+        metrics: VQA exact match per type vs the majority baseline, padding efficiency, ECE before/after.
+        report: The stage report for the KFP UI.
+        experiment: MLflow experiment name.
+    """
+    import shutil
+
+    from components._shared.launch import report_metrics, run_stage
+
+    results = run_stage(
+        "sft", config, experiment=experiment,
+        inputs={"base_model": pretrained.path + "/model", "data": sft_data_uri},
+        output_dir=model.path, artifacts={"model": model.path + "/model"}, record_as="sft",
+    )
+    report_metrics(metrics, results)
+    shutil.copyfile(model.path + "/report.md", report.path)

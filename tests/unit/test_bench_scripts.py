@@ -1,0 +1,50 @@
+"""The benchmark scripts run end to end on tiny settings and report what they promise (behaviour, never timing)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, f"{args[0]} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_sft_mfu_tiny_prints_the_json_report():
+    out = _run("bench/gpu/sft_mfu.py", "--tiny", "--steps", "2")
+    report = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    for key in ("tokens_per_s", "step_time_s", "mfu", "achieved_tflops", "peak_tflops", "model_flops_per_step",
+                "tokens_per_step", "memory", "flops_split", "budget"):
+        assert key in report, key
+    assert report["timed_steps"] == 2 and len(report["step_time_s_all"]) == 2
+    assert report["mfu_meaningful"] is False and "not meaningful" in report["note"]
+    assert report["tokens_per_s"] > 0 and 0 < report["mfu"]
+    assert 0 < report["tokens_per_step"] <= report["budget"]
+    assert abs(sum(report["flops_split"].values()) - 1.0) < 1e-9
+    assert report["memory"]["max_rss_gib"] > 0
+
+
+def test_packing_throughput_packs_more_efficiently_than_padding():
+    out = _run("bench/packing_throughput.py", "--model", "builtin:tiny-qwen2_5-vl", "--samples", "24",
+               "--repeats", "1", "--warmup", "1", "--budget", "auto,512", "--json")
+    assert "vs padded" in out and "goals packed@" in out and "vision tower" in out
+    report = json.loads(out.split("JSON ", 1)[1].splitlines()[0])
+    arms = report["arms"]
+    packed = [name for name in arms if name.startswith("packed@")]
+    assert len(packed) == 2 and "padded" in arms
+    for name in packed:
+        assert arms[name]["real_tokens"] == arms["padded"]["real_tokens"] == report["real_tokens"]
+        assert arms[name]["efficiency"] > arms["padded"]["efficiency"]
+        assert 0 < arms[name]["budget_fill"] <= 1
+        assert arms[name]["tokens_per_cpu_s"] > 0 and arms[name]["speedup"] > 0
+    assert arms["padded"]["efficiency"] < 1
+    assert 4 <= report["visual_tokens"]["min"] <= report["visual_tokens"]["max"] <= 256
