@@ -27,6 +27,9 @@ def lake_synth(
     out: Path = typer.Option(..., help="Output directory: DIR/lake, DIR/heldout, DIR/ground_truth.jsonl."),
     records: int = typer.Option(2000, min=1, help="Lake records (defects included)."),
     seed: int = typer.Option(0, min=0, help="Seed: the same seed writes the same bytes."),
+    sft_records: int = typer.Option(
+        8000, min=1, help="Instruction conversations in DIR/heldout/sft.jsonl (the demo SFT trains ~8 epochs on them)."
+    ),
 ):
     """Write the synthetic shapes world: a lake with labelled defects plus held-out splits."""
     from rich.console import Console
@@ -34,7 +37,7 @@ def lake_synth(
     from components.synth_world.lake import write_world
 
     with Console(stderr=True).status(f"Writing {records} records to {out} ..."):
-        counts = write_world(out, records=records, seed=seed)
+        counts = write_world(out, records=records, seed=seed, sft_records=sft_records)
     typer.echo(json.dumps(counts, indent=2, default=str))
 
 

@@ -49,8 +49,10 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
             extract_features_config=extract_features_config,
             pretrain_config=pretrain_config,
             sft_config=sft_config,
-            eval_data_uri=eval_data_uri if "pretrain" in wanted else "",
-            sft_data_uri=sft_data_uri if "sft" in wanted else "",
+            eval_data_uri=eval_data_uri,
+            sft_data_uri=sft_data_uri,
+            needs_eval_data="pretrain" in wanted,
+            needs_sft_data="sft" in wanted,
             experiment=experiment,
         )), cpu="1", memory="4Gi")
         preflight.set_display_name("Preflight checks").set_caching_options(False)
@@ -77,7 +79,8 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
             features.set_display_name("Extract vision features").set_retry(num_retries=2, backoff_duration="60s")
 
         if "pretrain" in wanted:
-            # Checkpoints live in the task's output artifact, so a retried task resumes from its last commit.
+            # Retries resume from the newest committed checkpoint under train.checkpoint_uri (prod-7b: on S3; a
+            # failed task's own output artifact is never uploaded).
             pretrain = on_gpus(with_runtime_env(pretrain_op(
                 clean_data=clean.outputs["clean_data"],
                 features=features.outputs["features"],

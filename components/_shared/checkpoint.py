@@ -37,9 +37,8 @@ def step_name(step: int) -> str:
 def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, json-able) RNG state of torch, CUDA, python and numpy."""
     tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, state in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = state
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # this rank's own device only
+        tensors["torch_cuda"] = torch.cuda.get_rng_state()
     version, keys, pos, has_gauss, gauss = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
     return tensors, {
@@ -50,9 +49,8 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 def set_rng_state(tensors: dict[str, torch.Tensor], states: dict[str, Any]) -> None:
     torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+    if "torch_cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["torch_cuda"])
     py_version, py_state, py_gauss = states["python"]
     random.setstate((py_version, tuple(py_state), py_gauss))
     version, keys, pos, has_gauss, gauss = states["numpy"]
@@ -70,11 +68,19 @@ class CheckpointStore:
         if not self.remote:
             Path(self.root).mkdir(parents=True, exist_ok=True)
 
-    def staging_dir(self, step: int) -> Path:
-        """A fresh, empty directory to write checkpoint `step` into (removes leftovers of killed writes)."""
+    def staging_dir(self, step: int, *, shared: bool = False) -> Path:
+        """A fresh, empty directory to write checkpoint `step` into (removes leftovers of killed writes).
+
+        `shared=True` (several processes write one checkpoint) gives every rank the same path; the caller lets
+        rank 0 create it and the others wait at a barrier.
+        """
         self.scratch.mkdir(parents=True, exist_ok=True)
         for stale in self.scratch.glob(f".{STEP_PREFIX}*.partial-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        if shared:
+            path = self.scratch / f".{step_name(step)}.partial-shared"
+            path.mkdir()
+            return path
         return Path(tempfile.mkdtemp(prefix=f".{step_name(step)}.partial-", dir=self.scratch))
 
     def commit(self, staging: Path, step: int) -> str:
@@ -100,12 +106,12 @@ class CheckpointStore:
         found = self.committed()
         return found[-1] if found else None
 
-    def local_copy(self, uri: str) -> Path:
-        """A verified local directory of committed checkpoint `uri` (downloaded when remote)."""
+    def local_copy(self, uri: str, rank: int = 0) -> Path:
+        """A verified local directory of committed checkpoint `uri` (downloaded when remote, one copy per rank)."""
         if not self.remote:
             storage.verify_dir(uri)
             return Path(uri)
-        target = self.scratch / f"resume-{Path(uri).name}"
+        target = self.scratch / f"resume-rank{rank}-{Path(uri).name}"
         shutil.rmtree(target, ignore_errors=True)
         return storage.fetch_dir(uri, target)
 
@@ -120,6 +126,29 @@ class CheckpointStore:
                 del key
             else:
                 shutil.rmtree(uri, ignore_errors=True)
+
+
+def fingerprint(config: dict[str, Any], inputs: dict[str, Any]) -> str:
+    """A short hash of a stage's config and inputs (a committed input directory by its files' sha256s, anything
+    else by its value): the same run, retried, gets the same checkpoint location; any change gets a new one."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, value in sorted(inputs.items()):
+        identity = str(value)
+        marker = Path(str(value)) / storage.COMMIT_MARKER
+        if not storage.is_s3(str(value)) and marker.is_file():
+            identity = json.dumps(json.loads(marker.read_text())["files"], sort_keys=True)
+        digest.update(f"\n{name}={identity}".encode())
+    return digest.hexdigest()[:16]
+
+
+def location(checkpoint_uri: str | None, stage: str, key: str, output_dir: Path) -> str:
+    """Where a stage's checkpoints live: CHECKPOINT_URI/<stage>-<key> when a root is configured (S3 survives a
+    failed KFP task, whose outputs are never uploaded), else OUTPUT/checkpoints."""
+    if checkpoint_uri:
+        return storage.join(checkpoint_uri, f"{stage}-{key}")
+    return str(Path(output_dir) / "checkpoints")
 
 
 def write_state(directory: Path, state: dict[str, Any]) -> None:
@@ -158,15 +187,20 @@ def load_torch_state(directory: Path, model, optimizer, scheduler) -> None:
     scheduler.load_state_dict(blob["scheduler"])
 
 
-def save_rng(directory: Path) -> dict[str, Any]:
+def save_rng(directory: Path, rank: int = 0) -> dict[str, Any]:
+    """Write this rank's torch RNG tensors; returns its python/numpy state (json-able)."""
     from safetensors.torch import save_file
 
     tensors, states = rng_state()
-    save_file(tensors, str(directory / "rng.safetensors"))
+    save_file(tensors, str(directory / _rng_file(rank)))
     return states
 
 
-def load_rng(directory: Path, states: dict[str, Any]) -> None:
+def load_rng(directory: Path, states: dict[str, Any], rank: int = 0) -> None:
     from safetensors.torch import load_file
 
-    set_rng_state(load_file(str(directory / "rng.safetensors")), states)
+    set_rng_state(load_file(str(directory / _rng_file(rank))), states)
+
+
+def _rng_file(rank: int) -> str:
+    return "rng.safetensors" if rank == 0 else f"rng-rank{rank}.safetensors"

@@ -35,6 +35,8 @@ def init_distributed() -> tuple[int, int]:
         if "RANK" not in os.environ:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                               MASTER_PORT=str(_free_port()))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per rank, before any CUDA work
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
@@ -42,8 +44,12 @@ def init_distributed() -> tuple[int, int]:
 def ds_config(train: TrainConfig, optim: OptimConfig) -> dict:
     """The DeepSpeed config for `train` (no train_batch_size: the loop owns batching)."""
     zero: dict = {"stage": train.zero_stage, "overlap_comm": False, "contiguous_gradients": True}
+    extra = {}
     if train.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        # The loop's torch AdamW (per-group lrs) steps on the CPU copy; DeepSpeed would otherwise insist on
+        # its compiled CPUAdam op.
+        extra["zero_force_ds_cpu_optimizer"] = False
     if train.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     bf16 = train.precision == "bf16" or (train.precision == "auto" and torch.cuda.is_available())
@@ -57,6 +63,7 @@ def ds_config(train: TrainConfig, optim: OptimConfig) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        **extra,
     }
 
 
@@ -91,6 +98,11 @@ class DeepSpeedBackend:
         # ZeRO averages gradients over ranks; the loss is already normalised by the step's global target count
         self.engine.backward(loss * self.world_size)
 
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
+        torch.distributed.all_reduce(tensor)
+        return tensor.tolist()
+
     def step(self) -> tuple[dict[str, float], list[float]]:
         lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.engine.step()
@@ -106,6 +118,17 @@ class DeepSpeedBackend:
         if path is None:
             raise ValueError(f"{directory}/deepspeed holds no DeepSpeed checkpoint tagged {TAG!r}; was it written "
                              "with train.backend=torch? Resume with the backend that wrote it.")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight on the CPU, trainable ones from DeepSpeed's fp32 master copy (not the bf16 module)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        with self.gathered():
+            state = {k: v.detach().float().cpu().clone() for k, v in self.module.state_dict().items()}
+            for name, param in self.module.named_parameters():
+                if param.requires_grad:
+                    state[name] = safe_get_full_fp32_param(param).detach().float().cpu().clone()
+        return state
 
     @contextmanager
     def gathered(self):

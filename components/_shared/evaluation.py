@@ -81,8 +81,9 @@ def prompt_turns(question: str) -> list[dict]:
 
 @torch.no_grad()
 def generate_answers(model, encoder: ConversationEncoder, records: list[dict], *, batch_size: int = 16,
-                     max_new_tokens: int = 48) -> list[str]:
-    """Greedy answers, batched with left padding (the KV cache on)."""
+                     max_new_tokens: int = 48, first_logits: list | None = None) -> list[str]:
+    """Greedy answers, batched with left padding (the KV cache on); `first_logits`, when a list, receives each
+    record's logits of the first generated token (for tests and diagnostics)."""
     tokenizer = encoder.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -98,13 +99,19 @@ def generate_answers(model, encoder: ConversationEncoder, records: list[dict], *
         for b, s in enumerate(samples):
             ids[b, width - s.num_tokens:] = s.input_ids
             mask[b, width - s.num_tokens:] = 1
+        # mm_token_type_ids: without it, generate gives the image tokens plain text positions (no 2-D M-RoPE)
+        image_token = encoder.image_token_id
         out = model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device),
+            mm_token_type_ids=(ids == image_token).to(torch.int32).to(device),
             pixel_values=torch.cat([s.pixel_values for s in samples]).to(device),
             image_grid_thw=torch.cat([s.image_grid_thw for s in samples]).to(device),
             max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, eos_token_id=end_id, pad_token_id=pad_id,
+            return_dict_in_generate=True, output_logits=first_logits is not None,
         )
-        for row in out[:, width:]:
+        if first_logits is not None:
+            first_logits.extend(out.logits[0].float().cpu())
+        for row in out.sequences[:, width:]:
             row = row.tolist()
             row = row[: row.index(end_id)] if end_id in row else row
             answers.append(tokenizer.decode(row, skip_special_tokens=True).strip())

@@ -80,6 +80,9 @@ def execute(
 
     from components._shared.tracking import NullTracker, stage_tracker
 
+    if os.environ.get("RANK", "0").strip() not in ("", "0"):
+        # torchrun: every rank trains; only rank 0 writes the record and the commit marker (and logs).
+        record_as = None
     verify_inputs(inputs)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -119,7 +122,8 @@ def execute(
             },
             output_dir,
         )
-    storage.commit_dir(output_dir)  # last: readers treat a directory without the marker as unfinished
+    if os.environ.get("RANK", "0").strip() in ("", "0"):
+        storage.commit_dir(output_dir)  # last: readers treat a directory without the marker as unfinished
     return metrics
 
 

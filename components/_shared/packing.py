@@ -72,6 +72,8 @@ class ConversationEncoder:
         self.system_prompt = system_prompt
         self._vision_start = self.tokenizer.convert_tokens_to_ids("<|vision_start|>")
         self._vision_end = self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
+        self._specials = sorted(set(self.tokenizer.all_special_tokens) | {"<|im_start|>", "<|im_end|>",
+                                                                          "<|image_pad|>", "<|vision_start|>"})
 
     def prepare_image(self, image) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values, grid_thw (3,)) of a PIL image, resized exactly as the Qwen image processor does."""
@@ -100,6 +102,14 @@ class ConversationEncoder:
             ids.extend(piece)
             labels.extend(piece if train else [IGNORE_INDEX] * len(piece))
 
+        for i, turn in enumerate(turns):
+            text = turn.get("text")
+            found = [t for t in self._specials if isinstance(text, str) and t in text]
+            if found:
+                raise ValueError(
+                    f"sample {sample_id!r} turn {i}: the text contains the control token(s) {found}; they would be "
+                    "read as chat-template / image markers. Remove them from the data (use <image> for images)."
+                )
         add(f"<|im_start|>system\n{self.system_prompt}<|im_end|>\n", train=False)
         placed = 0
         for i, turn in enumerate(turns):
@@ -290,19 +300,19 @@ def forward_logits(model, batch: dict, image_embeds: torch.Tensor | None = None)
 
 def token_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, int]:
     """(summed cross-entropy over target tokens, number of target tokens) of one micro-batch."""
-    targets = batch["targets"].to(logits.device)
-    losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                             reduction="sum")
-    return losses, int((targets != IGNORE_INDEX).sum())
+    targets = batch["targets"].to(logits.device).flatten()
+    valid = targets != IGNORE_INDEX  # select first: only target rows of the (L, V) logits go to fp32
+    losses = F.cross_entropy(logits.flatten(0, 1)[valid].float(), targets[valid], reduction="sum")
+    return losses, int(valid.sum())
 
 
 def per_sample_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
     """Mean target-token cross-entropy of each sample, (num_samples,), for packed and padded batches alike."""
     targets = batch["targets"].to(logits.device).flatten()
     seq = batch["seq_index"].to(logits.device).flatten()
-    token = F.cross_entropy(logits.float().flatten(0, 1), targets, ignore_index=IGNORE_INDEX, reduction="none")
     valid = (targets != IGNORE_INDEX) & (seq >= 0)
+    token = F.cross_entropy(logits.flatten(0, 1)[valid].float(), targets[valid], reduction="none")
     n = batch["num_samples"]
-    sums = torch.zeros(n, device=logits.device).index_add_(0, seq[valid], token[valid])
-    counts = torch.zeros(n, device=logits.device).index_add_(0, seq[valid], torch.ones_like(token[valid]))
+    sums = torch.zeros(n, device=logits.device).index_add_(0, seq[valid], token)
+    counts = torch.zeros(n, device=logits.device).index_add_(0, seq[valid], torch.ones_like(token))
     return sums / counts.clamp_min(1)

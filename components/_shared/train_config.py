@@ -81,6 +81,10 @@ class TrainConfig(SubConfig):
     offload_optimizer: bool = Field(False, description="DeepSpeed: optimizer states on the CPU.")
     checkpoint_every: Annotated[int, Field(ge=0, description="Steps between checkpoints; 0 = only at the end.")] = 0
     keep_checkpoints: Annotated[int, Field(ge=1, description="Committed checkpoints kept (older ones deleted).")] = 2
+    checkpoint_uri: str | None = Field(None, description=(
+        "Checkpoint root (local dir or s3://); checkpoints go to ROOT/<stage>-<hash of config and inputs>, so a "
+        "retried task resumes and a changed run starts fresh. null = the stage output's checkpoints/ (lost "
+        "with a failed KFP task: set a root on a cluster)."))
     eval_every: Annotated[int, Field(ge=0, description="Steps between held-out evaluations; 0 = start and end only.")] = 0
     log_every: Annotated[int, Field(ge=1)] = 10
     threads: Annotated[int, Field(ge=0, description="torch intra-op threads; 0 leaves the default. Exact resume needs the same count.")] = 0

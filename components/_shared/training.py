@@ -17,6 +17,7 @@ backend (components/_shared/ds_backend.py) plugs into the same loop.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from components._shared import checkpoint as ckpt
-from components._shared.packing import Sample, forward_logits, pack, plan_micro_batches, token_loss
+from components._shared.packing import Sample, batch_tokens, forward_logits, pack, plan_micro_batches, token_loss
 from components._shared.tracking import NullTracker, Tracker
 from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
 from components._shared.vlm import named_groups
@@ -46,6 +47,10 @@ class Phase:
     steps: int
     pool: Sequence[int]
     lr_scale: float = 1.0
+    # Online scheduling: weights over `pool` from the evaluations so far (None = plain epochs). When it returns
+    # weights, each step draws its samples with replacement from a generator seeded by (seed, step), so the
+    # data stays a pure function of the restored state and resume stays exact.
+    weights: Callable[[list[dict]], Sequence[float] | None] | None = None
 
 
 @dataclass
@@ -63,7 +68,8 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
-    padding_efficiency: float = 0.0
+    padding_efficiency: float = 0.0  # real tokens / positions the model computed (this rank's micro-batches)
+    budget_fill: float = 0.0  # real tokens / (micro-batches x max_tokens_per_micro_batch)
     tokens: int = 0
     seconds: float = 0.0
 
@@ -131,7 +137,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device='cuda' but no CUDA GPU is visible; use device: auto or cpu.")
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":  # under torchrun each rank owns the GPU of its LOCAL_RANK
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device(name)
 
 
@@ -148,6 +156,9 @@ class TrainLoop:
         for p in phases:
             if len(p.pool) == 0 and p.steps:
                 raise ValueError(f"phase '{p.name}' has no samples; check its data filter.")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and train.backend != "deepspeed":
+            raise ValueError("this run has several processes (WORLD_SIZE > 1) but train.backend is 'torch', which "
+                             "trains one process; set train.backend: deepspeed for data-parallel training.")
         if train.threads:
             torch.set_num_threads(train.threads)
         self.model, self.train, self.optim_cfg, self.schedule = model, train, optim, schedule
@@ -185,6 +196,13 @@ class TrainLoop:
         while c.step_in_phase >= self.phases[c.phase].steps:
             c.phase, c.step_in_phase, c.epoch, c.offset = c.phase + 1, 0, 0, 0
         phase = self.phases[c.phase]
+        weights = phase.weights(self.evals) if phase.weights else None
+        if weights is not None:
+            p = np.asarray(weights, dtype=np.float64)
+            rng = np.random.default_rng([self.seed, 1_000_003, self.step])
+            c.step_in_phase += 1
+            picked = rng.choice(np.asarray(phase.pool), size=self.train.samples_per_step, p=p / p.sum())
+            return [int(i) for i in picked], phase
         picked: list[int] = []
         while len(picked) < self.train.samples_per_step:
             order = self._order(c.phase, c.epoch)
@@ -209,26 +227,44 @@ class TrainLoop:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_checkpoint(self) -> str:
-        staging = self.store.staging_dir(self.step)
+        """Write and commit checkpoint `self.step`; with several processes every rank writes its part into one
+        shared staging directory and rank 0 commits it after a barrier."""
+        rank, world = self.backend.rank, self.backend.world_size
+        if world == 1:
+            staging = self.store.staging_dir(self.step)
+        else:
+            if rank == 0:
+                self.store.staging_dir(self.step, shared=True)
+            _barrier()
+            staging = self.store.scratch / f".{ckpt.step_name(self.step)}.partial-shared"
         self.backend.save(staging)
-        states = ckpt.save_rng(staging)
+        states = ckpt.save_rng(staging, rank)
         _crash_point("QVL_TEST_KILL_IN_CHECKPOINT", self.step)
-        state = {"step": self.step, "cursor": vars(self.cursor), "rng": states, "history": self.history,
-                 "evals": self.evals, "extra": self.extra_state() if self.extra_state else {}}
-        ckpt.write_state(staging, state)
-        return self.store.commit(staging, self.step)
+        if world > 1:
+            (staging / f"state-rank{rank}.json").write_text(json.dumps(states))
+        _barrier()
+        uri = ""
+        if rank == 0:
+            state = {"step": self.step, "cursor": vars(self.cursor), "rng": states, "history": self.history,
+                     "evals": self.evals, "extra": self.extra_state() if self.extra_state else {}}
+            ckpt.write_state(staging, state)
+            uri = self.store.commit(staging, self.step)
+        _barrier()
+        return uri
 
     def try_resume(self) -> int | None:
         latest = self.store.latest()
         if latest is None:
             return None
-        local = self.store.local_copy(latest)
+        local = self.store.local_copy(latest, self.backend.rank)
         state = ckpt.read_state(local)
         self.backend.load(local)
         self.step = int(state["step"])
         self.cursor = DataCursor(**state["cursor"])
         self.history, self.evals = state["history"], state["evals"]
-        ckpt.load_rng(local, state["rng"])  # last: nothing after this may consume randomness before training
+        rank = self.backend.rank
+        rng = state["rng"] if rank == 0 else json.loads((local / f"state-rank{rank}.json").read_text())
+        ckpt.load_rng(local, rng, rank)  # last: nothing after this may consume randomness before training
         return self.step
 
     # -- the loop ------------------------------------------------------------------------------------------
@@ -237,7 +273,7 @@ class TrainLoop:
         resumed = self.try_resume()
         if resumed is None and evaluate is not None:
             self._evaluate(evaluate)
-        real_tokens = slots = 0
+        real_tokens = slots = packed_real = packed_positions = 0
         saved: list[str] = []
         while self.step < self.train.steps:
             indices, phase = self._next_indices()
@@ -245,6 +281,8 @@ class TrainLoop:
             metrics = self._train_step(samples)
             real_tokens += metrics.pop("_tokens")
             slots += metrics.pop("_slots")
+            packed_real += metrics.pop("_real")
+            packed_positions += metrics.pop("_positions")
             self.step += 1
             metrics.update(step=self.step, phase=self.phases.index(phase))
             self.history.append(metrics)
@@ -262,7 +300,9 @@ class TrainLoop:
         if resumed != self.train.steps:  # a run resumed from its final checkpoint has nothing new to save
             saved.append(self.save_checkpoint())
         return TrainResult(steps=self.step, resumed_from=resumed, history=self.history, evals=self.evals,
-                           checkpoints=saved, padding_efficiency=real_tokens / slots if slots else 0.0,
+                           checkpoints=saved,
+                           padding_efficiency=packed_real / packed_positions if packed_positions else 0.0,
+                           budget_fill=real_tokens / slots if slots else 0.0,
                            tokens=real_tokens, seconds=time.perf_counter() - started)
 
     def _evaluate(self, evaluate: Callable[[int], dict[str, float]]) -> None:
@@ -284,27 +324,47 @@ class TrainLoop:
         if total_targets == 0:
             raise ValueError(f"a training step's {len(samples)} samples have no target tokens; check the data "
                              f"(first ids: {[s.sample_id for s in samples[:3]]}).")
-        loss_total, extras = 0.0, {}
-        self.backend.begin_step(len(plan))
-        for group in plan:
+        # Data parallel: rank r runs micro-batches r, r+W, ...; a rank with one fewer runs a zero-weighted copy
+        # of the first, so every rank does the same number of backward passes (collectives stay matched).
+        rank, world = self.backend.rank, self.backend.world_size
+        mine = plan[rank::world]
+        rounds = -(-len(plan) // world)
+        weights = [1.0] * len(mine) + [0.0] * (rounds - len(mine))
+        mine = mine + [plan[0]] * (rounds - len(mine))
+        loss_total, extras, real, positions = 0.0, {}, 0, 0
+        self.backend.begin_step(rounds)
+        for group, weight in zip(mine, weights):
             micro = [samples[i] for i in group]
-            batch = _to_device(pack(micro), self.device)
+            batch = pack(micro)
+            if weight:
+                used, computed = batch_tokens(batch)
+                real, positions = real + used, positions + computed
+            batch = _to_device(batch, self.device)
             with self._autocast():
                 loss_sum, _, extra = self.loss_fn(self.backend.module, batch, micro)
-            self.backend.backward(loss_sum / total_targets)
-            loss_total += float(loss_sum.detach())
+            self.backend.backward(loss_sum * (weight / total_targets))
+            loss_total += weight * float(loss_sum.detach())
             for k, v in extra.items():
-                extras[k] = extras.get(k, 0.0) + v / len(plan)
+                extras[k] = extras.get(k, 0.0) + weight * v / len(plan)
+        if world > 1:  # one collective; loss_fn returns the same keys on every micro-batch and rank
+            keys = sorted(extras)
+            totals = self.backend.all_reduce_sum([loss_total, *(extras[k] for k in keys)])
+            loss_total, extras = totals[0], dict(zip(keys, totals[1:]))
         norms, lrs = self.backend.step()
         tokens = sum(s.num_tokens for s in samples)
         slots = len(plan) * self.train.max_tokens_per_micro_batch
+        # Packed rows carry no padding (every computed position is a real token); budget_fill says how full the
+        # micro-batches are against max_tokens_per_micro_batch (what a fixed-shape GPU buffer would pad to).
         return {"loss": loss_total / total_targets, "micro_batches": float(len(plan)),
-                "padding_efficiency": tokens / slots, "lr": lrs[0] if lrs else 0.0,
-                **{f"grad_norm/{k}": v for k, v in norms.items()}, **extras, "_tokens": tokens, "_slots": slots}
+                "budget_fill": tokens / slots, "lr": lrs[0] if lrs else 0.0,
+                **{f"grad_norm/{k}": v for k, v in norms.items()}, **extras, "_tokens": tokens, "_slots": slots,
+                "_real": real, "_positions": positions}
 
 
 class TorchBackend:
     """Plain AdamW with per-group clipping and a LambdaLR schedule."""
+
+    rank, world_size = 0, 1
 
     def __init__(self, model, *, optim: OptimConfig, lr_lambda: Callable[[int], float]) -> None:
         self.module = model
@@ -331,9 +391,22 @@ class TorchBackend:
     def load(self, directory) -> None:
         ckpt.load_torch_state(directory, self.module, self.optimizer, self.scheduler)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
     @contextmanager
     def gathered(self):
         yield
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def is_main_process() -> bool:
+    """True outside torch.distributed and on rank 0: only it writes outputs and logs."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:

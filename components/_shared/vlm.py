@@ -70,10 +70,10 @@ def student_config(
     intermediate: int | None = None,
     heads: int | None = None,
     kv_heads: int | None = None,
+    vision_depth: int | None = None,
 ):
-    """A smaller config of the same family: fewer / narrower LM layers, the same vision tower and vocabulary.
-
-    The merger's output width follows the LM width. `mrope_section` is rescaled to the new head_dim.
+    """A smaller config of the same family: fewer / narrower LM layers, optionally fewer ViT blocks, the same
+    vocabulary. The merger's output width follows the LM width; `mrope_section` is rescaled to the new head_dim.
     """
     config = teacher_config.__class__.from_dict(teacher_config.to_dict())
     text = config.text_config
@@ -100,7 +100,18 @@ def student_config(
     text.layer_types = ["full_attention"] * layers
     text.max_window_layers = min(getattr(text, "max_window_layers", layers), layers)
     text.rope_parameters = {**text.rope_parameters, "mrope_section": scaled}
-    config.vision_config.out_hidden_size = hidden
+    if vision_depth is not None:
+        vision = config.vision_config
+        if not 1 <= vision_depth <= vision.depth:
+            raise ValueError(f"student vision_depth={vision_depth} must be between 1 and the teacher's {vision.depth}.")
+        vision.depth = vision_depth
+        if hasattr(vision, "fullatt_block_indexes"):  # Qwen2.5-VL: keep full attention in the last block at least
+            vision.fullatt_block_indexes = [i for i in vision.fullatt_block_indexes if i < vision_depth] or [
+                vision_depth - 1]
+    if config.model_type == "qwen2_vl":  # Qwen2-VL's merger projects to vision_config.hidden_size
+        config.vision_config.hidden_size = hidden
+    else:
+        config.vision_config.out_hidden_size = hidden
     return config
 
 

@@ -451,6 +451,8 @@ def run(
         "dtype": cfg.dtype,
         "hidden_size": hidden_size,
         "merge_size": spec.merge_size,
+        "min_pixels": cfg.min_pixels,
+        "max_pixels": cfg.max_pixels,
         "images": writer.index,
         "caption_embeddings": caption_file,
     }

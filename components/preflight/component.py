@@ -17,6 +17,8 @@ def preflight_op(
     report: dsl.Output[dsl.Artifact],
     eval_data_uri: str = "",
     sft_data_uri: str = "",
+    needs_eval_data: bool = False,
+    needs_sft_data: bool = False,
     experiment: str = "vlm",
 ):
     """Validate every stage config, reach the lake / MLflow / S3, resolve the models. Never cached.
@@ -29,8 +31,10 @@ def preflight_op(
         extract_features_config: The extract_features section, validated here too.
         pretrain_config: The pretrain section.
         sft_config: The sft section.
-        eval_data_uri: Held-out data (must hold eval.jsonl); empty skips the check (DAG cut before pretrain).
-        sft_data_uri: SFT data (must hold sft.jsonl and eval.jsonl); empty skips the check.
+        eval_data_uri: Held-out data (must hold eval.jsonl).
+        sft_data_uri: SFT data (must hold sft.jsonl and eval.jsonl).
+        needs_eval_data: Whether this DAG runs pretrain (then eval_data_uri must be set).
+        needs_sft_data: Whether this DAG runs sft (then sft_data_uri must be set).
         report: preflight.json with what was checked and where the models resolved to.
         experiment: MLflow experiment name.
     """
@@ -39,10 +43,10 @@ def preflight_op(
 
     stage_configs = {"clean_data": clean_data_config, "extract_features": extract_features_config,
                      "pretrain": pretrain_config, "sft": sft_config}
-    data_files: dict = {}
-    for uri, names in ((eval_data_uri, ["eval.jsonl"]), (sft_data_uri, ["sft.jsonl", "eval.jsonl"])):
-        if uri:
-            data_files.setdefault(uri, []).extend(n for n in names if n not in data_files.get(uri, []))
+    data_files = {
+        "eval_data_uri": {"uri": eval_data_uri, "files": ["eval.jsonl"], "required": needs_eval_data},
+        "sft_data_uri": {"uri": sft_data_uri, "files": ["sft.jsonl", "eval.jsonl"], "required": needs_sft_data},
+    }
     run_stage(
         "preflight",
         config,

@@ -72,12 +72,19 @@ def model_uris_in(stage_configs: dict[str, dict[str, Any]]) -> list[str]:
     return uris
 
 
-def check_data(data_files: dict[str, list[str]]) -> int:
-    """Require every named file under each data URI ({uri: [file, ...]}); returns how many were found."""
+def check_data(data_files: dict[str, dict[str, Any]]) -> int:
+    """Require the files under each needed data URI ({parameter: {"uri", "files", "required"}}); returns how many
+    files were found. An empty URI that a stage of this DAG needs is an error naming the pipeline parameter."""
     from components._shared import storage
 
     found = 0
-    for uri, names in data_files.items():
+    for parameter, spec in data_files.items():
+        uri, names = spec.get("uri") or "", spec.get("files") or []
+        if not uri:
+            if spec.get("required"):
+                raise ValueError(f"pipeline parameter {parameter} is empty, but a stage of this DAG reads it; pass "
+                                 f"{parameter}=s3://bucket/prefix (a directory with {', '.join(names)} and images).")
+            continue
         for name in names:
             if not storage.exists(storage.join(uri, name)):
                 raise ValueError(f"{storage.join(uri, name)} does not exist; the training data at {uri} needs {name} "
@@ -94,7 +101,7 @@ def run(
     stage_configs: dict[str, dict[str, Any]],
     output_dir: Path,
     tracker: Tracker,
-    data_files: dict[str, list[str]] | None = None,
+    data_files: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Validate configs, then reach the lake, the data, the tracking server and the models; raise on the first
     failure."""

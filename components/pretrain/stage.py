@@ -16,6 +16,7 @@ model/ is the best of the last N evaluated checkpoints (seed 001). Writes model/
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from components._shared import evaluation as E
+from components._shared import checkpoint as ckpt
 from components._shared.checkpoint import CheckpointStore
 from components._shared.imaging import decode_image
 from components._shared.packing import (
@@ -36,23 +38,24 @@ from components._shared.packing import (
     token_loss,
 )
 from components._shared.tracking import Tracker
-from components._shared.training import Phase, TrainLoop, TrainResult
+from components._shared.training import Phase, TrainLoop, TrainResult, is_main_process
 from components._shared.vlm import freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
 from components.pretrain.config import InfoNceConfig, PretrainConfig
 
 MAX_IMAGE_PIXELS = 89_478_485
 
 
-def load_kept(clean_data: Path, max_records: int | None) -> list[dict]:
-    """clean_data's kept records: image_hash, image bytes and caption, in file order."""
+def load_kept(clean_data: Path, max_records: int | None, *, with_images: bool = True) -> list[dict]:
+    """clean_data's kept records: image_hash, caption and (only when pixels are needed) the image bytes."""
     import pyarrow.parquet as pq
 
     parts = sorted((clean_data / "kept").glob("part-*.parquet"))
     if not parts:
         raise ValueError(f"{clean_data}/kept has no part-*.parquet files; point --clean-data at clean_data's output.")
+    columns = ["image_hash", "caption"] + (["image"] if with_images else [])
     rows: list[dict] = []
     for part in parts:
-        table = pq.read_table(part, columns=["image_hash", "image", "caption"]).to_pylist()
+        table = pq.read_table(part, columns=columns).to_pylist()
         rows += [r for r in table if r["caption"]]
         if max_records and len(rows) >= max_records:
             return rows[:max_records]
@@ -69,6 +72,19 @@ class FeatureStore:
         self.dir = features_dir
         self.index = json.loads(index_file.read_text())
         self._handles: dict[str, Any] = {}
+
+    def check(self, model, *, min_pixels: int, max_pixels: int) -> None:
+        """The cache must come from this model's ViT at this resolution, or stage 1 trains on the wrong rows."""
+        hidden = qwen_model(model).config.vision_config.hidden_size
+        if self.index.get("hidden_size") != hidden:
+            raise ValueError(f"{self.dir}/index.json: features of width {self.index.get('hidden_size')} from "
+                             f"{self.index.get('model')!r}, but this model's vision tower is {hidden} wide; run "
+                             "extract_features with the same base model as pretrain.")
+        for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+            if name in self.index and self.index[name] != value:
+                raise ValueError(f"{self.dir}/index.json: features extracted with {name}={self.index[name]} but "
+                                 f"pretrain.{name}={value}; set extract_features and pretrain to the same "
+                                 "min_pixels / max_pixels.")
 
     def __contains__(self, image_hash: str) -> bool:
         return image_hash in self.index["images"]
@@ -97,18 +113,19 @@ def infonce_loss(cfg: InfoNceConfig, embeds: torch.Tensor, batch: dict, text_emb
     txt = torch.zeros(n, txt_rows.shape[-1], dtype=txt_rows.dtype, device=txt_rows.device).index_add_(0, txt_seq, txt_rows)
     txt = txt / torch.bincount(txt_seq, minlength=n).clamp_min(1)[:, None]
     sim = F.normalize(img.float(), dim=-1) @ F.normalize(txt.float(), dim=-1).T / cfg.temperature
+    row, col = sim, sim.T
     if cfg.hard_negatives and cfg.hard_negatives < n - 1:
-        eye = torch.eye(n, dtype=torch.bool, device=sim.device)
-        keep = eye.clone()
-        for scores, out in ((sim, keep), (sim.T, keep.T)):
-            hardest = scores.masked_fill(eye, float("-inf")).topk(cfg.hard_negatives, dim=1).indices
-            out.scatter_(1, hardest, True)
-        row = sim.masked_fill(~keep, float("-inf"))
-        col = sim.T.masked_fill(~keep.T, float("-inf"))
-    else:
-        row, col = sim, sim.T
+        row, col = _hardest(row, cfg.hard_negatives), _hardest(col, cfg.hard_negatives)
     labels = torch.arange(n, device=sim.device)
     return 0.5 * (F.cross_entropy(row, labels) + F.cross_entropy(col, labels))
+
+
+def _hardest(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row keeps its positive (the diagonal) and its k most similar negatives; the rest is masked out."""
+    eye = torch.eye(scores.shape[0], dtype=torch.bool, device=scores.device)
+    keep = eye.clone()
+    keep.scatter_(1, scores.masked_fill(eye, float("-inf")).topk(k, dim=1).indices, True)
+    return scores.masked_fill(~keep, float("-inf"))
 
 
 def make_loss(cfg: PretrainConfig):
@@ -118,11 +135,15 @@ def make_loss(cfg: PretrainConfig):
         embeds = image_embeddings(model, batch)
         logits = forward_logits(model, batch, image_embeds=embeds)
         loss_sum, targets = token_loss(logits, batch)
-        if cfg.infonce.weight <= 0 or batch["num_samples"] < 2:
+        if cfg.infonce.weight <= 0:
             return loss_sum, targets, {}
+        # Same calls and the same metric keys on every micro-batch and rank (ZeRO-3 gathers, all-reduces).
+        text_embeds = model.get_input_embeddings()(batch["input_ids"])
+        if batch["num_samples"] < 2:  # no negatives in this micro-batch
+            return loss_sum + 0.0 * text_embeds.sum(), targets, {"infonce": 0.0}
         image_token = qwen_model(model).config.image_token_id
         batch = {**batch, "image_mask": batch["input_ids"] == image_token}
-        nce = infonce_loss(cfg.infonce, embeds, batch, model.get_input_embeddings()(batch["input_ids"]))
+        nce = infonce_loss(cfg.infonce, embeds, batch, text_embeds)
         return loss_sum + cfg.infonce.weight * nce * targets, targets, {"infonce": float(nce.detach())}
 
     return loss
@@ -172,39 +193,51 @@ class HeldoutCaptions:
 
 
 def train_phase(name: str, model, cfg: PretrainConfig, block, sample, n: int, output_dir: Path, tracker: Tracker,
-                evaluate) -> tuple[TrainLoop, TrainResult]:
+                evaluate, key: str) -> tuple[TrainLoop, TrainResult]:
     loop = TrainLoop(model, train=block.train, optim=block.optim, schedule=block.schedule, sample=sample,
                      phases=[Phase(name, block.train.steps, list(range(n)))],
-                     checkpoints=CheckpointStore(output_dir / "checkpoints" / name, keep=block.train.keep_checkpoints),
+                     checkpoints=CheckpointStore(_join(ckpt.location(block.train.checkpoint_uri, "pretrain", key,
+                                                                     output_dir), name),
+                                                 keep=block.train.keep_checkpoints, scratch=output_dir / ".scratch"),
                      tracker=_Prefixed(tracker, name), loss_fn=make_loss(cfg), seed=cfg.seed)
     return loop, loop.run(evaluate=evaluate)
 
 
-def select_best(loop: TrainLoop, cfg: PretrainConfig) -> dict[str, float]:
-    """Load the best of the last N evaluated, still committed checkpoints into the model; returns its eval."""
-    committed = {int(Path(u).name.split("-")[1]): u for u in loop.store.committed()}
+def _join(root, name: str) -> str:
+    from components._shared import storage
+
+    return storage.join(str(root), name)
+
+
+def select_best(loop: TrainLoop, cfg: PretrainConfig) -> tuple[dict[str, float], int]:
+    """Load the best of the last N evaluated, still committed checkpoints into the model; returns its eval and
+    how many candidates there were."""
+    committed = {int(Path(u.rstrip("/")).name.split("-")[1]): u for u in loop.store.committed()}
     candidates = [e for e in loop.evals if e["step"] in committed][-cfg.keep_best_of_last:]
     if not candidates:
-        return loop.evals[-1]
+        return loop.evals[-1], 1
     sign = 1.0 if cfg.selection_metric == "heldout_caption_loss" else -1.0
     best = min(candidates, key=lambda e: (sign * e[cfg.selection_metric], -e["step"]))
     if best["step"] != loop.step:
-        loop.backend.load(loop.store.local_copy(committed[best["step"]]))
-    return best
+        loop.backend.load(loop.store.local_copy(committed[best["step"]], loop.backend.rank))
+    return best, len(candidates)
 
 
 def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str, data: str,
         output_dir: str | Path, tracker: Tracker) -> dict[str, Any]:
     """Stage 1 (+ optional stage 2); returns held-out caption loss before/after, retrieval R@1 and throughput."""
     output_dir = Path(output_dir)
-    records = load_kept(Path(clean_data), cfg.max_records)
+    records = load_kept(Path(clean_data), cfg.max_records, with_images=cfg.stage2.enabled)
     store = FeatureStore(Path(features))
     missing = [r["image_hash"] for r in records if r["image_hash"] not in store]
     if missing:
         raise ValueError(f"{len(missing)} kept images have no cached features (first: {missing[0]}); run "
                          "extract_features on this clean_data output.")
+    key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"clean_data": clean_data, "features": features,
+                                                         "base_model": base_model, "data": data})
     torch.manual_seed(cfg.seed)
     model, processor = load_vlm(base_model)
+    store.check(model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     encoder = ConversationEncoder(processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
                                   max_length=cfg.max_length)
@@ -225,16 +258,20 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
     frozen = ["vision_lower", "vision_upper"] + ([] if cfg.stage1.train_lm else ["lm_lower", "lm_upper"])
     freeze(model, tuple(frozen))
     loop, first = train_phase("stage1", model, cfg, cfg.stage1, from_features, len(records), output_dir, tracker,
-                              lambda step: heldout(model))
+                              lambda step: heldout(model), key)
     metrics: dict[str, Any] = _phase_metrics("stage1", first)
     if cfg.stage2.enabled:
-        for param in model.parameters():
-            param.requires_grad_(True)
+        # A fresh module for stage 2: a DeepSpeed engine keeps hooks and flat buffers on the module it wrapped,
+        # so stage 2 starts from stage 1's full fp32 weights in a new model instead of re-wrapping the old one.
+        weights = loop.backend.full_state_dict()
+        del loop
+        model, _ = load_vlm(base_model)
+        model.load_state_dict(weights)
         freeze(model, tuple(cfg.stage2.freeze))
         loop, second = train_phase("stage2", model, cfg, cfg.stage2, from_pixels, len(records), output_dir, tracker,
-                                   lambda step: heldout(model))
+                                   lambda step: heldout(model), key)
         metrics.update(_phase_metrics("stage2", second))
-    best = select_best(loop, cfg)
+    best, candidates = select_best(loop, cfg)
     final = heldout(model) if best["step"] != loop.step else best
     initial = first.evals[0]
     metrics.update({
@@ -246,14 +283,17 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
         "retrieval_r1": final["retrieval_r1"],
         "retrieval_chance": 1.0 / heldout.pool,
         "selected_step": best["step"],
-        "selected_from": len([e for e in loop.evals if e["step"] <= loop.step][-cfg.keep_best_of_last:]),
+        "selected_from": candidates,
     })
     for param in model.parameters():
         param.requires_grad_(False)
     with loop.backend.gathered():
-        save_vlm(loop.backend.module, processor, output_dir / "model",
-                 metadata={"stage": "pretrain", "base_model": str(base_model), "selected_step": best["step"]})
-    (output_dir / "report.md").write_text(report(metrics, loop.evals))
+        if is_main_process():
+            save_vlm(loop.backend.module, processor, output_dir / "model",
+                     metadata={"stage": "pretrain", "base_model": str(base_model), "selected_step": best["step"]})
+    if is_main_process():
+        (output_dir / "report.md").write_text(report(metrics, loop.evals))
+    shutil.rmtree(output_dir / ".scratch", ignore_errors=True)  # downloads and staging; not part of the output
     tracker.log_text(report(metrics, loop.evals), "report.md")
     return metrics
 
@@ -265,6 +305,7 @@ def _phase_metrics(name: str, result: TrainResult) -> dict[str, float]:
         f"{name}_train_loss_first": result.history[0]["loss"] if result.history else float("nan"),
         f"{name}_train_loss_final": result.history[-1]["loss"] if result.history else float("nan"),
         f"{name}_padding_efficiency": round(result.padding_efficiency, 4),
+        f"{name}_budget_fill": round(result.budget_fill, 4),
     }
 
 

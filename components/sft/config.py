@@ -46,6 +46,15 @@ class CurriculumPhase(SubConfig):
     lr_scale: Annotated[float, Field(gt=0, le=10)] = 1.0
 
 
+class DifficultySchedulerConfig(SubConfig):
+    """Online difficulty scheduling (seed 000/001): after each quick held-out eval, question types the model
+    gets wrong more often are sampled more: weight(type) = floor + (1 - exact match(type)) ** sharpness."""
+
+    enabled: bool = False
+    floor: Annotated[float, Field(ge=0, le=1, description="Minimum weight of a type, so solved types are replayed.")] = 0.1
+    sharpness: Annotated[float, Field(gt=0, le=10)] = 1.0
+
+
 class EvalConfig(SubConfig):
     per_type: Annotated[int, Field(ge=1, description="Held-out questions per question type.")] = 50
     batch_size: Annotated[int, Field(ge=1)] = 32
@@ -76,9 +85,9 @@ class SftConfig(StageConfig):
     train: TrainConfig = TrainConfig(steps=200, samples_per_step=32, max_tokens_per_micro_batch=2048)
     optim: OptimConfig = OptimConfig(lr=2e-4)
     schedule: ScheduleConfig = ScheduleConfig(warmup_steps=10)
+    difficulty_scheduler: DifficultySchedulerConfig = DifficultySchedulerConfig()
     eval: EvalConfig = EvalConfig()
     calibration: CalibrationConfig = CalibrationConfig()
-    merge_lora: bool = Field(True, description="Also write the adapters merged into the base weights (model/).")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -88,6 +97,8 @@ class SftConfig(StageConfig):
             raise ValueError(
                 f"curriculum steps sum to {sum(p.steps for p in self.curriculum)} but train.steps="
                 f"{self.train.steps}; make them equal.")
+        if self.difficulty_scheduler.enabled and not self.train.eval_every:
+            raise ValueError("difficulty_scheduler needs train.eval_every > 0 (it reweights after each eval).")
         if self.mode == "qlora" and self.train.backend == "deepspeed":
             raise ValueError("mode=qlora runs with train.backend=torch (4-bit weights are not ZeRO-partitioned).")
         return self

@@ -15,6 +15,8 @@ checkpoints/ (resume), eval_predictions.jsonl, calibration.json and report.md.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -23,10 +25,11 @@ import torch
 
 from components._shared import evaluation as E
 from components._shared import metrics as M
+from components._shared import checkpoint as ckpt
 from components._shared.checkpoint import CheckpointStore
 from components._shared.packing import ConversationEncoder
 from components._shared.tracking import Tracker
-from components._shared.training import Phase, TrainLoop
+from components._shared.training import Phase, TrainLoop, is_main_process
 from components._shared.vlm import count_parameters, freeze, load_vlm, save_vlm, set_pixel_bounds
 from components.sft.config import SftConfig
 
@@ -52,6 +55,11 @@ def load_sft_records(data_dir: Path, max_records: int | None = None) -> list[dic
                         "difficulty": raw.get("difficulty", "all"), "type": raw.get("type", "unknown")})
         if max_records and len(records) >= max_records:
             break
+    text_only = [r["id"] for r in records if not r["images"]]
+    if text_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"sft records {text_only[:3]} have no image; with several processes a text-only "
+                         "micro-batch leaves the vision tower out of the gradient reduction. Drop them or train them "
+                         "in a single-process run.")
     return records
 
 
@@ -106,9 +114,44 @@ def _load_4bit(cfg: SftConfig, base_model: str):
     return model, AutoProcessor.from_pretrained(path, trust_remote_code=False)
 
 
+def quick_eval_set(eval_records: list[dict], size: int) -> list[dict]:
+    """Up to `size` non-caption held-out questions, taken round-robin over question types (eval.jsonl is grouped
+    by type, so a plain prefix would hold one type only)."""
+    by_type: dict[str, list[dict]] = defaultdict(list)
+    for r in eval_records:
+        if r["type"] != "caption":
+            by_type[r["type"]].append(r)
+    picked: list[dict] = []
+    for round_ in range(max((len(v) for v in by_type.values()), default=0)):
+        picked += [rows[round_] for rows in by_type.values() if round_ < len(rows)]
+    return picked[:size]
+
+
+def type_weights(cfg: SftConfig, records: list[dict], pool: list[int]):
+    """The difficulty scheduler's weights over `pool`, from the latest quick eval's per-type exact match."""
+    counts: dict[str, int] = defaultdict(int)
+    for i in pool:
+        counts[records[i]["type"]] += 1
+
+    def weights(evals: list[dict]):
+        if not cfg.difficulty_scheduler.enabled or not evals:
+            return None
+        latest, sched = evals[-1], cfg.difficulty_scheduler
+        measured = {t: sched.floor + (1.0 - latest[f"exact_match/{t}"]) ** sched.sharpness
+                    for t in counts if f"exact_match/{t}" in latest}
+        if not measured:
+            return None
+        neutral = sum(measured.values()) / len(measured)  # types the quick eval does not measure (e.g. captions)
+        per_type = {t: measured.get(t, neutral) for t in counts}
+        return [per_type[records[i]["type"]] / counts[records[i]["type"]] for i in pool]
+
+    return weights
+
+
 def phases_for(cfg: SftConfig, records: list[dict]) -> list[Phase]:
     if not cfg.curriculum:
-        return [Phase("all", cfg.train.steps, list(range(len(records))))]
+        pool = list(range(len(records)))
+        return [Phase("all", cfg.train.steps, pool, weights=type_weights(cfg, records, pool))]
     phases = []
     for p in cfg.curriculum:
         pool = [i for i, r in enumerate(records) if not p.difficulties or r["difficulty"] in p.difficulties]
@@ -116,7 +159,7 @@ def phases_for(cfg: SftConfig, records: list[dict]) -> list[Phase]:
             known = sorted({r["difficulty"] for r in records})
             raise ValueError(f"curriculum phase '{p.name}' selects difficulties {p.difficulties}, but the data has "
                              f"only {known}; fix the phase or the data.")
-        phases.append(Phase(p.name, p.steps, pool, p.lr_scale))
+        phases.append(Phase(p.name, p.steps, pool, p.lr_scale, weights=type_weights(cfg, records, pool)))
     return phases
 
 
@@ -126,6 +169,8 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
     data_dir = E.resolve_data_dir(data, scratch=output_dir / ".scratch")
     records = load_sft_records(data_dir, cfg.max_records)
     eval_records = E.load_eval_records(data_dir, per_type=cfg.eval.per_type)
+    key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"base_model": base_model, "data": data})
+    checkpoint_root = ckpt.location(cfg.train.checkpoint_uri, "sft", key, output_dir)
     model, processor = build_model(cfg, base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     encoder = ConversationEncoder(processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
@@ -137,16 +182,17 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
         pics = [images.get(p) or images.setdefault(p, E.load_image(data_dir, p)) for p in r["images"]]
         return encoder.encode(r["turns"], images=pics, sample_id=r["id"])
 
-    quick = [r for r in eval_records if r["type"] != "caption"][: 8 * cfg.eval.batch_size]
+    quick = quick_eval_set(eval_records, 8 * cfg.eval.batch_size)
 
     def evaluate(step: int) -> dict[str, float]:
         summary, _ = E.evaluate_vqa(loop.backend.module, encoder, quick, batch_size=cfg.eval.batch_size,
                                     max_new_tokens=cfg.eval.max_new_tokens)
-        return {"vqa_exact_match": summary.get("vqa_exact_match", 0.0)}
+        return {k: v for k, v in summary.items() if k == "vqa_exact_match" or k.startswith("exact_match/")}
 
     loop = TrainLoop(model, train=cfg.train, optim=cfg.optim, schedule=cfg.schedule, sample=sample,
-                     phases=phases_for(cfg, records), checkpoints=CheckpointStore(output_dir / "checkpoints",
-                     keep=cfg.train.keep_checkpoints), tracker=tracker, seed=cfg.seed)
+                     phases=phases_for(cfg, records), tracker=tracker, seed=cfg.seed,
+                     checkpoints=CheckpointStore(checkpoint_root, keep=cfg.train.keep_checkpoints,
+                                                 scratch=output_dir / ".scratch"))
     trainable = count_parameters(model, trainable_only=True)
     tracker.log_params({"trainable_parameters": trainable, "records": len(records)})
     result = loop.run(evaluate=evaluate)
@@ -164,10 +210,11 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
             train_answers[r["type"]].append(next(t["text"] for t in reversed(r["turns"]) if t["role"] == "assistant"))
     baseline = M.majority_baseline(train_answers, rows)
 
-    with (output_dir / "eval_predictions.jsonl").open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    (output_dir / "calibration.json").write_text(json.dumps(calibration, indent=2))
+    if is_main_process():
+        with (output_dir / "eval_predictions.jsonl").open("w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        (output_dir / "calibration.json").write_text(json.dumps(calibration, indent=2))
     first_eval = result.evals[0] if result.evals else {}
     metrics = {
         "mode": cfg.mode,
@@ -176,6 +223,7 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
         "train_loss_first": result.history[0]["loss"] if result.history else float("nan"),
         "train_loss_final": result.history[-1]["loss"] if result.history else float("nan"),
         "padding_efficiency": round(result.padding_efficiency, 4),
+        "budget_fill": round(result.budget_fill, 4),
         "tokens_per_second": round(result.tokens / result.seconds, 1) if result.seconds else 0.0,
         "trainable_parameters": trainable,
         "vqa_exact_match_initial": first_eval.get("vqa_exact_match", float("nan")),
@@ -184,7 +232,9 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
         **calibration,
         **saved,
     }
-    (output_dir / "report.md").write_text(report(metrics))
+    if is_main_process():
+        (output_dir / "report.md").write_text(report(metrics))
+    shutil.rmtree(output_dir / ".scratch", ignore_errors=True)  # downloads and staging; not part of the output
     tracker.log_text(report(metrics), "report.md")
     return metrics
 
@@ -215,9 +265,11 @@ def save_outputs(cfg: SftConfig, model, processor, base_model: str, output_dir: 
     """adapter/ (LoRA modes) and model/ (merged, HF format); checks that merging kept the logits."""
     meta = {"stage": "sft", "mode": cfg.mode, "base_model": str(base_model)}
     if cfg.mode == "full":
-        save_vlm(model, processor, output_dir / "model", metadata=meta)
+        if is_main_process():
+            save_vlm(model, processor, output_dir / "model", metadata=meta)
         return {}
-    model.save_pretrained(output_dir / "adapter", safe_serialization=True)
+    if is_main_process():
+        model.save_pretrained(output_dir / "adapter", safe_serialization=True)
     samples = E.answer_samples(encoder, probe, [r["answer"] for r in probe])
     before = E.answer_logits(model, samples)
     if cfg.mode == "qlora":  # merge into the full-precision base, the way QLoRA adapters are deployed
@@ -229,7 +281,8 @@ def save_outputs(cfg: SftConfig, model, processor, base_model: str, output_dir: 
         merged = model.merge_and_unload()
     after = E.answer_logits(merged, samples)
     diff = max(float((a[0] - b[0]).abs().max()) for a, b in zip(before, after))
-    save_vlm(merged, processor, output_dir / "model", metadata={**meta, "merged_adapter": True})
+    if is_main_process():
+        save_vlm(merged, processor, output_dir / "model", metadata={**meta, "merged_adapter": True})
     return {"merge_max_abs_logit_diff": diff}
 
 

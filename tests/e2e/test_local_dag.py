@@ -1,4 +1,5 @@
-"""The DAG runs locally (kfp.local) on the tiny preset: preflight, clean_data fan-out/merge, extract_features."""
+"""The DAG runs locally (kfp.local) on the tiny preset: preflight, clean_data fan-out/merge, extract_features,
+pretrain, sft."""
 
 import json
 import subprocess
@@ -38,7 +39,7 @@ def _qvl_run(world: Path, out: Path) -> None:
 def test_every_stage_succeeded_with_the_summary_schema(summary):
     data, _ = summary
     assert data["status"] == "succeeded"
-    assert set(data["stages"]) == {"preflight", "clean_data", "extract_features"}
+    assert set(data["stages"]) == {"preflight", "clean_data", "extract_features", "pretrain", "sft"}
     for stage, result in data["stages"].items():
         assert result["status"] == "succeeded", stage
         assert isinstance(result["metrics"], dict) and isinstance(result["artifacts"], dict)
@@ -60,6 +61,22 @@ def test_features_cover_every_kept_image(summary):
     assert len(index["images"]) == stages["clean_data"]["metrics"]["records_kept"]
 
 
+def test_pretrain_and_sft_report_the_issue_metrics_and_load(summary):
+    stages = summary[0]["stages"]
+    pretrain, sft = stages["pretrain"]["metrics"], stages["sft"]["metrics"]
+    for key in ("heldout_caption_loss_initial", "heldout_caption_loss_final", "retrieval_r1"):
+        assert isinstance(pretrain[key], float), key
+    assert pretrain["heldout_caption_loss_final"] < pretrain["heldout_caption_loss_initial"]
+    for key in ("vqa_exact_match", "vqa_majority_baseline", "padding_efficiency", "ece_before", "ece_after"):
+        assert isinstance(sft[key], float), key
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    for stage in ("pretrain", "sft"):
+        path = stages[stage]["artifacts"]["model"]
+        assert AutoModelForImageTextToText.from_pretrained(path).config.model_type == "qwen2_5_vl"
+        AutoProcessor.from_pretrained(path)
+
+
 def test_one_parent_mlflow_run_with_nested_stage_runs(summary):
     data, _ = summary
     mlflow.set_tracking_uri(data["mlflow_tracking_uri"])
@@ -70,7 +87,7 @@ def test_one_parent_mlflow_run_with_nested_stage_runs(summary):
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{data['mlflow_run_id']}'"
     )
     names = {run.data.tags.get("qvl.stage") for run in children}
-    assert {"preflight", "clean_data", "extract_features"} <= names
+    assert {"preflight", "clean_data", "extract_features", "pretrain", "sft"} <= names
     clean = next(r for r in children if r.data.tags.get("qvl.stage") == "clean_data")
     assert clean.data.metrics["records_in"] == data["stages"]["clean_data"]["metrics"]["records_in"]
 

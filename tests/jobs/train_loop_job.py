@@ -1,6 +1,7 @@
 """A small training run on the tiny model for the exact-resume tests (run as a subprocess, killed on purpose).
 
-    python -m tests.jobs.train_loop_job OUT [torch|deepspeed-2|deepspeed-3]
+    python -m tests.jobs.train_loop_job OUT [torch|deepspeed-2|deepspeed-3|deepspeed-2-offload] [CHECKPOINT_ROOT (dir or s3://)]
+    torchrun --nproc-per-node 2 -m tests.jobs.train_loop_job OUT deepspeed-2      (data parallel, gloo)
 
 Trains 8 steps on world captions with a checkpoint every 2 steps into OUT/checkpoints and writes the final
 trainable weights to OUT/final.safetensors. Env QVL_TEST_KILL_AT_STEP / QVL_TEST_KILL_IN_CHECKPOINT kill it.
@@ -21,7 +22,7 @@ from components.synth_world.world import sample_clean_pairs
 STEPS = 8
 
 
-def main(out: str, backend: str = "torch") -> None:
+def main(out: str, backend: str = "torch", checkpoint_root: str = "") -> None:
     torch.manual_seed(0)
     model, processor = load_vlm("builtin:tiny-qwen2_5-vl")
     encoder = ConversationEncoder(processor, model, min_pixels=56 * 56, max_pixels=112 * 112)
@@ -30,18 +31,24 @@ def main(out: str, backend: str = "torch") -> None:
                        images=[img], sample_id=str(i))
         for i, (img, c) in enumerate(sample_clean_pairs(24, seed=1))
     ]
-    engine, _, zero = backend.partition("-")
+    engine, zero, offload = (backend.split("-") + ["", ""])[:3]
     train = TrainConfig(steps=STEPS, samples_per_step=6, max_tokens_per_micro_batch=160, checkpoint_every=2,
-                        keep_checkpoints=2, threads=1, backend=engine, zero_stage=int(zero or 2), log_every=1)
+                        keep_checkpoints=2, threads=1, backend=engine, zero_stage=int(zero or 2), log_every=1,
+                        offload_optimizer=offload == "offload")
     loop = TrainLoop(model, train=train, optim=OptimConfig(lr=3e-3, group_lr={"merger": 1e-3}),
                      schedule=ScheduleConfig(warmup_steps=2), sample=samples.__getitem__,
                      phases=[Phase("a", 4, range(0, 12)), Phase("b", 4, range(24), lr_scale=0.5)],
-                     checkpoints=CheckpointStore(Path(out) / "checkpoints", keep=2), seed=3)
+                     checkpoints=CheckpointStore(checkpoint_root or Path(out) / "checkpoints", keep=2,
+                                                 scratch=Path(out) / "scratch"), seed=3)
     result = loop.run()
     from safetensors.torch import save_file
 
+    from components._shared.training import is_main_process
+
     with loop.backend.gathered():
         weights = {n: p.detach().float().cpu().contiguous() for n, p in loop.backend.module.named_parameters()}
+    if not is_main_process():
+        return
     save_file(weights, str(Path(out) / "final.safetensors"))
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     print(f"resumed_from={result.resumed_from} steps={result.steps} first_loss={first:.6f} last_loss={last:.6f}")

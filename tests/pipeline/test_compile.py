@@ -49,6 +49,28 @@ def test_stage_order(compiled):
     assert len(loops) == 1
     assert loops[0] in tasks["merge-shards-op"]["dependentTasks"]
     assert "merge-shards-op" in tasks["extract-features-op"]["dependentTasks"]
+    assert {"merge-shards-op", "extract-features-op"} <= set(tasks["pretrain-op"]["dependentTasks"])
+    assert tasks["sft-op"]["dependentTasks"] == ["pretrain-op"]
+
+
+@pytest.mark.parametrize("op", ["extract-features-op", "pretrain-op", "sft-op"])
+def test_model_stages_request_a_gpu_shm_and_retries(compiled, op):
+    spec, platform, _ = compiled
+    executor = spec["deploymentSpec"]["executors"][f"exec-{op}"]["container"]
+    assert executor["resources"]["accelerator"]["resourceCount"] == "1"
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"][f"exec-{op}"]
+    assert k8s["emptyDirMounts"][0]["mountPath"] == "/dev/shm"
+    assert _tasks(spec)[op]["retryPolicy"]["maxRetryCount"] == 2
+
+
+def test_stage_configs_are_pipeline_parameters_with_the_preset_defaults(compiled):
+    from pipelines.presets import load_preset
+
+    params = compiled[0]["root"]["inputDefinitions"]["parameters"]
+    preset = load_preset("prod-7b")
+    for stage in ("pretrain", "sft"):
+        assert params[f"{stage}_config"]["defaultValue"] == preset.stages[stage]
+    assert preset.stages["sft"]["lora"]["r"] == 64
 
 
 def test_preflight_is_never_cached(compiled):

@@ -242,7 +242,8 @@ def test_pixel_rows_bit_identical_to_processor(world):
 def test_index_and_shards(world, fp32_run):
     out, metrics, tracker = fp32_run
     index = json.loads((out / "index.json").read_text())
-    assert set(index) == {"model", "dtype", "hidden_size", "merge_size", "images", "caption_embeddings"}
+    assert set(index) == {"model", "dtype", "hidden_size", "merge_size", "min_pixels", "max_pixels", "images",
+                          "caption_embeddings"}
     assert index["model"] == str(world["model_dir"]) and index["dtype"] == "float32"
     assert index["hidden_size"] == 64 and index["merge_size"] == 2 and index["caption_embeddings"] is None
     assert set(index["images"]) == {row["image_hash"] for row in world["rows"]}

@@ -61,3 +61,20 @@ def test_model_uris_are_found_in_stage_configs():
     configs = {"clean_data": {"clip_model": "builtin:tiny-clip", "judge_model": None},
                "extract_features": {"text_encoder": "s3://m/clip", "dtype": "bfloat16"}}
     assert model_uris_in(configs) == ["builtin:tiny-clip", "s3://m/clip"]
+
+
+def test_training_data_is_required_where_the_dag_reads_it(tmp_path, lake):
+    data = tmp_path / "heldout"
+    data.mkdir()
+    (data / "eval.jsonl").write_text("{}\n")
+    spec = lambda uri, required: {  # noqa: E731
+        "eval_data_uri": {"uri": uri, "files": ["eval.jsonl"], "required": required},
+        "sft_data_uri": {"uri": uri, "files": ["sft.jsonl", "eval.jsonl"], "required": required},
+    }
+    assert _run(tmp_path, lake, data_files=spec("", False))["data_files"] == 0  # DAG cut before pretrain
+    with pytest.raises(ValueError, match="pipeline parameter eval_data_uri is empty"):
+        _run(tmp_path, lake, data_files=spec("", True))
+    with pytest.raises(ValueError, match="heldout/sft.jsonl does not exist"):
+        _run(tmp_path, lake, data_files=spec(str(data), True))
+    (data / "sft.jsonl").write_text("{}\n")
+    assert _run(tmp_path, lake, data_files=spec(str(data), True))["data_files"] == 3

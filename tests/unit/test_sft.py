@@ -1,7 +1,6 @@
 """The sft stage on the tiny model: LoRA (incl. vision qkv and merger), QLoRA and full; merging; outputs load."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +103,68 @@ def test_bad_records_and_config_are_rejected_with_the_fix(tmp_path):
         from components.sft.stage import build_model
 
         build_model(_cfg("lora", lora={"target_modules": [r"language_model\.layers\.\d+\.self_attn\.q_proj"]}), BASE)
+
+
+def _stage_cli(config: dict, data_dir, out, **env):
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg_file = out.parent / f"{out.name}.yaml"
+    cfg_file.write_text(yaml.safe_dump({"sft": config}))
+    cmd = [sys.executable, "-m", "components.sft", "--config", str(cfg_file), "--base-model", BASE,
+           "--data", str(data_dir), "--output-dir", str(out)]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent}/mlflow.db",
+               **{k: str(v) for k, v in env.items()}}
+    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=900, check=False)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("deepspeed-2", marks=pytest.mark.slow),
+                                     pytest.param("deepspeed-3", marks=pytest.mark.slow)])
+def test_sft_killed_mid_run_resumes_to_bit_identical_weights(data_dir, tmp_path, backend):
+    import signal
+
+    engine, _, zero = backend.partition("-")
+    config = _cfg("full", calibration={"enabled": False}, difficulty_scheduler={"enabled": True},
+                  train={"steps": 6, "samples_per_step": 8, "max_tokens_per_micro_batch": 256, "threads": 1,
+                         "eval_every": 3, "checkpoint_every": 2, "backend": engine, "zero_stage": int(zero or 2)},
+                  ).model_dump(mode="json", exclude_none=True)
+    straight = _stage_cli(config, data_dir, tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _stage_cli(config, data_dir, tmp_path / "killed", QVL_TEST_KILL_AT_STEP=3)
+    assert killed.returncode == -signal.SIGKILL
+    in_write = _stage_cli(config, data_dir, tmp_path / "killed", QVL_TEST_KILL_IN_CHECKPOINT=4)
+    assert in_write.returncode == -signal.SIGKILL
+    resumed = _stage_cli(config, data_dir, tmp_path / "killed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = json.loads((tmp_path / "killed/_stage_result.json").read_text())["metrics"]
+    assert metrics["resumed_from_step"] == 2  # the checkpoint of step 4 never committed
+    a = load_file(str(tmp_path / "straight/model/model.safetensors"))
+    b = load_file(str(tmp_path / "killed/model/model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    print(f"sft {backend}: {len(a)} tensors bit-identical after SIGKILL at step 3 and during the step-4 checkpoint")
+
+
+def test_difficulty_scheduler_weights_follow_the_latest_eval():
+    from components.sft.stage import type_weights
+
+    cfg = _cfg("lora", difficulty_scheduler={"enabled": True, "floor": 0.1},
+               train={"steps": 4, "eval_every": 2, "threads": 1})
+    records = [{"type": "color"}] * 3 + [{"type": "count"}] + [{"type": "caption"}] * 2
+    weights = type_weights(cfg, records, [0, 1, 2, 3, 4, 5])
+    assert weights([]) is None
+    w = weights([{"step": 2, "exact_match/color": 1.0, "exact_match/count": 0.0}])
+    assert sum(w[:3]) == pytest.approx(0.1) and w[3] == pytest.approx(1.1)  # per type: floor + error rate
+    assert sum(w[4:]) == pytest.approx(0.6)  # captions are not in the quick eval: the mean weight
+
+
+def test_quick_eval_set_covers_every_question_type():
+    from components.sft.stage import quick_eval_set
+
+    records = [{"type": t, "id": f"{t}{i}"} for t in ("caption", "color", "count", "ocr") for i in range(5)]
+    picked = quick_eval_set(records, 7)
+    assert [r["type"] for r in picked] == ["color", "count", "ocr"] * 2 + ["color"]
+    with pytest.raises(ValueError, match="eval_every > 0"):
+        _cfg("lora", difficulty_scheduler={"enabled": True})
