@@ -32,12 +32,16 @@ def init_distributed() -> tuple[int, int]:
     import deepspeed
 
     if not torch.distributed.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per rank, before any CUDA work
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        if "RANK" not in os.environ:
+            # One process outside torchrun: a private group on a free port. Only LOCAL_RANK (which DeepSpeed's
+            # engine insists on) is set, so child processes never inherit a RANK / MASTER_PORT that is not theirs.
+            os.environ.setdefault("LOCAL_RANK", "0")
+            torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                                 world_size=1)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 

@@ -108,6 +108,8 @@ def generate_answers(model, encoder: ConversationEncoder, records: list[dict], *
             image_grid_thw=torch.cat([s.image_grid_thw for s in samples]).to(device),
             max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, eos_token_id=end_id, pad_token_id=pad_id,
             return_dict_in_generate=True, output_logits=first_logits is not None,
+            # several ranks (ZeRO-3 gathers weights in every forward): keep stepping until every rank is done
+            synced_gpus=torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1,
         )
         if first_logits is not None:
             first_logits.extend(out.logits[0].float().cpu())

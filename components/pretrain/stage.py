@@ -260,6 +260,7 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
     loop, first = train_phase("stage1", model, cfg, cfg.stage1, from_features, len(records), output_dir, tracker,
                               lambda step: heldout(model), key)
     metrics: dict[str, Any] = _phase_metrics("stage1", first)
+    curve = [{"stage": "stage1", **e} for e in first.evals]
     if cfg.stage2.enabled:
         # A fresh module for stage 2: a DeepSpeed engine keeps hooks and flat buffers on the module it wrapped,
         # so stage 2 starts from stage 1's full fp32 weights in a new model instead of re-wrapping the old one.
@@ -271,6 +272,7 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
         loop, second = train_phase("stage2", model, cfg, cfg.stage2, from_pixels, len(records), output_dir, tracker,
                                    lambda step: heldout(model), key)
         metrics.update(_phase_metrics("stage2", second))
+        curve += [{"stage": "stage2", **e} for e in second.evals]
     best, candidates = select_best(loop, cfg)
     final = heldout(model) if best["step"] != loop.step else best
     initial = first.evals[0]
@@ -292,9 +294,9 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
             save_vlm(loop.backend.module, processor, output_dir / "model",
                      metadata={"stage": "pretrain", "base_model": str(base_model), "selected_step": best["step"]})
     if is_main_process():
-        (output_dir / "report.md").write_text(report(metrics, loop.evals))
+        (output_dir / "report.md").write_text(report(metrics, curve))
     shutil.rmtree(output_dir / ".scratch", ignore_errors=True)  # downloads and staging; not part of the output
-    tracker.log_text(report(metrics, loop.evals), "report.md")
+    tracker.log_text(report(metrics, curve), "report.md")
     return metrics
 
 
@@ -314,8 +316,9 @@ def report(metrics: dict[str, Any], evals: list[dict]) -> str:
              f"{metrics['heldout_caption_loss_final']:.3f} ({100 * metrics['heldout_caption_loss_reduction']:.1f}% "
              f"lower); retrieval R@1 {metrics['retrieval_r1_initial']:.3f} -> {metrics['retrieval_r1']:.3f} "
              f"(chance {metrics['retrieval_chance']:.3f}); exported step {metrics['selected_step']}.", "",
-             "| step | held-out caption loss | retrieval R@1 |", "|---|---|---|"]
-    lines += [f"| {e['step']} | {e['heldout_caption_loss']:.4f} | {e['retrieval_r1']:.3f} |" for e in evals]
+             "| stage | step | held-out caption loss | retrieval R@1 |", "|---|---|---|---|"]
+    lines += [f"| {e['stage']} | {e['step']} | {e['heldout_caption_loss']:.4f} | {e['retrieval_r1']:.3f} |"
+              for e in evals]
     return "\n".join(lines) + "\n"
 
 

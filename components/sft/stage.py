@@ -197,9 +197,17 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
     tracker.log_params({"trainable_parameters": trainable, "records": len(records)})
     result = loop.run(evaluate=evaluate)
     model = loop.backend.module
+    if cfg.train.backend == "deepspeed":
+        # The final eval, merge and export run on rank 0 on a plain copy of the trained weights (fp32 masters),
+        # outside the engine: ZeRO-3 partitions parameters between forwards, which merging and saving cannot use.
+        weights = loop.backend.full_state_dict()  # a collective: every rank takes part
+        if not is_main_process():
+            return {"rank": loop.backend.rank, "steps": result.steps}
+        model, _ = build_model(cfg, base_model)
+        model.load_state_dict(weights)
     model.eval()
 
-    with torch.no_grad(), loop.backend.gathered():
+    with torch.no_grad():
         summary, rows = E.evaluate_vqa(model, encoder, eval_records, batch_size=cfg.eval.batch_size,
                                        max_new_tokens=cfg.eval.max_new_tokens)
         calibration = calibrate(cfg, model, encoder, eval_records, rows) if cfg.calibration.enabled else {}

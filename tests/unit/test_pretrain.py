@@ -83,8 +83,8 @@ def test_stage1_lowers_heldout_caption_loss_and_exports_the_best_of_last_n(input
     assert metrics["heldout_caption_loss_final"] < 0.8 * metrics["heldout_caption_loss_initial"]
     assert 0.0 <= metrics["retrieval_r1"] <= 1.0 and metrics["retrieval_chance"] == 0.25
     report = (tmp_path / "report.md").read_text()
-    evals = [line.split("|") for line in report.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    losses = {int(r[1]): float(r[2]) for r in evals}
+    evals = [line.split("|") for line in report.splitlines() if line.startswith("| stage1 |")]
+    losses = {int(r[2]): float(r[3]) for r in evals}
     assert sorted(losses) == [0, 2, 4, 6, 8]
     assert metrics["selected_step"] == min((4, 6, 8), key=lambda s: (losses[s], -s))
     assert metrics["heldout_caption_loss_final"] == pytest.approx(losses[metrics["selected_step"]], abs=1e-4)
