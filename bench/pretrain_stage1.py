@@ -1,6 +1,6 @@
 """Pretrain stage 1: optimizer steps per second with cached ViT features vs the ViT on the fly.
 
-Both arms train the same thing (ViT frozen; merger + LM trainable) on the same samples with the same shared
+Both arms train the same thing (ViT frozen; the merger, and the LM with --train-lm) on the same samples with the same shared
 TrainLoop; the baseline decodes each image and runs the frozen ViT every step (what stage 1 would cost without
 extract_features), the cached arm reads the pre-merger rows from extract_features' safetensors shards and runs
 only the merger. Measured in one process, the same number of steps each, after a warm-up step.
@@ -39,9 +39,10 @@ from components.synth_world.world import sample_clean_pairs
 SIZES = ((112, 112), (224, 224), (168, 112), (112, 196))  # 16..64 visual tokens, lake-like aspect ratios
 
 
-def build_inputs(root: Path, model: str, records: int, min_pixels: int, max_pixels: int) -> list[dict]:
+def build_inputs(root: Path, model: str, records: int, min_pixels: int, max_pixels: int,
+                 sizes: tuple[tuple[int, int], ...] = SIZES) -> list[dict]:
     rows = []
-    for k, size in enumerate(SIZES):
+    for k, size in enumerate(sizes):
         for image, caption in sample_clean_pairs(records // len(SIZES), seed=10 + k, size=size):
             buf = io.BytesIO()
             image.save(buf, format="JPEG", quality=90)
@@ -57,7 +58,7 @@ def build_inputs(root: Path, model: str, records: int, min_pixels: int, max_pixe
 def time_arm(name: str, model_uri: str, rows: list[dict], root: Path, args) -> float:
     torch.manual_seed(0)
     model, processor = load_vlm(model_uri)
-    freeze(model, ("vision_lower", "vision_upper"))
+    freeze(model, ("vision_lower", "vision_upper") + (() if args.train_lm else ("lm_lower", "lm_upper")))
     encoder = ConversationEncoder(processor, model, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
     store = FeatureStore(root / "features")
 
@@ -96,14 +97,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--min-pixels", type=int, default=3136)
     parser.add_argument("--max-pixels", type=int, default=50176)
+    parser.add_argument("--train-lm", action="store_true", help="Also train the LM (default: merger only, as prod-7b).")
+    parser.add_argument("--sizes", default="112x112,224x224,168x112,112x196", help="Image sizes HxW, comma-separated.")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        rows = build_inputs(root, args.model, args.records, args.min_pixels, args.max_pixels)
+        sizes = tuple(tuple(int(v) for v in size.split("x")) for size in args.sizes.split(","))
+        rows = build_inputs(root, args.model, args.records, args.min_pixels, args.max_pixels, sizes)
         vit = time_arm("on_the_fly", args.model, rows, root, args)
         cached = time_arm("cached", args.model, rows, root, args)
     result = {"model": args.model, "steps": args.steps, "samples_per_step": args.batch, "threads": args.threads,
+              "trains": "merger + LM" if args.train_lm else "merger", "sizes": args.sizes,
               "vit_on_the_fly_steps_per_s": round(vit, 3), "cached_features_steps_per_s": round(cached, 3),
               "speedup": round(cached / vit, 2), "goal": 2.0}
     print(json.dumps(result, indent=2))

@@ -98,7 +98,7 @@ def test_a_rerun_with_unchanged_inputs_reuses_every_stage(summary, world):
     second = json.loads((out / "run_summary.json").read_text())
     assert second["status"] == "succeeded"
     assert second["stages"]["preflight"]["status"] == "succeeded"  # never cached
-    for stage in ("clean_data", "extract_features"):
+    for stage in ("clean_data", "extract_features", "pretrain", "sft"):
         assert second["stages"][stage]["status"] == "cached", stage
         assert second["stages"][stage]["metrics"] == first["stages"][stage]["metrics"]
         assert second["stages"][stage]["artifacts"] == first["stages"][stage]["artifacts"]
