@@ -52,12 +52,29 @@ def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
     return records
 
 
-def load_image(root: Path, relative: str) -> Image.Image:
-    path = (root / relative).resolve()
-    if root.resolve() not in path.parents:
-        raise ValueError(f"image path {relative!r} leaves the data directory {root}; use paths inside it.")
-    with Image.open(path) as image:
-        return image.convert("RGB")
+MAX_IMAGE_PIXELS = 89_478_485  # Pillow's default bomb limit, enforced by imaging.decode_image
+
+
+def load_image(root: Path, reference: str) -> Image.Image:
+    """An image named by a data record: a path inside the data directory, or an s3:// object. Decoded through
+    the same guarded decoder as the lake (format allow-list, decompression-bomb limit)."""
+    from components._shared import storage
+    from components._shared.imaging import ImageRejected, decode_image
+
+    if storage.is_s3(reference):
+        data = storage.read_bytes(reference)
+    else:
+        path = (root / reference).resolve()
+        if root.resolve() not in path.parents:
+            raise ValueError(f"image path {reference!r} leaves the data directory {root}; use paths inside it or "
+                             "s3:// URIs.")
+        if not path.is_file():
+            raise ValueError(f"image {reference!r} does not exist under the data directory {root}.")
+        data = path.read_bytes()
+    try:
+        return decode_image(data, max_image_pixels=MAX_IMAGE_PIXELS).image
+    except ImageRejected as error:
+        raise ValueError(f"image {reference!r} cannot be used: {error}") from error
 
 
 def load_eval_records(data_dir: Path, *, per_type: int | None = None) -> list[dict]:

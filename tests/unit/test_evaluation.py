@@ -77,3 +77,21 @@ def test_eval_records_are_validated(tmp_path: Path):
     (tmp_path / "eval.jsonl").write_text('{"id": "q2", "image": "x.png"}\n')
     with pytest.raises(ValueError, match=r"eval.jsonl:1 \(id='q2'\): missing field\(s\) \['question'"):
         E.load_eval_records(tmp_path)
+
+
+def test_images_load_from_the_data_dir_or_s3_and_bad_ones_are_named(tmp_path: Path, s3_env):
+    import io
+
+    from components._shared import storage
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((40, 60, 3), 128, dtype=np.uint8)).save(buf, format="PNG")
+    (tmp_path / "a.png").write_bytes(buf.getvalue())
+    storage.write_bytes(f"{s3_env.uri}/imgs/b.png", buf.getvalue())
+    assert E.load_image(tmp_path, "a.png").size == (60, 40)
+    assert E.load_image(tmp_path, f"{s3_env.uri}/imgs/b.png").size == (60, 40)
+    (tmp_path / "broken.png").write_bytes(buf.getvalue()[:30])
+    with pytest.raises(ValueError, match="image 'broken.png' cannot be used: undecodable"):
+        E.load_image(tmp_path, "broken.png")
+    with pytest.raises(ValueError, match="'missing.png' does not exist"):
+        E.load_image(tmp_path, "missing.png")
