@@ -59,7 +59,7 @@ def run(
     preset: str = typer.Option("tiny", help="Preset name (pipelines/presets/NAME.yaml) or a YAML path."),
     lake: Optional[str] = typer.Option(None, help="Lake dir or s3:// prefix (default: the preset's lake_uri)."),
     data: Optional[str] = typer.Option(
-        None, help="Held-out / SFT data dir or s3:// prefix (eval.jsonl, sft.jsonl; default: LAKE/../heldout)."
+        None, help="Training data dir or s3:// prefix (eval.jsonl, sft.jsonl, preferences.jsonl; default: LAKE/../heldout)."
     ),
     out: Path = typer.Option(Path("runs/local"), help="Run directory (run_summary.json, mlflow.db, artifacts)."),
     until: Optional[str] = typer.Option(None, help="Last stage to run (default: all)."),

@@ -1,6 +1,7 @@
-"""The VLM training DAG: preflight -> clean_data (fan-out over shards, merge) -> extract_features -> pretrain -> sft.
+"""The VLM training DAG: preflight -> clean_data (fan-out over shards, merge) -> extract_features -> pretrain -> sft
+-> reward_model.
 
-Later stages (reward_model, rl, distill, select_checkpoint) join the same DAG.
+Later stages (rl, distill, select_checkpoint) join the same DAG.
 `build_pipeline(preset, until)` returns the pipeline function with the preset's configs as parameter
 defaults; `vlm_training` is the full DAG on the `prod-7b` preset, the one that is compiled and committed.
 """
@@ -10,6 +11,7 @@ from components.clean_data.component import clean_shard_op, list_shards_op, merg
 from components.extract_features.component import extract_features_op
 from components.preflight.component import preflight_op
 from components.pretrain.component import pretrain_op
+from components.reward_model.component import reward_model_op
 from components.sft.component import sft_op
 from components.stages import DAG_ORDER
 from kfp import dsl
@@ -33,6 +35,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
         lake_uri: str,
         eval_data_uri: str = "",
         sft_data_uri: str = "",
+        preference_data_uri: str = "",
         base_model_uri: str = p.base_model_uri,
         experiment: str = p.experiment,
         preflight_config: dict = p.stages["preflight"],
@@ -40,6 +43,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
         extract_features_config: dict = p.stages["extract_features"],
         pretrain_config: dict = p.stages["pretrain"],
         sft_config: dict = p.stages["sft"],
+        reward_model_config: dict = p.stages["reward_model"],
     ):
         preflight = on_cpu(with_runtime_env(preflight_op(
             lake_uri=lake_uri,
@@ -49,10 +53,13 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
             extract_features_config=extract_features_config,
             pretrain_config=pretrain_config,
             sft_config=sft_config,
+            reward_model_config=reward_model_config,
             eval_data_uri=eval_data_uri,
             sft_data_uri=sft_data_uri,
+            preference_data_uri=preference_data_uri,
             needs_eval_data="pretrain" in wanted,
             needs_sft_data="sft" in wanted,
+            needs_preference_data="reward_model" in wanted,
             experiment=experiment,
         )), cpu="1", memory="4Gi")
         preflight.set_display_name("Preflight checks").set_caching_options(False)
@@ -99,6 +106,15 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
                 experiment=experiment,
             )), gpus=1, memory="64Gi")
             sft.set_display_name("SFT").set_retry(num_retries=2, backoff_duration="60s")
+
+        if "reward_model" in wanted:
+            reward = on_gpus(with_runtime_env(reward_model_op(
+                sft_model=sft.outputs["model"],
+                preference_data_uri=preference_data_uri,
+                config=reward_model_config,
+                experiment=experiment,
+            )), gpus=1, memory="64Gi")
+            reward.set_display_name("Reward model").set_retry(num_retries=2, backoff_duration="60s")
 
     return vlm_training
 

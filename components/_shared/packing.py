@@ -278,6 +278,15 @@ def forward_logits(model, batch: dict, image_embeds: torch.Tensor | None = None)
     Pixels go through the model's own forward; cached features (merger only) or precomputed `image_embeds`
     are spliced into the input embeddings at the image tokens.
     """
+    return _forward(model, batch, image_embeds).logits
+
+
+def forward_hidden(model, batch: dict, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """Last-layer hidden states (B, L, hidden) of the language model for a packed or padded batch (no lm_head)."""
+    return _forward(qwen_model(model), batch, image_embeds).last_hidden_state
+
+
+def _forward(model, batch: dict, image_embeds: torch.Tensor | None):
     kwargs = {
         "position_ids": batch["position_ids"], "attention_mask": batch["attention_mask"], "use_cache": False,
     }
@@ -293,9 +302,9 @@ def forward_logits(model, batch: dict, image_embeds: torch.Tensor | None = None)
                 "were extracted with other min_pixels/max_pixels than the encoder's."
             )
         embeds = embeds.masked_scatter(mask[..., None], image_embeds.to(embeds.dtype))
-        return model(inputs_embeds=embeds, **kwargs).logits
+        return model(inputs_embeds=embeds, **kwargs)
     vision = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
-    return model(input_ids=batch["input_ids"], **vision, **kwargs).logits
+    return model(input_ids=batch["input_ids"], **vision, **kwargs)
 
 
 def token_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, int]:

@@ -149,7 +149,8 @@ class TrainLoop:
     def __init__(self, model, *, train: TrainConfig, optim: OptimConfig, schedule: ScheduleConfig,
                  sample: Callable[[int], Sample], phases: list[Phase], checkpoints: ckpt.CheckpointStore,
                  tracker: Tracker | None = None, loss_fn: LossFn = default_loss, seed: int = 0,
-                 extra_state: Callable[[], dict] | None = None) -> None:
+                 extra_state: Callable[[], dict] | None = None,
+                 unit_weight: Callable[[list[Sample]], float] | None = None) -> None:
         if sum(p.steps for p in phases) != train.steps:
             raise ValueError(f"phases have {sum(p.steps for p in phases)} steps but train.steps={train.steps}; make "
                              "the phase steps add up to train.steps.")
@@ -165,6 +166,9 @@ class TrainLoop:
         self.sample, self.phases, self.store = sample, phases, checkpoints
         self.tracker = tracker or NullTracker()
         self.loss_fn, self.seed, self.extra_state = loss_fn, seed, extra_state
+        # A data item may be a group of samples kept in one micro-batch (a preference pair); the step's loss is
+        # normalised by the summed unit weights (default: target tokens), known before the first backward.
+        self.unit_weight = unit_weight or (lambda unit: float(sum(s.num_targets for s in unit)))
         self.device = resolve_device(train.device)
         self.autocast = train.precision == "bf16" or (train.precision == "auto" and self.device.type == "cuda")
         if train.gradient_checkpointing:
@@ -317,10 +321,12 @@ class TrainLoop:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
 
-    def _train_step(self, samples: list[Sample]) -> dict[str, float]:
+    def _train_step(self, items: list) -> dict[str, float]:
         self.model.train()
-        plan = plan_micro_batches([s.num_tokens for s in samples], self.train.max_tokens_per_micro_batch)
-        total_targets = sum(s.num_targets for s in samples)
+        units = [list(item) if isinstance(item, (list, tuple)) else [item] for item in items]
+        samples = [s for unit in units for s in unit]
+        plan = plan_micro_batches([sum(s.num_tokens for s in u) for u in units], self.train.max_tokens_per_micro_batch)
+        total_targets = sum(self.unit_weight(u) for u in units)
         if total_targets == 0:
             raise ValueError(f"a training step's {len(samples)} samples have no target tokens; check the data "
                              f"(first ids: {[s.sample_id for s in samples[:3]]}).")
@@ -334,7 +340,7 @@ class TrainLoop:
         loss_total, extras, real, positions = 0.0, {}, 0, 0
         self.backend.begin_step(rounds)
         for group, weight in zip(mine, weights):
-            micro = [samples[i] for i in group]
+            micro = [s for i in group for s in units[i]]
             batch = pack(micro)
             if weight:
                 used, computed = batch_tokens(batch)

@@ -51,9 +51,10 @@ def test_stage_order(compiled):
     assert "merge-shards-op" in tasks["extract-features-op"]["dependentTasks"]
     assert {"merge-shards-op", "extract-features-op"} <= set(tasks["pretrain-op"]["dependentTasks"])
     assert tasks["sft-op"]["dependentTasks"] == ["pretrain-op"]
+    assert tasks["reward-model-op"]["dependentTasks"] == ["sft-op"]
 
 
-@pytest.mark.parametrize("op", ["extract-features-op", "pretrain-op", "sft-op"])
+@pytest.mark.parametrize("op", ["extract-features-op", "pretrain-op", "sft-op", "reward-model-op"])
 def test_model_stages_request_a_gpu_shm_and_retries(compiled, op):
     spec, platform, _ = compiled
     executor = spec["deploymentSpec"]["executors"][f"exec-{op}"]["container"]
@@ -68,7 +69,7 @@ def test_stage_configs_are_pipeline_parameters_with_the_preset_defaults(compiled
 
     params = compiled[0]["root"]["inputDefinitions"]["parameters"]
     preset = load_preset("prod-7b")
-    for stage in ("pretrain", "sft"):
+    for stage in ("pretrain", "sft", "reward_model"):
         assert params[f"{stage}_config"]["defaultValue"] == preset.stages[stage]
     assert preset.stages["sft"]["lora"]["r"] == 64
 

@@ -1,0 +1,3 @@
+from components.reward_model.stage import main
+
+main()

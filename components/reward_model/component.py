@@ -1,0 +1,39 @@
+"""KFP wrapper of reward_model. All logic lives in components/reward_model/stage.py."""
+
+from kfp import dsl
+
+from components._shared.images import TRAIN_IMAGE
+
+
+@dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
+def reward_model_op(
+    sft_model: dsl.Input[dsl.Model],
+    preference_data_uri: str,
+    config: dict,
+    model: dsl.Output[dsl.Model],
+    metrics: dsl.Output[dsl.Metrics],
+    report: dsl.Output[dsl.Markdown],
+    experiment: str = "vlm",
+):
+    """Train a Bradley-Terry reward model (scalar head on the SFT backbone) on preference pairs.
+
+    Args:
+        sft_model: Output of sft (its model/ directory initialises the backbone).
+        preference_data_uri: preferences.jsonl with images; a directory or s3:// prefix.
+        config: RewardModelConfig as a dict.
+        model: model/ (backbone in HF format + reward_head.safetensors + reward_model.json), checkpoints/.
+        metrics: Held-out pair accuracy overall and per rejection kind, reward statistics.
+        report: The stage report for the KFP UI.
+        experiment: MLflow experiment name.
+    """
+    import shutil
+
+    from components._shared.launch import report_metrics, run_stage
+
+    results = run_stage(
+        "reward_model", config, experiment=experiment,
+        inputs={"base_model": sft_model.path + "/model", "data": preference_data_uri},
+        output_dir=model.path, artifacts={"model": model.path + "/model"}, record_as="reward_model",
+    )
+    report_metrics(metrics, results)
+    shutil.copyfile(model.path + "/report.md", report.path)

@@ -1,0 +1,223 @@
+"""reward_model: Bradley-Terry training of a scalar head on a Qwen-VL backbone initialised from the SFT model.
+
+1 process (CPU/tiny):  python -m components.reward_model --config pipelines/presets/tiny.yaml \
+                           --base-model OUT/sft/model --data runs/world/heldout --output-dir OUT/reward_model
+N GPUs (DeepSpeed):    torchrun --nproc-per-node 8 -m components.reward_model --config pipelines/presets/prod-7b.yaml ...
+In the pipeline:       components/reward_model/component.py calls run_stage("reward_model", ...).
+
+Data (`--data`): `preferences.jsonl` records {"id", "image", "prompt", "chosen", "rejected", optional "kind"}
+(image: a path inside the data directory or an s3:// URI). Each pair is one unit of the shared loop (both
+answers in the same packed micro-batch). The reward of an answer is the head's score of the last-layer hidden
+state at its K-th response token (`score_first_k`, or the last one when shorter). Writes model/ (the backbone,
+HF format), reward_head.safetensors and reward_model.json (K, normalisation mean/std), report.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from components._shared import checkpoint as ckpt
+from components._shared import evaluation as E
+from components._shared.checkpoint import CheckpointStore
+from components._shared.packing import IGNORE_INDEX, ConversationEncoder, Sample, forward_hidden, pack
+from components._shared.packing import plan_micro_batches
+from components._shared.tracking import Tracker
+from components._shared.training import Phase, TrainLoop, is_main_process
+from components._shared.vlm import freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
+from components.reward_model.config import RewardModelConfig
+
+HEAD_FILE = "reward_head.safetensors"
+META_FILE = "reward_model.json"
+
+
+class RewardModel(torch.nn.Module):
+    """A Qwen2(.5)-VL (the full conditional-generation model, so it saves and loads as one) plus a scalar head."""
+
+    def __init__(self, backbone) -> None:
+        super().__init__()
+        self.backbone = backbone
+        hidden = qwen_model(backbone).config.text_config.hidden_size
+        self.head = torch.nn.Linear(hidden, 1)
+        torch.nn.init.normal_(self.head.weight, std=1.0 / hidden**0.5)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def get_input_embeddings(self):
+        return self.backbone.get_input_embeddings()
+
+    def scores(self, batch: dict, samples: list[Sample]) -> torch.Tensor:
+        """One reward per sample of a packed batch, read at each sample's `reward_index`."""
+        hidden = forward_hidden(self.backbone, batch)[0]
+        starts = torch.tensor([0, *[s.num_tokens for s in samples]]).cumsum(0)[:-1]
+        index = starts + torch.tensor([s.meta["reward_index"] for s in samples])
+        return self.head(hidden[index.to(hidden.device)].float()).squeeze(-1)
+
+
+def reward_index(sample: Sample, k: int) -> int:
+    """Position of the K-th response token of a sample (the last one when the response is shorter)."""
+    positions = (sample.labels != IGNORE_INDEX).nonzero().flatten()
+    if positions.numel() == 0:
+        raise ValueError(f"sample {sample.sample_id!r} has no response tokens to score.")
+    return int(positions[min(k, positions.numel()) - 1])
+
+
+def load_pairs(data_dir: Path, max_records: int | None) -> list[dict]:
+    records = E.read_jsonl(data_dir / "preferences.jsonl", ("id", "image", "prompt", "chosen", "rejected"))
+    for r in records:
+        if r["chosen"] == r["rejected"]:
+            raise ValueError(f"preference record {r['id']!r}: chosen and rejected are the same text; fix or drop it.")
+    return records[:max_records] if max_records else records
+
+
+def is_heldout(record_id: str, fraction: float) -> bool:
+    return int(hashlib.sha256(record_id.encode()).hexdigest()[:8], 16) / 16**8 < fraction
+
+
+def bt_loss(margin: float):
+    """Summed Bradley-Terry loss of the pairs in a micro-batch (samples come as chosen, rejected, chosen, ...)."""
+
+    def loss(model: RewardModel, batch: dict, samples: list[Sample]) -> tuple[torch.Tensor, int, dict[str, float]]:
+        r = model.scores(batch, samples)
+        chosen, rejected = r[0::2], r[1::2]
+        losses = -F.logsigmoid(chosen - rejected - margin)
+        accuracy = float((chosen > rejected).float().mean())
+        return losses.sum(), len(losses), {"pair_accuracy": accuracy}
+
+    return loss
+
+
+@torch.no_grad()
+def score_pairs(model: RewardModel, units: list[list[Sample]], max_tokens: int = 4096) -> list[tuple[float, float]]:
+    """(reward chosen, reward rejected) of every pair, packed."""
+    device = next(model.parameters()).device
+    out: list = [None] * len(units)
+    budget = max(max_tokens, max(sum(s.num_tokens for s in u) for u in units))
+    for group in plan_micro_batches([sum(s.num_tokens for s in u) for u in units], budget):
+        micro = [s for i in group for s in units[i]]
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in pack(micro).items()}
+        r = model.scores(batch, micro).tolist()
+        for j, i in enumerate(group):
+            out[i] = (r[2 * j], r[2 * j + 1])
+    return out
+
+
+def run(cfg: RewardModelConfig, *, base_model: str, data: str, output_dir: str | Path,
+        tracker: Tracker) -> dict[str, Any]:
+    """Train the reward model; returns held-out pair accuracy (overall and per rejection kind) and reward stats."""
+    output_dir = Path(output_dir)
+    data_dir = E.resolve_data_dir(data, scratch=output_dir / ".scratch")
+    pairs = load_pairs(data_dir, cfg.max_records)
+    train = [p for p in pairs if not is_heldout(p["id"], cfg.heldout_fraction)]
+    heldout = [p for p in pairs if is_heldout(p["id"], cfg.heldout_fraction)]
+    if not train or not heldout:
+        raise ValueError(f"{len(pairs)} preference pairs split into {len(train)} train / {len(heldout)} held out; "
+                         "give more pairs or change heldout_fraction.")
+    key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"base_model": base_model, "data": data})
+    torch.manual_seed(cfg.seed)
+    backbone, processor = load_vlm(base_model)
+    set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
+    freeze(backbone, tuple(cfg.freeze))
+    model = RewardModel(backbone)
+    encoder = ConversationEncoder(processor, backbone, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+                                  max_length=cfg.max_length)
+
+    def unit(record: dict) -> list[Sample]:
+        image = E.load_image(data_dir, record["image"])
+        out = []
+        for side in ("chosen", "rejected"):
+            turns = [{"role": "user", "text": f"<image>\n{record['prompt']}"},
+                     {"role": "assistant", "text": record[side]}]
+            sample = encoder.encode(turns, images=[image], sample_id=f"{record['id']}:{side}")
+            sample.meta["reward_index"] = reward_index(sample, cfg.score_first_k)
+            out.append(sample)
+        return out
+
+    heldout_units = [unit(r) for r in heldout]
+
+    def evaluate(step: int) -> dict[str, float]:
+        scored = score_pairs(loop.backend.module, heldout_units)
+        return {"pair_accuracy": sum(c > r for c, r in scored) / len(scored)}
+
+    loop = TrainLoop(model, train=cfg.train, optim=cfg.optim, schedule=cfg.schedule,
+                     sample=lambda i: unit(train[i]), phases=[Phase("pairs", cfg.train.steps, list(range(len(train))))],
+                     checkpoints=CheckpointStore(ckpt.location(cfg.train.checkpoint_uri, "reward_model", key, output_dir),
+                                                 keep=cfg.train.keep_checkpoints, scratch=output_dir / ".scratch"),
+                     tracker=tracker, loss_fn=bt_loss(cfg.margin), seed=cfg.seed, unit_weight=lambda u: 1.0)
+    result = loop.run(evaluate=evaluate)
+    model = loop.backend.module
+    model.eval()
+
+    scored = score_pairs(model, heldout_units)
+    by_kind: dict[str, list[bool]] = defaultdict(list)
+    for record, (c, r) in zip(heldout, scored):
+        by_kind[record.get("kind", "unknown")].append(c > r)
+    train_scores = [s for pair in score_pairs(model, [unit(r) for r in train[:256]]) for s in pair]
+    mean = sum(train_scores) / len(train_scores)
+    std = (sum((s - mean) ** 2 for s in train_scores) / len(train_scores)) ** 0.5
+    metrics: dict[str, Any] = {
+        "pair_accuracy": sum(c > r for c, r in scored) / len(scored),
+        **{f"pair_accuracy/{k}": sum(v) / len(v) for k, v in sorted(by_kind.items())},
+        "pair_accuracy_initial": result.evals[0]["pair_accuracy"] if result.evals else float("nan"),
+        "heldout_pairs": len(heldout),
+        "train_pairs": len(train),
+        "reward_mean": mean,
+        "reward_std": std,
+        "margin_mean": sum(c - r for c, r in scored) / len(scored),
+        "steps": result.steps,
+        "train_loss_first": result.history[0]["loss"] if result.history else float("nan"),
+        "train_loss_final": result.history[-1]["loss"] if result.history else float("nan"),
+        "budget_fill": round(result.budget_fill, 4),
+    }
+    if is_main_process():
+        save_reward_model(model, processor, output_dir / "model", score_first_k=cfg.score_first_k, mean=mean, std=std,
+                          base_model=base_model)
+        (output_dir / "report.md").write_text(report(metrics))
+    shutil.rmtree(output_dir / ".scratch", ignore_errors=True)
+    tracker.log_text(report(metrics), "report.md")
+    return metrics
+
+
+def save_reward_model(model: RewardModel, processor, out_dir: Path, *, score_first_k: int, mean: float, std: float,
+                      base_model: str) -> None:
+    from safetensors.torch import save_file
+
+    save_vlm(model.backbone, processor, out_dir, metadata={"stage": "reward_model", "base_model": str(base_model)})
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.head.state_dict().items()}, str(out_dir / HEAD_FILE))
+    (out_dir / META_FILE).write_text(json.dumps({"score_first_k": score_first_k, "reward_mean": mean,
+                                                 "reward_std": std}, indent=2) + "\n")
+
+
+def load_reward_model(uri: str | Path) -> tuple[RewardModel, Any, dict]:
+    """(reward model, processor, meta) from a directory written by this stage (safetensors only)."""
+    from safetensors.torch import load_file
+
+    from components._shared.models import resolve_model
+
+    path = resolve_model(str(uri))
+    if not (path / HEAD_FILE).is_file() or not (path / META_FILE).is_file():
+        raise ValueError(f"{uri} has no {HEAD_FILE} / {META_FILE}; point at the reward_model stage's model/ directory.")
+    backbone, processor = load_vlm(path)
+    model = RewardModel(backbone)
+    model.head.load_state_dict(load_file(str(path / HEAD_FILE)))
+    return model.eval(), processor, json.loads((path / META_FILE).read_text())
+
+
+def report(metrics: dict[str, Any]) -> str:
+    lines = ["# Reward model", "", f"Held-out pair accuracy {metrics['pair_accuracy']:.3f} "
+             f"(before training {metrics['pair_accuracy_initial']:.3f}) on {metrics['heldout_pairs']} pairs.", "",
+             "| rejection kind | pair accuracy |", "|---|---|"]
+    lines += [f"| {k.split('/', 1)[1]} | {v:.3f} |" for k, v in metrics.items() if k.startswith("pair_accuracy/")]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from components._shared.cli import stage_main
+
+    stage_main(RewardModelConfig, run, section="reward_model", inputs=("base_model", "data"), argv=argv)

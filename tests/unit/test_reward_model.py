@@ -1,0 +1,84 @@
+"""The reward_model stage: Bradley-Terry on pairs, sparsified scoring, per-kind accuracy, save/load, bait caught."""
+
+import json
+
+import pytest
+import torch
+
+from components._shared.packing import ConversationEncoder, pack
+from components._shared.tracking import NullTracker
+from components._shared.vlm import load_vlm
+from components.reward_model.config import RewardModelConfig
+from components.reward_model.stage import RewardModel, load_pairs, load_reward_model, reward_index, run, score_pairs
+from components.synth_world.splits import write_splits
+
+BASE = "builtin:tiny-qwen2_5-vl"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prefs")
+    write_splits(out, seed=6, eval_per_type=2, sft_records=4, preference_pairs=80)
+    return out
+
+
+def _cfg(**over):
+    data = {"min_pixels": 3136, "max_pixels": 12544, "heldout_fraction": 0.25,
+            "train": {"steps": 12, "samples_per_step": 8, "max_tokens_per_micro_batch": 1024, "eval_every": 6,
+                      "threads": 1}, "optim": {"lr": 0.003}}
+    data.update(over)
+    return RewardModelConfig.model_validate(data)
+
+
+def test_training_separates_pairs_and_reports_every_kind(data_dir, tmp_path):
+    metrics = run(_cfg(), base_model=BASE, data=str(data_dir), output_dir=tmp_path, tracker=NullTracker())
+    assert metrics["train_loss_final"] < metrics["train_loss_first"]
+    kinds = {k.split("/")[1] for k in metrics if k.startswith("pair_accuracy/")}
+    assert kinds == {"wrong_attribute", "hallucinated_object", "flowery_padding", "hacking_bait"}
+    # text-only tells (padding, bait suffix) are learnt first, even by a random-init backbone in 12 steps
+    assert metrics["pair_accuracy/flowery_padding"] >= 0.8 and metrics["pair_accuracy/hacking_bait"] >= 0.8
+    assert metrics["heldout_pairs"] + metrics["train_pairs"] == 80
+    model, processor, meta = load_reward_model(str(tmp_path / "model"))
+    assert meta["score_first_k"] == 150 and meta["reward_std"] > 0
+    # the saved model scores held-out pairs exactly as at the end of training
+    pairs = [p for p in load_pairs(data_dir, None)][:4]
+    encoder = ConversationEncoder(processor, model.backbone, min_pixels=3136, max_pixels=12544)
+    assert len(score_pairs(model, [_unit(encoder, data_dir, p) for p in pairs])) == 4
+
+
+def _unit(encoder, data_dir, record, k=150, rejected=None):
+    from components._shared import evaluation as E
+
+    image = E.load_image(data_dir, record["image"])
+    out = []
+    for text in (record["chosen"], rejected or record["rejected"]):
+        s = encoder.encode([{"role": "user", "text": f"<image>\n{record['prompt']}"},
+                            {"role": "assistant", "text": text}], images=[image])
+        s.meta["reward_index"] = reward_index(s, k)
+        out.append(s)
+    return out
+
+
+def test_sparsified_reward_ignores_everything_after_k_tokens(data_dir):
+    torch.manual_seed(0)
+    backbone, processor = load_vlm(BASE)
+    model = RewardModel(backbone).eval()
+    encoder = ConversationEncoder(processor, backbone, min_pixels=3136, max_pixels=12544)
+    record = {"image": json.loads((data_dir / "preferences.jsonl").read_text().splitlines()[0])["image"],
+              "prompt": "What shape is it?", "chosen": "a red circle", "rejected": "x"}
+    short = _unit(encoder, data_dir, record, k=2, rejected="a red circle according to the image evidence")
+    assert short[0].meta["reward_index"] == short[1].meta["reward_index"]
+    with torch.no_grad():
+        r = model.scores(pack(short), short)
+    assert float(r[0]) == pytest.approx(float(r[1]), abs=1e-5)  # same first 2 response tokens, same reward
+    full = _unit(encoder, data_dir, record, k=150, rejected="a red circle according to the image evidence")
+    with torch.no_grad():
+        r = model.scores(pack(full), full)
+    assert abs(float(r[0] - r[1])) > 1e-4  # without sparsification the suffix moves the reward
+
+
+def test_bad_pairs_are_rejected(tmp_path):
+    (tmp_path / "preferences.jsonl").write_text(json.dumps(
+        {"id": "p1", "image": "a.png", "prompt": "q", "chosen": "same", "rejected": "same"}) + "\n")
+    with pytest.raises(ValueError, match="'p1': chosen and rejected are the same text"):
+        load_pairs(tmp_path, None)
