@@ -152,6 +152,12 @@ def run(cfg: RewardModelConfig, *, base_model: str, data: str, output_dir: str |
                      tracker=tracker, loss_fn=bt_loss(cfg.margin), seed=cfg.seed, unit_weight=lambda u: 1.0)
     result = loop.run(evaluate=evaluate)
     model = loop.backend.module
+    if cfg.train.backend == "deepspeed":  # as in sft: score and save a plain copy of the fp32 masters on rank 0
+        weights = loop.backend.full_state_dict()
+        if not is_main_process():
+            return {"rank": loop.backend.rank, "steps": result.steps}
+        model = RewardModel(load_vlm(base_model)[0])
+        model.load_state_dict(weights)
     model.eval()
 
     scored = score_pairs(model, heldout_units)

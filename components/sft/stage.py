@@ -14,6 +14,7 @@ checkpoints/ (resume), eval_predictions.jsonl, calibration.json and report.md.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -175,12 +176,13 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     encoder = ConversationEncoder(processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
                                   max_length=cfg.max_length)
-    images: dict[str, Any] = {}
+    @functools.lru_cache(maxsize=4096)  # bounded: a real SFT set does not fit in memory decoded
+    def image(reference: str):
+        return E.load_image(data_dir, reference)
 
     def sample(i: int):
         r = records[i]
-        pics = [images.get(p) or images.setdefault(p, E.load_image(data_dir, p)) for p in r["images"]]
-        return encoder.encode(r["turns"], images=pics, sample_id=r["id"])
+        return encoder.encode(r["turns"], images=[image(p) for p in r["images"]], sample_id=r["id"])
 
     quick = quick_eval_set(eval_records, 8 * cfg.eval.batch_size)
 

@@ -30,8 +30,12 @@ def _cfg(**over):
     return RewardModelConfig.model_validate(data)
 
 
-def test_training_separates_pairs_and_reports_every_kind(data_dir, tmp_path):
-    metrics = run(_cfg(), base_model=BASE, data=str(data_dir), output_dir=tmp_path, tracker=NullTracker())
+@pytest.mark.parametrize("backend", ["torch", pytest.param("deepspeed-3", marks=pytest.mark.slow)])
+def test_training_separates_pairs_and_reports_every_kind(data_dir, tmp_path, backend):
+    cfg = _cfg()
+    if backend != "torch":
+        cfg = _cfg(train={**cfg.train.model_dump(), "backend": "deepspeed", "zero_stage": 3})
+    metrics = run(cfg, base_model=BASE, data=str(data_dir), output_dir=tmp_path, tracker=NullTracker())
     assert metrics["train_loss_final"] < metrics["train_loss_first"]
     kinds = {k.split("/")[1] for k in metrics if k.startswith("pair_accuracy/")}
     assert kinds == {"wrong_attribute", "hallucinated_object", "flowery_padding", "hacking_bait"}
