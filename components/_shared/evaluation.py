@@ -16,8 +16,16 @@ import torch
 from PIL import Image
 
 from components._shared import metrics as M
-from components._shared.packing import IGNORE_INDEX, ConversationEncoder, Sample, forward_logits, pack, per_sample_loss
-from components._shared.packing import plan_micro_batches
+from components._shared.packing import (
+    IGNORE_INDEX,
+    ConversationEncoder,
+    Sample,
+    forward_logits,
+    pack,
+    per_sample_loss,
+    plan_micro_batches,
+    to_device,
+)
 
 
 def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
@@ -150,7 +158,7 @@ def heldout_loss(model, samples: list[Sample], *, max_tokens: int = 4096) -> lis
     losses = [0.0] * len(samples)
     for group in plan_micro_batches([s.num_tokens for s in samples], max(max_tokens, max(s.num_tokens for s in samples))):
         batch = pack([samples[i] for i in group])
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = to_device(batch, device)
         for i, value in zip(group, per_sample_loss(forward_logits(model, batch), batch).tolist()):
             losses[i] = value
     return losses
@@ -163,7 +171,7 @@ def answer_logits(model, samples: list[Sample], *, max_tokens: int = 4096) -> li
     out: list = [None] * len(samples)
     for group in plan_micro_batches([s.num_tokens for s in samples], max(max_tokens, max(s.num_tokens for s in samples))):
         batch = pack([samples[i] for i in group])
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = to_device(batch, device)
         logits = forward_logits(model, batch)[0].float().cpu()
         targets, seq = batch["targets"][0].cpu(), batch["seq_index"][0].cpu()
         for local, i in enumerate(group):

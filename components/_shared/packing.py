@@ -256,6 +256,11 @@ def pad(samples: list[Sample], pad_token_id: int) -> dict:
     }
 
 
+def to_device(batch: dict, device) -> dict:
+    """The batch with its tensors on `device` (counts and None values pass through)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def batch_tokens(batch: dict) -> tuple[int, int]:
     """(real tokens, slots) of a packed or padded batch; slots = batch x width."""
     real = int((batch["seq_index"] >= 0).sum())

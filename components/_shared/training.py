@@ -31,7 +31,15 @@ import numpy as np
 import torch
 
 from components._shared import checkpoint as ckpt
-from components._shared.packing import Sample, batch_tokens, forward_logits, pack, plan_micro_batches, token_loss
+from components._shared.packing import (
+    Sample,
+    batch_tokens,
+    forward_logits,
+    pack,
+    plan_micro_batches,
+    to_device,
+    token_loss,
+)
 from components._shared.tracking import NullTracker, Tracker
 from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
 from components._shared.vlm import named_groups
@@ -162,7 +170,7 @@ class TrainLoop:
                              "trains one process; set train.backend: deepspeed for data-parallel training.")
         if train.threads:
             torch.set_num_threads(train.threads)
-        self.model, self.train, self.optim_cfg, self.schedule = model, train, optim, schedule
+        self.model, self.train, self.schedule = model, train, schedule
         self.sample, self.phases, self.store = sample, phases, checkpoints
         self.tracker = tracker or NullTracker()
         self.loss_fn, self.seed, self.extra_state = loss_fn, seed, extra_state
@@ -345,7 +353,7 @@ class TrainLoop:
             if weight:
                 used, computed = batch_tokens(batch)
                 real, positions = real + used, positions + computed
-            batch = _to_device(batch, self.device)
+            batch = to_device(batch, self.device)
             with self._autocast():
                 loss_sum, _, extra = self.loss_fn(self.backend.module, batch, micro)
             self.backend.backward(loss_sum * (weight / total_targets))
@@ -413,10 +421,6 @@ def _barrier() -> None:
 def is_main_process() -> bool:
     """True outside torch.distributed and on rank 0: only it writes outputs and logs."""
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-
-
-def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def _crash_point(variable: str, step: int) -> None:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from components._shared import evaluation as E
 from components._shared import checkpoint as ckpt
+from components._shared import storage
 from components._shared.checkpoint import CheckpointStore
 from components._shared.imaging import decode_image
 from components._shared.packing import (
@@ -35,6 +36,7 @@ from components._shared.packing import (
     pack,
     per_sample_loss,
     plan_micro_batches,
+    to_device,
     token_loss,
 )
 from components._shared.tracking import Tracker
@@ -174,14 +176,14 @@ class HeldoutCaptions:
     def __call__(self, model) -> dict[str, float]:
         losses = E.heldout_loss(model, self.loss_samples)
         device = next(model.parameters()).device
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in pack(self.image_samples).items()}
+        batch = to_device(pack(self.image_samples), device)
         per_image = list(image_embeddings(model, batch).split(
             [int(s.image_grid_thw.prod()) // self.encoder.merge_unit for s in self.image_samples]))
         scores = torch.empty(self.pool, self.pool)
         budget = max(4096, max(s.num_tokens for s in self.pairs))
         for group in plan_micro_batches([s.num_tokens for s in self.pairs], budget):
             micro = [self.pairs[k] for k in group]
-            mb = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in pack(micro).items()}
+            mb = to_device(pack(micro), device)
             embeds = torch.cat([per_image[k // self.pool] for k in group])
             logits = forward_logits(model, mb, image_embeds=embeds)
             for k, value in zip(group, per_sample_loss(logits, mb).tolist()):
@@ -196,17 +198,11 @@ def train_phase(name: str, model, cfg: PretrainConfig, block, sample, n: int, ou
                 evaluate, key: str) -> tuple[TrainLoop, TrainResult]:
     loop = TrainLoop(model, train=block.train, optim=block.optim, schedule=block.schedule, sample=sample,
                      phases=[Phase(name, block.train.steps, list(range(n)))],
-                     checkpoints=CheckpointStore(_join(ckpt.location(block.train.checkpoint_uri, "pretrain", key,
-                                                                     output_dir), name),
+                     checkpoints=CheckpointStore(storage.join(ckpt.location(block.train.checkpoint_uri, "pretrain", key,
+                                                                          output_dir), name),
                                                  keep=block.train.keep_checkpoints, scratch=output_dir / ".scratch"),
                      tracker=_Prefixed(tracker, name), loss_fn=make_loss(cfg), seed=cfg.seed)
     return loop, loop.run(evaluate=evaluate)
-
-
-def _join(root, name: str) -> str:
-    from components._shared import storage
-
-    return storage.join(str(root), name)
 
 
 def select_best(loop: TrainLoop, cfg: PretrainConfig) -> tuple[dict[str, float], int]:

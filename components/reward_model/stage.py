@@ -27,8 +27,15 @@ import torch.nn.functional as F
 from components._shared import checkpoint as ckpt
 from components._shared import evaluation as E
 from components._shared.checkpoint import CheckpointStore
-from components._shared.packing import IGNORE_INDEX, ConversationEncoder, Sample, forward_hidden, pack
-from components._shared.packing import plan_micro_batches
+from components._shared.packing import (
+    IGNORE_INDEX,
+    ConversationEncoder,
+    Sample,
+    forward_hidden,
+    pack,
+    plan_micro_batches,
+    to_device,
+)
 from components._shared.tracking import Tracker
 from components._shared.training import Phase, TrainLoop, is_main_process
 from components._shared.vlm import freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
@@ -101,7 +108,7 @@ def score_pairs(model: RewardModel, units: list[list[Sample]], max_tokens: int =
     budget = max(max_tokens, max(sum(s.num_tokens for s in u) for u in units))
     for group in plan_micro_batches([sum(s.num_tokens for s in u) for u in units], budget):
         micro = [s for i in group for s in units[i]]
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in pack(micro).items()}
+        batch = to_device(pack(micro), device)
         r = model.scores(batch, micro).tolist()
         for j, i in enumerate(group):
             out[i] = (r[2 * j], r[2 * j + 1])
