@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -57,6 +58,36 @@ def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
         if missing:
             raise ValueError(f"{path}:{n} (id={record.get('id')!r}): missing field(s) {missing}.")
         records.append(record)
+    return records
+
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+def load_conversations(data_dir: Path, max_records: int | None = None, *, file_name: str = "sft.jsonl") -> list[dict]:
+    """sft.jsonl (or `file_name`) as [{"id", "images": [paths], "turns": [{"role","text"}], "difficulty", "type"}]."""
+    records = []
+    for raw in read_jsonl(data_dir / file_name, ("id", "conversations")):
+        images = raw.get("images") or ([raw["image"]] if raw.get("image") else [])
+        turns = []
+        for i, turn in enumerate(raw["conversations"]):
+            role = ROLES.get(turn.get("from") or turn.get("role"))
+            text = turn.get("value", turn.get("content"))
+            if role is None or not isinstance(text, str):
+                raise ValueError(f"conversation record {raw['id']!r} turn {i}: expected from=human|gpt (or role=user|assistant) "
+                                 f"and a string value, got {turn!r}.")
+            turns.append({"role": role, "text": text})
+        if not any(t["role"] == "assistant" for t in turns):
+            raise ValueError(f"conversation record {raw['id']!r} has no gpt/assistant turn to learn from; drop or fix it.")
+        records.append({"id": raw["id"], "images": images, "turns": turns,
+                        "difficulty": raw.get("difficulty", "all"), "type": raw.get("type", "unknown")})
+        if max_records and len(records) >= max_records:
+            break
+    text_only = [r["id"] for r in records if not r["images"]]
+    if text_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"sft records {text_only[:3]} have no image; with several processes a text-only "
+                         "micro-batch leaves the vision tower out of the gradient reduction. Drop them or train them "
+                         "in a single-process run.")
     return records
 
 

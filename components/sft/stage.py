@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -28,41 +27,12 @@ from components._shared import evaluation as E
 from components._shared import metrics as M
 from components._shared import checkpoint as ckpt
 from components._shared.checkpoint import CheckpointStore
+from components._shared.evaluation import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
 from components._shared.packing import ConversationEncoder
 from components._shared.tracking import Tracker
 from components._shared.training import Phase, TrainLoop, is_main_process
 from components._shared.vlm import count_parameters, freeze, load_vlm, save_vlm, set_pixel_bounds
 from components.sft.config import SftConfig
-
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-
-
-def load_sft_records(data_dir: Path, max_records: int | None = None) -> list[dict]:
-    """sft.jsonl as [{"id", "images": [paths], "turns": [{"role","text"}], "difficulty", "type"}]."""
-    records = []
-    for raw in E.read_jsonl(data_dir / "sft.jsonl", ("id", "conversations")):
-        images = raw.get("images") or ([raw["image"]] if raw.get("image") else [])
-        turns = []
-        for i, turn in enumerate(raw["conversations"]):
-            role = ROLES.get(turn.get("from") or turn.get("role"))
-            text = turn.get("value", turn.get("content"))
-            if role is None or not isinstance(text, str):
-                raise ValueError(f"sft record {raw['id']!r} turn {i}: expected from=human|gpt (or role=user|assistant) "
-                                 f"and a string value, got {turn!r}.")
-            turns.append({"role": role, "text": text})
-        if not any(t["role"] == "assistant" for t in turns):
-            raise ValueError(f"sft record {raw['id']!r} has no gpt/assistant turn to learn from; drop or fix it.")
-        records.append({"id": raw["id"], "images": images, "turns": turns,
-                        "difficulty": raw.get("difficulty", "all"), "type": raw.get("type", "unknown")})
-        if max_records and len(records) >= max_records:
-            break
-    text_only = [r["id"] for r in records if not r["images"]]
-    if text_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError(f"sft records {text_only[:3]} have no image; with several processes a text-only "
-                         "micro-batch leaves the vision tower out of the gradient reduction. Drop them or train them "
-                         "in a single-process run.")
-    return records
-
 
 def build_model(cfg: SftConfig, base_model: str):
     """(model, processor, trainable description) for the configured mode."""

@@ -9,7 +9,8 @@ from components._shared.packing import ConversationEncoder, pack
 from components._shared.tracking import NullTracker
 from components._shared.vlm import load_vlm
 from components.reward_model.config import RewardModelConfig
-from components.reward_model.stage import RewardModel, load_pairs, load_reward_model, reward_index, run, score_pairs
+from components._shared.reward_models import RewardModel, load_reward_model, reward_index
+from components.reward_model.stage import load_pairs, run, score_pairs
 from components.synth_world.splits import write_splits
 
 BASE = "builtin:tiny-qwen2_5-vl"
