@@ -18,10 +18,11 @@ STAGES: dict[str, tuple[str, str]] = {
     "pretrain": ("components.pretrain.config:PretrainConfig", "components.pretrain.stage"),
     "sft": ("components.sft.config:SftConfig", "components.sft.stage"),
     "reward_model": ("components.reward_model.config:RewardModelConfig", "components.reward_model.stage"),
+    "rl": ("components.rl.config:RlConfig", "components.rl.stage"),
 }
 
 # Stages in DAG order (preflight is a check, not a stage of the run summary's training flow).
-DAG_ORDER: tuple[str, ...] = ("clean_data", "extract_features", "pretrain", "sft", "reward_model")
+DAG_ORDER: tuple[str, ...] = ("clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl")
 
 
 def _check(stage: str) -> tuple[str, str]:

@@ -1,7 +1,7 @@
 """The VLM training DAG: preflight -> clean_data (fan-out over shards, merge) -> extract_features -> pretrain -> sft
--> reward_model.
+-> reward_model -> rl.
 
-Later stages (rl, distill, select_checkpoint) join the same DAG.
+Later stages (distill, select_checkpoint) join the same DAG.
 `build_pipeline(preset, until)` returns the pipeline function with the preset's configs as parameter
 defaults; `vlm_training` is the full DAG on the `prod-7b` preset, the one that is compiled and committed.
 """
@@ -12,6 +12,7 @@ from components.extract_features.component import extract_features_op
 from components.preflight.component import preflight_op
 from components.pretrain.component import pretrain_op
 from components.reward_model.component import reward_model_op
+from components.rl.component import rl_op
 from components.sft.component import sft_op
 from components.stages import DAG_ORDER
 from kfp import dsl
@@ -36,6 +37,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
         eval_data_uri: str = "",
         sft_data_uri: str = "",
         preference_data_uri: str = "",
+        rl_data_uri: str = "",
         base_model_uri: str = p.base_model_uri,
         experiment: str = p.experiment,
         preflight_config: dict = p.stages["preflight"],
@@ -44,6 +46,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
         pretrain_config: dict = p.stages["pretrain"],
         sft_config: dict = p.stages["sft"],
         reward_model_config: dict = p.stages["reward_model"],
+        rl_config: dict = p.stages["rl"],
     ):
         preflight = on_cpu(with_runtime_env(preflight_op(
             lake_uri=lake_uri,
@@ -54,12 +57,15 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
             pretrain_config=pretrain_config,
             sft_config=sft_config,
             reward_model_config=reward_model_config,
+            rl_config=rl_config,
             eval_data_uri=eval_data_uri,
             sft_data_uri=sft_data_uri,
             preference_data_uri=preference_data_uri,
+            rl_data_uri=rl_data_uri,
             needs_eval_data="pretrain" in wanted,
             needs_sft_data="sft" in wanted,
             needs_preference_data="reward_model" in wanted,
+            needs_rl_data="rl" in wanted,
             experiment=experiment,
         )), cpu="1", memory="4Gi")
         preflight.set_display_name("Preflight checks").set_caching_options(False)
@@ -115,6 +121,16 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
                 experiment=experiment,
             )), gpus=1, memory="64Gi")
             reward.set_display_name("Reward model").set_retry(num_retries=2, backoff_duration="60s")
+
+        if "rl" in wanted:
+            rl = on_gpus(with_runtime_env(rl_op(
+                sft_model=sft.outputs["model"],
+                reward_model=reward.outputs["model"],
+                rl_data_uri=rl_data_uri,
+                config=rl_config,
+                experiment=experiment,
+            )), gpus=1, memory="64Gi")
+            rl.set_display_name("RL").set_retry(num_retries=2, backoff_duration="60s")
 
     return vlm_training
 

@@ -57,14 +57,29 @@ def read_section(config_file: Path | None, section: str) -> dict[str, Any]:
     """The stage section of a preset file, or the whole file when it is a bare section."""
     if config_file is None:
         return {}
-    data = yaml.safe_load(Path(config_file).read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{config_file}: expected a mapping at the top level.")
+    data = read_preset_yaml(Path(config_file))
     if section in data:
         return data[section] or {}
     if "stages" in data and section in (data["stages"] or {}):
         return data["stages"][section] or {}
     return data
+
+
+def read_preset_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML config file merged over the file its `extends: NAME` names (NAME.yaml beside it; recursive), so a
+    preset can start from another one and change only some settings."""
+    if path in seen:
+        raise ValueError(f"presets extend each other in a cycle: {' -> '.join(p.stem for p in (*seen, path))}.")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level.")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    parent_path = path.parent / (parent if str(parent).endswith((".yaml", ".yml")) else f"{parent}.yaml")
+    if not parent_path.exists():
+        raise ValueError(f"{path}: extends '{parent}', but {parent_path} does not exist.")
+    return deep_merge(read_preset_yaml(parent_path, (*seen, path)), data)
 
 
 def validate(config_cls, section: str, data: dict[str, Any]):

@@ -158,6 +158,7 @@ class TrainLoop:
                  sample: Callable[[int], Sample], phases: list[Phase], checkpoints: ckpt.CheckpointStore,
                  tracker: Tracker | None = None, loss_fn: LossFn = default_loss, seed: int = 0,
                  extra_state: Callable[[], dict] | None = None,
+                 load_extra_state: Callable[[dict], None] | None = None,
                  unit_weight: Callable[[list[Sample]], float] | None = None) -> None:
         if sum(p.steps for p in phases) != train.steps:
             raise ValueError(f"phases have {sum(p.steps for p in phases)} steps but train.steps={train.steps}; make "
@@ -173,7 +174,8 @@ class TrainLoop:
         self.model, self.train, self.schedule = model, train, schedule
         self.sample, self.phases, self.store = sample, phases, checkpoints
         self.tracker = tracker or NullTracker()
-        self.loss_fn, self.seed, self.extra_state = loss_fn, seed, extra_state
+        self.loss_fn, self.seed = loss_fn, seed
+        self.extra_state, self.load_extra_state = extra_state, load_extra_state  # caller state saved with checkpoints
         # A data item may be a group of samples kept in one micro-batch (a preference pair); the step's loss is
         # normalised by the summed unit weights (default: target tokens), known before the first backward.
         self.unit_weight = unit_weight or (lambda unit: float(sum(s.num_targets for s in unit)))
@@ -274,6 +276,8 @@ class TrainLoop:
         self.step = int(state["step"])
         self.cursor = DataCursor(**state["cursor"])
         self.history, self.evals = state["history"], state["evals"]
+        if self.load_extra_state is not None:
+            self.load_extra_state(state.get("extra", {}))
         rank = self.backend.rank
         rng = state["rng"] if rank == 0 else json.loads((local / f"state-rank{rank}.json").read_text())
         ckpt.load_rng(local, rng, rank)  # last: nothing after this may consume randomness before training
@@ -376,9 +380,11 @@ class TrainLoop:
 
 
 class TorchBackend:
-    """Plain AdamW with per-group clipping and a LambdaLR schedule."""
+    """Plain AdamW with per-group clipping and a LambdaLR schedule. `grad_ema` (rl's TER), when set, smooths the
+    clipped gradients before the optimizer step and is saved with the checkpoint."""
 
     rank, world_size = 0, 1
+    grad_ema = None
 
     def __init__(self, model, *, optim: OptimConfig, lr_lambda: Callable[[int], float]) -> None:
         self.module = model
@@ -393,6 +399,8 @@ class TorchBackend:
 
     def step(self) -> tuple[dict[str, float], list[float]]:
         norms = clip_per_group(self.optimizer)
+        if self.grad_ema is not None:
+            self.grad_ema.apply(self.module.named_parameters())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lrs = [g["lr"] for g in self.optimizer.param_groups]
@@ -401,9 +409,19 @@ class TorchBackend:
 
     def save(self, directory) -> None:
         ckpt.save_torch_state(directory, self.module, self.optimizer, self.scheduler)
+        if self.grad_ema is not None:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous().cpu() for k, v in self.grad_ema.buffers.items()},
+                      str(directory / "grad_ema.safetensors"))
 
     def load(self, directory) -> None:
         ckpt.load_torch_state(directory, self.module, self.optimizer, self.scheduler)
+        if self.grad_ema is not None:
+            from safetensors.torch import load_file
+
+            device = next(self.module.parameters()).device
+            self.grad_ema.buffers = {k: v.to(device) for k, v in load_file(str(directory / "grad_ema.safetensors")).items()}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}

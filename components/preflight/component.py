@@ -15,13 +15,16 @@ def preflight_op(
     pretrain_config: dict,
     sft_config: dict,
     reward_model_config: dict,
+    rl_config: dict,
     report: dsl.Output[dsl.Artifact],
     eval_data_uri: str = "",
     sft_data_uri: str = "",
     preference_data_uri: str = "",
+    rl_data_uri: str = "",
     needs_eval_data: bool = False,
     needs_sft_data: bool = False,
     needs_preference_data: bool = False,
+    needs_rl_data: bool = False,
     experiment: str = "vlm",
 ):
     """Validate every stage config, reach the lake / MLflow / S3, resolve the models. Never cached.
@@ -35,12 +38,15 @@ def preflight_op(
         pretrain_config: The pretrain section.
         sft_config: The sft section.
         reward_model_config: The reward_model section.
+        rl_config: The rl section.
         eval_data_uri: Held-out data (must hold eval.jsonl).
         sft_data_uri: SFT data (must hold sft.jsonl and eval.jsonl).
         needs_eval_data: Whether this DAG runs pretrain (then eval_data_uri must be set).
         needs_sft_data: Whether this DAG runs sft (then sft_data_uri must be set).
         preference_data_uri: Preference pairs (must hold preferences.jsonl).
         needs_preference_data: Whether this DAG runs reward_model (then preference_data_uri must be set).
+        rl_data_uri: RL prompts (must hold the rl section's prompts_file and eval.jsonl).
+        needs_rl_data: Whether this DAG runs rl (then rl_data_uri must be set).
         report: preflight.json with what was checked and where the models resolved to.
         experiment: MLflow experiment name.
     """
@@ -48,12 +54,14 @@ def preflight_op(
     from components.preflight.stage import model_uris_in
 
     stage_configs = {"clean_data": clean_data_config, "extract_features": extract_features_config,
-                     "pretrain": pretrain_config, "sft": sft_config, "reward_model": reward_model_config}
+                     "pretrain": pretrain_config, "sft": sft_config, "reward_model": reward_model_config, "rl": rl_config}
     data_files = {
         "eval_data_uri": {"uri": eval_data_uri, "files": ["eval.jsonl"], "required": needs_eval_data},
         "sft_data_uri": {"uri": sft_data_uri, "files": ["sft.jsonl", "eval.jsonl"], "required": needs_sft_data},
         "preference_data_uri": {"uri": preference_data_uri, "files": ["preferences.jsonl"],
                                 "required": needs_preference_data},
+        "rl_data_uri": {"uri": rl_data_uri, "files": [rl_config.get("prompts_file", "sft.jsonl"), "eval.jsonl"],
+                        "required": needs_rl_data},
     }
     run_stage(
         "preflight",

@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 PRESET_DIR = Path(__file__).parent
-TOP_LEVEL_KEYS = {"description", "base_model_uri", "experiment", "lake_uri"}
+TOP_LEVEL_KEYS = {"description", "base_model_uri", "experiment", "lake_uri"}  # plus `extends: OTHER_PRESET`
 
 
 class Preset(BaseModel):
@@ -45,12 +44,11 @@ def preset_path(name_or_path: str | Path) -> Path:
 
 def load_preset(name_or_path: str | Path = "tiny", overrides: dict[str, Any] | None = None) -> Preset:
     """Read and validate a preset; every stage section goes through its config class (errors name the setting)."""
-    from components._shared.cli import deep_merge, validate
+    from components._shared.cli import deep_merge, read_preset_yaml, validate
     from components.stages import STAGES, load_config_class
 
     path = preset_path(name_or_path)
-    data = yaml.safe_load(path.read_text()) or {}
-    data = deep_merge(data, overrides or {})
+    data = deep_merge(read_preset_yaml(path), overrides or {})
     unknown = set(data) - TOP_LEVEL_KEYS - set(STAGES)
     if unknown:
         raise ValueError(

@@ -54,7 +54,7 @@ def test_stage_order(compiled):
     assert tasks["reward-model-op"]["dependentTasks"] == ["sft-op"]
 
 
-@pytest.mark.parametrize("op", ["extract-features-op", "pretrain-op", "sft-op", "reward-model-op"])
+@pytest.mark.parametrize("op", ["extract-features-op", "pretrain-op", "sft-op", "reward-model-op", "rl-op"])
 def test_model_stages_request_a_gpu_shm_and_retries(compiled, op):
     spec, platform, _ = compiled
     executor = spec["deploymentSpec"]["executors"][f"exec-{op}"]["container"]
@@ -69,7 +69,7 @@ def test_stage_configs_are_pipeline_parameters_with_the_preset_defaults(compiled
 
     params = compiled[0]["root"]["inputDefinitions"]["parameters"]
     preset = load_preset("prod-7b")
-    for stage in ("pretrain", "sft", "reward_model"):
+    for stage in ("pretrain", "sft", "reward_model", "rl"):
         assert params[f"{stage}_config"]["defaultValue"] == preset.stages[stage]
     assert preset.stages["sft"]["lora"]["r"] == 64
 
@@ -106,3 +106,18 @@ def test_images_are_pinned_to_the_package_version(compiled):
     for name, executor in compiled[0]["deploymentSpec"]["executors"].items():
         image = executor["container"]["image"]
         assert image.endswith(f":{__version__}"), (name, image)
+
+
+def test_a_preset_can_extend_another_and_change_only_some_settings(tmp_path):
+    from pipelines.presets import load_preset
+
+    demo, ter = load_preset("demo"), load_preset("demo-ter")
+    assert demo.stages["rl"]["algorithm"] == "ppo" and ter.stages["rl"]["algorithm"] == "ter"
+    assert ter.stages["sft"] == demo.stages["sft"] and ter.base_model_uri == demo.base_model_uri
+    (tmp_path / "a.yaml").write_text("extends: b\nbase_model_uri: builtin:tiny-qwen2_5-vl\n")
+    (tmp_path / "b.yaml").write_text("extends: a\n")
+    with pytest.raises(ValueError, match="cycle: a -> b -> a"):
+        load_preset(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("extends: missing\n")
+    with pytest.raises(ValueError, match="extends 'missing'"):
+        load_preset(tmp_path / "c.yaml")

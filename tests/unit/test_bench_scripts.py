@@ -48,3 +48,14 @@ def test_packing_throughput_packs_more_efficiently_than_padding():
         assert arms[name]["tokens_per_cpu_s"] > 0 and arms[name]["speedup"] > 0
     assert arms["padded"]["efficiency"] < 1
     assert 4 <= report["visual_tokens"]["min"] <= report["visual_tokens"]["max"] <= 256
+
+
+def test_rl_step_tiny_reports_the_time_split_and_the_kv_cache_baseline():
+    out = _run("bench/gpu/rl_step.py", "--tiny", "--steps", "2")
+    report = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    assert report["timed_steps"] == 2 and report["algorithm"] == "ppo"
+    assert set(report["split_seconds"]) == {"generation", "scoring", "update"}
+    assert abs(sum(report["split_fraction"].values()) - 1.0) < 0.01
+    arms = report["generation_arms"]
+    assert arms["kv_cache"]["tokens"] > 0 and arms["no_cache"]["tokens"] > 0
+    assert report["rollout_tokens_per_s"] > 0 and report["kv_cache_speedup"] > 0

@@ -1,0 +1,3 @@
+from components.rl.stage import main
+
+main()

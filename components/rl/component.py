@@ -1,0 +1,42 @@
+"""KFP wrapper of rl. All logic lives in components/rl/stage.py."""
+
+from kfp import dsl
+
+from components._shared.images import TRAIN_IMAGE
+
+
+@dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
+def rl_op(
+    sft_model: dsl.Input[dsl.Model],
+    reward_model: dsl.Input[dsl.Model],
+    rl_data_uri: str,
+    config: dict,
+    model: dsl.Output[dsl.Model],
+    metrics: dsl.Output[dsl.Metrics],
+    report: dsl.Output[dsl.Markdown],
+    experiment: str = "vlm",
+):
+    """Optimise the SFT policy with PPO, TER or GRPO (config `algorithm`), guarded by reward-hacking gates.
+
+    Args:
+        sft_model: Output of sft (its model/ directory is the initial policy and the frozen reference).
+        reward_model: Output of reward_model (used when config.rewards gives reward_model a weight).
+        rl_data_uri: Prompts (config.prompts_file, default sft.jsonl) and eval.jsonl; a directory or s3:// prefix.
+        config: RlConfig as a dict.
+        model: model/ (the policy, HF format), value_head.safetensors (PPO), rollouts.jsonl, eval_predictions.jsonl.
+        metrics: algorithm, efficacy_before/after, mean_length_ratio, kl_final, the per-phase timing split.
+        report: The stage report for the KFP UI.
+        experiment: MLflow experiment name.
+    """
+    import shutil
+
+    from components._shared.launch import report_metrics, run_stage
+
+    results = run_stage(
+        "rl", config, experiment=experiment,
+        inputs={"base_model": sft_model.path + "/model", "reward_model": reward_model.path + "/model",
+                "data": rl_data_uri},
+        output_dir=model.path, artifacts={"model": model.path + "/model"}, record_as="rl",
+    )
+    report_metrics(metrics, results)
+    shutil.copyfile(model.path + "/report.md", report.path)

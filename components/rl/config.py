@@ -1,0 +1,140 @@
+"""Config of the rl stage. Imports pydantic only, so pipelines/ compiles without torch."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from components._shared.config import StageConfig, SubConfig
+from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
+
+REWARD_NAMES = ("efficacy", "format", "reward_model", "ocr_consistency")  # = rewards.REWARDS
+
+
+class RolloutConfig(SubConfig):
+    """Sampling from the current policy (KV cache on, batched)."""
+
+    samples_per_prompt: Annotated[int, Field(ge=1, description="Completions per prompt (GRPO's group size).")] = 1
+    max_new_tokens: Annotated[int, Field(ge=1, le=4096)] = 48
+    temperature: Annotated[float, Field(gt=0, le=2.0, description=(
+        "Sampling temperature; log-probabilities for the update use the same temperature."))] = 1.0
+    batch_size: Annotated[int, Field(ge=1, description="Prompts per generate() call.")] = 64
+
+
+class UpdateConfig(SubConfig):
+    """Optimizer passes over one step's rollouts."""
+
+    epochs: Annotated[int, Field(ge=1, le=16)] = 1
+    minibatches: Annotated[int, Field(ge=1, description="Optimizer steps per epoch (rollouts split evenly).")] = 1
+
+
+class PpoConfig(SubConfig):
+    """PPO with a value head on the policy (seed 001 settings by default)."""
+
+    clip_start: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    clip_end: Annotated[float, Field(gt=0, lt=1)] = 0.05
+    kl_coef: Annotated[float, Field(ge=0, description="Initial coefficient of the per-token KL penalty.")] = 0.05
+    adaptive_kl: bool = True
+    kl_target: Annotated[float, Field(gt=0, description="Per-token KL the adaptive controller steers to.")] = 0.02
+    kl_horizon: Annotated[int, Field(ge=1)] = 1000
+    kl_stop: Annotated[float, Field(gt=0, description=(
+        "Hard stop (seed 001): training ends, keeping the current policy, once the per-token KL to the "
+        "reference measured on a step's rollouts exceeds this."))] = 0.1
+    gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
+    lam: Annotated[float, Field(ge=0, le=1)] = 0.95
+    value_coef: Annotated[float, Field(ge=0)] = 0.1
+    value_clip: Annotated[float, Field(gt=0)] = 0.2
+    reward_clip: Annotated[float, Field(gt=0, description="Normalised scores are clipped to [-c, c].")] = 1.0
+
+
+class TerConfig(SubConfig):
+    """Task-efficacy REINFORCE (seed 000)."""
+
+    baseline_decay: Annotated[float, Field(ge=0, lt=1)] = 0.99
+    max_grad_norm: Annotated[float, Field(gt=0, description="TER's own gradient clip (replaces optim's).")] = 0.3
+    grad_ema: Annotated[float, Field(ge=0, lt=1, description=(
+        "EMA of the clipped gradient (seed 000 uses 0.95); 0 = off, the default: under AdamW the smoothed, stale "
+        "gradient made the demo's training reward fall (docs/stages/rl.md)."))] = 0.0
+    importance_cap: Annotated[float, Field(ge=1)] = 2.0
+
+
+class GrpoConfig(SubConfig):
+    """Group-relative baseline over rollout.samples_per_prompt samples of each prompt."""
+
+    clip: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    kl_coef: Annotated[float, Field(ge=0)] = 0.04
+    scale_rewards: bool = True
+
+
+class GateConfig(SubConfig):
+    """Reward-hacking monitors that fail the stage (a step gate trips after `patience` consecutive bad steps).
+    A bound of 0 turns its gate off (KFP parameters cannot carry null)."""
+
+    kl_max: Annotated[float, Field(ge=0, description="Per-token KL to the reference.")] = 1.0
+    length_ratio_min: Annotated[float, Field(ge=0, description="Mean completion length / first step's.")] = 0.5
+    length_ratio_max: Annotated[float, Field(ge=0)] = 2.0
+    entropy_min: Annotated[float, Field(ge=0, description="Mean per-token entropy (nats).")] = 0.0
+    heldout_drop_max: Annotated[float, Field(ge=0, description=(
+        "Reward/accuracy divergence: the training reward rose while held-out efficacy fell by more than this."))] = 0.1
+    patience: Annotated[int, Field(ge=1)] = 3
+
+
+class RlEvalConfig(SubConfig):
+    per_type: Annotated[int | None, Field(ge=1)] = 50
+    batch_size: Annotated[int, Field(ge=1)] = 64
+    max_new_tokens: Annotated[int, Field(ge=1)] = 48
+
+
+class RlConfig(StageConfig):
+    """Policy optimisation of the SFT model with PPO, TER or GRPO on verifiable prompts."""
+
+    algorithm: Literal["ppo", "ter", "grpo"] = "ppo"
+    rewards: dict[str, float] = Field(default_factory=lambda: {"efficacy": 1.0}, description=(
+        f"Reward weights by name ({', '.join(REWARD_NAMES)}); the step reward is their weighted sum."))
+    prompts_file: str = Field("sft.jsonl", description="Prompt records in the data directory (LLaVA format "
+                                                       "with a `type`; the first gpt turn is the reference).")
+    prompt_types: list[str] = Field(default_factory=list, description="Question types to train on; empty = all.")
+    max_records: Annotated[int | None, Field(ge=1)] = None
+    freeze: list[Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]] = Field(
+        default_factory=list)
+    min_pixels: Annotated[int, Field(ge=28 * 28)] = 56 * 56
+    max_pixels: Annotated[int, Field(ge=28 * 28)] = 1280 * 28 * 28
+    max_length: Annotated[int, Field(ge=16)] = 4096
+    rollout: RolloutConfig = RolloutConfig()
+    update: UpdateConfig = UpdateConfig()
+    ppo: PpoConfig = PpoConfig()
+    ter: TerConfig = TerConfig()
+    grpo: GrpoConfig = GrpoConfig()
+    gates: GateConfig = GateConfig()
+    eval: RlEvalConfig = RlEvalConfig()
+    train: TrainConfig = TrainConfig(steps=100, samples_per_step=16, max_tokens_per_micro_batch=4096, eval_every=50)
+    optim: OptimConfig = OptimConfig(lr=1e-5)
+    schedule: ScheduleConfig = ScheduleConfig(decay="constant")
+
+    @field_validator("rewards")
+    @classmethod
+    def _known_rewards(cls, value: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(value) - set(REWARD_NAMES))
+        if unknown:
+            raise ValueError(f"unknown reward(s) {unknown}; choose from {list(REWARD_NAMES)}.")
+        if not any(value.values()):
+            raise ValueError("every reward weight is 0; give at least one a non-zero weight (e.g. efficacy: 1.0).")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.algorithm == "grpo" and self.rollout.samples_per_prompt < 2:
+            raise ValueError("algorithm grpo needs rollout.samples_per_prompt >= 2 (its baseline is the group mean).")
+        if self.algorithm == "ter" and self.ter.grad_ema and self.train.backend == "deepspeed":
+            raise ValueError("ter.grad_ema needs the torch backend (DeepSpeed owns the gradients); set ter.grad_ema: 0 "
+                             "or train.backend: torch.")
+        rollouts = self.train.samples_per_step * self.rollout.samples_per_prompt
+        if self.update.minibatches > rollouts:
+            raise ValueError(f"update.minibatches={self.update.minibatches} exceeds the {rollouts} rollouts of a step "
+                             "(train.samples_per_step x rollout.samples_per_prompt).")
+        return self
+
+    @property
+    def uses_reward_model(self) -> bool:
+        return bool(self.rewards.get("reward_model"))

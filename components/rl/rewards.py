@@ -1,0 +1,243 @@
+"""Reward functions of the RL stage: plain callables `(prompts, completions, **batch) -> list[float]`.
+
+`batch` carries `records` (the prompt records: id, type, question, answer, pil image) and `finished` (whether
+each completion ended with <|im_end|> rather than running into max_new_tokens). `build_rewards` picks the
+configured ones from REWARDS by name; the RL stage sums them with their weights.
+
+Task efficacy (TER, seed 000), per question type:
+- VQA types: answer accuracy (exact match; grounding: the box IoU, so near misses earn part of the reward)
+  times a length factor that only starts to bite past 1.5x the question's length,
+  `1 - min(1, max(0, len - 1.5 * question_len) / (1.5 * question_len))` (words);
+- captions: n-gram overlap with the reference (mean F1 over 1..4-grams, the seed's cheap stand-in for CIDEr)
+  times (1 - the share of repeated bigrams);
+- text reading (ocr): word-level F1 against the reference.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from components._shared import metrics as M
+
+RewardFn = Callable[..., list[float]]
+_WORDS = re.compile(r"[^\W_]+", re.UNICODE)
+_QUOTED = re.compile(r"[\"\u201c]([^\"\u201d]{1,40})[\"\u201d]")
+
+
+# ------------------------------------------------------------------------------------------ efficacy ---
+
+def words(text: str) -> list[str]:
+    return _WORDS.findall(text.lower())
+
+
+def length_factor(answer: str, question: str) -> float:
+    """1 up to 1.5x the question's length in words, then falling linearly to 0 at 3x."""
+    allowed = 1.5 * max(1, len(words(question)))
+    over = max(0.0, len(words(answer)) - allowed)
+    return 1.0 - min(1.0, over / allowed)
+
+
+def ngram_overlap(prediction: str, reference: str, max_n: int = 4) -> float:
+    """Mean over n = 1..max_n (those the reference has) of the clipped n-gram F1."""
+    pred, ref = M.cider_tokens(prediction), M.cider_tokens(reference)
+    scores = []
+    for n in range(1, max_n + 1):
+        ref_grams = Counter(tuple(ref[i:i + n]) for i in range(len(ref) - n + 1))
+        if not ref_grams:
+            break
+        pred_grams = Counter(tuple(pred[i:i + n]) for i in range(len(pred) - n + 1))
+        matched = sum((pred_grams & ref_grams).values())
+        if not matched:
+            scores.append(0.0)
+            continue
+        precision, recall = matched / sum(pred_grams.values()), matched / sum(ref_grams.values())
+        scores.append(2 * precision * recall / (precision + recall))
+    return sum(scores) / len(scores) if scores else 0.0
+
+
+def repeated_ngram_ratio(text: str, n: int = 2) -> float:
+    """Share of the text's n-grams that repeat an earlier one (0 for text shorter than n + 1 words)."""
+    tokens = M.cider_tokens(text)
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if len(grams) > 1 else 0.0
+
+
+def word_f1(prediction: str, reference: str) -> float:
+    pred, ref = Counter(words(prediction)), Counter(words(reference))
+    common = sum((pred & ref).values())
+    if not common:
+        return 0.0
+    precision, recall = common / sum(pred.values()), common / sum(ref.values())
+    return 2 * precision * recall / (precision + recall)
+
+
+def task_efficacy(question_type: str, answer: str, reference: str, question: str) -> float:
+    """The efficacy of one answer in [0, 1] (see the module docstring)."""
+    if question_type == "caption":
+        return ngram_overlap(answer, reference) * (1.0 - repeated_ngram_ratio(answer))
+    if question_type == "ocr":
+        return word_f1(answer, reference) * length_factor(answer, question)
+    if question_type == "grounding":
+        pred, gold = M.parse_box(answer), M.parse_box(reference)
+        accuracy = M.box_iou(pred, gold) if pred is not None and gold is not None else 0.0
+    else:
+        accuracy = M.score_answer(question_type, answer, reference)
+    return accuracy * length_factor(answer, question)
+
+
+class EfficacyCache:
+    """Efficacy of (prompt id, normalised answer), computed once (seed 000: most sampled answers repeat)."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, str], float] = {}
+        self.hits = self.misses = 0
+
+    def __call__(self, prompts: list[str], completions: list[str], *, records: list[dict], **_: Any) -> list[float]:
+        out = []
+        for record, answer in zip(records, completions):
+            key = (record["id"], " ".join(answer.split()))
+            if key in self.values:
+                self.hits += 1
+            else:
+                self.misses += 1
+                self.values[key] = task_efficacy(record["type"], answer, record["answer"], record["question"])
+            out.append(self.values[key])
+        return out
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(1, self.hits + self.misses)
+
+
+# ---------------------------------------------------------------------------------------------- format ---
+
+def format_reward(prompts: list[str], completions: list[str], *, records: list[dict], finished: list[bool],
+                  **_: Any) -> list[float]:
+    """1 for a complete answer (ended by <|im_end|>, not empty, a parsable box for grounding questions), else 0."""
+    out = []
+    for record, answer, done in zip(records, completions, finished):
+        ok = done and bool(answer.strip())
+        if ok and record["type"] == "grounding":
+            ok = M.parse_box(answer) is not None
+        out.append(float(ok))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ reward model ---
+
+class RewardModelReward:
+    """The reward model's score of (image, prompt, completion), standardised with the statistics the
+    reward_model stage saved (so 0 is an average SFT-quality answer); read at the K-th response token."""
+
+    def __init__(self, uri: str, *, min_pixels: int, max_pixels: int, device: torch.device,
+                 max_tokens: int = 4096) -> None:
+        from components._shared.packing import ConversationEncoder
+        from components._shared.reward_models import load_reward_model
+
+        # bf16 on GPU: the reward model only scores (a 7B one would take 28 GB in fp32)
+        self.model, processor, self.meta = load_reward_model(
+            uri, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.model.to(device)
+        self.encoder = ConversationEncoder(processor, self.model.backbone, min_pixels=min_pixels,
+                                           max_pixels=max_pixels)
+        self.max_tokens = max_tokens
+
+    @torch.no_grad()
+    def raw_scores(self, records: list[dict], completions: list[str]) -> list[float]:
+        from components._shared.packing import pack, plan_micro_batches, to_device
+        from components._shared.reward_models import reward_index
+
+        samples = []
+        for i, (record, answer) in enumerate(zip(records, completions)):
+            turns = [{"role": "user", "text": f"<image>\n{record['question']}"}, {"role": "assistant", "text": answer}]
+            sample = self.encoder.encode(turns, images=[record["pil"]], sample_id=f"{record['id']}#{i}")
+            sample.meta["reward_index"] = reward_index(sample, int(self.meta["score_first_k"]))
+            samples.append(sample)
+        device = next(self.model.parameters()).device
+        out = [0.0] * len(samples)
+        budget = max(self.max_tokens, max(s.num_tokens for s in samples))
+        for group in plan_micro_batches([s.num_tokens for s in samples], budget):
+            micro = [samples[i] for i in group]
+            for i, score in zip(group, self.model.scores(to_device(pack(micro), device), micro).tolist()):
+                out[i] = score
+        return out
+
+    def __call__(self, prompts: list[str], completions: list[str], *, records: list[dict], **_: Any) -> list[float]:
+        std = max(float(self.meta["reward_std"]), 1e-6)
+        return [(s - float(self.meta["reward_mean"])) / std for s in self.raw_scores(records, completions)]
+
+
+# ----------------------------------------------------------------------------------------- OCR check ---
+
+class OcrConsistencyReward:
+    """Seed 001's fact check: text the answer claims is written in the image must be there.
+
+    Claims are the whole answer of a text-reading question and any quoted word in other answers. +1 when
+    every claimed word is read in the image by the OCR model (one slip allowed on 4+ letters), -1 when one is
+    not, 0 for answers that claim no text. Images are read once (cached by prompt id).
+    """
+
+    def __init__(self, *, detect_side: int = 736, threads: int = 0, cache_size: int = 4096) -> None:
+        from components._shared.ocr import load_ocr
+
+        self.reader = load_ocr(detect_side, threads)
+        self.cache: OrderedDict[str, str] = OrderedDict()  # prompt id -> words read in its image
+        self.cache_size = cache_size
+
+    def claims(self, record: dict, answer: str) -> list[str]:
+        if record["type"] == "ocr":
+            return words(answer)
+        return [w for quoted in _QUOTED.findall(answer) for w in words(quoted)]
+
+    def read(self, record: dict) -> str:
+        if record["id"] not in self.cache:
+            found = self.reader.words(record["pil"], min_confidence=0.5, min_chars=2, min_box_aspect=1.2)
+            self.cache[record["id"]] = " ".join(found).lower()
+            if len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        return self.cache[record["id"]]
+
+    def __call__(self, prompts: list[str], completions: list[str], *, records: list[dict], **_: Any) -> list[float]:
+        from components._shared.ocr import unmentioned_words
+
+        out = []
+        for record, answer in zip(records, completions):
+            claimed = self.claims(record, answer)
+            # a claimed word counts as read when the OCR text mentions it (the tolerance clean_data uses)
+            out.append(0.0 if not claimed else -1.0 if unmentioned_words(claimed, self.read(record)) else 1.0)
+        return out
+
+
+REWARDS = ("efficacy", "format", "reward_model", "ocr_consistency")
+
+
+def build_rewards(weights: dict[str, float], *, reward_model_uri: str | None, min_pixels: int, max_pixels: int,
+                  device: torch.device) -> dict[str, RewardFn]:
+    """The configured reward callables by name (weights zero or absent are not built)."""
+    unknown = sorted(set(weights) - set(REWARDS))
+    if unknown:
+        raise ValueError(f"rl.rewards names unknown reward(s) {unknown}; choose from {REWARDS}.")
+    fns: dict[str, RewardFn] = {}
+    for name, weight in weights.items():
+        if not weight:
+            continue
+        if name == "efficacy":
+            fns[name] = EfficacyCache()
+        elif name == "format":
+            fns[name] = format_reward
+        elif name == "ocr_consistency":
+            fns[name] = OcrConsistencyReward()
+        else:
+            if not reward_model_uri:
+                raise ValueError("rl.rewards uses reward_model but the stage got no reward model; connect the "
+                                 "reward_model stage's output or set its weight to 0.")
+            fns[name] = RewardModelReward(reward_model_uri, min_pixels=min_pixels, max_pixels=max_pixels,
+                                          device=device)
+    if not fns:
+        raise ValueError("rl.rewards has no reward with a non-zero weight; give at least one (e.g. efficacy: 1.0).")
+    return fns

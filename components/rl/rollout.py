@@ -1,0 +1,175 @@
+"""The rollout engine: batched sampling from the policy with the KV cache, then one packed teacher-forced pass
+per model for the log-probabilities (policy, reference), entropies and values of the sampled tokens.
+
+Completions are kept as the generated token ids (never re-tokenised text), so the update scores exactly the
+tokens that were sampled. A rollout's `sample` is the prompt plus its completion with labels on the
+completion tokens only, so the packer (components/_shared/packing.py) serves sampling-time scoring and the
+update alike; the per-token tensors are in the order of those labelled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from components._shared.packing import (
+    IGNORE_INDEX,
+    ConversationEncoder,
+    Sample,
+    forward_hidden,
+    pack,
+    plan_micro_batches,
+    to_device,
+)
+from components._shared.evaluation import prompt_turns
+from components._shared.vlm import qwen_model
+
+
+@dataclass
+class Rollout:
+    record: dict
+    completion_ids: list[int]
+    text: str
+    finished: bool
+    sample: Sample
+    rewards: dict[str, float] = field(default_factory=dict)
+    reward: float = 0.0
+    logprobs: torch.Tensor | None = None  # (T,) under the sampling policy
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None  # (T,) critic, PPO only
+    entropy: torch.Tensor | None = None  # (T,)
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.completion_ids)
+
+
+class Policy(torch.nn.Module):
+    """The Qwen-VL being trained plus, for PPO, a value head reading its last hidden state (shared trunk)."""
+
+    def __init__(self, model, *, value_head: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.value_head = None
+        if value_head:
+            hidden = model.config.text_config.hidden_size
+            self.value_head = torch.nn.Linear(hidden, 1)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def gradient_checkpointing_enable(self, **kwargs):
+        self.model.gradient_checkpointing_enable(**kwargs)
+
+    def enable_input_require_grads(self):
+        self.model.enable_input_require_grads()
+
+    def token_outputs(self, batch: dict, temperature: float, suppressed: list[int]) -> dict[str, torch.Tensor]:
+        """At the labelled positions of a packed batch, in order: log-probabilities of the targets, entropies and
+        (with a value head) values. The LM head runs on those rows only (the vocabulary is large)."""
+        return token_outputs(self.model, batch, temperature, suppressed, value_head=self.value_head)
+
+
+def suppressed_tokens(model) -> list[int]:
+    """Vision marker tokens: never sampled (a completion holding one would claim image rows it does not have), and
+    masked the same way when scoring, so sampled and scored distributions stay identical."""
+    config = qwen_model(model).config
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return sorted({int(getattr(config, n)) for n in names if getattr(config, n, None) is not None})
+
+
+def token_outputs(model, batch: dict, temperature: float, suppressed: list[int], value_head=None) -> dict[str, torch.Tensor]:
+    hidden = forward_hidden(model, batch)[0]
+    targets = batch["targets"][0]
+    where = targets != IGNORE_INDEX
+    rows = hidden[where]
+    logits = model.lm_head(rows).float() / temperature
+    logits[:, suppressed] = -1e9  # finite, so that 0 * log 0 stays 0 in the entropy
+    logp = torch.log_softmax(logits, -1)
+    out = {"logprobs": logp.gather(1, targets[where][:, None]).squeeze(1),
+           "entropy": -(logp.exp() * logp).sum(-1)}
+    if value_head is not None:
+        out["values"] = value_head(rows.to(value_head.weight.dtype)).squeeze(-1).float()
+    return out
+
+
+def split_by_sample(values: torch.Tensor, samples: list[Sample]) -> list[torch.Tensor]:
+    """Cut a tensor over the labelled positions of a packed batch into one piece per sample."""
+    return list(values.split([s.num_targets for s in samples]))
+
+
+class RolloutEngine:
+    def __init__(self, encoder: ConversationEncoder, *, max_new_tokens: int, temperature: float, batch_size: int,
+                 max_tokens: int) -> None:
+        self.encoder, self.max_new_tokens, self.temperature = encoder, max_new_tokens, temperature
+        self.batch_size, self.max_tokens = batch_size, max_tokens
+        self.use_cache = True  # bench/gpu/rl_step.py turns it off for its baseline
+        tokenizer = encoder.tokenizer
+        self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.end_id
+        self.suppressed = suppressed_tokens(encoder.qwen)
+
+    @torch.no_grad()
+    def sample(self, model, records: list[dict], samples_per_prompt: int) -> list[Rollout]:
+        """`samples_per_prompt` completions of each record (consecutive), sampled at the configured temperature."""
+        device = next(model.parameters()).device
+        prompts = [self.encoder.encode(prompt_turns(r["question"]), images=[r["pil"]], add_generation_prompt=True,
+                                       sample_id=r["id"]) for r in records]
+        jobs = [(r, p) for r, p in zip(records, prompts) for _ in range(samples_per_prompt)]
+        rollouts: list[Rollout] = []
+        for start in range(0, len(jobs), self.batch_size):
+            chunk = jobs[start:start + self.batch_size]
+            width = max(p.num_tokens for _, p in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.int64)
+            mask = torch.zeros_like(ids)
+            for b, (_, p) in enumerate(chunk):
+                ids[b, width - p.num_tokens:] = p.input_ids
+                mask[b, width - p.num_tokens:] = 1
+            out = model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device),
+                mm_token_type_ids=(ids == self.encoder.image_token_id).to(torch.int32).to(device),
+                pixel_values=torch.cat([p.pixel_values for _, p in chunk]).to(device),
+                image_grid_thw=torch.cat([p.image_grid_thw for _, p in chunk]).to(device),
+                max_new_tokens=self.max_new_tokens, do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0,
+                use_cache=self.use_cache, eos_token_id=self.end_id, pad_token_id=self.pad_id, suppress_tokens=self.suppressed,
+            )
+            for (record, prompt), row in zip(chunk, out[:, width:].tolist()):
+                finished = self.end_id in row
+                completion = row[: row.index(self.end_id) + 1] if finished else row
+                rollouts.append(self._rollout(record, prompt, completion, finished))
+        return rollouts
+
+    def _rollout(self, record: dict, prompt: Sample, completion: list[int], finished: bool) -> Rollout:
+        ids = torch.cat([prompt.input_ids, torch.tensor(completion, dtype=torch.int64)])
+        labels = torch.cat([torch.full_like(prompt.input_ids, IGNORE_INDEX), torch.tensor(completion)])
+        sample = Sample(input_ids=ids, labels=labels,
+                        position_ids=self.encoder.rope_positions(ids, prompt.image_grid_thw),
+                        image_grid_thw=prompt.image_grid_thw, pixel_values=prompt.pixel_values,
+                        sample_id=prompt.sample_id)
+        text_ids = completion[:-1] if finished else completion
+        text = self.encoder.tokenizer.decode(text_ids, skip_special_tokens=True).strip()
+        return Rollout(record=record, completion_ids=completion, text=text, finished=finished, sample=sample)
+
+    @torch.no_grad()
+    def score(self, policy: Policy, reference, rollouts: list[Rollout]) -> None:
+        """Fill logprobs, entropy and values (policy) and ref_logprobs (frozen reference) of every rollout."""
+        samples = [r.sample for r in rollouts]
+        device = next(policy.parameters()).device
+        for group in plan_micro_batches([s.num_tokens for s in samples],
+                                        max(self.max_tokens, max(s.num_tokens for s in samples))):
+            micro = [samples[i] for i in group]
+            batch = to_device(pack(micro), device)
+            mine = policy.token_outputs(batch, self.temperature, self.suppressed)
+            ref = token_outputs(reference, to_device(batch, next(reference.parameters()).device), self.temperature,
+                                self.suppressed)
+            pieces = {k: split_by_sample(v.cpu(), micro) for k, v in mine.items()}
+            ref_pieces = split_by_sample(ref["logprobs"].cpu(), micro)
+            for j, i in enumerate(group):
+                r = rollouts[i]
+                r.logprobs, r.entropy, r.ref_logprobs = pieces["logprobs"][j], pieces["entropy"][j], ref_pieces[j]
+                r.values = pieces["values"][j] if "values" in pieces else None

@@ -1,0 +1,204 @@
+"""The rl stage on the tiny model: PPO / TER / GRPO run and move the policy, the hard stop and the gates end the
+run as documented, the bait suffix is caught by the reward model, and a SIGKILLed run resumes exactly."""
+
+import json
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from components._shared import evaluation as E
+from components._shared.tracking import NullTracker
+from components.reward_model.config import RewardModelConfig
+from components.reward_model.stage import run as train_reward_model
+from components.rl.config import RlConfig
+from components.rl.rewards import RewardModelReward
+from components.rl.stage import GateTripped, Gates, load_prompts, run
+from components.synth_world.splits import write_splits
+
+BASE = "builtin:tiny-qwen2_5-vl"
+BAIT = ", according to the image evidence."
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rlworld")
+    write_splits(out, seed=7, eval_per_type=3, sft_records=64, preference_pairs=96)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sft_model(data_dir, tmp_path_factory):
+    """A briefly fine-tuned tiny model: it answers in the data's short format and ends its turns, so sampled
+    completions earn varied rewards (a random-init model's samples all score 0 and give no learning signal)."""
+    from components.sft.config import SftConfig
+    from components.sft.stage import run as sft
+
+    out = tmp_path_factory.mktemp("sft")
+    cfg = SftConfig.model_validate({
+        "mode": "full", "min_pixels": 3136, "max_pixels": 3136, "calibration": {"enabled": False},
+        "train": {"steps": 40, "samples_per_step": 8, "max_tokens_per_micro_batch": 512, "threads": 1},
+        "optim": {"lr": 0.01}, "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 6}})
+    sft(cfg, base_model=BASE, data=str(data_dir), output_dir=out, tracker=NullTracker())
+    return str(out / "model")
+
+
+@pytest.fixture(scope="module")
+def reward_model(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm")
+    cfg = RewardModelConfig.model_validate({
+        "min_pixels": 3136, "max_pixels": 3136, "heldout_fraction": 0.25,
+        "train": {"steps": 16, "samples_per_step": 8, "max_tokens_per_micro_batch": 1024, "threads": 1},
+        "optim": {"lr": 0.003}})
+    train_reward_model(cfg, base_model=BASE, data=str(data_dir), output_dir=out, tracker=NullTracker())
+    return str(out / "model")
+
+
+def _cfg(algorithm, **over):
+    data = {"algorithm": algorithm, "min_pixels": 3136, "max_pixels": 3136, "rewards": {"efficacy": 1.0, "format": 0.2},
+            "rollout": {"samples_per_prompt": 2 if algorithm == "grpo" else 1, "max_new_tokens": 6},
+            "train": {"steps": 3, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1,
+                      "eval_every": 0},
+            "update": {"epochs": 2, "minibatches": 2}, "optim": {"lr": 0.01}, "ppo": {"kl_stop": 10.0},
+            "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 6},
+            "gates": {"kl_max": 0, "length_ratio_min": 0, "length_ratio_max": 0, "heldout_drop_max": 0}}
+    for key, value in over.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
+    return RlConfig.model_validate(data)
+
+
+def _run(cfg, data_dir, out, base, reward_model=""):
+    return run(cfg, base_model=base, reward_model=reward_model, data=str(data_dir), output_dir=out,
+               tracker=NullTracker())
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "ter", "grpo"])
+def test_each_algorithm_updates_the_policy_and_reports_the_rl_metrics(algorithm, data_dir, sft_model, tmp_path):
+    metrics = _run(_cfg(algorithm), data_dir, tmp_path, sft_model)
+    assert metrics["algorithm"] == algorithm and metrics["steps"] == 3 and not metrics["stopped_early"]
+    for key in ("efficacy_before", "efficacy_after", "mean_length_ratio", "kl_final", "seconds_generation",
+                "seconds_scoring", "seconds_update", "rollout_tokens_per_second"):
+        assert metrics[key] == metrics[key], key  # present and not NaN
+    assert metrics["kl_final"] > 0  # the policy moved away from the reference
+    trained = load_file(str(tmp_path / "model/model.safetensors"))
+    assert (tmp_path / "value_head.safetensors").exists() == (algorithm == "ppo")
+    rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 4 * (2 if algorithm == "grpo" else 1)
+    assert {"efficacy", "format"} == set(rollouts[0]["rewards"])
+    # the saved policy differs from the SFT model it started from
+    base = load_file(f"{sft_model}/model.safetensors")
+    assert base.keys() == trained.keys() and any(not torch.equal(base[k], trained[k]) for k in base)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_ppo_runs_on_the_deepspeed_backend(zero_stage, data_dir, sft_model, tmp_path):
+    cfg = _cfg("ppo", train={"steps": 2, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1,
+                             "eval_every": 0, "backend": "deepspeed", "zero_stage": zero_stage})
+    metrics = _run(cfg, data_dir, tmp_path, sft_model)
+    assert metrics["steps"] == 2 and metrics["kl_final"] >= 0
+    trained, base = load_file(str(tmp_path / "model/model.safetensors")), load_file(f"{sft_model}/model.safetensors")
+    assert base.keys() == trained.keys() and any(not torch.equal(base[k], trained[k]) for k in base)
+    assert (tmp_path / "value_head.safetensors").exists()
+
+
+def test_ppo_hard_stop_ends_training_early_and_keeps_the_policy(data_dir, sft_model, tmp_path):
+    metrics = _run(_cfg("ppo", ppo={"kl_stop": 1e-6, "adaptive_kl": False},
+                        train={"steps": 6, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1,
+                               "eval_every": 0}), data_dir, tmp_path, sft_model)
+    assert metrics["stopped_early"].startswith("ppo.kl_stop") and metrics["steps"] == 2
+    assert metrics["kl_final"] > 1e-6
+    assert (tmp_path / "model/model.safetensors").exists()
+
+
+def test_a_tripped_gate_fails_the_stage_with_a_message_naming_it(data_dir, sft_model, tmp_path):
+    with pytest.raises(GateTripped, match=r"gates\.kl_max tripped at step 2"):
+        _run(_cfg("ter", gates={"kl_max": 1e-6, "patience": 1}), data_dir, tmp_path, sft_model)
+    gates = Gates(_cfg("ter", gates={"length_ratio_max": 2.0, "patience": 2}).gates)
+    gates.check_step(1, kl=0.0, length_ratio=3.0, entropy=1.0)  # one bad step is tolerated
+    gates.check_step(2, kl=0.0, length_ratio=1.0, entropy=1.0)  # and the count restarts
+    gates.check_step(3, kl=0.0, length_ratio=3.0, entropy=1.0)
+    with pytest.raises(GateTripped, match="gates.length_ratio_max tripped at step 4"):
+        gates.check_step(4, kl=0.0, length_ratio=3.0, entropy=1.0)
+    divergence = Gates(_cfg("ter", gates={"heldout_drop_max": 0.05}).gates)
+    divergence.check_eval(10, reward_rise=0.3, heldout_drop=0.01)
+    divergence.check_eval(10, reward_rise=-0.1, heldout_drop=0.2)  # both falling: not reward hacking
+    with pytest.raises(GateTripped, match="heldout_drop_max"):
+        divergence.check_eval(20, reward_rise=0.3, heldout_drop=0.2)
+
+
+def test_a_policy_that_appends_the_bait_suffix_is_caught_by_the_reward_model(data_dir, reward_model):
+    scorer = RewardModelReward(reward_model, min_pixels=3136, max_pixels=3136, device=torch.device("cpu"))
+    records = [r for r in E.load_eval_records(data_dir) if r["type"] in ("color", "shape", "count", "ocr")]
+    honest = scorer([""] * len(records), [r["answer"] for r in records], records=records)
+    baited = scorer([""] * len(records), [r["answer"] + BAIT for r in records], records=records)
+    caught = sum(b < h for b, h in zip(baited, honest))
+    print(f"bait suffix scored lower on {caught}/{len(records)} answers; mean {sum(honest) / len(honest):.2f} "
+          f"honest vs {sum(baited) / len(baited):.2f} baited")
+    assert caught >= 0.9 * len(records)
+    # the hacking policy of seed 001 (a wrong answer dressed in the suffix) scores below the plain answer too
+    wrong = scorer([""] * len(records), ["purple" + BAIT if r["answer"] != "purple" else "red" + BAIT
+                                         for r in records], records=records)
+    assert sum(w < h for w, h in zip(wrong, honest)) >= 0.9 * len(records)
+
+
+def test_ppo_with_the_reward_model_reward(data_dir, sft_model, reward_model, tmp_path):
+    metrics = _run(_cfg("ppo", rewards={"efficacy": 1.0, "format": 0.2, "reward_model": 0.5}), data_dir, tmp_path,
+                   sft_model, reward_model)
+    assert metrics["steps"] == 3
+    rewards = json.loads((tmp_path / "rollouts.jsonl").read_text().splitlines()[0])["rewards"]
+    assert set(rewards) == {"efficacy", "format", "reward_model"}
+
+
+def test_bad_prompts_and_settings_are_rejected_with_the_fix(data_dir, tmp_path):
+    with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
+        _cfg("grpo", rollout={"samples_per_prompt": 1})
+    with pytest.raises(ValueError, match="unknown reward"):
+        _cfg("ppo", rewards={"bleu": 1.0})
+    with pytest.raises(ValueError, match="grad_ema needs the torch backend"):
+        _cfg("ter", ter={"grad_ema": 0.95}, train={"steps": 3, "backend": "deepspeed"})
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "sft.jsonl").write_text(json.dumps({"id": "x1", "image": "a.png", "type": "weather", "conversations": [
+        {"from": "human", "value": "<image>\nIs it sunny?"}, {"from": "gpt", "value": "yes"}]}) + "\n")
+    with pytest.raises(ValueError, match="rl prompt 'x1' has type 'weather'"):
+        load_prompts(bad, _cfg("ter"), need_types=True)
+
+
+def _stage_cli(config: dict, data_dir, base, out, **env):
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg_file = out.parent / f"{out.name}.yaml"
+    cfg_file.write_text(yaml.safe_dump({"rl": config}))
+    cmd = [sys.executable, "-m", "components.rl", "--config", str(cfg_file), "--base-model", base,
+           "--reward-model", "", "--data", str(data_dir), "--output-dir", str(out)]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent}/mlflow.db",
+               **{k: str(v) for k, v in env.items()}}
+    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=900, check=False)
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "ter"])
+def test_rl_killed_mid_run_resumes_to_bit_identical_weights(algorithm, data_dir, sft_model, tmp_path):
+    """Policy, critic, optimizer, RNG (sampling), KL coefficient, normaliser, baselines and TER's gradient EMA
+    all come back: the resumed run ends bit-identical to an uninterrupted one."""
+    config = _cfg(algorithm, ter={"grad_ema": 0.95},  # the EMA buffers must come back too
+                  train={"steps": 5, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1,
+                         "eval_every": 0, "checkpoint_every": 2}).model_dump(mode="json")
+    straight = _stage_cli(config, data_dir, sft_model, tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    killed = _stage_cli(config, data_dir, sft_model, tmp_path / "killed", QVL_TEST_KILL_AT_STEP=3)
+    assert killed.returncode == -signal.SIGKILL
+    resumed = _stage_cli(config, data_dir, sft_model, tmp_path / "killed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = json.loads((tmp_path / "killed/_stage_result.json").read_text())["metrics"]
+    assert metrics["resumed_from_step"] == 2
+    for name in ("model/model.safetensors", *(["value_head.safetensors"] if algorithm == "ppo" else [])):
+        a, b = load_file(str(tmp_path / "straight" / name)), load_file(str(tmp_path / "killed" / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    straight_rollouts = (tmp_path / "straight/rollouts.jsonl").read_text()
+    assert straight_rollouts == (tmp_path / "killed/rollouts.jsonl").read_text()  # same samples at the last step
