@@ -132,7 +132,9 @@ def format_reward(prompts: list[str], completions: list[str], *, records: list[d
 
 class RewardModelReward:
     """The reward model's score of (image, prompt, completion), standardised with the statistics the
-    reward_model stage saved (so 0 is an average SFT-quality answer); read at the K-th response token."""
+    reward_model stage saved (so 0 is an average SFT-quality answer); read at the K-th response token. Images
+    are resized within the pixel bounds saved with the reward model (`min_pixels` / `max_pixels` only when it
+    has none)."""
 
     def __init__(self, uri: str, *, min_pixels: int, max_pixels: int, device: torch.device,
                  max_tokens: int = 4096) -> None:
@@ -143,8 +145,11 @@ class RewardModelReward:
         self.model, processor, self.meta = load_reward_model(
             uri, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.model.to(device)
-        self.encoder = ConversationEncoder(processor, self.model.backbone, min_pixels=min_pixels,
-                                           max_pixels=max_pixels)
+        # score pictures at the resolution the reward model was trained on (its processor carries the bounds)
+        size = getattr(processor.image_processor, "size", None) or {}
+        self.encoder = ConversationEncoder(processor, self.model.backbone,
+                                           min_pixels=int(size.get("shortest_edge", min_pixels)),
+                                           max_pixels=int(size.get("longest_edge", max_pixels)))
         self.max_tokens = max_tokens
 
     @torch.no_grad()
