@@ -3,17 +3,14 @@ then rerun, ends bit-identical to an uninterrupted run. (pretrain, sft and rl ha
 stage tests: tests/unit/test_{pretrain,sft,rl_stage}.py; the shared loop's in tests/unit/test_training.py.)"""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from components.synth_world.splits import write_splits
+from tests.stage_cli import run_stage_cli
 
 BASE = "builtin:tiny-qwen2_5-vl"
 
@@ -26,13 +23,7 @@ def data_dir(tmp_path_factory):
 
 
 def _stage(config: dict, data_dir, out, **env):
-    cfg_file = out.parent / f"{out.name}.yaml"
-    cfg_file.write_text(yaml.safe_dump({"reward_model": config}))
-    cmd = [sys.executable, "-m", "components.reward_model", "--config", str(cfg_file), "--base-model", BASE,
-           "--data", str(data_dir), "--output-dir", str(out)]
-    environ = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent}/mlflow.db",
-               **{k: str(v) for k, v in env.items()}}
-    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=900, check=False)
+    return run_stage_cli("reward_model", config, out, {"base_model": BASE, "data": data_dir}, **env)
 
 
 def test_reward_model_killed_mid_run_and_mid_checkpoint_resumes_to_bit_identical_weights(data_dir, tmp_path):

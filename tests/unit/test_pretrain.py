@@ -165,26 +165,20 @@ def test_config_rejects_best_of_n_without_matching_checkpoints():
 @pytest.mark.parametrize("backend", ["torch", pytest.param("deepspeed-2", marks=pytest.mark.slow),
                                      pytest.param("deepspeed-3", marks=pytest.mark.slow)])
 def test_pretrain_killed_mid_run_resumes_to_bit_identical_weights(inputs, tmp_path, backend):
-    import os
     import signal
-    import subprocess
-    import sys
 
-    import yaml
     from safetensors.torch import load_file
+
+    from tests.stage_cli import run_stage_cli
 
     engine, _, zero = backend.partition("-")
     config = _cfg(keep_best_of_last=1).model_dump(mode="json", exclude_none=True)
     config["stage1"]["train"].update(steps=6, checkpoint_every=2, eval_every=3, backend=engine, zero_stage=int(zero or 2))
-    (tmp_path / "pretrain.yaml").write_text(yaml.safe_dump({"pretrain": config}))
 
     def stage(out, **env):
-        cmd = [sys.executable, "-m", "components.pretrain", "--config", str(tmp_path / "pretrain.yaml"),
-               "--clean-data", str(inputs / "clean"), "--features", str(inputs / "features"), "--base-model", BASE,
-               "--data", str(inputs / "heldout"), "--output-dir", str(tmp_path / out)]
-        environ = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
-                   **{k: str(v) for k, v in env.items()}}
-        return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=900, check=False)
+        return run_stage_cli("pretrain", config, tmp_path / out, {
+            "clean_data": inputs / "clean", "features": inputs / "features", "base_model": BASE,
+            "data": inputs / "heldout"}, **env)
 
     straight = stage("straight")
     assert straight.returncode == 0, straight.stderr[-3000:]

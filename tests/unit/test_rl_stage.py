@@ -16,6 +16,7 @@ from components.rl.config import RlConfig
 from components.rl.rewards import RewardModelReward
 from components.rl.stage import GateTripped, Gates, load_prompts, run
 from components.synth_world.splits import write_splits
+from tests.stage_cli import run_stage_cli
 
 BASE = "builtin:tiny-qwen2_5-vl"
 BAIT = ", according to the image evidence."
@@ -167,19 +168,7 @@ def test_bad_prompts_and_settings_are_rejected_with_the_fix(data_dir, tmp_path):
 
 
 def _stage_cli(config: dict, data_dir, base, out, **env):
-    import os
-    import subprocess
-    import sys
-
-    import yaml
-
-    cfg_file = out.parent / f"{out.name}.yaml"
-    cfg_file.write_text(yaml.safe_dump({"rl": config}))
-    cmd = [sys.executable, "-m", "components.rl", "--config", str(cfg_file), "--base-model", base,
-           "--reward-model", "", "--data", str(data_dir), "--output-dir", str(out)]
-    environ = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent}/mlflow.db",
-               **{k: str(v) for k, v in env.items()}}
-    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=900, check=False)
+    return run_stage_cli("rl", config, out, {"base_model": base, "reward_model": "", "data": data_dir}, **env)
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "ter"])

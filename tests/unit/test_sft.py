@@ -10,6 +10,7 @@ from components._shared.tracking import NullTracker
 from components.sft.config import SftConfig
 from components.sft.stage import load_sft_records, run
 from components.synth_world.splits import write_splits
+from tests.stage_cli import run_stage_cli
 
 BASE = "builtin:tiny-qwen2_5-vl"
 
@@ -106,19 +107,7 @@ def test_bad_records_and_config_are_rejected_with_the_fix(tmp_path):
 
 
 def _stage_cli(config: dict, data_dir, out, **env):
-    import os
-    import subprocess
-    import sys
-
-    import yaml
-
-    cfg_file = out.parent / f"{out.name}.yaml"
-    cfg_file.write_text(yaml.safe_dump({"sft": config}))
-    cmd = [sys.executable, "-m", "components.sft", "--config", str(cfg_file), "--base-model", BASE,
-           "--data", str(data_dir), "--output-dir", str(out)]
-    environ = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent}/mlflow.db",
-               **{k: str(v) for k, v in env.items()}}
-    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=900, check=False)
+    return run_stage_cli("sft", config, out, {"base_model": BASE, "data": data_dir}, **env)
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("deepspeed-2", marks=pytest.mark.slow),

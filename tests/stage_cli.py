@@ -1,0 +1,28 @@
+"""Run a stage's command line (`python -m components.<stage>`) in a subprocess, as a pod would: the resume
+tests kill it with the QVL_TEST_KILL_* variables and run it again on the same output directory.
+
+    done = run_stage_cli("sft", config, out, {"base_model": BASE, "data": data_dir}, QVL_TEST_KILL_AT_STEP=3)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def run_stage_cli(stage: str, config: dict, out: Path, inputs: dict[str, object],
+                  **env: object) -> subprocess.CompletedProcess:
+    """`config` is the stage's section (written beside `out`); `inputs` become --flag values; one torch thread;
+    MLflow in a sqlite file beside `out`."""
+    cfg_file = out.parent / f"{out.name}.yaml"
+    cfg_file.write_text(yaml.safe_dump({stage: config}))
+    cmd = [sys.executable, "-m", f"components.{stage}", "--config", str(cfg_file), "--output-dir", str(out)]
+    for name, value in inputs.items():
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent}/mlflow.db",
+               **{k: str(v) for k, v in env.items()}}
+    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=900, check=False)
