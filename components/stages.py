@@ -19,10 +19,11 @@ STAGES: dict[str, tuple[str, str]] = {
     "sft": ("components.sft.config:SftConfig", "components.sft.stage"),
     "reward_model": ("components.reward_model.config:RewardModelConfig", "components.reward_model.stage"),
     "rl": ("components.rl.config:RlConfig", "components.rl.stage"),
+    "distill": ("components.distill.config:DistillConfig", "components.distill.stage"),
 }
 
 # Stages in DAG order (preflight is a check, not a stage of the run summary's training flow).
-DAG_ORDER: tuple[str, ...] = ("clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl")
+DAG_ORDER: tuple[str, ...] = ("clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill")
 
 
 def _check(stage: str) -> tuple[str, str]:

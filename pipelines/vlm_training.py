@@ -1,13 +1,14 @@
 """The VLM training DAG: preflight -> clean_data (fan-out over shards, merge) -> extract_features -> pretrain -> sft
--> reward_model -> rl.
+-> reward_model -> rl -> distill.
 
-Later stages (distill, select_checkpoint) join the same DAG.
+select_checkpoint joins the same DAG next.
 `build_pipeline(preset, until)` returns the pipeline function with the preset's configs as parameter
 defaults; `vlm_training` is the full DAG on the `prod-7b` preset, the one that is compiled and committed.
 """
 
 
 from components.clean_data.component import clean_shard_op, list_shards_op, merge_shards_op
+from components.distill.component import distill_op
 from components.extract_features.component import extract_features_op
 from components.preflight.component import preflight_op
 from components.pretrain.component import pretrain_op
@@ -47,6 +48,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
         sft_config: dict = p.stages["sft"],
         reward_model_config: dict = p.stages["reward_model"],
         rl_config: dict = p.stages["rl"],
+        distill_config: dict = p.stages["distill"],
     ):
         preflight = on_cpu(with_runtime_env(preflight_op(
             lake_uri=lake_uri,
@@ -58,12 +60,13 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
             sft_config=sft_config,
             reward_model_config=reward_model_config,
             rl_config=rl_config,
+            distill_config=distill_config,
             eval_data_uri=eval_data_uri,
             sft_data_uri=sft_data_uri,
             preference_data_uri=preference_data_uri,
             rl_data_uri=rl_data_uri,
             needs_eval_data="pretrain" in wanted,
-            needs_sft_data="sft" in wanted,
+            needs_sft_data="sft" in wanted,  # distill reads it too, and runs only after sft
             needs_preference_data="reward_model" in wanted,
             needs_rl_data="rl" in wanted,
             experiment=experiment,
@@ -131,6 +134,15 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
                 experiment=experiment,
             )), gpus=1, memory="64Gi")
             rl.set_display_name("RL").set_retry(num_retries=2, backoff_duration="60s")
+
+        if "distill" in wanted:
+            distill = on_gpus(with_runtime_env(distill_op(
+                teacher=rl.outputs["model"],
+                sft_data_uri=sft_data_uri,
+                config=distill_config,
+                experiment=experiment,
+            )), gpus=1, memory="64Gi")
+            distill.set_display_name("Distill").set_retry(num_retries=2, backoff_duration="60s")
 
     return vlm_training
 

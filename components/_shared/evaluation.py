@@ -140,15 +140,26 @@ def generate_answers(model, encoder: ConversationEncoder, records: list[dict], *
                      max_new_tokens: int = 48, first_logits: list | None = None) -> list[str]:
     """Greedy answers, batched with left padding (the KV cache on); `first_logits`, when a list, receives each
     record's logits of the first generated token (for tests and diagnostics)."""
+    prompts = [encoder.encode(prompt_turns(r["question"]), images=[r["pil"]], add_generation_prompt=True,
+                              sample_id=r["id"]) for r in records]
+    return generate_completions(model, encoder, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                first_logits=first_logits)
+
+
+@torch.no_grad()
+def generate_completions(model, encoder: ConversationEncoder, prompts: list[Sample], *, batch_size: int = 16,
+                         max_new_tokens: int = 48, temperature: float = 0.0, first_logits: list | None = None) -> list[str]:
+    """Completions of encoded prompts (encoded with add_generation_prompt=True), batched with left padding and
+    the KV cache; greedy when `temperature` is 0, sampled otherwise (torch's RNG, so a resumed run repeats it)."""
     tokenizer = encoder.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     device = next(model.parameters()).device
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else \
+        {"do_sample": False}
     answers: list[str] = []
-    for start in range(0, len(records), batch_size):
-        chunk = records[start: start + batch_size]
-        samples = [encoder.encode(prompt_turns(r["question"]), images=[r["pil"]], add_generation_prompt=True,
-                                  sample_id=r["id"]) for r in chunk]
+    for start in range(0, len(prompts), batch_size):
+        samples = prompts[start: start + batch_size]
         width = max(s.num_tokens for s in samples)
         ids = torch.full((len(samples), width), pad_id, dtype=torch.int64)
         mask = torch.zeros_like(ids)
@@ -157,13 +168,14 @@ def generate_answers(model, encoder: ConversationEncoder, records: list[dict], *
             mask[b, width - s.num_tokens:] = 1
         # mm_token_type_ids: without it, generate gives the image tokens plain text positions (no 2-D M-RoPE)
         image_token = encoder.image_token_id
+        pixels = [s.pixel_values for s in samples if s.pixel_values is not None]
+        vision = {"pixel_values": torch.cat(pixels).to(device),
+                  "image_grid_thw": torch.cat([s.image_grid_thw for s in samples]).to(device)} if pixels else {}
         out = model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device),
-            mm_token_type_ids=(ids == image_token).to(torch.int32).to(device),
-            pixel_values=torch.cat([s.pixel_values for s in samples]).to(device),
-            image_grid_thw=torch.cat([s.image_grid_thw for s in samples]).to(device),
-            max_new_tokens=max_new_tokens, do_sample=False, use_cache=True, eos_token_id=end_id, pad_token_id=pad_id,
-            return_dict_in_generate=True, output_logits=first_logits is not None,
+            mm_token_type_ids=(ids == image_token).to(torch.int32).to(device), **vision,
+            max_new_tokens=max_new_tokens, use_cache=True, eos_token_id=end_id, pad_token_id=pad_id,
+            return_dict_in_generate=True, output_logits=first_logits is not None, **sampling,
             # several ranks (ZeRO-3 gathers weights in every forward): keep stepping until every rank is done
             synced_gpus=torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1,
         )

@@ -291,9 +291,15 @@ def forward_hidden(model, batch: dict, image_embeds: torch.Tensor | None = None)
     return _forward(qwen_model(model), batch, image_embeds).last_hidden_state
 
 
-def _forward(model, batch: dict, image_embeds: torch.Tensor | None):
+def forward_outputs(model, batch: dict, **flags):
+    """The model's full output for a packed or padded batch; `flags` go to the forward (e.g. output_hidden_states,
+    output_attentions: the latter needs eager attention)."""
+    return _forward(model, batch, None, **flags)
+
+
+def _forward(model, batch: dict, image_embeds: torch.Tensor | None, **flags):
     kwargs = {
-        "position_ids": batch["position_ids"], "attention_mask": batch["attention_mask"], "use_cache": False,
+        "position_ids": batch["position_ids"], "attention_mask": batch["attention_mask"], "use_cache": False, **flags,
     }
     if image_embeds is None and "features" in batch:
         image_embeds = image_embeddings(model, batch)

@@ -159,7 +159,8 @@ class TrainLoop:
                  tracker: Tracker | None = None, loss_fn: LossFn = default_loss, seed: int = 0,
                  extra_state: Callable[[], dict] | None = None,
                  load_extra_state: Callable[[dict], None] | None = None,
-                 unit_weight: Callable[[list[Sample]], float] | None = None) -> None:
+                 unit_weight: Callable[[list[Sample]], float] | None = None,
+                 sample_batch: Callable[[list[int]], list] | None = None) -> None:
         if sum(p.steps for p in phases) != train.steps:
             raise ValueError(f"phases have {sum(p.steps for p in phases)} steps but train.steps={train.steps}; make "
                              "the phase steps add up to train.steps.")
@@ -173,6 +174,8 @@ class TrainLoop:
             torch.set_num_threads(train.threads)
         self.model, self.train, self.schedule = model, train, schedule
         self.sample, self.phases, self.store = sample, phases, checkpoints
+        # A step's items built together (distill's on-policy answers are generated in batches); default: one by one
+        self.sample_batch = sample_batch or (lambda indices: [self.sample(i) for i in indices])
         self.tracker = tracker or NullTracker()
         self.loss_fn, self.seed = loss_fn, seed
         self.extra_state, self.load_extra_state = extra_state, load_extra_state  # caller state saved with checkpoints
@@ -293,8 +296,7 @@ class TrainLoop:
         saved: list[str] = []
         while self.step < self.train.steps:
             indices, phase = self._next_indices()
-            samples = [self.sample(i) for i in indices]
-            metrics = self._train_step(samples)
+            metrics = self._train_step(self.sample_batch(indices))
             real_tokens += metrics.pop("_tokens")
             slots += metrics.pop("_slots")
             packed_real += metrics.pop("_real")

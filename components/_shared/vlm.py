@@ -71,9 +71,14 @@ def student_config(
     heads: int | None = None,
     kv_heads: int | None = None,
     vision_depth: int | None = None,
+    vision_hidden: int | None = None,
+    vision_heads: int | None = None,
+    vision_intermediate: int | None = None,
+    vision_full_attention: list[int] | None = None,
 ):
-    """A smaller config of the same family: fewer / narrower LM layers, optionally fewer ViT blocks, the same
-    vocabulary. The merger's output width follows the LM width; `mrope_section` is rescaled to the new head_dim.
+    """A smaller config of the same family: fewer / narrower LM layers, optionally fewer / narrower ViT blocks,
+    the same vocabulary. The merger's output width follows the LM width; `mrope_section` is rescaled to the new
+    head_dim; `vision_full_attention` (Qwen2.5-VL) names the student blocks with full attention.
     """
     config = teacher_config.__class__.from_dict(teacher_config.to_dict())
     text = config.text_config
@@ -108,11 +113,36 @@ def student_config(
         if hasattr(vision, "fullatt_block_indexes"):  # Qwen2.5-VL: keep full attention in the last block at least
             vision.fullatt_block_indexes = [i for i in vision.fullatt_block_indexes if i < vision_depth] or [
                 vision_depth - 1]
+    _narrow_vision(config, vision_hidden, vision_heads, vision_intermediate)
+    if vision_full_attention is not None and hasattr(config.vision_config, "fullatt_block_indexes"):
+        config.vision_config.fullatt_block_indexes = list(vision_full_attention)
     if config.model_type == "qwen2_vl":  # Qwen2-VL's merger projects to vision_config.hidden_size
         config.vision_config.hidden_size = hidden
     else:
         config.vision_config.out_hidden_size = hidden
     return config
+
+
+def _narrow_vision(config, hidden: int | None, heads: int | None, intermediate: int | None) -> None:
+    """Set the ViT width, heads and MLP width (Qwen2-VL names them embed_dim / mlp_ratio)."""
+    vision = config.vision_config
+    width_name = "embed_dim" if config.model_type == "qwen2_vl" else "hidden_size"
+    old_width = getattr(vision, width_name)
+    hidden = hidden or old_width
+    heads = heads or (vision.num_heads if hidden == old_width else hidden // (old_width // vision.num_heads))
+    if hidden % heads or (hidden // heads) % 2:
+        raise ValueError(f"student vision_hidden={hidden} with {heads} heads: the width must divide into heads of an "
+                         "even head_dim (the ViT's 2-D RoPE splits each head in halves).")
+    setattr(vision, width_name, hidden)
+    vision.num_heads = heads
+    if config.model_type == "qwen2_vl":
+        if intermediate:
+            if intermediate % hidden:
+                raise ValueError(f"student vision_intermediate={intermediate}: Qwen2-VL sets the ViT MLP width as an "
+                                 f"integer multiple (mlp_ratio) of vision_hidden={hidden}; use a multiple of it.")
+            vision.mlp_ratio = intermediate // hidden
+    else:
+        vision.intermediate_size = intermediate or vision.intermediate_size
 
 
 def build_student(teacher_config, **sizes):

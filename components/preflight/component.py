@@ -16,6 +16,7 @@ def preflight_op(
     sft_config: dict,
     reward_model_config: dict,
     rl_config: dict,
+    distill_config: dict,
     report: dsl.Output[dsl.Artifact],
     eval_data_uri: str = "",
     sft_data_uri: str = "",
@@ -39,6 +40,7 @@ def preflight_op(
         sft_config: The sft section.
         reward_model_config: The reward_model section.
         rl_config: The rl section.
+        distill_config: The distill section.
         eval_data_uri: Held-out data (must hold eval.jsonl).
         sft_data_uri: SFT data (must hold sft.jsonl and eval.jsonl).
         needs_eval_data: Whether this DAG runs pretrain (then eval_data_uri must be set).
@@ -54,10 +56,11 @@ def preflight_op(
     from components.preflight.stage import model_uris_in
 
     stage_configs = {"clean_data": clean_data_config, "extract_features": extract_features_config,
-                     "pretrain": pretrain_config, "sft": sft_config, "reward_model": reward_model_config, "rl": rl_config}
+                     "pretrain": pretrain_config, "sft": sft_config, "reward_model": reward_model_config, "rl": rl_config,
+                     "distill": distill_config}
     data_files = {
         "eval_data_uri": {"uri": eval_data_uri, "files": ["eval.jsonl"], "required": needs_eval_data},
-        "sft_data_uri": {"uri": sft_data_uri, "files": ["sft.jsonl", "eval.jsonl"], "required": needs_sft_data},
+        "sft_data_uri": {"uri": sft_data_uri, "files": ["sft.jsonl", "eval.jsonl"], "required": needs_sft_data},  # sft, distill
         "preference_data_uri": {"uri": preference_data_uri, "files": ["preferences.jsonl"],
                                 "required": needs_preference_data},
         "rl_data_uri": {"uri": rl_data_uri, "files": [rl_config.get("prompts_file", "sft.jsonl"), "eval.jsonl"],

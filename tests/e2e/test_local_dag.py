@@ -1,5 +1,5 @@
 """The DAG runs locally (kfp.local) on the tiny preset: preflight, clean_data fan-out/merge, extract_features,
-pretrain, sft, reward_model, rl."""
+pretrain, sft, reward_model, rl, distill."""
 
 import json
 import subprocess
@@ -40,7 +40,7 @@ def test_every_stage_succeeded_with_the_summary_schema(summary):
     data, _ = summary
     assert data["status"] == "succeeded"
     assert set(data["stages"]) == {"preflight", "clean_data", "extract_features", "pretrain", "sft", "reward_model",
-                                   "rl"}
+                                   "rl", "distill"}
     for stage, result in data["stages"].items():
         assert result["status"] == "succeeded", stage
         assert isinstance(result["metrics"], dict) and isinstance(result["artifacts"], dict)
@@ -76,9 +76,12 @@ def test_pretrain_and_sft_report_the_issue_metrics_and_load(summary):
     for key in ("efficacy_before", "efficacy_after", "mean_length_ratio", "kl_final", "seconds_generation",
                 "seconds_update"):
         assert isinstance(rl[key], float), key
+    distill = stages["distill"]["metrics"]
+    assert distill["student_param_ratio"] < 0.5 and distill["heldout_kl_final"] < distill["heldout_kl_init"]
+    assert 0.0 <= distill["student_score_ratio"]
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    for stage in ("pretrain", "sft", "rl"):
+    for stage in ("pretrain", "sft", "rl", "distill"):
         path = stages[stage]["artifacts"]["model"]
         assert AutoModelForImageTextToText.from_pretrained(path).config.model_type == "qwen2_5_vl"
         AutoProcessor.from_pretrained(path)
@@ -94,7 +97,7 @@ def test_one_parent_mlflow_run_with_nested_stage_runs(summary):
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{data['mlflow_run_id']}'"
     )
     names = {run.data.tags.get("qvl.stage") for run in children}
-    assert {"preflight", "clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl"} <= names
+    assert {"preflight", "clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill"} <= names
     clean = next(r for r in children if r.data.tags.get("qvl.stage") == "clean_data")
     assert clean.data.metrics["records_in"] == data["stages"]["clean_data"]["metrics"]["records_in"]
 
@@ -105,7 +108,7 @@ def test_a_rerun_with_unchanged_inputs_reuses_every_stage(summary, world):
     second = json.loads((out / "run_summary.json").read_text())
     assert second["status"] == "succeeded"
     assert second["stages"]["preflight"]["status"] == "succeeded"  # never cached
-    for stage in ("clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl"):
+    for stage in ("clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill"):
         assert second["stages"][stage]["status"] == "cached", stage
         assert second["stages"][stage]["metrics"] == first["stages"][stage]["metrics"]
         assert second["stages"][stage]["artifacts"] == first["stages"][stage]["artifacts"]

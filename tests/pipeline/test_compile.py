@@ -54,7 +54,8 @@ def test_stage_order(compiled):
     assert tasks["reward-model-op"]["dependentTasks"] == ["sft-op"]
 
 
-@pytest.mark.parametrize("op", ["extract-features-op", "pretrain-op", "sft-op", "reward-model-op", "rl-op"])
+@pytest.mark.parametrize("op", ["extract-features-op", "pretrain-op", "sft-op", "reward-model-op", "rl-op",
+                                "distill-op"])
 def test_model_stages_request_a_gpu_shm_and_retries(compiled, op):
     spec, platform, _ = compiled
     executor = spec["deploymentSpec"]["executors"][f"exec-{op}"]["container"]
@@ -69,7 +70,7 @@ def test_stage_configs_are_pipeline_parameters_with_the_preset_defaults(compiled
 
     params = compiled[0]["root"]["inputDefinitions"]["parameters"]
     preset = load_preset("prod-7b")
-    for stage in ("pretrain", "sft", "reward_model", "rl"):
+    for stage in ("pretrain", "sft", "reward_model", "rl", "distill"):
         assert params[f"{stage}_config"]["defaultValue"] == preset.stages[stage]
     assert preset.stages["sft"]["lora"]["r"] == 64
 

@@ -1,0 +1,3 @@
+from components.distill.stage import main
+
+main()

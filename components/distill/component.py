@@ -1,0 +1,39 @@
+"""KFP wrapper of distill. All logic lives in components/distill/stage.py."""
+
+from kfp import dsl
+
+from components._shared.images import TRAIN_IMAGE
+
+
+@dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
+def distill_op(
+    teacher: dsl.Input[dsl.Model],
+    sft_data_uri: str,
+    config: dict,
+    model: dsl.Output[dsl.Model],
+    metrics: dsl.Output[dsl.Metrics],
+    report: dsl.Output[dsl.Markdown],
+    experiment: str = "vlm",
+):
+    """Distill the RL policy into a smaller student (pruned from the teacher, random, or a given checkpoint).
+
+    Args:
+        teacher: Output of rl (its model/ directory is the frozen teacher).
+        sft_data_uri: Conversations (sft.jsonl) to distill on and held-out questions (eval.jsonl); dir or s3://.
+        config: DistillConfig as a dict.
+        model: model/ (the student, HF format), student.json, checkpoints/, eval_predictions.jsonl.
+        metrics: student_score_ratio, student_param_ratio, teacher and student held-out suites, speedup.
+        report: The stage report for the KFP UI.
+        experiment: MLflow experiment name.
+    """
+    import shutil
+
+    from components._shared.launch import report_metrics, run_stage
+
+    results = run_stage(
+        "distill", config, experiment=experiment,
+        inputs={"teacher_model": teacher.path + "/model", "data": sft_data_uri},
+        output_dir=model.path, artifacts={"model": model.path + "/model"}, record_as="distill",
+    )
+    report_metrics(metrics, results)
+    shutil.copyfile(model.path + "/report.md", report.path)
