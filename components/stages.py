@@ -20,10 +20,15 @@ STAGES: dict[str, tuple[str, str]] = {
     "reward_model": ("components.reward_model.config:RewardModelConfig", "components.reward_model.stage"),
     "rl": ("components.rl.config:RlConfig", "components.rl.stage"),
     "distill": ("components.distill.config:DistillConfig", "components.distill.stage"),
+    "select_checkpoint": (
+        "components.select_checkpoint.config:SelectCheckpointConfig",
+        "components.select_checkpoint.stage",
+    ),
 }
 
 # Stages in DAG order (preflight is a check, not a stage of the run summary's training flow).
-DAG_ORDER: tuple[str, ...] = ("clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill")
+DAG_ORDER: tuple[str, ...] = ("clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill",
+                                 "select_checkpoint")
 
 
 def _check(stage: str) -> tuple[str, str]:

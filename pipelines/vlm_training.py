@@ -1,7 +1,6 @@
 """The VLM training DAG: preflight -> clean_data (fan-out over shards, merge) -> extract_features -> pretrain -> sft
--> reward_model -> rl -> distill.
+-> reward_model -> rl -> distill -> select_checkpoint.
 
-select_checkpoint joins the same DAG next.
 `build_pipeline(preset, until)` returns the pipeline function with the preset's configs as parameter
 defaults; `vlm_training` is the full DAG on the `prod-7b` preset, the one that is compiled and committed.
 """
@@ -14,6 +13,7 @@ from components.preflight.component import preflight_op
 from components.pretrain.component import pretrain_op
 from components.reward_model.component import reward_model_op
 from components.rl.component import rl_op
+from components.select_checkpoint.component import select_checkpoint_op
 from components.sft.component import sft_op
 from components.stages import DAG_ORDER
 from kfp import dsl
@@ -49,6 +49,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
         reward_model_config: dict = p.stages["reward_model"],
         rl_config: dict = p.stages["rl"],
         distill_config: dict = p.stages["distill"],
+        select_checkpoint_config: dict = p.stages["select_checkpoint"],
     ):
         preflight = on_cpu(with_runtime_env(preflight_op(
             lake_uri=lake_uri,
@@ -61,11 +62,12 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
             reward_model_config=reward_model_config,
             rl_config=rl_config,
             distill_config=distill_config,
+            select_checkpoint_config=select_checkpoint_config,
             eval_data_uri=eval_data_uri,
             sft_data_uri=sft_data_uri,
             preference_data_uri=preference_data_uri,
             rl_data_uri=rl_data_uri,
-            needs_eval_data="pretrain" in wanted,
+            needs_eval_data="pretrain" in wanted,  # select_checkpoint reads it too, and runs only after pretrain
             needs_sft_data="sft" in wanted,  # distill reads it too, and runs only after sft
             needs_preference_data="reward_model" in wanted,
             needs_rl_data="rl" in wanted,
@@ -143,6 +145,23 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
                 experiment=experiment,
             )), gpus=1, memory="64Gi")
             distill.set_display_name("Distill").set_retry(num_retries=2, backoff_duration="60s")
+
+        if "select_checkpoint" in wanted:
+            select = on_gpus(with_runtime_env(select_checkpoint_op(
+                clean_data=clean.outputs["clean_data"],
+                pretrain=pretrain.outputs["model"],
+                sft=sft.outputs["model"],
+                reward_model=reward.outputs["model"],
+                rl=rl.outputs["model"],
+                distill=distill.outputs["model"],
+                eval_data_uri=eval_data_uri,
+                config=select_checkpoint_config,
+                # one parameter each: KFP cannot pass a dict literal holding pipeline parameters
+                clean_data_config=clean_data_config, pretrain_config=pretrain_config, sft_config=sft_config,
+                reward_model_config=reward_model_config, rl_config=rl_config, distill_config=distill_config,
+                experiment=experiment,
+            )), gpus=1, memory="64Gi")
+            select.set_display_name("Select checkpoint").set_retry(num_retries=2, backoff_duration="60s")
 
     return vlm_training
 

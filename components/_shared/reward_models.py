@@ -1,6 +1,7 @@
 """The reward model artifact: a Qwen2(.5)-VL with a scalar head, read at the K-th response token.
 
-The reward_model stage trains and saves it; the rl stage loads it to score rollouts. Format of a saved
+The reward_model stage trains and saves it; the rl stage scores rollouts and select_checkpoint scores each
+candidate's held-out answers with `RewardModelScorer`. Format of a saved
 `model/`: the backbone in HF format (safetensors), `reward_head.safetensors` (the head) and `reward_model.json`
 (`score_first_k`, `reward_mean` / `reward_std` over training answers, for normalisation).
 """
@@ -73,3 +74,47 @@ def load_reward_model(uri: str | Path, *, dtype: torch.dtype = torch.float32) ->
     model = RewardModel(backbone).to(dtype)
     model.head.load_state_dict(load_file(str(path / HEAD_FILE)))
     return model.eval(), processor, json.loads((path / META_FILE).read_text())
+
+
+class RewardModelScorer:
+    """Scores (image, question, answer) with a saved reward model, read at the K-th response token. Images are
+    resized within the pixel bounds saved with the reward model (`min_pixels` / `max_pixels` only when it has
+    none); bf16 on a GPU (the model only scores: a 7B one would take 28 GB in fp32)."""
+
+    def __init__(self, uri: str, *, min_pixels: int, max_pixels: int, device: torch.device,
+                 max_tokens: int = 4096) -> None:
+        from components._shared.packing import ConversationEncoder
+
+        self.model, processor, self.meta = load_reward_model(
+            uri, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.model.to(device)
+        size = getattr(processor.image_processor, "size", None) or {}
+        self.encoder = ConversationEncoder(processor, self.model.backbone,
+                                           min_pixels=int(size.get("shortest_edge", min_pixels)),
+                                           max_pixels=int(size.get("longest_edge", max_pixels)))
+        self.max_tokens = max_tokens
+
+    @torch.no_grad()
+    def raw_scores(self, records: list[dict], answers: list[str]) -> list[float]:
+        """One score per (record {"id", "question", "pil"}, answer)."""
+        from components._shared.packing import pack, plan_micro_batches, to_device
+
+        samples = []
+        for i, (record, answer) in enumerate(zip(records, answers)):
+            turns = [{"role": "user", "text": f"<image>\n{record['question']}"}, {"role": "assistant", "text": answer}]
+            sample = self.encoder.encode(turns, images=[record["pil"]], sample_id=f"{record['id']}#{i}")
+            sample.meta["reward_index"] = reward_index(sample, int(self.meta["score_first_k"]))
+            samples.append(sample)
+        device = next(self.model.parameters()).device
+        out = [0.0] * len(samples)
+        budget = max(self.max_tokens, max(s.num_tokens for s in samples))
+        for group in plan_micro_batches([s.num_tokens for s in samples], budget):
+            micro = [samples[i] for i in group]
+            for i, score in zip(group, self.model.scores(to_device(pack(micro), device), micro).tolist()):
+                out[i] = score
+        return out
+
+    def standardised(self, records: list[dict], answers: list[str]) -> list[float]:
+        """Scores minus the training answers' mean, over their std (0 = an average SFT-quality answer)."""
+        std = max(float(self.meta["reward_std"]), 1e-6)
+        return [(s - float(self.meta["reward_mean"])) / std for s in self.raw_scores(records, answers)]

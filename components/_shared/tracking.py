@@ -60,6 +60,12 @@ class Tracker:
     def flush(self) -> None:
         """Send buffered metrics now."""
 
+    def register_model(self, local_dir: str | Path, *, name: str, artifact_path: str, aliases: tuple[str, ...] = (),
+                       tags: dict[str, str] | None = None, description: str = "") -> str:
+        """Upload `local_dir` to this run and register it as a new version of model `name` with `aliases`;
+        returns the version ("" where nothing is tracked)."""
+        return ""
+
     def close(self, status: str = "FINISHED") -> None:
         """Flush and end the run."""
 
@@ -188,6 +194,27 @@ class MlflowTracker(Tracker):
         except Exception as error:  # noqa: BLE001 - tracking must never stop a stage
             logger.warning("MLflow artifact %s not logged (%s); recorded in %s", local_path, error,
                            self._spill(artifacts=[(str(local_path), artifact_path)]))
+
+    def register_model(self, local_dir: str | Path, *, name: str, artifact_path: str, aliases: tuple[str, ...] = (),
+                       tags: dict[str, str] | None = None, description: str = "") -> str:
+        """Unlike logging, this raises when MLflow is unreachable: an unregistered model is not a result (KFP
+        retries the task). The version's source is the run's artifact directory; loading it back is a plain
+        download (`mlflow.artifacts.download_artifacts("models:/NAME@champion")`), nothing is unpickled."""
+        from mlflow.exceptions import MlflowException
+
+        self._require_run()
+        self._client.log_artifacts(self.run_id, str(local_dir), artifact_path)
+        try:
+            self._client.create_registered_model(name)
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        source = f"{self._client.get_run(self.run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
+        version = self._client.create_model_version(name, source=source, run_id=self.run_id, tags=tags or {},
+                                                    description=description).version
+        for alias in aliases:
+            self._client.set_registered_model_alias(name, alias, version)
+        return str(version)
 
     def log_text(self, text: str, artifact_file: str) -> None:
         try:

@@ -17,6 +17,7 @@ def preflight_op(
     reward_model_config: dict,
     rl_config: dict,
     distill_config: dict,
+    select_checkpoint_config: dict,
     report: dsl.Output[dsl.Artifact],
     eval_data_uri: str = "",
     sft_data_uri: str = "",
@@ -41,6 +42,7 @@ def preflight_op(
         reward_model_config: The reward_model section.
         rl_config: The rl section.
         distill_config: The distill section.
+        select_checkpoint_config: The select_checkpoint section.
         eval_data_uri: Held-out data (must hold eval.jsonl).
         sft_data_uri: SFT data (must hold sft.jsonl and eval.jsonl).
         needs_eval_data: Whether this DAG runs pretrain (then eval_data_uri must be set).
@@ -57,7 +59,7 @@ def preflight_op(
 
     stage_configs = {"clean_data": clean_data_config, "extract_features": extract_features_config,
                      "pretrain": pretrain_config, "sft": sft_config, "reward_model": reward_model_config, "rl": rl_config,
-                     "distill": distill_config}
+                     "distill": distill_config, "select_checkpoint": select_checkpoint_config}
     data_files = {
         "eval_data_uri": {"uri": eval_data_uri, "files": ["eval.jsonl"], "required": needs_eval_data},
         "sft_data_uri": {"uri": sft_data_uri, "files": ["sft.jsonl", "eval.jsonl"], "required": needs_sft_data},  # sft, distill

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from components._shared import metrics as M
+from components._shared.reward_models import RewardModelScorer
 
 RewardFn = Callable[..., list[float]]
 _WORDS = re.compile(r"[^\W_]+", re.UNICODE)
@@ -130,51 +131,12 @@ def format_reward(prompts: list[str], completions: list[str], *, records: list[d
 
 # ------------------------------------------------------------------------------------------ reward model ---
 
-class RewardModelReward:
+class RewardModelReward(RewardModelScorer):
     """The reward model's score of (image, prompt, completion), standardised with the statistics the
-    reward_model stage saved (so 0 is an average SFT-quality answer); read at the K-th response token. Images
-    are resized within the pixel bounds saved with the reward model (`min_pixels` / `max_pixels` only when it
-    has none)."""
-
-    def __init__(self, uri: str, *, min_pixels: int, max_pixels: int, device: torch.device,
-                 max_tokens: int = 4096) -> None:
-        from components._shared.packing import ConversationEncoder
-        from components._shared.reward_models import load_reward_model
-
-        # bf16 on GPU: the reward model only scores (a 7B one would take 28 GB in fp32)
-        self.model, processor, self.meta = load_reward_model(
-            uri, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-        self.model.to(device)
-        # score pictures at the resolution the reward model was trained on (its processor carries the bounds)
-        size = getattr(processor.image_processor, "size", None) or {}
-        self.encoder = ConversationEncoder(processor, self.model.backbone,
-                                           min_pixels=int(size.get("shortest_edge", min_pixels)),
-                                           max_pixels=int(size.get("longest_edge", max_pixels)))
-        self.max_tokens = max_tokens
-
-    @torch.no_grad()
-    def raw_scores(self, records: list[dict], completions: list[str]) -> list[float]:
-        from components._shared.packing import pack, plan_micro_batches, to_device
-        from components._shared.reward_models import reward_index
-
-        samples = []
-        for i, (record, answer) in enumerate(zip(records, completions)):
-            turns = [{"role": "user", "text": f"<image>\n{record['question']}"}, {"role": "assistant", "text": answer}]
-            sample = self.encoder.encode(turns, images=[record["pil"]], sample_id=f"{record['id']}#{i}")
-            sample.meta["reward_index"] = reward_index(sample, int(self.meta["score_first_k"]))
-            samples.append(sample)
-        device = next(self.model.parameters()).device
-        out = [0.0] * len(samples)
-        budget = max(self.max_tokens, max(s.num_tokens for s in samples))
-        for group in plan_micro_batches([s.num_tokens for s in samples], budget):
-            micro = [samples[i] for i in group]
-            for i, score in zip(group, self.model.scores(to_device(pack(micro), device), micro).tolist()):
-                out[i] = score
-        return out
+    reward_model stage saved (so 0 is an average SFT-quality answer); see RewardModelScorer."""
 
     def __call__(self, prompts: list[str], completions: list[str], *, records: list[dict], **_: Any) -> list[float]:
-        std = max(float(self.meta["reward_std"]), 1e-6)
-        return [(s - float(self.meta["reward_mean"])) / std for s in self.raw_scores(records, completions)]
+        return self.standardised(records, completions)
 
 
 # ----------------------------------------------------------------------------------------- OCR check ---

@@ -1,5 +1,6 @@
 """The DAG runs locally (kfp.local) on the tiny preset: preflight, clean_data fan-out/merge, extract_features,
-pretrain, sft, reward_model, rl, distill."""
+pretrain, sft, reward_model, rl, distill, select_checkpoint; caching reuses unchanged stages and re-runs what a changed
+config reaches."""
 
 import json
 import subprocess
@@ -29,8 +30,8 @@ def summary(world, tmp_path_factory) -> tuple[dict, Path]:
     return json.loads((out / "run_summary.json").read_text()), out
 
 
-def _qvl_run(world: Path, out: Path) -> None:
-    cmd = [sys.executable, "-m", "pipelines.cli", "run", "--local", "--preset", "tiny", "--cache",
+def _qvl_run(world: Path, out: Path, preset: str = "tiny") -> None:
+    cmd = [sys.executable, "-m", "pipelines.cli", "run", "--local", "--preset", preset, "--cache",
            "--lake", str(world / "lake"), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -40,7 +41,7 @@ def test_every_stage_succeeded_with_the_summary_schema(summary):
     data, _ = summary
     assert data["status"] == "succeeded"
     assert set(data["stages"]) == {"preflight", "clean_data", "extract_features", "pretrain", "sft", "reward_model",
-                                   "rl", "distill"}
+                                   "rl", "distill", "select_checkpoint"}
     for stage, result in data["stages"].items():
         assert result["status"] == "succeeded", stage
         assert isinstance(result["metrics"], dict) and isinstance(result["artifacts"], dict)
@@ -97,7 +98,8 @@ def test_one_parent_mlflow_run_with_nested_stage_runs(summary):
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{data['mlflow_run_id']}'"
     )
     names = {run.data.tags.get("qvl.stage") for run in children}
-    assert {"preflight", "clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill"} <= names
+    assert {"preflight", "clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill",
+            "select_checkpoint"} <= names
     clean = next(r for r in children if r.data.tags.get("qvl.stage") == "clean_data")
     assert clean.data.metrics["records_in"] == data["stages"]["clean_data"]["metrics"]["records_in"]
 
@@ -108,7 +110,39 @@ def test_a_rerun_with_unchanged_inputs_reuses_every_stage(summary, world):
     second = json.loads((out / "run_summary.json").read_text())
     assert second["status"] == "succeeded"
     assert second["stages"]["preflight"]["status"] == "succeeded"  # never cached
-    for stage in ("clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill"):
+    for stage in ("clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill",
+                  "select_checkpoint"):
         assert second["stages"][stage]["status"] == "cached", stage
         assert second["stages"][stage]["metrics"] == first["stages"][stage]["metrics"]
         assert second["stages"][stage]["artifacts"] == first["stages"][stage]["artifacts"]
+
+
+def test_select_checkpoint_registers_a_champion_that_loads_from_the_registry(summary):
+    data, _ = summary
+    select = data["stages"]["select_checkpoint"]["metrics"]
+    assert select["selected_candidate"].split("@")[0] in ("pretrain", "sft", "rl", "distill")
+    assert isinstance(select["selected_score"], float)
+    assert select["registered_model"] == "qvl-tiny" and select["registered_version"] == "1"
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    mlflow.set_tracking_uri(data["mlflow_tracking_uri"])
+    local = mlflow.artifacts.download_artifacts(artifact_uri="models:/qvl-tiny@champion")
+    assert AutoModelForImageTextToText.from_pretrained(local).config.model_type == "qwen2_5_vl"
+    AutoProcessor.from_pretrained(local)
+    assert "## Data lineage" in (Path(local) / "README.md").read_text()
+
+
+def test_a_changed_sft_config_reruns_sft_and_what_follows_only(summary, world, tmp_path):
+    first, out = summary
+    preset = tmp_path / "tiny-sft-seed.yaml"
+    from pipelines.presets import PRESET_DIR
+
+    preset.write_text(f"extends: {PRESET_DIR / 'tiny.yaml'}\nsft: {{seed: 1}}\n")
+    _qvl_run(world, out, preset=str(preset))
+    third = json.loads((out / "run_summary.json").read_text())
+    assert third["status"] == "succeeded"
+    for stage in ("clean_data", "extract_features", "pretrain"):
+        assert third["stages"][stage]["status"] == "cached", stage
+    for stage in ("sft", "reward_model", "rl", "distill", "select_checkpoint"):
+        assert third["stages"][stage]["status"] == "succeeded", stage
+    assert third["stages"]["sft"]["artifacts"] != first["stages"]["sft"]["artifacts"]

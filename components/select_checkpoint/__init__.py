@@ -1,0 +1,1 @@
+"""select_checkpoint: held-out evaluation of every candidate, gated selection, MLflow registry, model card."""

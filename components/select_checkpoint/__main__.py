@@ -1,0 +1,3 @@
+from components.select_checkpoint.stage import main
+
+main()

@@ -1,0 +1,151 @@
+"""select_checkpoint: the rule picks the best candidate that passes the gates and fails naming every candidate when
+none does; on real stage outputs it skips what it cannot use with the reason, registers the champion and the
+challenger in MLflow, and the champion loads from the registry alias with the plain HF auto classes and answers
+a held-out question correctly."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from components._shared.tracking import NullTracker, stage_tracker
+from components.select_checkpoint.config import SelectCheckpointConfig
+from components.select_checkpoint.stage import Candidate, NoCandidatePasses, choose, judge, run
+from components.synth_world.splits import write_splits
+
+BASE = "builtin:tiny-qwen2_5-vl"
+
+
+def _candidate(name, **metrics):
+    return Candidate(name, name.split("@")[0], model_dir=None, metrics={"parameters": 100.0, **metrics})
+
+
+def test_the_rule_picks_the_best_candidate_that_passes_every_gate():
+    cfg = SelectCheckpointConfig(weights={"vqa_exact_match": 1.0, "anls": 0.5, "latency_ms": -0.01},
+                                 min_gates={"grounding_accuracy": 0.5}, max_gates={"latency_ms": 50})
+    candidates = [
+        _candidate("sft", vqa_exact_match=0.60, anls=0.4, latency_ms=10, grounding_accuracy=0.7),   # 0.70
+        _candidate("rl", vqa_exact_match=0.80, anls=0.4, latency_ms=10, grounding_accuracy=0.4),    # best score, gated
+        _candidate("distill", vqa_exact_match=0.55, anls=0.5, latency_ms=2, grounding_accuracy=0.6),  # 0.78
+        _candidate("pretrain", vqa_exact_match=0.9, anls=0.9, latency_ms=90, grounding_accuracy=0.9),  # too slow
+        _candidate("sft@step-1", vqa_exact_match=0.7, anls=0.4, latency_ms=10),                      # no grounding
+    ]
+    for c in candidates:
+        judge(c, cfg)
+    assert candidates[2].score == pytest.approx(0.55 + 0.25 - 0.02)
+    assert candidates[1].failed_gates == ["grounding_accuracy 0.4 < 0.5"]
+    assert candidates[3].failed_gates == ["latency_ms 90 > 50"]
+    assert candidates[4].failed_gates == ["grounding_accuracy nan < 0.5"]  # a metric the suite lacks fails its gate
+    winner, runner_up = choose(candidates)
+    assert (winner.name, runner_up.name) == ("distill", "sft")
+
+    tie = [_candidate("big", vqa_exact_match=0.5, parameters=200.0), _candidate("small", vqa_exact_match=0.5)]
+    for c in tie:
+        judge(c, SelectCheckpointConfig(weights={"vqa_exact_match": 1.0}))
+    assert choose(tie)[0].name == "small"
+
+
+def test_no_passing_candidate_fails_naming_each_failure():
+    cfg = SelectCheckpointConfig(min_gates={"anls": 0.45})
+    candidates = [_candidate("sft", anls=0.2), _candidate("rl", anls=0.3)]
+    for c in candidates:
+        judge(c, cfg)
+    skipped = _candidate("distill")
+    skipped.skipped = "identical to the stage's output model"
+    with pytest.raises(NoCandidatePasses, match=r"(?s)sft: anls 0.2 < 0.45.*rl: anls 0.3 < 0.45.*distill: identical"):
+        choose([*candidates, skipped])
+
+
+def test_config_rejects_unknown_metrics():
+    with pytest.raises(ValidationError, match=r"min_gates: unknown metric\(s\) \['grounding'\]"):
+        SelectCheckpointConfig(min_gates={"grounding": 0.6})
+    with pytest.raises(ValidationError, match="weights are all 0"):
+        SelectCheckpointConfig(weights={"anls": 0.0})
+    SelectCheckpointConfig(weights={"exact_match/ocr": 1.0}, max_gates={"parameters": 1e9})
+
+
+@pytest.fixture(scope="module")
+def stage_outputs(tmp_path_factory):
+    """A held-out world, an untrained 'pretrain' output and a briefly fine-tuned 'sft' output with checkpoints."""
+    from components._shared.vlm import load_vlm, save_vlm
+    from components.sft.config import SftConfig
+    from components.sft.stage import run as sft
+
+    root = tmp_path_factory.mktemp("select")
+    write_splits(root / "data", seed=5, eval_per_type=3, sft_records=200, preference_pairs=8)
+    model, processor = load_vlm(BASE)
+    save_vlm(model, processor, root / "pretrain" / "model")
+    cfg = SftConfig.model_validate({
+        "mode": "full", "min_pixels": 3136, "max_pixels": 3136, "calibration": {"enabled": False},
+        "train": {"steps": 200, "samples_per_step": 8, "max_tokens_per_micro_batch": 512, "threads": 1,
+                  "checkpoint_every": 100, "keep_checkpoints": 3},
+        "optim": {"lr": 0.01}, "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 6}})
+    sft(cfg, base_model=BASE, data=str(root / "data"), output_dir=root / "sft", tracker=NullTracker())
+    (root / "sft" / "_stage_result.json").write_text(json.dumps({"metrics": {"steps": 200}, "seconds": 1.0}))
+    return root
+
+
+def _select_cfg(**over):
+    return SelectCheckpointConfig.model_validate({
+        "stages": ["pretrain", "sft"], "min_pixels": 3136, "max_pixels": 3136, "checkpoints_per_stage": 1,
+        "weights": {"vqa_exact_match": 1.0}, "registry_name": "qvl-test",
+        "eval": {"per_type": 3, "batch_size": 32, "max_new_tokens": 8}, **over})
+
+
+def test_select_registers_the_champion_which_loads_from_the_registry_and_answers(stage_outputs, tracking_env, tmp_path,
+                                                                                   monkeypatch):
+    import mlflow
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    monkeypatch.chdir(tmp_path)  # MLflow's local artifact store lands in ./mlruns
+    root = stage_outputs
+    with stage_tracker("select_checkpoint", experiment="select-test") as tracker:
+        metrics = run(_select_cfg(), data=str(root / "data"), pretrain=str(root / "pretrain"), sft=str(root / "sft"),
+                      output_dir=tmp_path / "out", tracker=tracker, stage_configs={"sft": {"mode": "full"}})
+    candidates = {c["name"]: c for c in json.loads((tmp_path / "out/candidates.json").read_text())}
+    assert set(candidates) == {"pretrain", "sft", "sft@step-0000200", "sft@step-0000100"}
+    assert candidates["sft@step-0000200"]["skipped"] == "identical to the stage's output model"
+    evaluated = {n: c["score"] for n, c in candidates.items() if not c["skipped"]}
+    assert set(evaluated) == {"pretrain", "sft", "sft@step-0000100"}
+    assert metrics["selected_candidate"] == max(evaluated, key=evaluated.get) != "pretrain"
+    assert metrics["selected_score"] == pytest.approx(max(evaluated.values()))
+    assert metrics["registered_model"] == "qvl-test" and metrics["registered_version"] == "1"
+    assert metrics["challenger_version"] == "2"
+    card = (tmp_path / "out/model_card.md").read_text()
+    assert f"Selected **{metrics['selected_candidate']}**" in card and "mode: full" in card
+    assert card == (tmp_path / "out/model/README.md").read_text()
+
+    local = mlflow.artifacts.download_artifacts(artifact_uri="models:/qvl-test@champion", dst_path=str(tmp_path / "dl"))
+    assert (tmp_path / "dl/README.md").read_text() == card
+    model = AutoModelForImageTextToText.from_pretrained(local).eval()
+    processor = AutoProcessor.from_pretrained(local)
+    rows = [json.loads(line) for line in (tmp_path / "out/eval_predictions.jsonl").read_text().splitlines()]
+    right = next(r for r in rows if r["score"] == 1.0 and r["type"] != "caption")  # the champion gets some right
+    record = next(json.loads(line) for line in (root / "data/eval.jsonl").read_text().splitlines()
+                  if json.loads(line)["id"] == right["id"])
+    from PIL import Image
+
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": record["question"]}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[Image.open(root / "data" / record["image"]).convert("RGB")],
+                       return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    answer = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0].strip()
+    assert answer == right["prediction"] and right["prediction"].lower() == str(record["answer"]).lower()
+
+
+def test_select_fails_clearly_when_no_candidate_passes(stage_outputs, tmp_path):
+    root = stage_outputs
+    with pytest.raises(NoCandidatePasses, match=r"(?s)pretrain: vqa_exact_match .* < 0.99.*sft: vqa_exact_match"):
+        run(_select_cfg(min_gates={"vqa_exact_match": 0.99}, register_winner=False), data=str(root / "data"),
+            pretrain=str(root / "pretrain"), sft=str(root / "sft"), output_dir=tmp_path, tracker=NullTracker())
+    assert len(json.loads((tmp_path / "candidates.json").read_text())) == 4  # every candidate accounted for
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "pretrain", broken)
+    (broken / "model/config.json").unlink()
+    with pytest.raises(ValueError, match="has no model/config.json; pass the pretrain stage's output directory"):
+        run(_select_cfg(), data=str(root / "data"), pretrain=str(broken), sft="", output_dir=tmp_path / "b",
+            tracker=NullTracker())
