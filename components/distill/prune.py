@@ -312,7 +312,7 @@ def prune(teacher, plan: PrunePlan):
     """The student model (plan.config) with every weight sliced from the teacher as the plan says."""
     from transformers import AutoModelForImageTextToText
 
-    student = AutoModelForImageTextToText.from_config(plan.config).to(next(teacher.parameters()).dtype)
+    student = AutoModelForImageTextToText.from_config(plan.config)  # fp32, on the CPU; copy_ casts and moves
     teacher_config = qwen_model(teacher).config
     weights = teacher.state_dict()
     for name, param in student.state_dict().items():
@@ -322,6 +322,7 @@ def prune(teacher, plan: PrunePlan):
             value = value.index_select(dim, index.to(value.device))
         if norm:
             value = value * plan.norm_scale.get(norm, 1.0)
+        value = value.to(device=param.device, dtype=param.dtype)
         if value.shape != param.shape:
             raise ValueError(f"pruned {teacher_name} to {tuple(value.shape)} but the student's {name} is "
                              f"{tuple(param.shape)}; the plan and the student config disagree.")

@@ -42,6 +42,7 @@ from components._shared.packing import (
     plan_micro_batches,
     to_device,
 )
+from components._shared.reports import figure, history_series
 from components._shared.tracking import Tracker
 from components._shared.training import Phase, TrainLoop, is_main_process, resolve_device
 from components._shared.vlm import count_parameters, load_vlm, qwen_model, save_vlm, set_pixel_bounds
@@ -157,8 +158,10 @@ def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | 
         for group in plan_micro_batches([s.num_tokens for s in samples], cfg.train.max_tokens_per_micro_batch):
             yield pack([samples[i] for i in group])
 
+    teacher.to(device)  # calibrate on the accelerator, in fp32: the importance ranks decide what the student keeps
     student, plan = build_student(cfg, teacher, processor, calibration)
-    teacher.to(device=device, dtype=teacher_dtype)
+    student.to(torch.float32)  # fp32 master weights whatever the teacher's dtype
+    teacher.to(dtype=teacher_dtype)
     student_layers = qwen_model(student).config.text_config.num_hidden_layers
     pairs = layer_map(student_layers, qwen_model(teacher).config.text_config.num_hidden_layers,
                       plan.lm_layers if plan is not None else None)
@@ -277,9 +280,18 @@ def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | 
         with (output_dir / "eval_predictions.jsonl").open("w") as f:
             for row in final_rows:
                 f.write(json.dumps(row) + "\n")
-        (output_dir / "report.md").write_text(report(metrics))
+    text = report(metrics)
+    if is_main_process():
+        text += "\n".join([
+            *figure("train_loss", "training loss and its parts",
+                    history_series(result.history, ["loss", "kl", "ce", "hidden_mse", "attention_kl"]),
+                    output_dir=output_dir, tracker=tracker, log_y=True),
+            *figure("heldout", "held-out KL to the teacher and student VQA",
+                    history_series(result.evals, ["heldout_kl", "vqa_exact_match"]), output_dir=output_dir,
+                    tracker=tracker)]) + "\n"
+        (output_dir / "report.md").write_text(text)
     shutil.rmtree(output_dir / ".scratch", ignore_errors=True)
-    tracker.log_text(report(metrics), "report.md")
+    tracker.log_text(text, "report.md")
     return metrics
 
 

@@ -39,6 +39,7 @@ from components._shared.packing import (
     to_device,
     token_loss,
 )
+from components._shared.reports import figure, history_series
 from components._shared.tracking import Tracker
 from components._shared.training import Phase, TrainLoop, TrainResult, is_main_process
 from components._shared.vlm import freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
@@ -289,10 +290,22 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
         if is_main_process():
             save_vlm(loop.backend.module, processor, output_dir / "model",
                      metadata={"stage": "pretrain", "base_model": str(base_model), "selected_step": best["step"]})
+    text = report(metrics, curve)
     if is_main_process():
-        (output_dir / "report.md").write_text(report(metrics, curve))
+        losses = history_series(first.history, ["loss"])
+        losses = {"stage1": losses.get("loss", [])}
+        if cfg.stage2.enabled:
+            losses["stage2"] = history_series(second.history, ["loss"]).get("loss", [])
+        text += "\n".join([
+            *figure("train_loss", "training loss (step within each phase)", {k: v for k, v in losses.items() if v},
+                    output_dir=output_dir, tracker=tracker, log_y=True),
+            *figure("heldout", "held-out caption loss and retrieval R@1 (evals in order)",
+                    history_series([{**e, "eval": i} for i, e in enumerate(curve)],
+                                   ["heldout_caption_loss", "retrieval_r1"], step="eval"),
+                    output_dir=output_dir, tracker=tracker)]) + "\n"
+        (output_dir / "report.md").write_text(text)
     shutil.rmtree(output_dir / ".scratch", ignore_errors=True)  # downloads and staging; not part of the output
-    tracker.log_text(report(metrics, curve), "report.md")
+    tracker.log_text(text, "report.md")
     return metrics
 
 

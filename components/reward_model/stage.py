@@ -33,6 +33,7 @@ from components._shared.packing import (
     plan_micro_batches,
     to_device,
 )
+from components._shared.reports import figure, history_series
 from components._shared.reward_models import RewardModel, reward_index, save_reward_model
 from components._shared.tracking import Tracker
 from components._shared.training import Phase, TrainLoop, is_main_process
@@ -155,9 +156,16 @@ def run(cfg: RewardModelConfig, *, base_model: str, data: str, output_dir: str |
     if is_main_process():
         save_reward_model(model, processor, output_dir / "model", score_first_k=cfg.score_first_k, mean=mean, std=std,
                           base_model=base_model)
-        (output_dir / "report.md").write_text(report(metrics))
+    text = report(metrics)
+    if is_main_process():
+        text += "\n".join([
+            *figure("train_loss", "training loss (Bradley-Terry)", history_series(result.history, ["loss"]),
+                    output_dir=output_dir, tracker=tracker),
+            *figure("pair_accuracy", "held-out pair accuracy", history_series(result.evals, ["pair_accuracy"]),
+                    output_dir=output_dir, tracker=tracker)]) + "\n"
+        (output_dir / "report.md").write_text(text)
     shutil.rmtree(output_dir / ".scratch", ignore_errors=True)
-    tracker.log_text(report(metrics), "report.md")
+    tracker.log_text(text, "report.md")
     return metrics
 
 

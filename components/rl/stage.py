@@ -37,6 +37,7 @@ from components._shared import evaluation as E
 from components._shared import metrics as M
 from components._shared.checkpoint import CheckpointStore
 from components._shared.packing import ConversationEncoder
+from components._shared.reports import figure, history_series
 from components._shared.tracking import Tracker
 from components._shared.train_config import OptimConfig
 from components._shared.training import Phase, TrainLoop, _crash_point, lr_factor, resolve_device
@@ -426,9 +427,18 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
             f.write(json.dumps({"id": r.record["id"], "type": r.record["type"], "question": r.record["question"],
                                 "reference": r.record["answer"], "completion": r.text, "finished": r.finished,
                                 "reward": r.reward, "rewards": r.rewards}) + "\n")
-    (output_dir / "report.md").write_text(report(metrics))
+    text = report(metrics) + "\n".join([
+        *figure("reward", "training reward", history_series(history, ["reward"]), output_dir=output_dir,
+                tracker=tracker),
+        *figure("kl", "per-token KL to the reference", history_series(history, ["kl"]), output_dir=output_dir,
+                tracker=tracker),
+        *figure("length_entropy", "length ratio and entropy", history_series(history, ["length_ratio", "entropy"]),
+                output_dir=output_dir, tracker=tracker),
+        *figure("heldout_efficacy", "held-out efficacy", history_series(loop.evals, ["efficacy", "vqa_exact_match"]),
+                output_dir=output_dir, tracker=tracker)]) + "\n"
+    (output_dir / "report.md").write_text(text)
     shutil.rmtree(output_dir / ".scratch", ignore_errors=True)
-    tracker.log_text(report(metrics), "report.md")
+    tracker.log_text(text, "report.md")
     return metrics
 
 

@@ -167,6 +167,8 @@ def run(cfg: SelectCheckpointConfig, *, data: str, pretrain: str = "", sft: str 
                          f"({cfg.stages}).")
     data_dir = E.resolve_data_dir(data, scratch=output_dir / ".scratch")
     records = E.load_eval_records(data_dir, per_type=cfg.eval.per_type)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("select_checkpoint.device=cuda but no CUDA GPU is visible; use device: auto or cpu.")
     device = torch.device("cuda" if cfg.device == "cuda" or cfg.device == "auto" and torch.cuda.is_available() else "cpu")
     scorer = None
     if reward_model:

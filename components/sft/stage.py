@@ -29,6 +29,7 @@ from components._shared import checkpoint as ckpt
 from components._shared.checkpoint import CheckpointStore
 from components._shared.evaluation import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
 from components._shared.packing import ConversationEncoder
+from components._shared.reports import figure, history_series
 from components._shared.tracking import Tracker
 from components._shared.training import Phase, TrainLoop, is_main_process
 from components._shared.vlm import count_parameters, freeze, load_vlm, save_vlm, set_pixel_bounds
@@ -212,10 +213,16 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
         **calibration,
         **saved,
     }
+    text = report(metrics)
     if is_main_process():
-        (output_dir / "report.md").write_text(report(metrics))
+        text += "\n".join([
+            *figure("train_loss", "training loss", history_series(result.history, ["loss"]), output_dir=output_dir,
+                    tracker=tracker, log_y=True),
+            *figure("quick_eval", "held-out VQA exact match (quick set)",
+                    history_series(result.evals, ["vqa_exact_match"]), output_dir=output_dir, tracker=tracker)]) + "\n"
+        (output_dir / "report.md").write_text(text)
     shutil.rmtree(output_dir / ".scratch", ignore_errors=True)  # downloads and staging; not part of the output
-    tracker.log_text(report(metrics), "report.md")
+    tracker.log_text(text, "report.md")
     return metrics
 
 

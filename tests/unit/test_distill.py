@@ -152,7 +152,8 @@ def test_distill_stage_pulls_the_student_toward_the_teacher(data_dir, teacher, t
     assert described["init"] == "prune" and described["lm_layers_kept"] in ([0], [1])
     rows = [json.loads(line) for line in (tmp_path / "eval_predictions.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and {"prediction", "score"} <= set(rows[0])
-    assert "| grounding_accuracy |" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "| grounding_accuracy |" in report and report.count("](data:image/png;base64,") == 2  # curves embedded
 
 
 def test_distill_killed_mid_run_resumes_to_bit_identical_weights(data_dir, tmp_path):
