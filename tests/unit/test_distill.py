@@ -188,3 +188,17 @@ def test_student_checkpoint_init_and_config_errors(data_dir, tmp_path):
         DistillConfig.model_validate({"loss": {"kl": 0.0, "ce": 1.0}, "on_policy": {"fraction": 0.5}})
     with pytest.raises(ValueError, match="student.model_uri is set but student.init='prune'"):
         DistillConfig.model_validate({"student": {"model_uri": "builtin:tiny-qwen2-vl"}})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_distill_runs_on_the_deepspeed_backend(zero_stage, data_dir, teacher, tmp_path):
+    """Hidden-state projections ride in the engine; the exported student is a plain Qwen model."""
+    cfg = _cfg(loss={"attention": 0.0}, on_policy={"fraction": 0.0},
+               train={"steps": 3, "backend": "deepspeed", "zero_stage": zero_stage})
+    metrics = run(cfg, teacher_model=teacher, data=str(data_dir), output_dir=tmp_path, tracker=NullTracker())
+    assert metrics["steps"] == 3 and metrics["heldout_kl_final"] < metrics["heldout_kl_init"]
+    weights = load_file(str(tmp_path / "model/model.safetensors"))
+    assert not [k for k in weights if "distill" in k]
+    assert count_parameters(AutoModelForImageTextToText.from_pretrained(tmp_path / "model")) == \
+        metrics["student_parameters"]
