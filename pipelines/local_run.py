@@ -95,7 +95,7 @@ def run_local(
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     p = load_preset(preset)
-    pipeline = build_pipeline(preset, until)  # validates `until` before anything starts
+    pipeline = build_pipeline(preset, until, for_cluster=False)  # validates `until` before anything starts
     if lake_uri and "://" not in lake_uri:
         lake_uri = str(Path(lake_uri).resolve())
     if data_uri and "://" not in data_uri:

@@ -1,8 +1,9 @@
 """The VLM training DAG: preflight -> clean_data (fan-out over shards, merge) -> extract_features -> pretrain -> sft
 -> reward_model -> rl -> distill -> select_checkpoint.
 
-`build_pipeline(preset, until)` returns the pipeline function with the preset's configs as parameter
-defaults; `vlm_training` is the full DAG on the `prod-7b` preset, the one that is compiled and committed.
+`build_pipeline(preset, until, for_cluster)` returns the pipeline function with the preset's configs as parameter
+defaults and, for a cluster, each task's Kubernetes settings from the preset's cluster profile (pipelines/k8s.py);
+`vlm_training` is the full DAG on the `prod-7b` preset, the one that is compiled and committed.
 """
 
 
@@ -17,20 +18,28 @@ from components.select_checkpoint.component import select_checkpoint_op
 from components.sft.component import sft_op
 from components.stages import DAG_ORDER
 from kfp import dsl
-from pipelines.k8s import on_cpu, on_gpus, with_runtime_env
+from pipelines.k8s import apply_profile, apply_task_policy
 from pipelines.presets import load_preset
 
 PIPELINE_NAME = "vlm-training"
 DEFAULT_PRESET = "prod-7b"
 
 
-def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
-    """The pipeline function for `preset`, with the stages up to and including `until` (all when None)."""
+def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_cluster: bool = True):
+    """The pipeline function for `preset`, with the stages up to and including `until` (all when None).
+
+    `for_cluster=False` (kfp.local) leaves the cluster profile out: pod settings mean nothing on one machine,
+    and its environment variables (cache on the scratch PVC, launch plans) would mislead the local tasks.
+    """
     if until is not None and until not in DAG_ORDER:
         raise ValueError(f"until='{until}' is not a stage; choose one of: {', '.join(DAG_ORDER)}.")
     p = load_preset(preset)
     last = DAG_ORDER.index(until) if until else len(DAG_ORDER) - 1
     wanted = set(DAG_ORDER[: last + 1])
+    cluster = p.cluster_profile()
+
+    def on_cluster(task: dsl.PipelineTask, stage: str) -> dsl.PipelineTask:
+        return apply_profile(task, stage, cluster) if for_cluster else apply_task_policy(task, stage, cluster)
 
     @dsl.pipeline(name=PIPELINE_NAME, description=__doc__.splitlines()[0])
     def vlm_training(
@@ -51,7 +60,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
         distill_config: dict = p.stages["distill"],
         select_checkpoint_config: dict = p.stages["select_checkpoint"],
     ):
-        preflight = on_cpu(with_runtime_env(preflight_op(
+        preflight = on_cluster(preflight_op(
             lake_uri=lake_uri,
             base_model_uri=base_model_uri,
             config=preflight_config,
@@ -72,82 +81,82 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
             needs_preference_data="reward_model" in wanted,
             needs_rl_data="rl" in wanted,
             experiment=experiment,
-        )), cpu="1", memory="4Gi")
-        preflight.set_display_name("Preflight checks").set_caching_options(False)
+        ), "preflight")
+        preflight.set_display_name("Preflight checks").set_caching_options(False)  # checks the world as it is now
 
-        shards = on_cpu(with_runtime_env(list_shards_op(lake_uri=lake_uri)), cpu="1", memory="2Gi")
+        shards = on_cluster(list_shards_op(lake_uri=lake_uri), "preflight")
         shards.set_display_name("List lake shards").set_caching_options(False).after(preflight)
         with dsl.ParallelFor(shards.output, parallelism=16) as shard_uri:
-            clean_shard = on_cpu(with_runtime_env(clean_shard_op(
+            clean_shard = on_cluster(clean_shard_op(
                 shard_uri=shard_uri, config=clean_data_config, experiment=experiment,
-            )), cpu="4", memory="16Gi")
-            clean_shard.set_display_name("Clean shard").set_retry(num_retries=2, backoff_duration="30s")
-        clean = on_cpu(with_runtime_env(merge_shards_op(
+            ), "clean_data")
+            clean_shard.set_display_name("Clean shard")
+        clean = on_cluster(merge_shards_op(
             shards=dsl.Collected(clean_shard.outputs["shard"]), config=clean_data_config, experiment=experiment,
-        )), cpu="4", memory="16Gi")
+        ), "clean_data")
         clean.set_display_name("Clean data: merge shards")
 
         if "extract_features" in wanted:
-            features = on_gpus(with_runtime_env(extract_features_op(
+            features = on_cluster(extract_features_op(
                 clean_data=clean.outputs["clean_data"],
                 base_model_uri=base_model_uri,
                 config=extract_features_config,
                 experiment=experiment,
-            )), gpus=1, memory="64Gi")
-            features.set_display_name("Extract vision features").set_retry(num_retries=2, backoff_duration="60s")
+            ), "extract_features")
+            features.set_display_name("Extract vision features")
 
         if "pretrain" in wanted:
             # Retries resume from the newest committed checkpoint under train.checkpoint_uri (prod-7b: on S3; a
             # failed task's own output artifact is never uploaded).
-            pretrain = on_gpus(with_runtime_env(pretrain_op(
+            pretrain = on_cluster(pretrain_op(
                 clean_data=clean.outputs["clean_data"],
                 features=features.outputs["features"],
                 base_model_uri=base_model_uri,
                 eval_data_uri=eval_data_uri,
                 config=pretrain_config,
                 experiment=experiment,
-            )), gpus=1, memory="64Gi")
-            pretrain.set_display_name("Pretrain (alignment)").set_retry(num_retries=2, backoff_duration="60s")
+            ), "pretrain")
+            pretrain.set_display_name("Pretrain (alignment)")
 
         if "sft" in wanted:
-            sft = on_gpus(with_runtime_env(sft_op(
+            sft = on_cluster(sft_op(
                 pretrained=pretrain.outputs["model"],
                 sft_data_uri=sft_data_uri,
                 config=sft_config,
                 experiment=experiment,
-            )), gpus=1, memory="64Gi")
-            sft.set_display_name("SFT").set_retry(num_retries=2, backoff_duration="60s")
+            ), "sft")
+            sft.set_display_name("SFT")
 
         if "reward_model" in wanted:
-            reward = on_gpus(with_runtime_env(reward_model_op(
+            reward = on_cluster(reward_model_op(
                 sft_model=sft.outputs["model"],
                 preference_data_uri=preference_data_uri,
                 config=reward_model_config,
                 experiment=experiment,
-            )), gpus=1, memory="64Gi")
-            reward.set_display_name("Reward model").set_retry(num_retries=2, backoff_duration="60s")
+            ), "reward_model")
+            reward.set_display_name("Reward model")
 
         if "rl" in wanted:
-            rl = on_gpus(with_runtime_env(rl_op(
+            rl = on_cluster(rl_op(
                 sft_model=sft.outputs["model"],
                 reward_model=reward.outputs["model"],
                 rl_data_uri=rl_data_uri,
                 config=rl_config,
                 experiment=experiment,
-            )), gpus=1, memory="64Gi")
-            rl.set_display_name("RL").set_retry(num_retries=2, backoff_duration="60s")
+            ), "rl")
+            rl.set_display_name("RL")
 
         if "distill" in wanted:
-            distill = on_gpus(with_runtime_env(distill_op(
+            distill = on_cluster(distill_op(
                 teacher=rl.outputs["model"],
                 sft_data_uri=sft_data_uri,
                 config=distill_config,
                 experiment=experiment,
-            )), gpus=1, memory="64Gi")
-            distill.set_display_name("Distill").set_retry(num_retries=2, backoff_duration="60s")
+            ), "distill")
+            distill.set_display_name("Distill")
 
         if "select_checkpoint" in wanted:
-            select = on_gpus(with_runtime_env(select_checkpoint_op(
+            select = on_cluster(select_checkpoint_op(
                 clean_data=clean.outputs["clean_data"],
                 pretrain=pretrain.outputs["model"],
                 sft=sft.outputs["model"],
@@ -160,8 +169,8 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None):
                 clean_data_config=clean_data_config, pretrain_config=pretrain_config, sft_config=sft_config,
                 reward_model_config=reward_model_config, rl_config=rl_config, distill_config=distill_config,
                 experiment=experiment,
-            )), gpus=1, memory="64Gi")
-            select.set_display_name("Select checkpoint").set_retry(num_retries=2, backoff_duration="60s")
+            ), "select_checkpoint")
+            select.set_display_name("Select checkpoint")
 
     return vlm_training
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -103,6 +104,8 @@ def stage_main(
     """Parse the command line, validate the config, run the stage under a tracker, print its metrics as JSON."""
     parser = argparse.ArgumentParser(prog=f"python -m components.{section}", description=run.__doc__)
     parser.add_argument("--config", type=Path, help="Preset YAML (uses its '%s' section) or a bare section." % section)
+    parser.add_argument("--config-json", help="The section as JSON (what launchers pass); --config and overrides apply "
+                                              "underneath and on top.")
     parser.add_argument("--output-dir", required=True, help="Output directory or s3:// prefix (published atomically).")
     parser.add_argument("--experiment", default="vlm", help="MLflow experiment name.")
     for name in inputs:
@@ -110,7 +113,13 @@ def stage_main(
     parser.add_argument("overrides", nargs="*", help="Dotted key=value overrides of the config.")
     args = parser.parse_args(argv)
 
-    data = deep_merge(read_section(args.config, section), parse_overrides(args.overrides))
+    data = read_section(args.config, section)
+    if args.config_json:
+        try:
+            data = deep_merge(data, json.loads(args.config_json))
+        except json.JSONDecodeError as err:
+            parser.error(f"--config-json is not valid JSON: {err}")
+    data = deep_merge(data, parse_overrides(args.overrides))
     cfg = validate(config_cls, section, data)
 
     import tempfile
@@ -130,7 +139,7 @@ def stage_main(
             experiment=args.experiment,
             record_as=section,
         )
-        if storage.is_s3(args.output_dir):
-            storage.publish_dir(local_out, args.output_dir)
+        if storage.is_s3(args.output_dir) and os.environ.get("RANK", "0").strip() in ("", "0"):
+            storage.publish_dir(local_out, args.output_dir)  # rank 0 only: it alone wrote the outputs
     print(json.dumps(metrics, indent=2, sort_keys=True, default=str))
     return metrics

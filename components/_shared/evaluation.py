@@ -147,6 +147,11 @@ def generate_answers(model, encoder: ConversationEncoder, records: list[dict], *
 
 
 @torch.no_grad()
+def _zero3_partitioned(model) -> bool:
+    """True for a module whose parameters DeepSpeed ZeRO-3 partitions over the ranks (they carry a ds_id)."""
+    return torch.distributed.is_initialized() and any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def generate_completions(model, encoder: ConversationEncoder, prompts: list[Sample], *, batch_size: int = 16,
                          max_new_tokens: int = 48, temperature: float = 0.0, first_logits: list | None = None) -> list[str]:
     """Completions of encoded prompts (encoded with add_generation_prompt=True), batched with left padding and
@@ -176,8 +181,9 @@ def generate_completions(model, encoder: ConversationEncoder, prompts: list[Samp
             mm_token_type_ids=(ids == image_token).to(torch.int32).to(device), **vision,
             max_new_tokens=max_new_tokens, use_cache=True, eos_token_id=end_id, pad_token_id=pad_id,
             return_dict_in_generate=True, output_logits=first_logits is not None, **sampling,
-            # several ranks (ZeRO-3 gathers weights in every forward): keep stepping until every rank is done
-            synced_gpus=torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1,
+            # ZeRO-3 gathers weights in every forward, so every rank keeps stepping until all are done; a plain
+            # copy evaluated on rank 0 alone (sft, reward_model, pretrain after DeepSpeed) must not wait for peers
+            synced_gpus=_zero3_partitioned(model) and torch.distributed.get_world_size() > 1,
         )
         if first_logits is not None:
             first_logits.extend(out.logits[0].float().cpu())

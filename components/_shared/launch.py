@@ -151,11 +151,21 @@ def run_stage(
     artifacts: dict[str, str] | None = None,
     record_as: str | None = None,
 ) -> dict[str, Any]:
-    """Validate `config` for `stage` and run `components.<stage>.stage.<function>` (the component body's one call)."""
+    """Validate `config` for `stage` and run `components.<stage>.stage.<function>` (the component body's one call).
+
+    With a launch plan in QVL_LAUNCH_PLAN (a cluster profile asking for several GPUs or nodes) the stage runs
+    on several processes instead (components/_shared/scale_out.py) and this returns the metrics they recorded.
+    """
     from components._shared.cli import validate
     from components.stages import load_config_class, load_stage
 
+    from components._shared import scale_out
+
     cfg = validate(load_config_class(stage), stage, config)
+    plan = scale_out.plan_from_env() if function == "run" else None
+    if plan is not None:  # several processes (torchrun here) or nodes (a TrainJob): they run and record the stage
+        return scale_out.run_launched(plan, cfg.model_dump(mode="json"), inputs=inputs, output_dir=output_dir,
+                                      experiment=experiment)
     fn = getattr(load_stage(stage), function)
     return execute(
         stage,

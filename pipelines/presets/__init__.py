@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 PRESET_DIR = Path(__file__).parent
-TOP_LEVEL_KEYS = {"description", "base_model_uri", "experiment", "lake_uri"}  # plus `extends: OTHER_PRESET`
+TOP_LEVEL_KEYS = {"description", "base_model_uri", "experiment", "lake_uri", "kubernetes"}  # + `extends: PRESET`
 
 
 class Preset(BaseModel):
@@ -22,6 +22,13 @@ class Preset(BaseModel):
     experiment: str = "vlm"
     lake_uri: str | None = Field(None, description="Default lake when none is given on the command line.")
     stages: dict[str, dict[str, Any]]
+    kubernetes: dict[str, Any] = Field(default_factory=dict, description="Cluster profile (pipelines/k8s.py).")
+
+    def cluster_profile(self):
+        """The validated cluster profile: this preset's `kubernetes:` section over pipelines/k8s.py's defaults."""
+        from pipelines.k8s import load_cluster_profile
+
+        return load_cluster_profile(self.kubernetes)
 
     def pipeline_args(self) -> dict[str, Any]:
         """Keyword arguments of the pipeline function for this preset (lake_uri excluded)."""
@@ -45,6 +52,7 @@ def preset_path(name_or_path: str | Path) -> Path:
 def load_preset(name_or_path: str | Path = "tiny", overrides: dict[str, Any] | None = None) -> Preset:
     """Read and validate a preset; every stage section goes through its config class (errors name the setting)."""
     from components._shared.cli import deep_merge, read_preset_yaml, validate
+    from components._shared.scale_out import check_config
     from components.stages import STAGES, load_config_class
 
     path = preset_path(name_or_path)
@@ -62,4 +70,12 @@ def load_preset(name_or_path: str | Path = "tiny", overrides: dict[str, Any] | N
     top = {k: data[k] for k in TOP_LEVEL_KEYS if k in data}
     if "base_model_uri" not in top:
         raise ValueError(f"{path}: 'base_model_uri' is required (a local dir, s3:// prefix or builtin:NAME).")
-    return Preset(name=path.stem, stages=stages, **top)
+    preset = Preset(name=path.stem, stages=stages, **top)
+    try:
+        cluster = preset.cluster_profile()  # errors name the setting, e.g. kubernetes.stages.sft.gpus
+        for stage, profile in cluster.stages.items():
+            if profile.gpus * profile.nodes > 1:
+                check_config(stage, stages[stage])
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    return preset

@@ -54,15 +54,16 @@ def test_stage_order(compiled):
     assert tasks["reward-model-op"]["dependentTasks"] == ["sft-op"]
 
 
-@pytest.mark.parametrize("op", ["extract-features-op", "pretrain-op", "sft-op", "reward-model-op", "rl-op",
-                                "distill-op"])
-def test_model_stages_request_a_gpu_shm_and_retries(compiled, op):
+@pytest.mark.parametrize("op, gpus, retries", [
+    ("extract-features-op", 1, 2), ("sft-op", 8, 3), ("reward-model-op", 8, 3), ("rl-op", 1, 3),
+    ("distill-op", 8, 3), ("select-checkpoint-op", 1, 2)])
+def test_model_stages_request_their_gpus_shm_and_retries(compiled, op, gpus, retries):
     spec, platform, _ = compiled
     executor = spec["deploymentSpec"]["executors"][f"exec-{op}"]["container"]
-    assert executor["resources"]["accelerator"]["resourceCount"] == "1"
+    assert executor["resources"]["accelerator"]["resourceCount"] == str(gpus)
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"][f"exec-{op}"]
     assert k8s["emptyDirMounts"][0]["mountPath"] == "/dev/shm"
-    assert _tasks(spec)[op]["retryPolicy"]["maxRetryCount"] == 2
+    assert _tasks(spec)[op]["retryPolicy"]["maxRetryCount"] == retries
 
 
 def test_stage_configs_are_pipeline_parameters_with_the_preset_defaults(compiled):

@@ -1,0 +1,143 @@
+"""Run a training stage on several processes: torchrun inside the task's pod, or a TrainJob over several nodes.
+
+The compiled pipeline puts a `LaunchPlan` (JSON, no secrets) in QVL_LAUNCH_PLAN of every task whose cluster
+profile asks for more than one GPU (pipelines/k8s.py). `run_stage` sees it and, instead of running the stage
+in its own process, starts the stage's command line (`python -m components.<stage> --config-json ...`)
+- on one node: under `torch.distributed.run --standalone --nproc-per-node G` in the same pod;
+- on N nodes: as a Kubeflow Trainer TrainJob with the same image (components/_shared/trainjob.py).
+The started processes carry QVL_LAUNCHED=1, so they run the stage themselves. Either way the task's output
+directory ends up as if the stage had run in the task, and its recorded metrics are returned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+LAUNCH_PLAN_ENV = "QVL_LAUNCH_PLAN"
+LAUNCHED_ENV = "QVL_LAUNCHED"  # set on the processes a launcher starts: they run the stage themselves
+# Stages whose loop shards micro-batches over ranks (TrainLoop + DeepSpeed); rl rolls out in one process.
+MULTI_PROCESS_STAGES = ("pretrain", "sft", "reward_model", "distill")
+
+
+class LaunchPlan(BaseModel):
+    """How one stage runs on several processes; written at compile time from its cluster profile."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage: str
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0)
+    image: str
+    cpu: str = "8"
+    memory: str = "64Gi"
+    accelerator_resource: str = "nvidia.com/gpu"
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    shm_size: str | None = None
+    scratch_pvc: str | None = None
+    scratch_mount_path: str = "/scratch"
+    secrets: dict[str, list[str]] = Field(default_factory=dict, description="secret name -> keys set as env vars")
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    run_as_user: int = 1000
+    labels: dict[str, str] = Field(default_factory=dict)
+    runtime: str = "torch-distributed"
+    staging_uri: str | None = None
+    namespace: str | None = Field(None, description="Default: the namespace of the task's pod.")
+    timeout_s: int = 7 * 24 * 3600
+    poll_s: float = 15.0
+    artifacts_on_s3: bool = False
+
+    @property
+    def processes_per_node(self) -> int:
+        return max(self.gpus_per_node, 1)
+
+
+def plan_from_env(environ: dict[str, str] | None = None) -> LaunchPlan | None:
+    """The plan of this task, or None when it runs the stage itself (no plan, or already launched)."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(LAUNCH_PLAN_ENV, "").strip()
+    if not raw or environ.get(LAUNCHED_ENV):
+        return None
+    try:
+        plan = LaunchPlan.model_validate_json(raw)
+    except ValidationError as err:
+        raise ValueError(f"{LAUNCH_PLAN_ENV} is not a valid launch plan (recompile the pipeline): {err}") from None
+    if plan.nodes * plan.processes_per_node <= 1:
+        return None
+    if plan.stage not in MULTI_PROCESS_STAGES:
+        raise ValueError(f"{LAUNCH_PLAN_ENV}: stage '{plan.stage}' runs in one process; "
+                         f"several processes: {', '.join(MULTI_PROCESS_STAGES)}.")
+    return plan
+
+
+def check_config(stage: str, config: dict[str, Any]) -> None:
+    """Several processes need DeepSpeed: the torch backend trains in one process. Every `train` section counts."""
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                path = f"{where}.{key}"
+                if key == "train" and isinstance(value, dict) and value.get("backend", "torch") != "deepspeed":
+                    raise ValueError(f"{path}.backend: {stage} on several GPUs or nodes needs backend: deepspeed "
+                                     f"(got {value.get('backend', 'torch')}); or give the stage gpus: 1, nodes: 1.")
+                walk(value, path)
+
+    walk(config, stage)
+
+
+def stage_argv(stage: str, config: dict[str, Any], inputs: dict[str, Any], output_dir: str,
+               experiment: str) -> list[str]:
+    """`-m components.<stage> ...`: the stage's own command line (components/_shared/cli.py:stage_main)."""
+    argv = ["-m", f"components.{stage}", "--config-json", json.dumps(config, sort_keys=True),
+            "--output-dir", str(output_dir), "--experiment", experiment]
+    for name, value in inputs.items():
+        if not isinstance(value, (str, Path)):
+            raise ValueError(f"{stage}: input '{name}' must be a path or URI to run on several processes, "
+                             f"got {type(value).__name__}.")
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def read_result(output_dir: str | Path, stage: str) -> dict[str, Any]:
+    """The metrics the launched stage recorded in its output directory (launch.RESULT_FILE)."""
+    from components._shared.launch import RESULT_FILE
+
+    path = Path(output_dir) / RESULT_FILE
+    if not path.exists():
+        raise RuntimeError(f"{stage}: the launched processes finished without writing {path}.")
+    result = json.loads(path.read_text())
+    if result.get("status") != "succeeded":
+        raise RuntimeError(f"{stage}: the launched stage recorded status {result.get('status')}: "
+                           f"{result.get('error', 'no error recorded')}")
+    return result["metrics"]
+
+
+def run_local_torchrun(plan: LaunchPlan, config: dict[str, Any], *, inputs: dict[str, Any], output_dir: str,
+                       experiment: str) -> dict[str, Any]:
+    """One node, G processes (one per GPU) in this pod; rank 0 writes `output_dir` and the result record."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={plan.processes_per_node}",
+           *stage_argv(plan.stage, config, inputs, output_dir, experiment)]
+    print(f"[scale_out] {plan.stage}: torchrun with {plan.processes_per_node} processes", flush=True)
+    rc = subprocess.run(cmd, env={**os.environ, LAUNCHED_ENV: "1"}).returncode
+    if rc != 0:
+        raise RuntimeError(f"{plan.stage}: torchrun with {plan.processes_per_node} processes exited with code {rc} "
+                           "(the failing rank's traceback is in the log above).")
+    return read_result(output_dir, plan.stage)
+
+
+def run_launched(plan: LaunchPlan, config: dict[str, Any], *, inputs: dict[str, Any], output_dir: str,
+                 experiment: str) -> dict[str, Any]:
+    """Run the stage as the plan says; returns its metrics."""
+    check_config(plan.stage, config)
+    if plan.nodes > 1:
+        from components._shared.trainjob import run_trainjob
+
+        return run_trainjob(plan, config, inputs=inputs, output_dir=output_dir, experiment=experiment)
+    return run_local_torchrun(plan, config, inputs=inputs, output_dir=output_dir, experiment=experiment)
