@@ -4,6 +4,7 @@
     qvl run --local --preset demo --lake runs/world/lake --out runs/demo
     qvl stage clean_data --config pipelines/presets/tiny.yaml --lake-uri runs/world/lake --output-dir runs/clean
     qvl compile
+    KFP_TOKEN=... qvl submit --host https://kfp.example.com/pipeline --experiment vlm-prod lake_uri=s3://lake/x --wait
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def run(
 ):
     """Run the DAG and write OUT/run_summary.json."""
     if not local:
-        typer.echo("Only --local runs from here; submit to a cluster with `kfp run create` (docs/operations.md).")
+        typer.echo("`qvl run` runs locally (--local); submit to a cluster with `qvl submit` or `kfp run create` "
+                   "(docs/submitting.md).")
         raise typer.Exit(2)
     from pipelines.local_run import SUMMARY_FILE, run_local
     from pipelines.presets import load_preset
@@ -105,6 +107,62 @@ def compile_(
     from pipelines.compile import COMPILED, compile_pipeline
 
     typer.echo(compile_pipeline(preset, out or COMPILED))
+
+
+@app.command("submit")
+def submit(
+    host: str = typer.Option(..., envvar="KFP_HOST", help="KFP API endpoint, e.g. https://kfp.example.com/pipeline "
+                                                          "(env KFP_HOST). The token is read from env KFP_TOKEN."),
+    experiment: str = typer.Option(..., help="KFP experiment name (created when missing)."),
+    preset: str = typer.Option("prod-7b", help="Preset name or YAML path whose configs become the defaults."),
+    run_name: Optional[str] = typer.Option(None, help="Run name (default: 'vlm-training PRESET UTC-TIME')."),
+    namespace: Optional[str] = typer.Option(None, help="Kubernetes namespace (multi-user KFP)."),
+    wait: bool = typer.Option(False, "--wait/--no-wait", help="Wait for the run to end; exit 1 unless it SUCCEEDED."),
+    timeout: Optional[float] = typer.Option(None, min=0, help="With --wait: give up after this many seconds (exit 3)."),
+    poll_interval: float = typer.Option(30.0, min=0.01, help="With --wait: seconds between status checks."),
+    params_file: Optional[Path] = typer.Option(
+        None, help="JSON/YAML mapping of pipeline parameters (e.g. a data manifest with lake_uri); KEY=VALUE wins."
+    ),
+    pairs: Optional[list[str]] = typer.Argument(
+        None, metavar="[KEY=VALUE]...",
+        help="Pipeline parameters (lake_uri=s3://..., eval_data_uri=...) or dotted preset settings (sft.optim.lr=1e-5).",
+    ),
+):
+    """Compile the preset (with the settings given) and start a run on a KFP cluster; prints the run URL.
+
+    Exit codes: 0 submitted (or, with --wait, SUCCEEDED); 1 the run failed/was canceled, or the API refused;
+    2 bad arguments (nothing was sent); 3 --timeout ran out (the run keeps going).
+    """
+    from pipelines import submit as sub
+
+    def echo_err(line: str) -> None:
+        typer.echo(line, err=True)
+
+    try:
+        client, run_id = sub.compile_and_submit(host=host, experiment=experiment, preset=preset, pairs=pairs or [],
+                                                run_name=run_name, namespace=namespace, echo=typer.echo,
+                                                params_file=params_file)
+    except sub.SubmitError as err:
+        typer.echo(f"Error: {err}", err=True)
+        raise typer.Exit(2) from None
+    except sub.api_errors() as err:  # API refusals, unreachable host: one line, not a traceback
+        typer.echo(f"Error: submitting to {host} failed: {sub.describe_api_error(err)}", err=True)
+        raise typer.Exit(1) from None
+    if not wait:
+        return
+    try:
+        state = sub.wait(client, run_id, timeout=timeout, poll_interval=poll_interval,
+                         on_state=lambda s: echo_err(f"run {run_id}: {s}"))
+    except sub.RunFailed as err:
+        typer.echo(f"Error: {err} See {sub.run_url(host, run_id)}", err=True)
+        raise typer.Exit(1) from None
+    except sub.RunTimeout as err:
+        typer.echo(f"Error: {err}", err=True)
+        raise typer.Exit(3) from None
+    except sub.api_errors() as err:
+        typer.echo(f"Error: waiting for run {run_id} failed: {sub.describe_api_error(err)}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"Run {run_id} {state}.")
 
 
 def main() -> None:

@@ -1,0 +1,249 @@
+"""Submit the pipeline to a Kubeflow Pipelines cluster (what `qvl submit` runs).
+
+    KFP_TOKEN=... qvl submit --host https://kfp.example.com/pipeline --experiment vlm-prod \\
+        lake_uri=s3://lake/laion-sub eval_data_uri=s3://data/heldout sft_data_uri=s3://data/sft \\
+        sft.optim.lr=1e-5 --wait --timeout 259200
+
+`key=value` pairs are either pipeline parameters (`lake_uri=...`, undotted) or dotted preset settings
+(`sft.optim.lr=1e-5`, `rl.train.steps=500`). Preset settings are merged into the preset and validated before
+anything is sent (a bad key fails naming the setting); the preset is compiled to a temporary YAML with them as
+parameter defaults, and each changed stage's whole config is also sent as its `<stage>_config` run parameter,
+so the KFP UI shows it with the run. The bearer token comes from the environment (`KFP_TOKEN`) only: it goes
+in the Authorization header and nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Pipeline parameters settable as `key=value` (the stage configs are set through dotted preset settings).
+PIPELINE_PARAMS = ("lake_uri", "eval_data_uri", "sft_data_uri", "preference_data_uri", "rl_data_uri",
+                   "base_model_uri", "experiment")
+TOKEN_ENV = "KFP_TOKEN"
+SUCCESS_STATES = {"SUCCEEDED"}
+# Terminal states that are not a success (a run-level SKIPPED trained nothing). "ERROR" is the v1 API's name.
+FAILED_STATES = {"FAILED", "CANCELED", "SKIPPED", "ERROR"}
+
+
+class SubmitError(ValueError):
+    """Bad input, found before anything is sent."""
+
+
+class RunFailed(RuntimeError):
+    """The run ended in a state other than SUCCEEDED."""
+
+    def __init__(self, state: str, message: str):
+        super().__init__(message)
+        self.state = state
+
+
+class RunTimeout(TimeoutError):
+    """The run was still going when --timeout ran out."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What will be sent: the compiled package and the run parameters."""
+
+    package: Path
+    params: dict[str, Any]
+    preset_name: str
+
+
+def split_pairs(pairs: list[str]) -> tuple[dict[str, str], dict[str, Any]]:
+    """`key=value` pairs -> (pipeline parameters, nested preset overrides); unknown keys fail listing the valid ones.
+
+    Parameter values stay strings (they are all string parameters); dotted settings are parsed as YAML scalars.
+    """
+    from components._shared.cli import deep_merge, parse_overrides
+    from components.stages import STAGES
+
+    params: dict[str, str] = {}
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise SubmitError(f"'{pair}' is not key=value (examples: lake_uri=s3://bucket/lake, sft.optim.lr=1e-5).")
+        if "." in key:
+            overrides = deep_merge(overrides, parse_overrides([pair]))
+        elif key in PIPELINE_PARAMS:
+            params[key] = raw
+        else:
+            stage = key.removesuffix("_config")
+            hint = (f" Stage settings are dotted: {stage}.SETTING=VALUE (e.g. sft.optim.lr=1e-5)."
+                    if stage in STAGES else " Stage settings are dotted, e.g. sft.optim.lr=1e-5.")
+            raise SubmitError(f"Unknown pipeline parameter '{key}'. Parameters: {', '.join(PIPELINE_PARAMS)}.{hint}")
+    return params, overrides
+
+
+def read_params_file(path: Path) -> list[str]:
+    """A JSON/YAML mapping of pipeline parameters (a data manifest: lake_uri, eval_data_uri, ...) as key=value pairs.
+
+    Keys that are not pipeline parameters fail, listing the valid ones; pairs given after these override them.
+    """
+    try:
+        data = yaml.safe_load(Path(path).read_text())  # JSON is YAML
+    except (OSError, yaml.YAMLError) as err:
+        raise SubmitError(f"--params-file {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise SubmitError(f"--params-file {path}: expected a mapping of pipeline parameters, e.g. "
+                          '{"lake_uri": "s3://bucket/lake"}.')
+    unknown = sorted(str(k) for k in data if k not in PIPELINE_PARAMS)
+    if unknown:
+        raise SubmitError(f"--params-file {path}: unknown pipeline parameter(s) {unknown}. "
+                          f"Parameters: {', '.join(PIPELINE_PARAMS)}.")
+    bad = sorted(k for k, v in data.items() if not isinstance(v, str))
+    if bad:
+        raise SubmitError(f"--params-file {path}: {bad} must be strings (URIs or names).")
+    return [f"{key}={value}" for key, value in data.items()]
+
+
+def prepare(preset: str, pairs: list[str], workdir: Path) -> Prepared:
+    """Validate the pairs against the preset and compile it (with the overrides) into `workdir`.
+
+    Every check happens here, before a client exists: a bad setting never reaches the cluster.
+    """
+    from components._shared.cli import deep_merge, read_preset_yaml
+    from components.stages import STAGES
+    from pipelines.compile import compile_pipeline
+    from pipelines.presets import load_preset, preset_path
+
+    params, overrides = split_pairs(pairs)
+    try:
+        resolved = load_preset(preset, overrides)  # validates every stage; errors name the setting
+    except ValueError as err:
+        raise SubmitError(str(err)) from None
+    lake_uri = params.get("lake_uri") or resolved.lake_uri
+    if not lake_uri:
+        raise SubmitError(f"lake_uri is required: add lake_uri=s3://BUCKET/PREFIX (preset '{resolved.name}' sets "
+                          "no default lake).")
+    params["lake_uri"] = lake_uri
+    for stage in overrides:
+        if stage in STAGES:  # the whole section: a dict parameter is replaced, not merged, by KFP
+            params[f"{stage}_config"] = resolved.stages[stage]
+
+    source = preset_path(preset)
+    if overrides:  # the merged preset, `extends` already resolved, under the preset's own name
+        merged = deep_merge(read_preset_yaml(source), overrides)
+        source = workdir / "preset" / f"{resolved.name}.yaml"
+        source.parent.mkdir(parents=True, exist_ok=True)
+        source.write_text(yaml.safe_dump(merged, sort_keys=False))
+    package = compile_pipeline(str(source), workdir / "vlm_training.yaml")
+    return Prepared(package=Path(package), params=params, preset_name=resolved.name)
+
+
+def check_host(host: str) -> None:
+    if not host.startswith(("http://", "https://")):
+        raise SubmitError(f"--host '{host}' needs a scheme: https://HOST[/PATH] (or http://127.0.0.1:PORT).")
+
+
+def make_client(host: str, namespace: str | None = None):
+    """A kfp.Client for `host`, authenticated with $KFP_TOKEN when it is set (never from an argument)."""
+    check_host(host)
+    import kfp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # "This client only works with KFP v2.0.0-beta.2 and later"
+        return kfp.Client(host=host, existing_token=os.environ.get(TOKEN_ENV) or None,
+                          namespace=namespace or "kubeflow")
+
+
+def run_url(host: str, run_id: str) -> str:
+    return f"{host.rstrip('/')}/#/runs/details/{run_id}"
+
+
+def submit(client, prepared: Prepared, *, experiment: str, run_name: str | None = None,
+           namespace: str | None = None) -> str:
+    """Create the experiment when missing and start the run; returns the run id."""
+    name = run_name or f"vlm-training {prepared.preset_name} {datetime.now(UTC):%Y-%m-%d %H-%M-%S}"
+    with contextlib.redirect_stdout(sys.stderr):  # kfp prints its own links; stdout stays ours
+        result = client.create_run_from_pipeline_package(
+            str(prepared.package), arguments=prepared.params, run_name=name, experiment_name=experiment,
+            namespace=namespace,
+        )
+    return result.run_id
+
+
+def wait(client, run_id: str, *, timeout: float | None = None, poll_interval: float = 30.0,
+         on_state: Callable[[str], None] = lambda state: None, max_api_errors: int = 5) -> str:
+    """Poll the run until it ends; returns "SUCCEEDED", raises RunFailed (naming the state) or RunTimeout.
+
+    Unlike kfp.Client.wait_for_run_completion this ends on CANCELED too, and a few consecutive API errors
+    (a restarting API server) are retried instead of failing the wait.
+    """
+    import kfp_server_api
+    import urllib3
+
+    start, seen, errors = time.monotonic(), None, 0
+    while True:
+        try:
+            run = client.get_run(run_id)
+            errors = 0
+        except (kfp_server_api.ApiException, urllib3.exceptions.HTTPError) as err:
+            status = getattr(err, "status", 0) or 0
+            errors += 1
+            if (400 <= status < 500 and status != 429) or errors > max_api_errors:
+                raise
+            run = None
+        if run is not None:
+            state = str(run.state or "RUNTIME_STATE_UNSPECIFIED").upper()
+            if state != seen:
+                on_state(state)
+                seen = state
+            if state in SUCCESS_STATES:
+                return state
+            if state in FAILED_STATES:
+                detail = getattr(run.error, "message", None) if run.error else None
+                raise RunFailed(state, f"Run {run_id} finished in state {state}"
+                                       + (f": {detail}" if detail else "") + ".")
+        elapsed = time.monotonic() - start
+        if timeout is not None and elapsed >= timeout:
+            raise RunTimeout(f"Run {run_id} is still {seen or 'unknown'} after {timeout:g}s (--timeout); it keeps "
+                             "running on the cluster.")
+        time.sleep(poll_interval if timeout is None else max(0.0, min(poll_interval, timeout - elapsed)))
+
+
+def compile_and_submit(*, host: str, experiment: str, preset: str, pairs: list[str], run_name: str | None,
+                       namespace: str | None, echo: Callable[[str], None],
+                       params_file: Path | None = None) -> tuple[Any, str]:
+    """Validate, compile into a temporary directory, submit; returns (client, run_id)."""
+    check_host(host)
+    if params_file is not None:
+        pairs = read_params_file(params_file) + list(pairs)
+    with tempfile.TemporaryDirectory(prefix="qvl-submit-") as tmp:
+        prepared = prepare(preset, pairs, Path(tmp))
+        client = make_client(host, namespace)
+        run_id = submit(client, prepared, experiment=experiment, run_name=run_name, namespace=namespace)
+    echo(f"Run URL: {run_url(host, run_id)}")
+    echo(f"Run id:  {run_id}")
+    return client, run_id
+
+
+def api_errors() -> tuple[type[BaseException], ...]:
+    """What talking to the API can raise: refusals (ApiException), network errors, kfp's healthz TimeoutError and
+    its ValueErrors (e.g. two experiments with the name)."""
+    import kfp_server_api
+    import urllib3
+
+    return kfp_server_api.ApiException, urllib3.exceptions.HTTPError, OSError, TimeoutError, ValueError
+
+
+def describe_api_error(err: BaseException) -> str:
+    """One line for an API refusal or a network error (kfp_server_api.ApiException carries status and body)."""
+    status, reason, body = getattr(err, "status", None), getattr(err, "reason", None), getattr(err, "body", None)
+    if status:
+        text = f"HTTP {status} {reason or ''}".strip()
+        return f"{text}: {body.decode() if isinstance(body, bytes) else body}" if body else text
+    return f"{type(err).__name__}: {err}"
