@@ -21,6 +21,7 @@ from kfp import dsl, kubernetes
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from components._shared.scale_out import LAUNCH_PLAN_ENV, MULTI_PROCESS_STAGES, LaunchPlan
+from components._shared.trainjob import POD_NAME_ENV, POD_UID_ENV
 
 PART_OF = "qwen-vl-pipeline"
 CPU_STAGES = ("preflight", "clean_data")  # run on the CPU image: no CUDA inside
@@ -241,4 +242,7 @@ def apply_profile(task: dsl.PipelineTask, stage: str, cluster: ClusterProfile) -
     apply_task_policy(task, stage, cluster)
     if plan is not None:
         task.set_env_variable(LAUNCH_PLAN_ENV, json.dumps(plan.model_dump(mode="json"), sort_keys=True))
+    if plan is not None and plan.nodes > 1:  # the TrainJob is owned by this pod: deleting the pod deletes the job
+        kubernetes.use_field_path_as_env(task, env_name=POD_NAME_ENV, field_path="metadata.name")
+        kubernetes.use_field_path_as_env(task, env_name=POD_UID_ENV, field_path="metadata.uid")
     return task

@@ -89,6 +89,9 @@ class FakeKubernetesApi:
             def do_DELETE(self):
                 self._handle("DELETE")
 
+            def do_PATCH(self):
+                self._handle("PATCH")
+
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -137,6 +140,9 @@ class FakeKubernetesApi:
             if method == "DELETE":
                 self.deleted.append(name)
                 return 200, _status(200, "deleted")
+            if method == "PATCH":  # a merge patch of metadata (owner references)
+                self.jobs[name]["metadata"] = {**self.jobs[name]["metadata"], **body.get("metadata", {})}
+                return 200, self.jobs[name]
             self.polls[name] = self.polls.get(name, 0) + 1
             return 200, self._job_with_status(name)
         if (m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods", path)) and method == "GET":

@@ -23,6 +23,7 @@ from components._shared import storage
 from components._shared.scale_out import LAUNCHED_ENV, LaunchPlan, read_result, stage_argv
 
 TRAINER_CONTAINER = "node"  # the trainer container of the torch runtimes
+POD_NAME_ENV, POD_UID_ENV = "QVL_POD_NAME", "QVL_POD_UID"  # the task's pod (downward API, pipelines/k8s.py)
 PASS_THROUGH_ENV = ("QVL_MLFLOW_PARENT_RUN_ID", "QVL_CACHE_DIR", "HF_HOME")  # non-secret settings the pods inherit
 
 
@@ -125,6 +126,37 @@ def _failure_reason(client, name: str) -> str:
     return "(no Failed condition message)"
 
 
+def _own_by_task_pod(client, name: str, log: Callable[[str], None]) -> None:
+    """Make the task's pod the TrainJob's owner, so Kubernetes deletes the job if the pod goes away first (node
+    loss, a KFP run terminated) and our cleanup never runs. The SDK sets no owner references; we patch them."""
+    import os
+
+    pod, uid = os.environ.get(POD_NAME_ENV), os.environ.get(POD_UID_ENV)
+    if not (pod and uid):
+        return
+    backend = client.backend
+    owner = {"apiVersion": "v1", "kind": "Pod", "name": pod, "uid": uid, "blockOwnerDeletion": False}
+    try:
+        backend.custom_api.patch_namespaced_custom_object(
+            "trainer.kubeflow.org", "v1alpha1", backend.namespace, "trainjobs", name,
+            {"metadata": {"ownerReferences": [owner]}})
+    except Exception as err:  # noqa: BLE001 - the finally-delete still covers the normal paths
+        log(f"[trainjob] could not make pod {pod} the owner of {name}: {err}")
+
+
+def _raise_on_sigterm():
+    """KFP stops a task with SIGTERM: turn it into an exception so the job is deleted on the way out."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum, frame):
+        raise SystemExit(f"stopped by signal {signum}; deleting the TrainJob")
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
 def _stream_logs(client, name: str, log: Callable[[str], None], stop: threading.Event) -> None:
     """Follow node-0's log until it ends (or the launcher stops)."""
     try:
@@ -167,7 +199,9 @@ def run_trainjob(
         resources[plan.accelerator_resource] = plan.gpus_per_node
     client = _trainer_client(plan, client_configuration)
     trainer = CustomTrainerContainer(image=plan.image, num_nodes=plan.nodes, resources_per_node=resources, env=env)
+    previous_sigterm = _raise_on_sigterm()
     client.train(runtime=plan.runtime, trainer=trainer, options=trainer_options(plan, name, argv))
+    _own_by_task_pod(client, name, log)
     log(f"[trainjob] created TrainJob {client.backend.namespace}/{name}: {plan.nodes} nodes x "
         f"{plan.processes_per_node} processes, runtime {plan.runtime}, image {plan.image}")
     stop, logs = threading.Event(), None
@@ -193,6 +227,10 @@ def run_trainjob(
         return read_result(output_dir, plan.stage)
     finally:
         stop.set()
+        if previous_sigterm is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous_sigterm)
         try:
             client.delete_job(name)
             log(f"[trainjob] deleted TrainJob {name}")

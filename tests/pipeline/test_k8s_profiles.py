@@ -72,6 +72,9 @@ def test_a_multi_gpu_stage_gets_a_torchrun_plan_and_a_multi_node_stage_a_small_l
     assert {"key": "dedicated", "operator": "Equal", "value": "gpu-training", "effect": "NoSchedule"} in plan[
         "tolerations"]
     assert "nodeSelector" not in executors["exec-pretrain-op"]  # no GPU placement for the watcher pod
+    # its pod's name and uid (downward API) make it the TrainJob's owner
+    assert {f["name"]: f["fieldPath"] for f in executors["exec-pretrain-op"]["fieldPathAsEnv"]} == {
+        "QVL_POD_NAME": "metadata.name", "QVL_POD_UID": "metadata.uid"}
 
 
 def test_cpu_stages_stay_on_cpu_pods_and_preflight_is_never_cached(compiled):

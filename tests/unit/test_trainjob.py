@@ -54,7 +54,10 @@ def inputs(tmp_path, s3_env, monkeypatch):
     return {"base_model": str(base), "data": f"{s3_env.uri}/data"}
 
 
-def test_a_successful_job_returns_the_stage_metrics_and_outputs_and_is_deleted(s3_env, inputs, tmp_path):
+def test_a_successful_job_returns_the_stage_metrics_and_outputs_and_is_deleted(s3_env, inputs, tmp_path,
+                                                                               monkeypatch):
+    monkeypatch.setenv("QVL_POD_NAME", "vlm-training-abc-sft-driver")
+    monkeypatch.setenv("QVL_POD_UID", "6f1c2d3e-0000-4000-8000-000000000001")
     seen = {}
 
     def work(job):
@@ -74,6 +77,10 @@ def test_a_successful_job_returns_the_stage_metrics_and_outputs_and_is_deleted(s
     name = job["metadata"]["name"]
     assert api.deleted == [name]
     assert any("rank 0: done" in line for line in logged), logged
+    # owned by the task's pod, so Kubernetes deletes the job if the pod goes first
+    assert api.jobs[name]["metadata"]["ownerReferences"] == [{
+        "apiVersion": "v1", "kind": "Pod", "name": "vlm-training-abc-sft-driver",
+        "uid": "6f1c2d3e-0000-4000-8000-000000000001", "blockOwnerDeletion": False}]
     # the job: runtime, nodes, resources, same image, the stage's command line under torchrun
     spec = job["spec"]
     assert spec["runtimeRef"] == {"name": "torch-distributed", "kind": "ClusterTrainingRuntime",
@@ -127,6 +134,21 @@ def test_a_job_past_its_timeout_fails_the_task_and_is_deleted(s3_env, inputs, tm
                          clock=clock)
     assert api.deleted == list(api.jobs)
     assert 4 <= api.polls[api.deleted[0]] <= 8  # polled until the deadline, not once and not forever
+
+
+def test_a_task_stopped_by_sigterm_deletes_its_job(s3_env, inputs, tmp_path):
+    import os
+    import signal
+    import threading
+
+    before = signal.getsignal(signal.SIGTERM)
+    with FakeKubernetesApi(states=["Created", "Running"]) as api:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        with pytest.raises(SystemExit, match="stopped by signal 15; deleting the TrainJob"):
+            run_trainjob(_plan(s3_env, poll_s=0.05), {}, inputs=inputs, output_dir=str(tmp_path / "out"),
+                         experiment="vlm", client_configuration=api.configuration(), log=lambda line: None)
+    assert api.deleted == list(api.jobs) and len(api.deleted) == 1
+    assert signal.getsignal(signal.SIGTERM) is before  # the task's own handler is back
 
 
 def test_a_completed_job_without_published_outputs_fails_and_is_still_deleted(s3_env, inputs, tmp_path):
