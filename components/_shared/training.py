@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -444,6 +445,13 @@ def is_main_process() -> bool:
 
 
 def _crash_point(variable: str, step: int) -> None:
-    """Fault injection for the resume tests: SIGKILL this process when env `variable` equals `step`."""
-    if os.environ.get(variable) == str(step):
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Fault injection for the resume tests: SIGKILL this process when env `variable` equals `step` (only the first
+    time when QVL_TEST_KILL_ONCE names a marker file: the retry of a killed KFP task then runs through)."""
+    if os.environ.get(variable) != str(step):
+        return
+    once = os.environ.get("QVL_TEST_KILL_ONCE")
+    if once:
+        if os.path.exists(once):
+            return
+        Path(once).write_text(f"{variable}={step}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
