@@ -20,8 +20,13 @@ from typing import Any, Literal
 from kfp import dsl, kubernetes
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from components._shared.scale_out import LAUNCH_PLAN_ENV, MULTI_PROCESS_STAGES, LaunchPlan
-from components._shared.trainjob import POD_NAME_ENV, POD_UID_ENV
+from components._shared.scale_out import (
+    LAUNCH_PLAN_ENV,
+    MULTI_PROCESS_STAGES,
+    POD_NAME_ENV,
+    POD_UID_ENV,
+    LaunchPlan,
+)
 
 PART_OF = "qwen-vl-pipeline"
 CPU_STAGES = ("preflight", "clean_data")  # run on the CPU image: no CUDA inside

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 LAUNCH_PLAN_ENV = "QVL_LAUNCH_PLAN"
 LAUNCHED_ENV = "QVL_LAUNCHED"  # set on the processes a launcher starts: they run the stage themselves
+POD_NAME_ENV, POD_UID_ENV = "QVL_POD_NAME", "QVL_POD_UID"  # a multi-node task's pod (downward API): owns its job
 # Stages whose loop shards micro-batches over ranks (TrainLoop + DeepSpeed); rl rolls out in one process.
 MULTI_PROCESS_STAGES = ("pretrain", "sft", "reward_model", "distill")
 

@@ -13,6 +13,7 @@ recorded metrics; on failure raise with the job's reason; on timeout raise; alwa
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -20,10 +21,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from components._shared import storage
-from components._shared.scale_out import LAUNCHED_ENV, LaunchPlan, read_result, stage_argv
+from components._shared.scale_out import (
+    LAUNCHED_ENV,
+    POD_NAME_ENV,
+    POD_UID_ENV,
+    LaunchPlan,
+    read_result,
+    stage_argv,
+)
 
 TRAINER_CONTAINER = "node"  # the trainer container of the torch runtimes
-POD_NAME_ENV, POD_UID_ENV = "QVL_POD_NAME", "QVL_POD_UID"  # the task's pod (downward API, pipelines/k8s.py)
 PASS_THROUGH_ENV = ("QVL_MLFLOW_PARENT_RUN_ID", "QVL_CACHE_DIR", "HF_HOME")  # non-secret settings the pods inherit
 
 
@@ -129,8 +136,6 @@ def _failure_reason(client, name: str) -> str:
 def _own_by_task_pod(client, name: str, log: Callable[[str], None]) -> None:
     """Make the task's pod the TrainJob's owner, so Kubernetes deletes the job if the pod goes away first (node
     loss, a KFP run terminated) and our cleanup never runs. The SDK sets no owner references; we patch them."""
-    import os
-
     pod, uid = os.environ.get(POD_NAME_ENV), os.environ.get(POD_UID_ENV)
     if not (pod and uid):
         return
@@ -180,8 +185,6 @@ def run_trainjob(
     clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, Any]:
     """Run the stage as a TrainJob and return its metrics; raises TrainJobFailed / TimeoutError, deletes the job."""
-    import os
-
     if not plan.staging_uri or not storage.is_s3(plan.staging_uri):
         raise ValueError(f"{plan.stage}: a TrainJob needs kubernetes.trainjob.staging_uri (s3://), got "
                          f"{plan.staging_uri!r}.")
