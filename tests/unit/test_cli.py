@@ -44,3 +44,12 @@ def test_run_refuses_non_local_and_unknown_stage(tmp_path):
                                  str(tmp_path / "o")])
     assert result.exit_code != 0
     assert "until='nope'" in str(result.exception)
+
+
+def test_stage_help_and_unknown_stage_print_usage_not_a_traceback():
+    shown = runner.invoke(app, ["stage", "--help"])
+    assert shown.exit_code == 0 and shown.exception is None
+    assert "Stages: preflight, clean_data" in shown.output
+    unknown = runner.invoke(app, ["stage", "clean-data"])
+    assert unknown.exit_code == 2 and isinstance(unknown.exception, SystemExit)
+    assert "Unknown stage 'clean-data'" in unknown.output and "select_checkpoint" in unknown.output
