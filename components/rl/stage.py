@@ -142,12 +142,14 @@ class RlLoop(TrainLoop):
         self.last_rollouts: list[Rollout] = []
         self.timing = defaultdict(float)
         self.generated_tokens = 0
+        self.heldout_before: list[float] = []  # per-question efficacy of the SFT model (step 0), for the paired test
 
     # -- state saved with every checkpoint ----------------------------------------------------------------
     def _state(self) -> dict:
         return {"kl_coef": self.kl_ctl.state(), "moments": self.moments.state(), "baseline": self.baseline.state(),
                 "gates": self.gates.state(), "length_reference": self.length_reference,
-                "stop_reason": self.stop_reason, "timing": dict(self.timing), "generated_tokens": self.generated_tokens}
+                "stop_reason": self.stop_reason, "timing": dict(self.timing), "generated_tokens": self.generated_tokens,
+                "heldout_before": self.heldout_before}
 
     def _load_state(self, state: dict) -> None:
         self.kl_ctl.load(state["kl_coef"])
@@ -157,6 +159,7 @@ class RlLoop(TrainLoop):
         self.length_reference, self.stop_reason = state["length_reference"], state["stop_reason"]
         self.timing = defaultdict(float, state["timing"])
         self.generated_tokens = int(state["generated_tokens"])
+        self.heldout_before = [float(x) for x in state.get("heldout_before", [])]
 
     def _lr_lambda(self, step: int) -> float:  # optimizer step -> RL step
         return lr_factor(step // self.updates_per_step, self.train.steps, self.schedule)
@@ -381,12 +384,20 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
     def evaluate(step: int) -> dict[str, float]:
         summary, rows = heldout_eval(loop.backend.module.model, encoder, eval_records, cfg)
         final_rows[:] = rows
+        if loop.step == 0:  # the SFT model's per-question scores: the paired test's "before"
+            loop.heldout_before = [row["efficacy"] for row in rows]
         return summary
 
     outcome = loop.run(evaluate)
+    if not final_rows:  # resumed after the last evaluation: score the final policy again for its predictions
+        evaluate(loop.step)
     before, after = loop.evals[0], loop.evals[-1]
     history = loop.history
     cache = rewards.get("efficacy")
+    if len(loop.heldout_before) != len(final_rows):
+        raise RuntimeError(f"rl: the checkpoint holds {len(loop.heldout_before)} held-out scores of the SFT model "
+                           f"but {len(final_rows)} questions were scored now; rerun with a fresh train.checkpoint_uri.")
+    change = M.paired_bootstrap(loop.heldout_before, [row["efficacy"] for row in final_rows], seed=cfg.seed)
     metrics: dict[str, Any] = {
         "algorithm": cfg.algorithm,
         "steps": loop.step,
@@ -398,6 +409,11 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
         "vqa_exact_match_after": after["vqa_exact_match"],
         **{f"{k}_before": v for k, v in before.items() if k.startswith("efficacy/")},
         **{f"{k}_after": v for k, v in after.items() if k.startswith("efficacy/")},
+        "efficacy_gain": change["gain"],
+        "efficacy_gain_ci_low": change["ci_low"],  # 95% paired bootstrap over the held-out questions
+        "efficacy_gain_ci_high": change["ci_high"],
+        "heldout_improved": change["improved"],
+        "heldout_worsened": change["worsened"],
         "mean_length_ratio": after["answer_tokens"] / max(before["answer_tokens"], 1e-9),
         "kl_final": history[-1]["kl"] if history else 0.0,
         "kl_max_seen": max((h["kl"] for h in history), default=0.0),
@@ -446,7 +462,10 @@ def report(metrics: dict[str, Any]) -> str:
     lines = [f"# RL ({metrics['algorithm']})", "",
              f"{metrics['steps']} steps{'; stopped early: ' + metrics['stopped_early'] if metrics['stopped_early'] else ''}.",
              f"Held-out efficacy {metrics['efficacy_before']:.3f} -> {metrics['efficacy_after']:.3f}; VQA exact match "
-             f"{metrics['vqa_exact_match_before']:.3f} -> {metrics['vqa_exact_match_after']:.3f}; mean answer length "
+             f"{metrics['vqa_exact_match_before']:.3f} -> {metrics['vqa_exact_match_after']:.3f}; efficacy change "
+             f"{metrics['efficacy_gain']:+.3f} (95% paired bootstrap {metrics['efficacy_gain_ci_low']:+.3f} to "
+             f"{metrics['efficacy_gain_ci_high']:+.3f}; {metrics['heldout_improved']:.0f} questions better, "
+             f"{metrics['heldout_worsened']:.0f} worse); mean answer length "
              f"{metrics['mean_length_ratio']:.2f}x the SFT model's; final per-token KL {metrics['kl_final']:.4f}.", "",
              "| type | efficacy before | after |", "|---|---|---|"]
     for t in M.QUESTION_TYPES:

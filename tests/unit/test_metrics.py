@@ -16,6 +16,7 @@ from components._shared.metrics import (
     majority_answer,
     majority_baseline,
     normalize_answer,
+    paired_bootstrap,
     parse_box,
     score_answer,
     summarize,
@@ -364,3 +365,25 @@ def test_majority_baseline_errors():
         majority_baseline({"colour": ["red"]}, [])
     with pytest.raises(ValueError, match="'colour'"):
         majority_baseline({}, [_rec(1, "colour", "", "red")])
+
+
+# --- paired before/after change ---------------------------------------------------------------
+
+
+def test_paired_bootstrap_separates_a_consistent_gain_from_a_reshuffle():
+    before = [0.0] * 780 + [1.0] * 20
+    gain = paired_bootstrap(before, [1.0] * 20 + [0.0] * 760 + [1.0] * 20)  # 20 more right, none lost
+    assert gain["gain"] == pytest.approx(0.025) and (gain["improved"], gain["worsened"]) == (20, 0)
+    assert 0 < gain["ci_low"] < 0.025 < gain["ci_high"] < 0.05
+    # the same +0.025 made of 120 gains and 100 losses is not a supported gain
+    mixed = paired_bootstrap([0.0] * 120 + [1.0] * 100 + [0.0] * 580, [1.0] * 120 + [0.0] * 100 + [0.0] * 580)
+    assert mixed["gain"] == pytest.approx(0.025) and mixed["ci_low"] < 0 < mixed["ci_high"]
+    assert paired_bootstrap([0.5] * 10, [0.5] * 10) == {"gain": 0, "ci_low": 0, "ci_high": 0, "improved": 0,
+                                                        "worsened": 0}
+
+
+def test_paired_bootstrap_refuses_unpaired_input():
+    with pytest.raises(ValueError, match="equally long"):
+        paired_bootstrap([1.0, 0.0], [1.0])
+    with pytest.raises(ValueError, match="confidence"):
+        paired_bootstrap([1.0], [0.0], confidence=1.5)

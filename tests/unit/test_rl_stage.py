@@ -17,6 +17,7 @@ from components.rl.rewards import RewardModelReward
 from components.rl.stage import GateTripped, Gates, load_prompts, run
 from components.synth_world.splits import write_splits
 from tests.stage_cli import run_stage_cli
+from tests.tiny_sft import train_tiny_sft
 
 BASE = "builtin:tiny-qwen2_5-vl"
 BAIT = ", according to the image evidence."
@@ -33,16 +34,7 @@ def data_dir(tmp_path_factory):
 def sft_model(data_dir, tmp_path_factory):
     """A briefly fine-tuned tiny model: it answers in the data's short format and ends its turns, so sampled
     completions earn varied rewards (a random-init model's samples all score 0 and give no learning signal)."""
-    from components.sft.config import SftConfig
-    from components.sft.stage import run as sft
-
-    out = tmp_path_factory.mktemp("sft")
-    cfg = SftConfig.model_validate({
-        "mode": "full", "min_pixels": 3136, "max_pixels": 3136, "calibration": {"enabled": False},
-        "train": {"steps": 40, "samples_per_step": 8, "max_tokens_per_micro_batch": 512, "threads": 1},
-        "optim": {"lr": 0.01}, "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 6}})
-    sft(cfg, base_model=BASE, data=str(data_dir), output_dir=out, tracker=NullTracker())
-    return str(out / "model")
+    return str(train_tiny_sft(data_dir, tmp_path_factory.mktemp("sft"), steps=40))
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +74,10 @@ def test_each_algorithm_updates_the_policy_and_reports_the_rl_metrics(algorithm,
                 "seconds_scoring", "seconds_update", "rollout_tokens_per_second"):
         assert metrics[key] == metrics[key], key  # present and not NaN
     assert metrics["kl_final"] > 0  # the policy moved away from the reference
+    after = [json.loads(line)["efficacy"] for line in (tmp_path / "eval_predictions.jsonl").read_text().splitlines()]
+    assert metrics["efficacy_gain"] == pytest.approx(metrics["efficacy_after"] - metrics["efficacy_before"])
+    assert metrics["efficacy_gain_ci_low"] <= metrics["efficacy_gain"] <= metrics["efficacy_gain_ci_high"]
+    assert metrics["heldout_improved"] + metrics["heldout_worsened"] <= len(after)
     trained = load_file(str(tmp_path / "model/model.safetensors"))
     assert (tmp_path / "value_head.safetensors").exists() == (algorithm == "ppo")
     rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
