@@ -21,6 +21,7 @@ from components.distill.prune import measure_importance, plan_pruning, prune
 from components.distill.stage import run
 from components.synth_world.splits import write_splits
 from tests.stage_cli import run_stage_cli
+from tests.tiny_sft import train_tiny_sft
 
 BASE = "builtin:tiny-qwen2_5-vl"
 SMALL = {"layers": 1, "hidden": 32, "intermediate": 64, "vision_depth": 1, "vision_hidden": 32}
@@ -114,16 +115,7 @@ def data_dir(tmp_path_factory):
 def teacher(data_dir, tmp_path_factory):
     """A briefly fine-tuned tiny model: a teacher with a distribution worth copying (a random init is near
     uniform, which any student already matches)."""
-    from components.sft.config import SftConfig
-    from components.sft.stage import run as sft
-
-    out = tmp_path_factory.mktemp("teacher")
-    cfg = SftConfig.model_validate({
-        "mode": "full", "min_pixels": 3136, "max_pixels": 3136, "calibration": {"enabled": False},
-        "train": {"steps": 30, "samples_per_step": 8, "max_tokens_per_micro_batch": 512, "threads": 1},
-        "optim": {"lr": 0.01}, "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 6}})
-    sft(cfg, base_model=BASE, data=str(data_dir), output_dir=out, tracker=NullTracker())
-    return str(out / "model")
+    return str(train_tiny_sft(data_dir, tmp_path_factory.mktemp("teacher"), steps=30))
 
 
 def _cfg(**over) -> DistillConfig:

@@ -14,6 +14,7 @@ from components._shared.tracking import NullTracker, stage_tracker
 from components.select_checkpoint.config import SelectCheckpointConfig
 from components.select_checkpoint.stage import Candidate, NoCandidatePasses, choose, judge, run
 from components.synth_world.splits import write_splits
+from tests.tiny_sft import train_tiny_sft
 
 BASE = "builtin:tiny-qwen2_5-vl"
 
@@ -70,19 +71,12 @@ def test_config_rejects_unknown_metrics():
 def stage_outputs(tmp_path_factory):
     """A held-out world, an untrained 'pretrain' output and a briefly fine-tuned 'sft' output with checkpoints."""
     from components._shared.vlm import load_vlm, save_vlm
-    from components.sft.config import SftConfig
-    from components.sft.stage import run as sft
 
     root = tmp_path_factory.mktemp("select")
     write_splits(root / "data", seed=5, eval_per_type=3, sft_records=200, preference_pairs=8)
     model, processor = load_vlm(BASE)
     save_vlm(model, processor, root / "pretrain" / "model")
-    cfg = SftConfig.model_validate({
-        "mode": "full", "min_pixels": 3136, "max_pixels": 3136, "calibration": {"enabled": False},
-        "train": {"steps": 200, "samples_per_step": 8, "max_tokens_per_micro_batch": 512, "threads": 1,
-                  "checkpoint_every": 100, "keep_checkpoints": 3},
-        "optim": {"lr": 0.01}, "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 6}})
-    sft(cfg, base_model=BASE, data=str(root / "data"), output_dir=root / "sft", tracker=NullTracker())
+    train_tiny_sft(root / "data", root / "sft", steps=200, checkpoint_every=100, keep_checkpoints=3)
     (root / "sft" / "_stage_result.json").write_text(json.dumps({"metrics": {"steps": 200}, "seconds": 1.0}))
     return root
 
