@@ -143,6 +143,28 @@ def one_word_neighbours(captions: Sequence[str]) -> dict[str, list[str]]:
     return {c: sorted(n) for c, n in neighbours.items()}
 
 
+def shape_swapped(caption: str, rng: np.random.Generator) -> str | None:
+    """The caption with every named object's shape changed and its colour kept, so that it names no (colour,
+    shape) object of the original (None when it names none). Shape is what a tiny ViT learns last: colour
+    alone separates most in-batch negatives, so these negatives carry the shape signal."""
+    from components.synth_world.world import _OBJECT_RE, SHAPES
+
+    taken = set(_OBJECT_RE.findall(caption.lower()))
+    if not taken:
+        return None
+    used = set(taken)
+
+    def swap(match) -> str:
+        color, shape = match.group(1), match.group(2)
+        options = [s for s in SHAPES if s != shape and (color, s) not in used]
+        new = options[int(rng.integers(len(options)))] if options else shape
+        used.add((color, new))
+        return f"{color} {new}"
+
+    swapped = _OBJECT_RE.sub(swap, caption)
+    return swapped if swapped != caption else None
+
+
 def train_clip(
     recipe, tokenizer, train_pairs: Sequence[tuple], *, seed: int = 0, log_every: int = 0
 ) -> tuple[object, object, dict]:
@@ -183,6 +205,12 @@ def train_clip(
     images = [pair[0] for pair in train_pairs]
     captions = [pair[1] for pair in train_pairs]
     altered = [list(pair[2:]) for pair in train_pairs]  # the pair's own mismatched captions (lake-style)
+    swap_rng = np.random.default_rng([seed, 7])
+    for alts, pair in zip(altered, train_pairs):
+        for _ in range(recipe.shape_swaps_per_image):
+            swapped = shape_swapped(pair[1], swap_rng)
+            if swapped is not None:
+                alts.append(swapped)
     pixels = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
     unique = sorted(set(captions) | {a for alts in altered for a in alts})
     caption_index = {c: i for i, c in enumerate(unique)}
@@ -195,7 +223,8 @@ def train_clip(
     neighbours = one_word_neighbours(unique) if recipe.hard_negatives else {}
     hard = [[caption_index[n] for n in neighbours.get(c, [])] for c in unique]
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.05)
+    pair_bias = torch.nn.Parameter(torch.tensor(0.5))  # the pair loss's decision cosine (not saved: calibrated later)
+    optimizer = torch.optim.AdamW([*model.parameters(), pair_bias], lr=recipe.lr, weight_decay=0.05)
 
     def lr_at(step: int) -> float:
         if step < recipe.warmup_steps:
@@ -240,6 +269,17 @@ def train_clip(
             loss = loss + recipe.altered_loss_weight * torch.nn.functional.cross_entropy(
                 hard_logits[rows], hard_target
             )
+        if recipe.pair_loss_weight > 0 and (batch_altered >= 0).any():
+            # absolute agreement, the way clean_data uses the score: own caption above a learned bias, the
+            # altered ones below it (sigmoid, SigLIP-style), so one cosine threshold separates them
+            cos = logits / model.logit_scale.exp().clamp(max=100)
+            own_cos = cos.gather(1, target[:, None])
+            alt_cos = cos.gather(1, torch.searchsorted(text_set, batch_altered.clamp(min=0)))
+            valid = (batch_altered >= 0).float()
+            scale = 10.0
+            pos = torch.nn.functional.softplus(-(scale * (own_cos - pair_bias)))
+            neg = torch.nn.functional.softplus(scale * (alt_cos - pair_bias)) * valid
+            loss = loss + recipe.pair_loss_weight * (pos.mean() + neg.sum() / valid.sum().clamp(min=1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -85,19 +85,13 @@ def test_recall_per_defect_and_precision(world, cleaned):
     assert precision >= 0.98
 
 
-def test_clip_level_catches_most_mismatched_captions_and_spares_clean_ones(world, cleaned):
-    """What builtin:tiny-clip achieves today on lake images (112-336 px, aspect <= 2): most mismatched captions
-    (0.70 on 1,000 held-out lake-like pairs) while throwing away almost no clean record."""
+def test_clip_level_catches_mismatched_captions_and_spares_clean_ones(world, cleaned):
+    """The issue's goal through builtin:tiny-clip on lake images (112-336 px, aspect <= 2): >= 0.9 of the
+    mismatched captions rejected (0.925 on 1,000 held-out lake-like pairs, recipe v5) while throwing away
+    almost no clean record."""
     recalls, _ = _recalls(world, *cleaned)
-    assert recalls["mismatched_caption"] >= 0.7, f"recall of mismatched_caption is {recalls['mismatched_caption']:.2f}"
+    assert recalls["mismatched_caption"] >= 0.9, f"recall of mismatched_caption is {recalls['mismatched_caption']:.2f}"
     assert recalls["clean"] <= 0.05, f"{recalls['clean']:.0%} of clean records were thrown away"
-
-
-@pytest.mark.xfail(strict=True, reason="open goal of the foundation issue: the tiny CLIP catches ~0.70 of the "
-                   "lake's mismatched captions, not 0.9 (docs/stages/clean_data.md); remove this mark when it does")
-def test_clip_level_reaches_the_mismatched_caption_goal(world, cleaned):
-    recalls, _ = _recalls(world, *cleaned)
-    assert recalls["mismatched_caption"] >= 0.9
 
 
 def test_accounting_exact_per_shard_and_reason(world, cleaned):
