@@ -390,3 +390,18 @@ def test_s3_prefix_downloaded_once_per_marker(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="_COMMITTED.json"):
         resolve_model("s3://bucket/other", cache_dir=tmp_path / "cache")
     assert validate_model_dir(first) == first
+
+
+def test_shape_swapped_captions_change_only_shapes_and_name_no_true_object():
+    from components.synth_world.clip import shape_swapped
+    from components.synth_world.world import mentioned_objects
+
+    rng = np.random.default_rng(0)
+    caption = 'Two shapes: a red square on the left and a red cross on the right, with the word "tree".'
+    for _ in range(20):
+        swapped = shape_swapped(caption, rng)
+        truth, named = mentioned_objects(caption), mentioned_objects(swapped)
+        assert len(named) == 2 and not named & truth  # every object altered, none named twice
+        assert sorted(c for c, _ in named) == ["red", "red"]  # colours kept
+        assert swapped.replace("square", "X").split()[-4:] == caption.split()[-4:]  # the rest untouched
+    assert shape_swapped("IMG_0042.JPG", rng) is None  # names no object: no negative to make
