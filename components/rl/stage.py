@@ -396,7 +396,8 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
     cache = rewards.get("efficacy")
     if len(loop.heldout_before) != len(final_rows):
         raise RuntimeError(f"rl: the checkpoint holds {len(loop.heldout_before)} held-out scores of the SFT model "
-                           f"but {len(final_rows)} questions were scored now; rerun with a fresh train.checkpoint_uri.")
+                           f"but {len(final_rows)} questions were scored now (a checkpoint from before the paired test, or another "
+                           f"eval set); rerun into a fresh output directory or train.checkpoint_uri.")
     change = M.paired_bootstrap(loop.heldout_before, [row["efficacy"] for row in final_rows], seed=cfg.seed)
     metrics: dict[str, Any] = {
         "algorithm": cfg.algorithm,

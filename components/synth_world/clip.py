@@ -171,7 +171,9 @@ def train_clip(
     """Train a tiny CLIPModel contrastively on (image, caption) pairs; returns (model, processor, train stats).
 
     Identical captions in a batch are positives of each other (soft targets). With `hard_negatives`,
-    each image also scores against a caption that differs from its own in one word.
+    each image also scores against a caption that differs from its own in one word. Each picture's altered
+    captions (the pair's own, plus `shape_swaps_per_image` from `shape_swapped`) join the batch's negatives,
+    a per-picture softmax (`altered_loss_weight`) and a sigmoid pair loss (`pair_loss_weight`).
     """
     from transformers import CLIPConfig, CLIPModel
 

@@ -187,3 +187,7 @@ def test_rl_killed_mid_run_resumes_to_bit_identical_weights(algorithm, data_dir,
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     straight_rollouts = (tmp_path / "straight/rollouts.jsonl").read_text()
     assert straight_rollouts == (tmp_path / "killed/rollouts.jsonl").read_text()  # same samples at the last step
+    # the SFT model's per-question scores came back with the checkpoint: the same paired interval
+    first = json.loads((tmp_path / "straight/_stage_result.json").read_text())["metrics"]
+    for key in ("efficacy_before", "efficacy_gain", "efficacy_gain_ci_low", "efficacy_gain_ci_high", "heldout_improved"):
+        assert metrics[key] == first[key], key
