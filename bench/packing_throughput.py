@@ -19,10 +19,11 @@ real / (micro-batches x budget), the number a fixed-shape compiled step would se
 real tokens per CPU-second (`time.process_time`, this process, `--threads` torch threads) of one optimizer step
 per batch (forward, summed token loss / target tokens, backward, AdamW step). Also printed: the vision tower's
 share of the padded step (its forward+backward timed alone on the same images; packing cannot shrink it) and the
-speed-up packing could reach if the LM's cost were linear in slots. It is not: `pack` puts a micro-batch in one
-row and, with `attn_implementation="sdpa"`, the LM attends over the whole row under a block-causal mask, so its
-attention costs budget^2 per row rather than the sum of per-sample length^2 (flash-attention's varlen kernel, on
-a GPU, skips the cross-sample blocks). Hence the smaller budgets among the default arms. Each arm trains its own
+speed-up packing could reach if the LM's cost were linear in slots. `pack` puts a micro-batch in one row; the
+models load with `attention.PACKED_SDPA`, which attends within each sample (the sum of per-sample length^2, as
+flash-attention's varlen kernel does on a GPU). One more arm, `packed@B sdpa-mask` (B = the first budget), runs the
+same packed batches with transformers' plain `sdpa`, which builds a block-causal mask and attends over the whole
+row (budget^2 per row): the kernel's own gain, measured in the same process. Each arm trains its own
 copy of the model; two untimed warm-up steps each; `--repeats` epochs over all samples, interleaved padded/packed so machine
 load hits both alike; the median epoch rate counts. The goals (efficiency >= 0.98, speed-up >= 1.5x) are printed
 beside the numbers, never asserted.
@@ -192,10 +193,15 @@ def main(argv: list[str] | None = None) -> dict:
         name = f"packed@{budget}"
         groups = plan_micro_batches([s.num_tokens for s in samples], budget)
         arms[name], budgets[name] = [pack([samples[i] for i in group]) for group in groups], budget
+    first = next(iter(budgets))
+    masked = f"{first} sdpa-mask"  # the same packed batches through sdpa's block-causal mask
+    arms[masked], budgets[masked] = arms[first], budgets[first]
 
     state = {}
     for name in arms:
         arm_model = copy.deepcopy(model)
+        if name == masked:
+            arm_model.set_attn_implementation("sdpa")
         optimizer = torch.optim.AdamW(arm_model.parameters(), lr=1e-4)
         for batch in (arms[name] * args.warmup)[: args.warmup]:
             train_step(arm_model, optimizer, batch)
@@ -245,11 +251,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"median {np.median(visual):.0f}), padded batches of {args.batch_size} (mean {mean_slots} slots), "
           f"threads={args.threads}, median of {args.repeats} interleaved epochs after {args.warmup} warm-up steps "
           f"per arm; {results['machine']}")
-    print(f"{'arm':14s} {'steps':>6s} {'slots/step':>11s} {'efficiency':>11s} {'budget fill':>12s} "
+    print(f"{'arm':24s} {'steps':>6s} {'slots/step':>11s} {'efficiency':>11s} {'budget fill':>12s} "
           f"{'tok/CPU-s':>10s} {'tok/wall-s':>11s} {'vs padded':>10s}")
     for name, arm in results["arms"].items():
         fill = f"{arm['budget_fill']:.3f}" if "budget_fill" in arm else "-"
-        print(f"{name:14s} {arm['steps']:6d} {arm['mean_slots_per_step']:11.0f} {arm['efficiency']:11.3f} "
+        print(f"{name:24s} {arm['steps']:6d} {arm['mean_slots_per_step']:11.0f} {arm['efficiency']:11.3f} "
               f"{fill:>12s} {arm['tokens_per_cpu_s']:10.0f} {arm['tokens_per_wall_s']:11.0f} {arm['speedup']:9.2f}x")
     print(f"vision tower fwd+bwd: {share:.2f} of the padded step's CPU time (the same work in every arm); if the LM's "
           f"cost were linear in slots, packing could gain at most {results['linear_ceiling_speedup']:.2f}x here")

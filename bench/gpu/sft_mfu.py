@@ -1,7 +1,7 @@
 """Model FLOPs utilisation (MFU) of full SFT of a 7B-shaped Qwen2.5-VL on one GPU, with packed micro-batches.
 
     python bench/gpu/sft_mfu.py [--steps 10] [--warmup 3] [--budget 4096] [--grad-ckpt] [--freeze-vision]
-                                [--optim adamw|adamw-fused|adamw8bit] [--attn sdpa] [--peak-tflops 989]
+                                [--optim adamw|adamw-fused|adamw8bit] [--attn sdpa_packed] [--peak-tflops 989]
                                 [--json-out PATH]
     python bench/gpu/sft_mfu.py --tiny [--steps 3]          # CPU smoke run: builtin:tiny-qwen2_5-vl, fp32
 
@@ -118,6 +118,9 @@ def build_model(args, device: torch.device, dtype: torch.dtype):
 
         model, _ = load_vlm("builtin:tiny-qwen2_5-vl", dtype=dtype, device=device)
         return model
+    from components._shared.attention import register
+
+    register()  # makes "sdpa_packed" (the default --attn) a valid attn_implementation
     with torch.device(device):
         return AutoModelForImageTextToText.from_config(config_7b(), dtype=dtype, attn_implementation=args.attn)
 
@@ -239,7 +242,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--freeze-vision", action="store_true", help="train the LM (and nothing of the ViT)")
     parser.add_argument("--optim", default="adamw", choices=("adamw", "adamw-fused", "adamw8bit"))
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--attn", default="sdpa", help="attn_implementation of the 7B model (e.g. flash_attention_2)")
+    parser.add_argument("--attn", default="sdpa_packed", help=(
+        "attn_implementation of the 7B model: sdpa_packed (per-sample SDPA on packed rows, what the stages use), "
+        "flash_attention_2 (needs flash-attn), or sdpa (block-causal mask over the whole row)"))
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help=f"peak dense FLOP/s of the device in TFLOP/s (default {H200_BF16_DENSE_TFLOPS:g}, H200 "
                              "bf16; with --tiny a nominal CPU figure)")
@@ -324,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "model": "builtin:tiny-qwen2_5-vl" if args.tiny else "qwen2_5_vl-7B-shaped (random init)",
         "device": device_name, "dtype": str(dtype).removeprefix("torch."), "attn": args.attn if not args.tiny else
-        "sdpa", "optim": args.optim, "grad_ckpt": args.grad_ckpt, "freeze_vision": args.freeze_vision,
+        "sdpa_packed", "optim": args.optim, "grad_ckpt": args.grad_ckpt, "freeze_vision": args.freeze_vision,
         "params": sum(p.numel() for p in model.parameters()), "lm_params_no_embed": int(flops[0]["lm_params"]),
         "vit_params": int(flops[0]["vit_params"]), "budget": budget, "warmup_steps": warmup, "timed_steps": steps,
         "samples_per_step": statistics.mean(len(s) for s in timed), "tokens_per_step": mean_tokens,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from components._shared.attention import register as packed_attention
 from components._shared.models import resolve_model, validate_model_dir
 
 SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
@@ -24,7 +25,8 @@ _LM_LAYER = re.compile(r"(?:^|\.)language_model\.layers\.(\d+)\.")
 
 
 def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """(model, processor) for a model URI (dir, s3://, builtin:NAME); safetensors only, no remote code."""
+    """(model, processor) for a model URI (dir, s3://, builtin:NAME); safetensors only, no remote code. Attention
+    runs per packed sample (`attention.PACKED_SDPA`), plain sdpa otherwise."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     path = resolve_model(str(uri))
@@ -35,7 +37,7 @@ def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str
             "checkpoints (Qwen2-VL / Qwen2.5-VL)."
         )
     model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=dtype, attn_implementation="sdpa", use_safetensors=True, trust_remote_code=False
+        path, dtype=dtype, attn_implementation=packed_attention(), use_safetensors=True, trust_remote_code=False
     ).to(device)
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=False)
     return model, processor
@@ -149,7 +151,8 @@ def build_student(teacher_config, **sizes):
     """A randomly initialised student model (see `student_config`), same class as the teacher's."""
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_config(student_config(teacher_config, **sizes))
+    return AutoModelForImageTextToText.from_config(student_config(teacher_config, **sizes),
+                                                   attn_implementation=packed_attention())
 
 
 def count_parameters(model, *, trainable_only: bool = False) -> int:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from components._shared.attention import register as packed_attention
 from components._shared.packing import forward_logits, to_device
 from components._shared.vlm import qwen_model, student_config
 
@@ -312,7 +313,8 @@ def prune(teacher, plan: PrunePlan):
     """The student model (plan.config) with every weight sliced from the teacher as the plan says."""
     from transformers import AutoModelForImageTextToText
 
-    student = AutoModelForImageTextToText.from_config(plan.config)  # fp32, on the CPU; copy_ casts and moves
+    student = AutoModelForImageTextToText.from_config(  # fp32, on the CPU; copy_ casts and moves
+        plan.config, attn_implementation=packed_attention())
     teacher_config = qwen_model(teacher).config
     weights = teacher.state_dict()
     for name, param in student.state_dict().items():

@@ -33,6 +33,7 @@ import torch
 from components._shared import checkpoint as ckpt
 from components._shared import evaluation as E
 from components._shared import metrics as M
+from components._shared.attention import PACKED_SDPA
 from components._shared.checkpoint import CheckpointStore
 from components._shared.packing import (
     IGNORE_INDEX,
@@ -72,7 +73,7 @@ def build_student(cfg: DistillConfig, teacher, processor, calibration) -> tuple[
     plan = plan_pruning(teacher, importance, **_sizes(s))
     if s.init == "prune":
         return prune(teacher, plan), plan
-    student = AutoModelForImageTextToText.from_config(plan.config)  # the same sizes, random weights
+    student = AutoModelForImageTextToText.from_config(plan.config, attn_implementation=PACKED_SDPA)  # random weights
     student.generation_config = teacher.generation_config
     return student, None
 
@@ -230,15 +231,15 @@ def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | 
         if not is_main_process():
             return {"rank": loop.backend.rank, "steps": result.steps}
         config = student.config
-        student = AutoModelForImageTextToText.from_config(config)
+        student = AutoModelForImageTextToText.from_config(config, attn_implementation=PACKED_SDPA)
         if cfg.loss.hidden:
             attach_projections(student, teacher, pairs, None)
         student.load_state_dict(weights)
     if hasattr(student, "distill_projections"):  # training-only; the exported student is a plain Qwen model
         del student.distill_projections
     if cfg.loss.attention:
-        student.set_attn_implementation("sdpa")
-        teacher.set_attn_implementation("sdpa")
+        student.set_attn_implementation(PACKED_SDPA)
+        teacher.set_attn_implementation(PACKED_SDPA)
     student.eval()
 
     with torch.no_grad():

@@ -69,6 +69,7 @@ def _load_4bit(cfg: SftConfig, base_model: str):
     """
     from transformers import AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
 
+    from components._shared.attention import register as packed_attention
     from components._shared.models import resolve_model
 
     path = resolve_model(base_model)
@@ -77,7 +78,8 @@ def _load_4bit(cfg: SftConfig, base_model: str):
         bnb_4bit_compute_dtype=getattr(torch, cfg.qlora.compute_dtype), llm_int8_skip_modules=["model.visual", "lm_head"],
     )
     model = AutoModelForImageTextToText.from_pretrained(path, quantization_config=quant, use_safetensors=True,
-                                                        trust_remote_code=False, dtype=torch.float32)
+                                                        trust_remote_code=False, dtype=torch.float32,
+                                                        attn_implementation=packed_attention())
     for module in model.modules():
         # bitsandbytes repacks 4-bit weights in place for CPU inference (eval mode, no grad) and training on a
         # repacked weight then fails; held-out evals run between training steps, so keep the trainable layout.

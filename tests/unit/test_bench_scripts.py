@@ -40,7 +40,9 @@ def test_packing_throughput_packs_more_efficiently_than_padding():
     report = json.loads(out.split("JSON ", 1)[1].splitlines()[0])
     arms = report["arms"]
     packed = [name for name in arms if name.startswith("packed@")]
-    assert len(packed) == 2 and "padded" in arms
+    assert len(packed) == 3 and "padded" in arms
+    mask_arm = next(name for name in packed if name.endswith(" sdpa-mask"))  # the same batches, sdpa's mask
+    assert arms[mask_arm]["steps"] == arms[mask_arm.removesuffix(" sdpa-mask")]["steps"]
     for name in packed:
         assert arms[name]["real_tokens"] == arms["padded"]["real_tokens"] == report["real_tokens"]
         assert arms[name]["efficiency"] > arms["padded"]["efficiency"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
+from components._shared.attention import PACKED_SDPA, segment_lengths
 from components._shared.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
@@ -83,6 +84,32 @@ def test_packed_losses_and_logits_equal_unpacked_and_padded(model_and_encoder):
     assert rel(packed_loss, single_loss) <= 1e-5
     assert rel(padded_loss, single_loss) <= 1e-5
     assert torch.allclose(packed_logits[0], torch.cat(single_logits), rtol=1e-5, atol=1e-5)
+
+
+def test_per_sample_attention_equals_the_block_causal_mask(model_and_encoder):
+    """sdpa_packed (per-sample SDPA over a packed row) against transformers' sdpa with its block-causal mask, on a
+    packed row and on the padded batch (which sdpa_packed hands to sdpa), losses and logits."""
+    model, processor, encoder = model_and_encoder
+    samples = _samples(encoder)
+    packed, padded = pack(samples), pad(samples, processor.tokenizer.pad_token_id)
+    assert model.config._attn_implementation == PACKED_SDPA  # what load_vlm gives every stage
+    try:
+        with torch.no_grad():
+            ours = forward_logits(model, packed), forward_logits(model, padded)
+            model.set_attn_implementation("sdpa")
+            theirs = forward_logits(model, packed), forward_logits(model, padded)
+    finally:
+        model.set_attn_implementation(PACKED_SDPA)
+    for a, b in zip(ours, theirs):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), float((a - b).abs().max())
+    assert torch.allclose(per_sample_loss(ours[0], packed), per_sample_loss(theirs[0], packed), rtol=1e-5)
+
+
+def test_segment_lengths_split_a_packed_row_at_position_restarts():
+    row = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    assert segment_lengths(row) == [3, 2, 4]
+    assert segment_lengths(torch.arange(7)[None]) is None  # one plain sequence: sdpa's own causal path
+    assert segment_lengths(torch.tensor([[0, 0, 0]])) == [1, 1, 1]
 
 
 def test_packing_without_restarting_text_positions_leaks_between_samples(model_and_encoder):
