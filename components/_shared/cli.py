@@ -28,7 +28,12 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = _scalar(raw)
+        try:
+            node[leaf] = _scalar(raw)
+        except yaml.YAMLError as error:
+            reason = str(error).splitlines()[0]
+            raise ValueError(f"Override '{pair}': the value is not valid YAML ({reason}); write key=value with a "
+                             "number, true/false, a word, a [list] or a quoted string (example: optim.lr=2e-5).") from None
     return out
 
 

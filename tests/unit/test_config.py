@@ -71,6 +71,10 @@ def test_overrides_parse_dotted_paths_and_yaml_scalars():
     }
     with pytest.raises(ValueError, match="key=value"):
         parse_overrides(["optim.lr"])
+    with pytest.raises(ValueError, match=r"Override 'optim.lr=\[1': the value is not valid YAML"):
+        parse_overrides(["optim.lr=[1"])
+    with pytest.raises(ValueError, match="not valid YAML"):
+        parse_overrides(["name=a\x1fb"])  # a control character (found by the fuzz test)
 
 
 def test_deep_merge_merges_nested_and_replaces_leaves():
