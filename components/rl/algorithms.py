@@ -196,6 +196,20 @@ def group_advantages(rewards: list[float], group_size: int, *, scale: bool = Tru
     return out
 
 
+def leave_one_out_centred(rewards: list[float], group_size: int) -> list[float]:
+    """Each reward minus the mean of the *other* samples of its prompt (consecutive groups of `group_size`; RLOO,
+    Ahmadian et al. 2024): a per-prompt baseline that does not depend on the sample it judges. PPO's optional
+    `ppo.group_baseline` applies it before normalisation, so the critic only has to learn what is left."""
+    if group_size < 2 or len(rewards) % group_size:
+        raise ValueError(f"{len(rewards)} rewards cannot form groups of {group_size} (need group_size >= 2 dividing it).")
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = rewards[start:start + group_size]
+        total = sum(group)
+        out += [r - (total - r) / (group_size - 1) for r in group]
+    return out
+
+
 def truncated_importance_weights(logprobs: torch.Tensor, old_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
     """pi_new / pi_old per token, capped at `cap` and detached (TER: the rollouts come from the previous policy;
     the seed writes the inverse ratio, pi_old / pi_new, which would down-weight exactly the actions the update

@@ -46,6 +46,10 @@ class PpoConfig(SubConfig):
     value_coef: Annotated[float, Field(ge=0)] = 0.1
     value_clip: Annotated[float, Field(gt=0)] = 0.2
     reward_clip: Annotated[float, Field(gt=0, description="Normalised scores are clipped to [-c, c].")] = 1.0
+    group_baseline: bool = Field(False, description=(
+        "Subtract from each score the mean score of the prompt's other samples in the step (leave-one-out, "
+        "needs rollout.samples_per_prompt >= 2) before normalisation: the critic starts at zero and cannot tell "
+        "an easy prompt from a hard one for its first steps; this baseline can."))
 
 
 class TerConfig(SubConfig):
@@ -124,6 +128,9 @@ class RlConfig(StageConfig):
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.algorithm == "ppo" and self.ppo.group_baseline and self.rollout.samples_per_prompt < 2:
+            raise ValueError("ppo.group_baseline needs rollout.samples_per_prompt >= 2 (the baseline is the mean of a "
+                             "prompt's other samples); raise it or set ppo.group_baseline: false.")
         if self.algorithm == "grpo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("algorithm grpo needs rollout.samples_per_prompt >= 2 (its baseline is the group mean).")
         if self.algorithm == "ter" and self.ter.grad_ema and self.train.backend == "deepspeed":

@@ -268,6 +268,8 @@ class RlLoop(TrainLoop):
         rewards = [r.reward for r in rollouts]
         out: dict[str, float] = {}
         if cfg.algorithm == "ppo":
+            if cfg.ppo.group_baseline:
+                rewards = A.leave_one_out_centred(rewards, cfg.rollout.samples_per_prompt)
             self.moments.update(rewards)
             scores = self.moments.normalize(rewards, cfg.ppo.reward_clip)
             for r, score in zip(rollouts, scores):
@@ -399,6 +401,10 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
                            f"but {len(final_rows)} questions were scored now (a checkpoint from before the paired test, or another "
                            f"eval set); rerun into a fresh output directory or train.checkpoint_uri.")
     change = M.paired_bootstrap(loop.heldout_before, [row["efficacy"] for row in final_rows], seed=cfg.seed)
+    per_type: dict[str, dict[str, float]] = {}  # the same paired test within each question type
+    for t in sorted({row["type"] for row in final_rows}):
+        pairs = [(b, row["efficacy"]) for b, row in zip(loop.heldout_before, final_rows) if row["type"] == t]
+        per_type[t] = M.paired_bootstrap([b for b, _ in pairs], [a for _, a in pairs], seed=cfg.seed)
     metrics: dict[str, Any] = {
         "algorithm": cfg.algorithm,
         "steps": loop.step,
@@ -415,6 +421,8 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
         "efficacy_gain_ci_high": change["ci_high"],
         "heldout_improved": change["improved"],
         "heldout_worsened": change["worsened"],
+        **{f"efficacy_gain/{t}{suffix}": c[key] for t, c in per_type.items()
+           for suffix, key in (("", "gain"), ("_ci_low", "ci_low"), ("_ci_high", "ci_high"))},
         "mean_length_ratio": after["answer_tokens"] / max(before["answer_tokens"], 1e-9),
         "kl_final": history[-1]["kl"] if history else 0.0,
         "kl_max_seen": max((h["kl"] for h in history), default=0.0),
@@ -468,10 +476,13 @@ def report(metrics: dict[str, Any]) -> str:
              f"{metrics['efficacy_gain_ci_high']:+.3f}; {metrics['heldout_improved']:.0f} questions better, "
              f"{metrics['heldout_worsened']:.0f} worse); mean answer length "
              f"{metrics['mean_length_ratio']:.2f}x the SFT model's; final per-token KL {metrics['kl_final']:.4f}.", "",
-             "| type | efficacy before | after |", "|---|---|---|"]
+             "| type | efficacy before | after | change [95% paired CI] |", "|---|---|---|---|"]
     for t in M.QUESTION_TYPES:
         if f"efficacy/{t}_before" in metrics:
-            lines.append(f"| {t} | {metrics[f'efficacy/{t}_before']:.3f} | {metrics[f'efficacy/{t}_after']:.3f} |")
+            gain = (f"{metrics[f'efficacy_gain/{t}']:+.3f} [{metrics[f'efficacy_gain/{t}_ci_low']:+.3f}, "
+                    f"{metrics[f'efficacy_gain/{t}_ci_high']:+.3f}]" if f"efficacy_gain/{t}" in metrics else "")
+            lines.append(f"| {t} | {metrics[f'efficacy/{t}_before']:.3f} | {metrics[f'efficacy/{t}_after']:.3f} "
+                         f"| {gain} |")
     lines += ["", "Seconds per phase: " + ", ".join(f"{k.removeprefix('seconds_')} {v:.1f}" for k, v in metrics.items()
                                                    if k.startswith("seconds_"))
               + f"; rollout {metrics['rollout_tokens_per_second']:.0f} tokens/s."]

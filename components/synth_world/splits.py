@@ -3,6 +3,8 @@
 ``write_splits(DIR/heldout, seed=0)`` writes, with image paths relative to DIR/heldout:
     eval.jsonl         {"id","image","question","answer","type"}, eval_per_type questions of every type
     sft.jsonl          {"id","image","conversations":[human "<image>\\n...", gpt answer],"type","difficulty"}
+    rl.jsonl           the same format, other scenes: the RL stage's prompts (RL on prompts SFT trained on mostly
+                       re-fits answers the SFT model memorised; docs/stages/rl.md)
     preferences.jsonl  {"id","image","prompt","chosen","rejected","kind"}
     images/*.png
 """
@@ -128,11 +130,13 @@ def write_splits(
     eval_per_type: int = 100,
     sft_records: int = 2000,
     preference_pairs: int = 500,
+    rl_records: int | None = None,
     image_size: tuple[int, int] = (112, 112),
     word_fraction: float = 0.3,
     max_objects: int = 3,
 ) -> dict[str, Any]:
-    """Write eval.jsonl, sft.jsonl, preferences.jsonl and images/ into ``out_dir``; return the counts."""
+    """Write eval.jsonl, sft.jsonl, rl.jsonl, preferences.jsonl and images/ into ``out_dir``; return the counts.
+    ``rl_records`` defaults to a quarter of ``sft_records``."""
     out = Path(out_dir)
     images = out / "images"
     images.mkdir(parents=True, exist_ok=True)
@@ -161,25 +165,31 @@ def write_splits(
             )
     _write_jsonl(out / "eval.jsonl", eval_rows)
 
-    rng = np.random.default_rng([seed, 3])
-    sft_rows = []
-    for i in range(sft_records):
-        kind = QUESTION_TYPES[int(rng.integers(len(QUESTION_TYPES)))]
-        scene, question, answer = _question(rng, kind, size, word_fraction, max_objects)
-        row_id = f"sft-{i:05d}"
-        sft_rows.append(
-            {
-                "id": row_id,
-                "image": save(scene, row_id),
-                "type": kind,
-                "difficulty": "basic" if kind in BASIC_TYPES else "advanced",
-                "conversations": [
-                    {"from": "human", "value": f"<image>\n{question}"},
-                    {"from": "gpt", "value": answer},
-                ],
-            }
-        )
+    def conversations(stream: int, prefix: str, count: int) -> list[dict[str, Any]]:
+        rng = np.random.default_rng([seed, stream])
+        rows = []
+        for i in range(count):
+            kind = QUESTION_TYPES[int(rng.integers(len(QUESTION_TYPES)))]
+            scene, question, answer = _question(rng, kind, size, word_fraction, max_objects)
+            row_id = f"{prefix}-{i:05d}"
+            rows.append(
+                {
+                    "id": row_id,
+                    "image": save(scene, row_id),
+                    "type": kind,
+                    "difficulty": "basic" if kind in BASIC_TYPES else "advanced",
+                    "conversations": [
+                        {"from": "human", "value": f"<image>\n{question}"},
+                        {"from": "gpt", "value": answer},
+                    ],
+                }
+            )
+        return rows
+
+    sft_rows = conversations(3, "sft", sft_records)
     _write_jsonl(out / "sft.jsonl", sft_rows)
+    rl_rows = conversations(5, "rl", sft_records // 4 if rl_records is None else rl_records)
+    _write_jsonl(out / "rl.jsonl", rl_rows)
 
     rng = np.random.default_rng([seed, 4])
     pref_rows = []
@@ -202,6 +212,7 @@ def write_splits(
     return {
         "eval": {kind: sum(r["type"] == kind for r in eval_rows) for kind in QUESTION_TYPES},
         "sft": {level: sum(r["difficulty"] == level for r in sft_rows) for level in ("basic", "advanced")},
+        "rl": len(rl_rows),
         "preferences": {kind: sum(r["kind"] == kind for r in pref_rows) for kind in PREFERENCE_KINDS},
-        "images": len(eval_rows) + len(sft_rows) + len(pref_rows),
+        "images": len(eval_rows) + len(sft_rows) + len(rl_rows) + len(pref_rows),
     }

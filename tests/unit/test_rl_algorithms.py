@@ -107,6 +107,23 @@ def test_group_advantages_are_relative_to_each_group():
         A.group_advantages([1.0, 2.0], 4)
 
 
+def test_leave_one_out_centring_judges_each_sample_against_the_others_of_its_prompt():
+    out = A.leave_one_out_centred([1.0, 0.0, 0.0, 0.6, 0.6, 0.6], 3)
+    assert out[:3] == pytest.approx([1.0, -0.5, -0.5])  # 1 - mean(0, 0); 0 - mean(1, 0)
+    assert out[3:] == pytest.approx([0.0, 0.0, 0.0])  # a prompt whose samples tie carries no signal
+    assert sum(out[:3]) == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="groups of 4"):
+        A.leave_one_out_centred([1.0, 2.0, 3.0], 4)
+
+
+def test_ppo_group_baseline_needs_several_samples_per_prompt():
+    from components.rl.config import RlConfig
+
+    with pytest.raises(ValueError, match="ppo.group_baseline needs rollout.samples_per_prompt >= 2"):
+        RlConfig(algorithm="ppo", ppo={"group_baseline": True}, rollout={"samples_per_prompt": 1})
+    assert RlConfig(algorithm="ppo", ppo={"group_baseline": True}, rollout={"samples_per_prompt": 2}).ppo.group_baseline
+
+
 def test_importance_weights_are_capped_and_carry_no_gradient():
     logp = torch.tensor([0.0, math.log(3.0)], requires_grad=True)
     w = A.truncated_importance_weights(logp, torch.zeros(2), cap=2.0)

@@ -78,6 +78,12 @@ def test_each_algorithm_updates_the_policy_and_reports_the_rl_metrics(algorithm,
     assert metrics["efficacy_gain"] == pytest.approx(metrics["efficacy_after"] - metrics["efficacy_before"])
     assert metrics["efficacy_gain_ci_low"] <= metrics["efficacy_gain"] <= metrics["efficacy_gain_ci_high"]
     assert metrics["heldout_improved"] + metrics["heldout_worsened"] <= len(after)
+    rows = [json.loads(line) for line in (tmp_path / "eval_predictions.jsonl").read_text().splitlines()]
+    for t in {row["type"] for row in rows}:  # per-type paired changes, each the change of that type's mean
+        assert metrics[f"efficacy_gain/{t}"] == pytest.approx(
+            metrics[f"efficacy/{t}_after"] - metrics[f"efficacy/{t}_before"], abs=1e-9)
+        assert metrics[f"efficacy_gain/{t}_ci_low"] <= metrics[f"efficacy_gain/{t}"] <= metrics[f"efficacy_gain/{t}_ci_high"]
+    assert f"| {rows[0]['type']} |" in (tmp_path / "report.md").read_text()
     trained = load_file(str(tmp_path / "model/model.safetensors"))
     assert (tmp_path / "value_head.safetensors").exists() == (algorithm == "ppo")
     rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]

@@ -286,6 +286,12 @@ def test_heldout_splits(world):
         assert human["from"] == "human" and human["value"].startswith("<image>\n") and gpt["from"] == "gpt"
         assert row["difficulty"] == ("basic" if row["type"] in BASIC_TYPES else "advanced")
         assert row["type"] in BASIC_TYPES + ADVANCED_TYPES and (heldout / row["image"]).is_file()
+    rl = [json.loads(line) for line in (heldout / "rl.jsonl").read_text().splitlines()]
+    assert len(rl) == 10 and {r["id"] for r in rl}.isdisjoint(r["id"] for r in sft)  # a quarter of sft's count
+    assert {r["image"] for r in rl}.isdisjoint(r["image"] for r in sft)
+    for row in rl:  # the sft format: the rl stage reads it with the same loader
+        human, gpt = row["conversations"]
+        assert human["value"].startswith("<image>\n") and gpt["from"] == "gpt" and (heldout / row["image"]).is_file()
     prefs = [json.loads(line) for line in (heldout / "preferences.jsonl").read_text().splitlines()]
     assert {p["kind"] for p in prefs} == set(PREFERENCE_KINDS) and len(prefs) == 20
     for p in prefs:
@@ -298,7 +304,7 @@ def test_heldout_splits(world):
         if p["kind"] == "hallucinated_object":
             assert mentioned_objects(p["chosen"]) < mentioned_objects(p["rejected"])
     counts = json.loads((world / "world.json").read_text())["splits"]
-    assert counts["images"] == len(list((heldout / "images").iterdir())) == 48 + 40 + 20
+    assert counts["images"] == len(list((heldout / "images").iterdir())) == 48 + 40 + 10 + 20
 
 
 def test_text_corpus_covers_every_word_the_world_writes(world, lake):
