@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -61,9 +62,10 @@ class Tracker:
         """Send buffered metrics now."""
 
     def register_model(self, local_dir: str | Path, *, name: str, artifact_path: str, aliases: tuple[str, ...] = (),
-                       tags: dict[str, str] | None = None, description: str = "") -> str:
+                       tags: dict[str, str] | None = None, description: str = "", key: str = "") -> str:
         """Upload `local_dir` to this run and register it as a new version of model `name` with `aliases`;
-        returns the version ("" where nothing is tracked)."""
+        returns the version ("" where nothing is tracked). With `key`, a version registered earlier under the
+        same key (a retried task) is reused instead of adding another."""
         return ""
 
     def close(self, status: str = "FINISHED") -> None:
@@ -196,13 +198,30 @@ class MlflowTracker(Tracker):
                            self._spill(artifacts=[(str(local_path), artifact_path)]))
 
     def register_model(self, local_dir: str | Path, *, name: str, artifact_path: str, aliases: tuple[str, ...] = (),
-                       tags: dict[str, str] | None = None, description: str = "") -> str:
+                       tags: dict[str, str] | None = None, description: str = "", key: str = "") -> str:
         """Unlike logging, this raises when MLflow is unreachable: an unregistered model is not a result (KFP
         retries the task). The version's source is the run's artifact directory; loading it back is a plain
-        download (`mlflow.artifacts.download_artifacts("models:/NAME@champion")`), nothing is unpickled."""
+        download (`mlflow.artifacts.download_artifacts("models:/NAME@champion")`), nothing is unpickled.
+        `key` (tag `qvl_registration`) makes it idempotent: a retry that registered before gets that version back,
+        with the aliases set again, instead of a new one."""
         from mlflow.exceptions import MlflowException
 
         self._require_run()
+        if key:
+            if not re.fullmatch(r"[\w.:-]+", key):
+                raise ValueError(f"registration key {key!r} may hold only letters, digits and . _ : -")
+            try:
+                earlier = self._client.search_model_versions(f"name='{name}' and tags.qvl_registration = '{key}'")
+            except MlflowException as error:
+                if error.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                earlier = []
+            if earlier:
+                version = str(min(int(v.version) for v in earlier))
+                for alias in aliases:
+                    self._client.set_registered_model_alias(name, alias, version)
+                return version
+            tags = {**(tags or {}), "qvl_registration": key}
         self._client.log_artifacts(self.run_id, str(local_dir), artifact_path)
         try:
             self._client.create_registered_model(name)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from components._shared import checkpoint as ckpt
 from components._shared import evaluation as E
 from components._shared import metrics as M
 from components._shared.launch import RESULT_FILE
@@ -210,9 +211,12 @@ def run(cfg: SelectCheckpointConfig, *, data: str, pretrain: str = "", sft: str 
                               "reward_model": str(Path(reward_model).parent) if reward_model else ""})
     version, challenger_version = "", ""
     if cfg.register_winner:
+        # the same selection (config and inputs), retried after it registered, reuses its versions
+        key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"data": data, "reward_model": reward_model, **given})
         tags = {"candidate": winner.name, "stage": winner.stage, "score": f"{winner.score:.6g}"}
         version = tracker.register_model(output_dir / "model", name=cfg.registry_name, artifact_path="champion",
-                                         aliases=("champion",), tags=tags, description=f"champion: {winner.name}")
+                                         aliases=("champion",), tags=tags, description=f"champion: {winner.name}",
+                                         key=f"{key}.champion")
         if runner_up is not None:
             runner_dir = output_dir / ".scratch" / "challenger"
             save_vlm(*load_candidate(runner_up), runner_dir, metadata={"stage": "select_checkpoint",
@@ -220,7 +224,7 @@ def run(cfg: SelectCheckpointConfig, *, data: str, pretrain: str = "", sft: str 
             challenger_version = tracker.register_model(
                 runner_dir, name=cfg.registry_name, artifact_path="challenger", aliases=("challenger",),
                 tags={"candidate": runner_up.name, "stage": runner_up.stage, "score": f"{runner_up.score:.6g}"},
-                description=f"challenger: {runner_up.name}")
+                description=f"challenger: {runner_up.name}", key=f"{key}.challenger")
     metrics: dict[str, Any] = {
         "selected_candidate": winner.name,
         "selected_stage": winner.stage,

@@ -130,6 +130,18 @@ def test_select_registers_the_champion_which_loads_from_the_registry_and_answers
     answer = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0].strip()
     assert answer == right["prediction"] and right["prediction"].lower() == str(record["answer"]).lower()
 
+    # a retried task (same config and inputs, a new MLflow run) gets the same versions back, not new ones
+    with stage_tracker("select_checkpoint", experiment="select-test") as tracker:
+        again = run(_select_cfg(), data=str(root / "data"), pretrain=str(root / "pretrain"), sft=str(root / "sft"),
+                    output_dir=tmp_path / "retry", tracker=tracker, stage_configs={"sft": {"mode": "full"}})
+    assert (again["registered_version"], again["challenger_version"]) == ("1", "2")
+    client = mlflow.MlflowClient()
+    assert sorted(int(v.version) for v in client.search_model_versions("name='qvl-test'")) == [1, 2]
+    with stage_tracker("select_checkpoint", experiment="select-test") as tracker:  # another selection: a new one
+        other = run(_select_cfg(checkpoints_per_stage=0), data=str(root / "data"), pretrain=str(root / "pretrain"),
+                    sft=str(root / "sft"), output_dir=tmp_path / "other", tracker=tracker)
+    assert other["registered_version"] == "3" and str(client.get_model_version_by_alias("qvl-test", "champion").version) == "3"
+
 
 def test_select_fails_clearly_when_no_candidate_passes(stage_outputs, tmp_path):
     root = stage_outputs
