@@ -151,6 +151,25 @@ def location(checkpoint_uri: str | None, stage: str, key: str, output_dir: Path)
     return str(Path(output_dir) / "checkpoints")
 
 
+POINTER_FILE = "checkpoints.json"
+
+
+def write_pointer(output_dir: str | Path, roots: list[str]) -> None:
+    """Name in OUTPUT/checkpoints.json the checkpoint roots that live outside OUTPUT/checkpoints (a
+    `train.checkpoint_uri` such as s3://...), so that select_checkpoint finds a stage's intermediate checkpoints
+    from its output alone; writes nothing when they are all inside."""
+    inside = str(Path(output_dir) / "checkpoints")
+    outside = [str(r) for r in roots if not str(r).startswith(inside)]
+    if outside:
+        (Path(output_dir) / POINTER_FILE).write_text(json.dumps({"roots": outside}, indent=1) + "\n")
+
+
+def read_pointer(output_dir: str | Path) -> list[str]:
+    """The roots `write_pointer` recorded in a stage output ([] when its checkpoints are inside it)."""
+    path = Path(output_dir) / POINTER_FILE
+    return [str(r) for r in json.loads(path.read_text())["roots"]] if path.is_file() else []
+
+
 def write_state(directory: Path, state: dict[str, Any]) -> None:
     (directory / "state.json").write_text(json.dumps(state, indent=1, sort_keys=True))
 

@@ -275,6 +275,7 @@ def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | 
         save_vlm(student, processor, output_dir / "model", metadata={
             "stage": "distill", "teacher_model": str(teacher_model), "student_init": cfg.student.init,
             "student_param_ratio": metrics["student_param_ratio"]})
+        ckpt.write_pointer(output_dir, [loop.store.root])
         description = {"init": cfg.student.init, "sizes": _sizes(cfg.student), "parameters": student_params,
                        "layer_pairs": pairs, **(plan.summary() if plan is not None else {})}
         (output_dir / "student.json").write_text(json.dumps(description, indent=2) + "\n")

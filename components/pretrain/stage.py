@@ -290,6 +290,10 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
         if is_main_process():
             save_vlm(loop.backend.module, processor, output_dir / "model",
                      metadata={"stage": "pretrain", "base_model": str(base_model), "selected_step": best["step"]})
+            ckpt.write_pointer(output_dir, [
+                storage.join(ckpt.location(block.train.checkpoint_uri, "pretrain", key, output_dir), name)
+                for name, block in (("stage1", cfg.stage1), ("stage2", cfg.stage2))
+                if name == "stage1" or cfg.stage2.enabled])
     text = report(metrics, curve)
     if is_main_process():
         losses = history_series(first.history, ["loss"])

@@ -439,6 +439,7 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
         policy.load_state_dict(weights)
     save_vlm(policy.model, processor, output_dir / "model",
              metadata={"stage": "rl", "algorithm": cfg.algorithm, "base_model": str(base_model)})
+    ckpt.write_pointer(output_dir, [loop.store.root])
     if policy.value_head is not None:
         from safetensors.torch import save_file
 

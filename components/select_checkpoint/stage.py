@@ -30,6 +30,7 @@ import torch
 from components._shared import checkpoint as ckpt
 from components._shared import evaluation as E
 from components._shared import metrics as M
+from components._shared import storage
 from components._shared.launch import RESULT_FILE
 from components._shared.packing import ConversationEncoder
 from components._shared.tracking import Tracker
@@ -48,7 +49,8 @@ class Candidate:
     name: str
     stage: str
     model_dir: Path  # the stage's output model/ (architecture, processor, frozen weights)
-    checkpoint: Path | None = None  # an intermediate checkpoint whose trainable weights replace the model's
+    checkpoint: Path | str | None = None  # an intermediate checkpoint (dir or s3:// URI) whose trainable weights
+    #                                       replace the model's
     metrics: dict[str, float] = field(default_factory=dict)
     score: float = float("nan")
     failed_gates: list[str] = field(default_factory=list)
@@ -76,26 +78,39 @@ def find_candidates(stage_dirs: dict[str, str], per_stage: int) -> list[Candidat
             raise ValueError(f"select_checkpoint input {stage}={directory!r} has no model/config.json; pass the "
                              f"{stage} stage's output directory.")
         found.append(Candidate(stage, stage, root / "model"))
-        committed = [p for p in (root / "checkpoints").rglob("step-*") if (p / "_COMMITTED.json").is_file()] \
-            if (root / "checkpoints").is_dir() else []
-        committed.sort(key=lambda p: (str(p.parent), _step(p)), reverse=True)  # newest first
+        committed = [(str(p.relative_to(root / "checkpoints")), p) for p in (root / "checkpoints").rglob("step-*")
+                     if (p / storage.COMMIT_MARKER).is_file()] if (root / "checkpoints").is_dir() else []
+        elsewhere = ckpt.read_pointer(root)  # train.checkpoint_uri (e.g. s3://): listed there
+        for location in elsewhere:
+            for uri in storage.list_committed(location):
+                step = Path(uri.rstrip("/")).name
+                if step.startswith("step-"):
+                    label = f"{Path(location.rstrip('/')).name}/{step}" if len(elsewhere) > 1 else step
+                    committed.append((label, uri if storage.is_s3(uri) else Path(uri)))
+        committed.sort(key=lambda c: (str(Path(str(c[1])).parent), _step(Path(str(c[1])))), reverse=True)  # newest first
         # one spare: the newest checkpoint is often the output itself (skipped as identical, not counted)
-        for path in committed[: per_stage + 1] if per_stage else []:
-            found.append(Candidate(f"{stage}@{path.relative_to(root / 'checkpoints')}", stage, root / "model", path))
+        for label, location in committed[: per_stage + 1] if per_stage else []:
+            found.append(Candidate(f"{stage}@{label}", stage, root / "model", location))
     return found
 
 
-def load_candidate(candidate: Candidate):
-    """(model, processor) of a candidate; raises ValueError with the reason a checkpoint cannot be used."""
+def load_candidate(candidate: Candidate, scratch: Path):
+    """(model, processor) of a candidate; raises ValueError with the reason a checkpoint cannot be used. A
+    checkpoint on S3 is downloaded into `scratch` (every file checked against its sha256)."""
     from safetensors.torch import load_file
 
     model, processor = load_vlm(candidate.model_dir)
     if candidate.checkpoint is None:
         return model, processor
-    weights_file = candidate.checkpoint / "trainable.safetensors"
+    directory = Path(candidate.checkpoint)
+    if storage.is_s3(str(candidate.checkpoint)):
+        target = scratch / "checkpoints" / re.sub(r"[^\w.-]", "_", candidate.name)
+        shutil.rmtree(target, ignore_errors=True)
+        directory = storage.fetch_dir(str(candidate.checkpoint), target)
+    weights_file = directory / "trainable.safetensors"
     if not weights_file.is_file():
         raise ValueError("no trainable.safetensors (a ZeRO-sharded checkpoint?): "
-                         f"{sorted(p.name for p in candidate.checkpoint.iterdir())[:4]}")
+                         f"{sorted(p.name for p in directory.iterdir())[:4]}")
     params = dict(model.named_parameters())
     weights, unknown, changed = load_file(str(weights_file)), [], False
     for key, value in weights.items():
@@ -183,7 +198,7 @@ def run(cfg: SelectCheckpointConfig, *, data: str, pretrain: str = "", sft: str 
             candidate.skipped = f"beyond checkpoints_per_stage={cfg.checkpoints_per_stage}"
             continue
         try:
-            model, processor = load_candidate(candidate)
+            model, processor = load_candidate(candidate, output_dir / ".scratch")
         except ValueError as error:
             candidate.skipped = str(error)
             continue
@@ -200,7 +215,7 @@ def run(cfg: SelectCheckpointConfig, *, data: str, pretrain: str = "", sft: str 
     (output_dir / "candidates.json").write_text(json.dumps([c.describe() for c in candidates], indent=2) + "\n")
     winner, runner_up = choose(candidates)  # raises with every candidate's failure when none passes
 
-    model, processor = load_candidate(winner)
+    model, processor = load_candidate(winner, output_dir / ".scratch")
     save_vlm(model, processor, output_dir / "model", metadata={
         "stage": "select_checkpoint", "selected_candidate": winner.name, "score": winner.score,
         "source": str(winner.checkpoint or winner.model_dir)})
@@ -219,7 +234,7 @@ def run(cfg: SelectCheckpointConfig, *, data: str, pretrain: str = "", sft: str 
                                          key=f"{key}.champion")
         if runner_up is not None:
             runner_dir = output_dir / ".scratch" / "challenger"
-            save_vlm(*load_candidate(runner_up), runner_dir, metadata={"stage": "select_checkpoint",
+            save_vlm(*load_candidate(runner_up, output_dir / ".scratch"), runner_dir, metadata={"stage": "select_checkpoint",
                                                                        "selected_candidate": runner_up.name})
             challenger_version = tracker.register_model(
                 runner_dir, name=cfg.registry_name, artifact_path="challenger", aliases=("challenger",),

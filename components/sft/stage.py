@@ -187,6 +187,8 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
                                        max_new_tokens=cfg.eval.max_new_tokens)
         calibration = calibrate(cfg, model, encoder, eval_records, rows) if cfg.calibration.enabled else {}
         saved = save_outputs(cfg, model, processor, base_model, output_dir, encoder, eval_records[:4])
+    if is_main_process():
+        ckpt.write_pointer(output_dir, [checkpoint_root])
     train_answers: dict[str, list[str]] = defaultdict(list)
     for r in records:
         if r["type"] in M.QUESTION_TYPES:

@@ -5,6 +5,7 @@ a held-out question correctly."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,3 +156,41 @@ def test_select_fails_clearly_when_no_candidate_passes(stage_outputs, tmp_path):
     with pytest.raises(ValueError, match="has no model/config.json; pass the pretrain stage's output directory"):
         run(_select_cfg(), data=str(root / "data"), pretrain=str(broken), sft="", output_dir=tmp_path / "b",
             tracker=NullTracker())
+
+
+def test_checkpoints_kept_on_s3_are_found_through_the_stage_outputs_pointer(stage_outputs, s3_env, tmp_path):
+    """A stage trained with train.checkpoint_uri=s3://... keeps its checkpoints there and names the root in
+    OUTPUT/checkpoints.json; select lists, downloads (sha256-checked) and scores them like local ones."""
+    from components._shared import checkpoint as ckpt
+    from components._shared import storage
+
+    root = stage_outputs
+    sft = tmp_path / "sft"
+    shutil.copytree(root / "sft", sft, ignore=shutil.ignore_patterns("checkpoints"))
+    remote = f"{s3_env.uri}/ckpt/sft-0123"
+    for step in sorted((root / "sft" / "checkpoints").glob("step-*")):
+        staging = tmp_path / "staging" / step.name
+        shutil.copytree(step, staging, ignore=shutil.ignore_patterns(storage.COMMIT_MARKER))
+        storage.publish_dir(staging, f"{remote}/{step.name}")
+    ckpt.write_pointer(sft, [remote])
+    assert ckpt.read_pointer(sft) == [remote] and ckpt.read_pointer(root / "pretrain") == []
+    run(_select_cfg(register_winner=False), data=str(root / "data"), pretrain=str(root / "pretrain"), sft=str(sft),
+        output_dir=tmp_path / "out", tracker=NullTracker())
+    candidates = {c["name"]: c for c in json.loads((tmp_path / "out/candidates.json").read_text())}
+    assert set(candidates) == {"pretrain", "sft", "sft@step-0000200", "sft@step-0000100"}
+    assert candidates["sft@step-0000200"]["skipped"] == "identical to the stage's output model"
+    assert candidates["sft@step-0000100"]["checkpoint"] == f"{remote}/step-0000100"
+    assert not candidates["sft@step-0000100"]["skipped"] and candidates["sft@step-0000100"]["metrics"]
+
+
+def test_stages_name_checkpoint_roots_outside_their_output(tmp_path):
+    from components._shared import checkpoint as ckpt
+
+    (tmp_path / "a").mkdir()
+    ckpt.write_pointer(tmp_path / "a", [str(tmp_path / "a" / "checkpoints")])
+    assert not (tmp_path / "a" / ckpt.POINTER_FILE).exists()  # inside the output: nothing to point at
+    write_splits(tmp_path / "data", seed=6, eval_per_type=1, sft_records=16, preference_pairs=4)
+    train_tiny_sft(tmp_path / "data", tmp_path / "sft", steps=2, checkpoint_every=1,
+                   checkpoint_uri=str(tmp_path / "kept"))
+    (root,) = ckpt.read_pointer(tmp_path / "sft")
+    assert root.startswith(str(tmp_path / "kept" / "sft-")) and (Path(root) / "step-0000001").is_dir()
