@@ -210,12 +210,7 @@ class MlflowTracker(Tracker):
         if key:
             if not re.fullmatch(r"[\w.:-]+", key):
                 raise ValueError(f"registration key {key!r} may hold only letters, digits and . _ : -")
-            try:
-                earlier = self._client.search_model_versions(f"name='{name}' and tags.qvl_registration = '{key}'")
-            except MlflowException as error:
-                if error.error_code != "RESOURCE_DOES_NOT_EXIST":
-                    raise
-                earlier = []
+            earlier = self._client.search_model_versions(f"name='{name}' and tags.qvl_registration = '{key}'")
             if earlier:
                 version = str(min(int(v.version) for v in earlier))
                 for alias in aliases:

@@ -195,12 +195,16 @@ class HeldoutCaptions:
         return {"heldout_caption_loss": sum(losses) / len(losses), "retrieval_r1": r1}
 
 
+def checkpoint_root(name: str, block, key: str, output_dir: Path) -> str:
+    """Where phase `name` ("stage1" / "stage2") keeps its checkpoints."""
+    return storage.join(ckpt.location(block.train.checkpoint_uri, "pretrain", key, output_dir), name)
+
+
 def train_phase(name: str, model, cfg: PretrainConfig, block, sample, n: int, output_dir: Path, tracker: Tracker,
                 evaluate, key: str) -> tuple[TrainLoop, TrainResult]:
     loop = TrainLoop(model, train=block.train, optim=block.optim, schedule=block.schedule, sample=sample,
                      phases=[Phase(name, block.train.steps, list(range(n)))],
-                     checkpoints=CheckpointStore(storage.join(ckpt.location(block.train.checkpoint_uri, "pretrain", key,
-                                                                          output_dir), name),
+                     checkpoints=CheckpointStore(checkpoint_root(name, block, key, output_dir),
                                                  keep=block.train.keep_checkpoints, scratch=output_dir / ".scratch"),
                      tracker=_Prefixed(tracker, name), loss_fn=make_loss(cfg), seed=cfg.seed)
     return loop, loop.run(evaluate=evaluate)
@@ -290,10 +294,8 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
         if is_main_process():
             save_vlm(loop.backend.module, processor, output_dir / "model",
                      metadata={"stage": "pretrain", "base_model": str(base_model), "selected_step": best["step"]})
-            ckpt.write_pointer(output_dir, [
-                storage.join(ckpt.location(block.train.checkpoint_uri, "pretrain", key, output_dir), name)
-                for name, block in (("stage1", cfg.stage1), ("stage2", cfg.stage2))
-                if name == "stage1" or cfg.stage2.enabled])
+            phases = [("stage1", cfg.stage1)] + ([("stage2", cfg.stage2)] if cfg.stage2.enabled else [])
+            ckpt.write_pointer(output_dir, [checkpoint_root(name, block, key, output_dir) for name, block in phases])
     text = report(metrics, curve)
     if is_main_process():
         losses = history_series(first.history, ["loss"])

@@ -78,18 +78,21 @@ def find_candidates(stage_dirs: dict[str, str], per_stage: int) -> list[Candidat
             raise ValueError(f"select_checkpoint input {stage}={directory!r} has no model/config.json; pass the "
                              f"{stage} stage's output directory.")
         found.append(Candidate(stage, stage, root / "model"))
-        committed = [(str(p.relative_to(root / "checkpoints")), p) for p in (root / "checkpoints").rglob("step-*")
-                     if (p / storage.COMMIT_MARKER).is_file()] if (root / "checkpoints").is_dir() else []
-        elsewhere = ckpt.read_pointer(root)  # train.checkpoint_uri (e.g. s3://): listed there
+        # (group, label, location): local ones under checkpoints/, or at the roots checkpoints.json names
+        # (train.checkpoint_uri, e.g. s3://)
+        committed = [(str(p.parent), str(p.relative_to(root / "checkpoints")), p)
+                     for p in (root / "checkpoints").rglob("step-*") if (p / storage.COMMIT_MARKER).is_file()] \
+            if (root / "checkpoints").is_dir() else []
+        elsewhere = ckpt.read_pointer(root)
         for location in elsewhere:
             for uri in storage.list_committed(location):
                 step = Path(uri.rstrip("/")).name
                 if step.startswith("step-"):
                     label = f"{Path(location.rstrip('/')).name}/{step}" if len(elsewhere) > 1 else step
-                    committed.append((label, uri if storage.is_s3(uri) else Path(uri)))
-        committed.sort(key=lambda c: (str(Path(str(c[1])).parent), _step(Path(str(c[1])))), reverse=True)  # newest first
+                    committed.append((location, label, uri if storage.is_s3(uri) else Path(uri)))
+        committed.sort(key=lambda c: (c[0], _step(Path(c[1]))), reverse=True)  # newest first within each group
         # one spare: the newest checkpoint is often the output itself (skipped as identical, not counted)
-        for label, location in committed[: per_stage + 1] if per_stage else []:
+        for _, label, location in committed[: per_stage + 1] if per_stage else []:
             found.append(Candidate(f"{stage}@{label}", stage, root / "model", location))
     return found
 
