@@ -1,7 +1,7 @@
 """Training throughput and padding efficiency of packed micro-batches against padded batches of the same samples.
 
     python bench/packing_throughput.py [--model builtin:demo-qwen2_5-vl] [--samples 192]
-                                       [--budget auto,1024,512]
+                                       [--budget auto,1024,512] [--vision-like same|7b]
                                        [--threads 1] [--repeats 2] [--batch-size 8] [--json]
 
 The samples are a realistic SFT mix built from the synthetic world (components.synth_world.world): images of
@@ -24,7 +24,9 @@ models load with `attention.PACKED_SDPA`, which attends within each sample (the 
 flash-attention's varlen kernel does on a GPU). One more arm, `packed@B sdpa-mask` (B = the first budget), runs the
 same packed batches with transformers' plain `sdpa`, which builds a block-causal mask and attends over the whole
 row (budget^2 per row): the kernel's own gain, measured in the same process. Each arm trains its own
-copy of the model; two untimed warm-up steps each; `--repeats` epochs over all samples, interleaved padded/packed so machine
+copy of the model; `--vision-like 7b` swaps in a random-init ViT resized so that an image token costs what it
+costs in Qwen2.5-VL-7B next to a text token (`vit_to_lm_cost`; the demo model's ViT is 12x heavier than that,
+which caps what packing, an LM-side saving, can show); two untimed warm-up steps each; `--repeats` epochs over all samples, interleaved padded/packed so machine
 load hits both alike; the median epoch rate counts. The goals (efficiency >= 0.98, speed-up >= 1.5x) are printed
 beside the numbers, never asserted.
 """
@@ -57,7 +59,7 @@ from components._shared.packing import (
     plan_micro_batches,
     token_loss,
 )
-from components._shared.vlm import load_vlm, qwen_model
+from components._shared.vlm import build_student, load_vlm, qwen_model
 from components.synth_world import world
 
 MIN_SIDE, MAX_SIDE = 56, 448
@@ -109,6 +111,49 @@ def make_conversation(rng: np.random.Generator) -> tuple[list[dict], object]:
         turns = [{"role": "user", "text": "<image>\nDescribe the image in detail."},
                  {"role": "assistant", "text": " ".join(sentences + boxes)}]
     return turns, image
+
+
+def vit_to_lm_cost(model) -> float:
+    """Matmul parameters a visual token passes through in the ViT (each of its spatial_merge^2 patches through the
+    blocks, then the merger) over those a text token passes through in the LM (layers and LM head): how much
+    heavier an image token is than a text token, the share of the step that packing cannot shrink."""
+    qwen = qwen_model(model)
+    vision = qwen.config.vision_config
+    merger = sum(p.numel() for p in qwen.visual.merger.parameters())
+    vit = sum(p.numel() for p in qwen.visual.parameters()) - merger
+    lm = sum(p.numel() for p in qwen.language_model.parameters())
+    lm += sum(p.numel() for p in model.lm_head.parameters()) - qwen.language_model.get_input_embeddings().weight.numel()
+    return (vit * vision.spatial_merge_size**2 + merger) / lm
+
+
+def reference_vit_to_lm_cost(name: str) -> float:
+    """`vit_to_lm_cost` of a released model's shape (built on the meta device: no weights, no download)."""
+    from transformers import AutoModelForImageTextToText
+
+    from bench.gpu.sft_mfu import config_7b
+
+    configs = {"7b": config_7b}  # Qwen2.5-VL-7B-Instruct's sizes
+    with torch.device("meta"):
+        return vit_to_lm_cost(AutoModelForImageTextToText.from_config(configs[name]()))
+
+
+def vision_like(model, name: str):
+    """A random-init model with `model`'s LM and a ViT resized so that an image token costs, relative to a text
+    token, about what it costs in the released model `name`. The demo model's ViT is large next to its 0.9M-
+    parameter LM (an image token costs 4.2 text tokens, against 0.36 in Qwen2.5-VL-7B), which makes the ViT,
+    whose work packing cannot change, a far larger share of the step than at real scale."""
+    target = reference_vit_to_lm_cost(name)
+    text_layers = model.config.text_config.num_hidden_layers
+    depth_max = qwen_model(model).config.vision_config.depth
+    best = None
+    for depth in range(1, depth_max + 1):
+        for width in (16, 32, 48, 64, 96, 128):
+            candidate = build_student(model.config, layers=text_layers, vision_depth=depth, vision_hidden=width,
+                                      vision_heads=width // 16, vision_intermediate=2 * width)
+            gap = abs(np.log(vit_to_lm_cost(candidate) / target))
+            if best is None or gap < best[0]:
+                best = (gap, candidate)
+    return best[1]
 
 
 def make_samples(encoder: ConversationEncoder, count: int, seed: int) -> list[Sample]:
@@ -166,12 +211,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=2, help="timed epochs per arm (median counts)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per arm first")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vision-like", default="same", choices=("same", "7b"),
+                        help="'same': the model as loaded; '7b': the same LM with a random-init ViT resized so an image "
+                             "token costs, next to a text token, what it costs in Qwen2.5-VL-7B")
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
     model, processor = load_vlm(args.model)
+    if args.vision_like != "same":
+        model = vision_like(model, args.vision_like)
     model.train()
     encoder = ConversationEncoder(processor, model, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     samples = make_samples(encoder, args.samples, args.seed)
@@ -214,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
         vision.append(vision_epoch(state["padded"][0], padded))
 
     results: dict = {
-        "model": args.model, "samples": len(samples), "batch_size": args.batch_size,
+        "model": args.model, "vision_like": args.vision_like, "vit_to_lm_cost": vit_to_lm_cost(model),
+        "samples": len(samples), "batch_size": args.batch_size,
         "padded_mean_slots": mean_slots, "threads": args.threads, "repeats": args.repeats,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s), "
                    f"torch {torch.__version__}",
@@ -246,6 +297,11 @@ def main(argv: list[str] | None = None) -> dict:
         arm["speedup"] = arm["tokens_per_cpu_s"] / pad_arm["tokens_per_cpu_s"]
         arm["speedup_wall"] = arm["tokens_per_wall_s"] / pad_arm["tokens_per_wall_s"]
 
+    vit = qwen_model(model).config.vision_config
+    print(f"ViT depth {vit.depth}, width {vit.hidden_size}: an image token costs {results['vit_to_lm_cost']:.2f} text "
+          f"tokens in matmul parameters" + ("" if args.vision_like == "same" else
+                                            f" (Qwen2.5-VL-{args.vision_like}: "
+                                            f"{reference_vit_to_lm_cost(args.vision_like):.2f})"))
     print(f"{args.model}: {len(samples)} samples ({results['real_tokens']} real tokens; per sample "
           f"{lengths.min()}..{lengths.max()}, median {np.median(lengths):.0f}; visual {visual.min()}..{visual.max()}, "
           f"median {np.median(visual):.0f}), padded batches of {args.batch_size} (mean {mean_slots} slots), "
@@ -259,7 +315,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"{fill:>12s} {arm['tokens_per_cpu_s']:10.0f} {arm['tokens_per_wall_s']:11.0f} {arm['speedup']:9.2f}x")
     print(f"vision tower fwd+bwd: {share:.2f} of the padded step's CPU time (the same work in every arm); if the LM's "
           f"cost were linear in slots, packing could gain at most {results['linear_ceiling_speedup']:.2f}x here")
-    met = lambda ok: "met" if ok else "NOT met"
+    def met(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
     for name in budgets:
         arm = results["arms"][name]
         print(f"goals {name}: efficiency {arm['efficiency']:.3f} (budget fill {arm['budget_fill']:.3f}) vs padded "
