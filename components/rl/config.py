@@ -71,6 +71,18 @@ class GrpoConfig(SubConfig):
     scale_rewards: bool = True
 
 
+class PtxConfig(SubConfig):
+    """The SFT loss mixed into every update (PPO-ptx, Ouyang et al. 2022), for every algorithm."""
+
+    coef: Annotated[float, Field(ge=0, description=(
+        "Weight of the mean token NLL of reference answers added to the RL loss of every optimizer step: "
+        "records of the prompts file, every question type whatever `prompt_types` says, drawn afresh each step "
+        "and split over its minibatches like the rollouts. It holds the answers the reward cannot move where SFT "
+        "left them while the RL term moves the others; 0 = off."))] = 0.0
+    samples_per_step: Annotated[int, Field(ge=0, description=(
+        "Reference records per RL step; 0 = train.samples_per_step."))] = 0
+
+
 class GateConfig(SubConfig):
     """Reward-hacking monitors that fail the stage (a step gate trips after `patience` consecutive bad steps).
     A bound of 0 turns its gate off (KFP parameters cannot carry null)."""
@@ -110,6 +122,7 @@ class RlConfig(StageConfig):
     ppo: PpoConfig = PpoConfig()
     ter: TerConfig = TerConfig()
     grpo: GrpoConfig = GrpoConfig()
+    ptx: PtxConfig = PtxConfig()
     gates: GateConfig = GateConfig()
     eval: RlEvalConfig = RlEvalConfig()
     train: TrainConfig = TrainConfig(steps=100, samples_per_step=16, max_tokens_per_micro_batch=4096, eval_every=50)

@@ -69,10 +69,12 @@ class Policy(torch.nn.Module):
     def enable_input_require_grads(self):
         self.model.enable_input_require_grads()
 
-    def token_outputs(self, batch: dict, temperature: float, suppressed: list[int]) -> dict[str, torch.Tensor]:
+    def token_outputs(self, batch: dict, temperature: float, suppressed: list[int], *,
+                      plain_logprobs: bool = False) -> dict[str, torch.Tensor]:
         """At the labelled positions of a packed batch, in order: log-probabilities of the targets, entropies and
         (with a value head) values. The LM head runs on those rows only (the vocabulary is large)."""
-        return token_outputs(self.model, batch, temperature, suppressed, value_head=self.value_head)
+        return token_outputs(self.model, batch, temperature, suppressed, value_head=self.value_head,
+                             plain_logprobs=plain_logprobs)
 
 
 def suppressed_tokens(model) -> list[int]:
@@ -83,16 +85,22 @@ def suppressed_tokens(model) -> list[int]:
     return sorted({int(getattr(config, n)) for n in names if getattr(config, n, None) is not None})
 
 
-def token_outputs(model, batch: dict, temperature: float, suppressed: list[int], value_head=None) -> dict[str, torch.Tensor]:
+def token_outputs(model, batch: dict, temperature: float, suppressed: list[int], value_head=None, *,
+                  plain_logprobs: bool = False) -> dict[str, torch.Tensor]:
+    """See Policy.token_outputs; `plain_logprobs` adds the targets' log-probabilities at temperature 1 (the SFT
+    loss of ptx)."""
     hidden = forward_hidden(model, batch)[0]
     targets = batch["targets"][0]
     where = targets != IGNORE_INDEX
     rows = hidden[where]
-    logits = model.lm_head(rows).float() / temperature
-    logits[:, suppressed] = -1e9  # finite, so that 0 * log 0 stays 0 in the entropy
-    logp = torch.log_softmax(logits, -1)
-    out = {"logprobs": logp.gather(1, targets[where][:, None]).squeeze(1),
+    raw = model.lm_head(rows).float()
+    raw[:, suppressed] = -1e9  # finite, so that 0 * log 0 stays 0 in the entropy
+    logp = torch.log_softmax(raw / temperature, -1)
+    index = targets[where][:, None]
+    out = {"logprobs": logp.gather(1, index).squeeze(1),
            "entropy": -(logp.exp() * logp).sum(-1)}
+    if plain_logprobs:
+        out["plain_logprobs"] = torch.log_softmax(raw, -1).gather(1, index).squeeze(1)
     if value_head is not None:
         out["values"] = value_head(rows.to(value_head.weight.dtype)).squeeze(-1).float()
     return out

@@ -92,8 +92,9 @@ class Gates:
         self.strikes = defaultdict(int, {k: int(v) for k, v in state.items()})
 
 
-def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool) -> list[dict]:
-    """Prompt records {"id", "image", "question", "answer", "type"} from the prompts file (LLaVA format)."""
+def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, all_types: bool = False) -> list[dict]:
+    """Prompt records {"id", "image", "question", "answer", "type"} from the prompts file (LLaVA format), of the
+    `prompt_types` (every type with `all_types`: the ptx pool)."""
     prompts = []
     for r in E.load_conversations(data_dir, file_name=cfg.prompts_file):
         if len(r["images"]) != 1:
@@ -101,7 +102,7 @@ def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool) -> list[dic
         if need_types and r["type"] not in M.QUESTION_TYPES:
             raise ValueError(f"rl prompt {r['id']!r} has type {r['type']!r}; the efficacy reward needs one of "
                              f"{M.QUESTION_TYPES}. Fix the record or drop the efficacy reward.")
-        if cfg.prompt_types and r["type"] not in cfg.prompt_types:
+        if cfg.prompt_types and not all_types and r["type"] not in cfg.prompt_types:
             continue
         user = next(t["text"] for t in r["turns"] if t["role"] == "user")
         answer = next(t["text"] for t in r["turns"] if t["role"] == "assistant")
@@ -118,7 +119,8 @@ class RlLoop(TrainLoop):
     """TrainLoop's backend, checkpoints and packed update steps, driven by rollouts instead of a dataset."""
 
     def __init__(self, policy: Policy, reference, *, cfg: RlConfig, prompts: list[dict], image, engine: RolloutEngine,
-                 rewards: dict, checkpoints: CheckpointStore, tracker: Tracker) -> None:
+                 rewards: dict, checkpoints: CheckpointStore, tracker: Tracker,
+                 ptx_pool: list[dict] | None = None) -> None:
         self.cfg = cfg
         self.updates_per_step = cfg.update.epochs * cfg.update.minibatches  # read by _lr_lambda during __init__
         optim = cfg.optim
@@ -128,11 +130,12 @@ class RlLoop(TrainLoop):
         super().__init__(policy, train=cfg.train, optim=optim, schedule=cfg.schedule, sample=lambda i: i,
                          phases=[Phase("rl", cfg.train.steps, list(range(len(prompts))))], checkpoints=checkpoints,
                          tracker=tracker, loss_fn=self._loss, seed=cfg.seed, extra_state=self._state,
-                         load_extra_state=self._load_state)
+                         load_extra_state=self._load_state, unit_weight=self._rollout_tokens)
         if cfg.algorithm == "ter" and cfg.ter.grad_ema:
             self.backend.grad_ema = A.GradientEma(cfg.ter.grad_ema)
         self.reference = reference.to(self.device).eval()
         self.prompts, self.image, self.engine, self.rewards = prompts, image, engine, rewards
+        self.ptx_pool = ptx_pool or []
         self.kl_ctl = A.AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
         self.moments = A.RunningMoments()
         self.baseline = A.EmaBaseline(cfg.ter.baseline_decay)
@@ -235,14 +238,16 @@ class RlLoop(TrainLoop):
             return metrics
 
         metrics.update(self._advantages(rollouts))
+        ptx = self._ptx_samples(rollouts) if cfg.ptx.coef else []
         updates = []
         order_rng = np.random.default_rng([cfg.seed, 7_000_003, self.step])
         for _ in range(cfg.update.epochs):
             order = order_rng.permutation(len(rollouts))
-            for part in np.array_split(order, cfg.update.minibatches):
-                updates.append(self._train_step([[rollouts[i].sample] for i in part]))
+            ptx_parts = np.array_split(np.arange(len(ptx)), cfg.update.minibatches)
+            for part, ptx_part in zip(np.array_split(order, cfg.update.minibatches), ptx_parts):
+                updates.append(self._train_step([[rollouts[i].sample] for i in part] + [[ptx[i]] for i in ptx_part]))
         updated = time.perf_counter()
-        for key in ("loss", "clip_fraction", "value_loss", "ratio_max"):
+        for key in ("loss", "clip_fraction", "value_loss", "ratio_max", "ptx_nll"):
             values = [u[key] for u in updates if key in u]
             if values:
                 metrics[f"update/{key}"] = float(np.mean(values))
@@ -253,6 +258,29 @@ class RlLoop(TrainLoop):
                 self.kl_ctl.update(kl, 1)
         metrics.update(self._timing(started, generated, scored, updated, rollouts))
         return metrics
+
+    @staticmethod
+    def _rollout_tokens(unit: list) -> float:
+        """The update's normaliser: completion tokens only, so ptx samples leave the RL term's scale unchanged."""
+        return float(sum(s.num_targets for s in unit if not s.meta.get("ptx")))
+
+    def _ptx_samples(self, rollouts: list[Rollout]) -> list:
+        """`ptx.samples_per_step` records of the prompts file (every type, drawn afresh each step as a pure function
+        of the seed and step) with their reference answers, encoded as SFT encodes them; each target token weighs
+        ptx.coef x (completion tokens / reference tokens of the step), so the term adds ptx.coef x the mean NLL."""
+        count = min(self.cfg.ptx.samples_per_step or self.train.samples_per_step, len(self.ptx_pool))
+        rng = np.random.default_rng([self.cfg.seed, 9_000_011, self.step])
+        records = [self.ptx_pool[i] for i in rng.choice(len(self.ptx_pool), count, replace=False)]
+        samples = [self.engine.encoder.encode(E.prompt_turns(r["question"]) + [{"role": "assistant", "text": r["answer"]}],
+                                              images=[self.image(r["image"])], sample_id=f"ptx:{r['id']}")
+                   for r in records]
+        weight = self.cfg.ptx.coef * sum(r.length for r in rollouts) / sum(s.num_targets for s in samples)
+        for s in samples:
+            n = s.num_targets
+            s.meta.update(ptx=True, ptx_weight=torch.full((n,), weight), old_logprobs=torch.zeros(n),
+                          ref_logprobs=torch.zeros(n), advantages=torch.zeros(n), returns=torch.zeros(n),
+                          old_values=torch.zeros(n))
+        return samples
 
     def _timing(self, started, generated, scored, updated, rollouts) -> dict[str, float]:
         split = {"generation": generated - started, "scoring": scored - generated, "update": updated - scored}
@@ -297,35 +325,41 @@ class RlLoop(TrainLoop):
                 r.advantages = torch.full((r.length,), adv)
         for r in rollouts:
             r.sample.meta.update(old_logprobs=r.logprobs, ref_logprobs=r.ref_logprobs, advantages=r.advantages,
-                                 returns=r.returns, old_values=r.values)
+                                 returns=r.returns, old_values=r.values, ptx_weight=torch.zeros(r.length))
         return out
 
     def _loss(self, policy: Policy, batch: dict, micro: list) -> tuple[torch.Tensor, int, dict[str, float]]:
         cfg = self.cfg
-        out = policy.token_outputs(batch, cfg.rollout.temperature, self.engine.suppressed)
+        ptx_on = bool(cfg.ptx.coef)
+        out = policy.token_outputs(batch, cfg.rollout.temperature, self.engine.suppressed, plain_logprobs=ptx_on)
         logp = out["logprobs"]
 
         def meta(key: str) -> torch.Tensor:
             return torch.cat([s.meta[key] for s in micro]).to(logp.device)
 
         old, advantages = meta("old_logprobs"), meta("advantages")
-        extras = {"ratio_max": float(torch.exp(logp.detach() - old).max())}
+        rl = torch.cat([torch.full((s.num_targets,), not s.meta.get("ptx")) for s in micro]).to(logp.device)
+        extras = {"ratio_max": float(torch.exp(logp.detach() - old)[rl].max()) if rl.any() else 1.0}
         if cfg.algorithm == "ter":
             weights = A.truncated_importance_weights(logp, old, cfg.ter.importance_cap)
-            loss = -(weights * advantages * logp).sum()
+            per_token = -(weights * advantages * logp)
         else:
             clip = A.linear_decay(cfg.ppo.clip_start, cfg.ppo.clip_end, self.step, self.train.steps) \
                 if cfg.algorithm == "ppo" else cfg.grpo.clip
-            pg, clipped = A.clipped_surrogate(logp, old, advantages, clip)
-            loss = pg.sum()
-            extras["clip_fraction"] = float(clipped.float().mean())
+            per_token, clipped = A.clipped_surrogate(logp, old, advantages, clip)
+            extras["clip_fraction"] = float(clipped[rl].float().mean()) if rl.any() else 0.0
             if cfg.algorithm == "ppo":
                 vloss = A.clipped_value_loss(out["values"], meta("old_values"), meta("returns"), cfg.ppo.value_clip)
-                loss = loss + cfg.ppo.value_coef * vloss.sum()
-                extras["value_loss"] = float(vloss.detach().mean())
+                per_token = per_token + cfg.ppo.value_coef * vloss
+                extras["value_loss"] = float(vloss.detach()[rl].mean()) if rl.any() else 0.0
             elif cfg.grpo.kl_coef:
-                loss = loss + cfg.grpo.kl_coef * A.kl_k3(logp, meta("ref_logprobs")).sum()
-        return loss, int(logp.numel()), extras
+                per_token = per_token + cfg.grpo.kl_coef * A.kl_k3(logp, meta("ref_logprobs"))
+        loss = per_token[rl].sum()
+        if ptx_on:
+            nll = -out["plain_logprobs"][~rl]
+            loss = loss + (meta("ptx_weight")[~rl] * nll).sum()
+            extras["ptx_nll"] = float(nll.detach().mean()) if nll.numel() else 0.0
+        return loss, int(rl.sum()), extras
 
 
 def heldout_eval(model, encoder: ConversationEncoder, records: list[dict], cfg: RlConfig) -> tuple[dict, list[dict]]:
@@ -380,7 +414,8 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
     loop = RlLoop(policy, reference, cfg=cfg, prompts=prompts, image=image, engine=engine, rewards=rewards,
                   checkpoints=CheckpointStore(ckpt.location(cfg.train.checkpoint_uri, "rl", key, output_dir),
                                               keep=cfg.train.keep_checkpoints, scratch=output_dir / ".scratch"),
-                  tracker=tracker)
+                  tracker=tracker,
+                  ptx_pool=load_prompts(data_dir, cfg, need_types=False, all_types=True) if cfg.ptx.coef else None)
     final_rows: list[dict] = []
 
     def evaluate(step: int) -> dict[str, float]:
@@ -428,6 +463,8 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
         "kl_max_seen": max((h["kl"] for h in history), default=0.0),
         "reward_first": history[0]["reward"] if history else float("nan"),
         "reward_final": history[-1]["reward"] if history else float("nan"),
+        **({"ptx_nll_first": history[0]["update/ptx_nll"], "ptx_nll_final": history[-1]["update/ptx_nll"]}
+           if history and "update/ptx_nll" in history[-1] else {}),
         "efficacy_cache_hit_rate": cache.hit_rate if isinstance(cache, EfficacyCache) else 0.0,
         **{f"seconds_{k}": round(v, 3) for k, v in loop.timing.items()},
         "rollout_tokens_per_second": round(loop.generated_tokens / max(loop.timing["generation"], 1e-9), 1),

@@ -94,6 +94,20 @@ def test_each_algorithm_updates_the_policy_and_reports_the_rl_metrics(algorithm,
     assert base.keys() == trained.keys() and any(not torch.equal(base[k], trained[k]) for k in base)
 
 
+@pytest.mark.parametrize("algorithm", ["ppo", "ter"])
+def test_ptx_pulls_the_policy_towards_the_reference_answers(algorithm, data_dir, sft_model, tmp_path):
+    """ptx adds coef x the mean NLL of the step's reference answers to the RL loss. On 4 fixed prompts the
+    reference NLL falls over the run with coef 5, and ends far below a run whose ptx term is negligible (1e-6:
+    the RL term alone at this learning rate drives it up); without ptx the stage reports no such term."""
+    assert "ptx_nll_first" not in _run(_cfg(algorithm), data_dir, tmp_path / "plain", sft_model)
+    over = {"train": {"steps": 4}, "max_records": 4}
+    weak = _run(_cfg(algorithm, ptx={"coef": 1e-6}, **over), data_dir, tmp_path / "weak", sft_model)
+    mixed = _run(_cfg(algorithm, ptx={"coef": 5.0}, **over), data_dir, tmp_path / "ptx", sft_model)
+    assert mixed["ptx_nll_final"] < 0.75 * mixed["ptx_nll_first"]
+    assert mixed["ptx_nll_final"] < 0.5 * weak["ptx_nll_final"]
+    assert mixed["kl_final"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_ppo_runs_on_the_deepspeed_backend(zero_stage, data_dir, sft_model, tmp_path):
@@ -176,8 +190,10 @@ def _stage_cli(config: dict, data_dir, base, out, **env):
 @pytest.mark.parametrize("algorithm", ["ppo", "ter"])
 def test_rl_killed_mid_run_resumes_to_bit_identical_weights(algorithm, data_dir, sft_model, tmp_path):
     """Policy, critic, optimizer, RNG (sampling), KL coefficient, normaliser, baselines and TER's gradient EMA
-    all come back: the resumed run ends bit-identical to an uninterrupted one."""
+    all come back, and ptx draws the same reference records: the resumed run ends bit-identical to an
+    uninterrupted one."""
     config = _cfg(algorithm, ter={"grad_ema": 0.95},  # the EMA buffers must come back too
+                  ptx={"coef": 0.5, "samples_per_step": 3},
                   train={"steps": 5, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1,
                          "eval_every": 0, "checkpoint_every": 2}).model_dump(mode="json")
     straight = _stage_cli(config, data_dir, sft_model, tmp_path / "straight")
