@@ -70,7 +70,7 @@ def resolve_model_dir(uri: str | Path) -> Path:
             raise ValueError(
                 f"Model '{uri}' is not a local directory, and components._shared.models (to resolve it) "
                 "is missing."
-            )
+            ) from err
         return path
     return Path(resolve_model(str(uri)))
 

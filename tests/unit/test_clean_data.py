@@ -126,7 +126,9 @@ def test_fan_out_equals_run(world, cfg, cleaned, tmp_path):
         dirs.append(tmp_path / f"shard{i}")
     fanned = merge_shards(cfg, shard_dirs=dirs, output_dir=tmp_path / "merged", tracker=NullTracker())
 
-    drop_timing = lambda m: {k: v for k, v in m.items() if k not in ("records_per_second", "filter_seconds_total")}
+    def drop_timing(m: dict) -> dict:
+        return {k: v for k, v in m.items() if k not in ("records_per_second", "filter_seconds_total")}
+
     assert drop_timing(fanned) == drop_timing(metrics)
     for part in ("kept", "rejected"):
         assert _table(tmp_path / "merged" / part).equals(_table(out / part))

@@ -3,7 +3,7 @@
 from typing import Annotated
 
 import pytest
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from components._shared.cli import deep_merge, parse_overrides, validate
 from components._shared.config import StageConfig, SubConfig
@@ -53,7 +53,7 @@ def test_bounds_error_names_the_nested_setting():
 
 def test_configs_are_frozen():
     cfg = Example()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.max_steps = 3  # type: ignore[misc]
 
 
