@@ -247,10 +247,12 @@ class RlLoop(TrainLoop):
             for part, ptx_part in zip(np.array_split(order, cfg.update.minibatches), ptx_parts):
                 updates.append(self._train_step([[rollouts[i].sample] for i in part] + [[ptx[i]] for i in ptx_part]))
         updated = time.perf_counter()
-        for key in ("loss", "clip_fraction", "value_loss", "ratio_max", "ptx_nll"):
+        for key in ("loss", "clip_fraction", "value_loss", "ratio_max"):
             values = [u[key] for u in updates if key in u]
             if values:
                 metrics[f"update/{key}"] = float(np.mean(values))
+        if ptx:  # per reference token, whichever micro-batches the reference samples were packed into
+            metrics["update/ptx_nll"] = sum(u["ptx_nll_sum"] for u in updates) / sum(u["ptx_tokens"] for u in updates)
         metrics.update({k: v for k, v in updates[-1].items() if k.startswith("grad_norm/") or k == "lr"})
         if cfg.algorithm == "ppo":
             metrics["kl_coef"] = self.kl_ctl.value
@@ -358,7 +360,7 @@ class RlLoop(TrainLoop):
         if ptx_on:
             nll = -out["plain_logprobs"][~rl]
             loss = loss + (meta("ptx_weight")[~rl] * nll).sum()
-            extras["ptx_nll"] = float(nll.detach().mean()) if nll.numel() else 0.0
+            extras.update(ptx_nll_sum=float(nll.detach().sum()), ptx_tokens=float(nll.numel()))
         return loss, int(rl.sum()), extras
 
 
