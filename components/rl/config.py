@@ -81,6 +81,11 @@ class PtxConfig(SubConfig):
         "left them while the RL term moves the others; 0 = off."))] = 0.0
     samples_per_step: Annotated[int, Field(ge=0, description=(
         "Reference records per RL step; 0 = train.samples_per_step."))] = 0
+    loss: Literal["nll", "kl"] = Field("nll", description=(
+        "nll: the SFT loss on the reference answers (pulls towards the reference); kl: KL(reference model || "
+        "policy) over the whole vocabulary at those answers' positions (holds the SFT model's distribution there, "
+        "including near-tie answers the model gives by the class prior). kl keeps the reference model's "
+        "log-probabilities of the step's ptx tokens in memory: tokens x vocabulary floats."))
 
 
 class GateConfig(SubConfig):

@@ -36,7 +36,7 @@ from components._shared import checkpoint as ckpt
 from components._shared import evaluation as E
 from components._shared import metrics as M
 from components._shared.checkpoint import CheckpointStore
-from components._shared.packing import ConversationEncoder
+from components._shared.packing import ConversationEncoder, pack, plan_micro_batches, to_device
 from components._shared.reports import figure, history_series
 from components._shared.tracking import Tracker
 from components._shared.train_config import OptimConfig
@@ -45,7 +45,7 @@ from components._shared.vlm import freeze, load_vlm, save_vlm, set_pixel_bounds
 from components.rl import algorithms as A
 from components.rl.config import GateConfig, RlConfig
 from components.rl.rewards import EfficacyCache, build_rewards, task_efficacy
-from components.rl.rollout import Policy, Rollout, RolloutEngine
+from components.rl.rollout import Policy, Rollout, RolloutEngine, token_outputs
 
 
 class GateTripped(RuntimeError):
@@ -252,7 +252,10 @@ class RlLoop(TrainLoop):
             if values:
                 metrics[f"update/{key}"] = float(np.mean(values))
         if ptx:  # per reference token, whichever micro-batches the reference samples were packed into
-            metrics["update/ptx_nll"] = sum(u["ptx_nll_sum"] for u in updates) / sum(u["ptx_tokens"] for u in updates)
+            tokens = sum(u["ptx_tokens"] for u in updates)
+            metrics["update/ptx_nll"] = sum(u["ptx_nll_sum"] for u in updates) / tokens
+            if cfg.ptx.loss == "kl":
+                metrics["update/ptx_kl"] = sum(u["ptx_kl_sum"] for u in updates) / tokens
         metrics.update({k: v for k, v in updates[-1].items() if k.startswith("grad_norm/") or k == "lr"})
         if cfg.algorithm == "ppo":
             metrics["kl_coef"] = self.kl_ctl.value
@@ -282,7 +285,22 @@ class RlLoop(TrainLoop):
             s.meta.update(ptx=True, ptx_weight=torch.full((n,), weight), old_logprobs=torch.zeros(n),
                           ref_logprobs=torch.zeros(n), advantages=torch.zeros(n), returns=torch.zeros(n),
                           old_values=torch.zeros(n))
+        if self.cfg.ptx.loss == "kl":
+            self._reference_distributions(samples)
         return samples
+
+    @torch.no_grad()
+    def _reference_distributions(self, samples: list) -> None:
+        """meta["ref_full_logprobs"] (targets x vocabulary, T=1) of each ptx sample under the frozen reference."""
+        device = next(self.reference.parameters()).device
+        for group in plan_micro_batches([s.num_tokens for s in samples],
+                                        max(self.train.max_tokens_per_micro_batch, max(s.num_tokens for s in samples))):
+            micro = [samples[i] for i in group]
+            with self._autocast():
+                out = token_outputs(self.reference, to_device(pack(micro), device), 1.0, self.engine.suppressed,
+                                    full_logprobs=True)
+            for s, rows in zip(micro, out["full_logprobs"].float().cpu().split([s.num_targets for s in micro])):
+                s.meta["ref_full_logprobs"] = rows
 
     def _timing(self, started, generated, scored, updated, rollouts) -> dict[str, float]:
         split = {"generation": generated - started, "scoring": scored - generated, "update": updated - scored}
@@ -332,8 +350,9 @@ class RlLoop(TrainLoop):
 
     def _loss(self, policy: Policy, batch: dict, micro: list) -> tuple[torch.Tensor, int, dict[str, float]]:
         cfg = self.cfg
-        ptx_on = bool(cfg.ptx.coef)
-        out = policy.token_outputs(batch, cfg.rollout.temperature, self.engine.suppressed, plain_logprobs=ptx_on)
+        ptx_on, ptx_kl = bool(cfg.ptx.coef), bool(cfg.ptx.coef) and cfg.ptx.loss == "kl"
+        out = policy.token_outputs(batch, cfg.rollout.temperature, self.engine.suppressed, plain_logprobs=ptx_on,
+                                   full_logprobs=ptx_kl)
         logp = out["logprobs"]
 
         def meta(key: str) -> torch.Tensor:
@@ -359,7 +378,14 @@ class RlLoop(TrainLoop):
         loss = per_token[rl].sum()
         if ptx_on:
             nll = -out["plain_logprobs"][~rl]
-            loss = loss + (meta("ptx_weight")[~rl] * nll).sum()
+            ptx_loss = nll
+            if ptx_kl:  # KL(reference || policy) per position, over the vocabulary
+                ptx_samples = [s for s in micro if s.meta.get("ptx")]
+                ref = torch.cat([s.meta["ref_full_logprobs"] for s in ptx_samples]).to(logp.device) \
+                    if ptx_samples else out["full_logprobs"][:0]
+                ptx_loss = (ref.exp() * (ref - out["full_logprobs"][~rl])).sum(-1)
+                extras["ptx_kl_sum"] = float(ptx_loss.detach().sum())
+            loss = loss + (meta("ptx_weight")[~rl] * ptx_loss).sum()
             extras.update(ptx_nll_sum=float(nll.detach().sum()), ptx_tokens=float(nll.numel()))
         return loss, int(rl.sum()), extras
 
@@ -465,8 +491,8 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
         "kl_max_seen": max((h["kl"] for h in history), default=0.0),
         "reward_first": history[0]["reward"] if history else float("nan"),
         "reward_final": history[-1]["reward"] if history else float("nan"),
-        **({"ptx_nll_first": history[0]["update/ptx_nll"], "ptx_nll_final": history[-1]["update/ptx_nll"]}
-           if history and "update/ptx_nll" in history[-1] else {}),
+        **{f"ptx_{k}_{when}": history[i][f"update/ptx_{k}"] for k in ("nll", "kl")
+           for when, i in (("first", 0), ("final", -1)) if history and f"update/ptx_{k}" in history[i]},
         "efficacy_cache_hit_rate": cache.hit_rate if isinstance(cache, EfficacyCache) else 0.0,
         **{f"seconds_{k}": round(v, 3) for k, v in loop.timing.items()},
         "rollout_tokens_per_second": round(loop.generated_tokens / max(loop.timing["generation"], 1e-9), 1),

@@ -108,6 +108,17 @@ def test_ptx_pulls_the_policy_towards_the_reference_answers(algorithm, data_dir,
     assert mixed["kl_final"] > 0
 
 
+def test_ptx_kl_holds_the_policy_at_the_reference_distribution(data_dir, sft_model, tmp_path):
+    """ptx.loss kl: KL(reference || policy) over the vocabulary at the reference answers' positions. A negligible
+    coefficient lets the RL term move those distributions; coef 5 keeps them several times closer."""
+    over = {"train": {"steps": 4}, "max_records": 4}
+    weak = _run(_cfg("ter", ptx={"coef": 1e-6, "loss": "kl"}, **over), data_dir, tmp_path / "weak", sft_model)
+    held = _run(_cfg("ter", ptx={"coef": 5.0, "loss": "kl"}, **over), data_dir, tmp_path / "held", sft_model)
+    assert weak["ptx_kl_final"] > 0.05 and weak["ptx_kl_final"] > weak["ptx_kl_first"]
+    assert 0 <= held["ptx_kl_final"] < 0.3 * weak["ptx_kl_final"]
+    assert "ptx_nll_final" in held and held["kl_final"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_ppo_runs_on_the_deepspeed_backend(zero_stage, data_dir, sft_model, tmp_path):
