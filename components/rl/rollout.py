@@ -70,11 +70,11 @@ class Policy(torch.nn.Module):
         self.model.enable_input_require_grads()
 
     def token_outputs(self, batch: dict, temperature: float, suppressed: list[int], *,
-                      plain_logprobs: bool = False, full_logprobs: bool = False) -> dict[str, torch.Tensor]:
+                      plain_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """At the labelled positions of a packed batch, in order: log-probabilities of the targets, entropies and
         (with a value head) values. The LM head runs on those rows only (the vocabulary is large)."""
         return token_outputs(self.model, batch, temperature, suppressed, value_head=self.value_head,
-                             plain_logprobs=plain_logprobs, full_logprobs=full_logprobs)
+                             plain_rows=plain_rows)
 
 
 def suppressed_tokens(model) -> list[int]:
@@ -86,9 +86,10 @@ def suppressed_tokens(model) -> list[int]:
 
 
 def token_outputs(model, batch: dict, temperature: float, suppressed: list[int], value_head=None, *,
-                  plain_logprobs: bool = False, full_logprobs: bool = False) -> dict[str, torch.Tensor]:
-    """See Policy.token_outputs; `plain_logprobs` adds the targets' log-probabilities at temperature 1 (the SFT
-    loss of ptx), `full_logprobs` the whole (positions x vocabulary) log-softmax at temperature 1 (ptx's KL)."""
+                  plain_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """See Policy.token_outputs. `plain_rows` (a mask over the labelled positions) adds, for those rows only, the
+    log-softmax at temperature 1 (`plain_full`, rows x vocabulary: ptx's KL) and the targets' entries of it
+    (`plain_logprobs`: ptx's NLL)."""
     hidden = forward_hidden(model, batch)[0]
     targets = batch["targets"][0]
     where = targets != IGNORE_INDEX
@@ -99,11 +100,10 @@ def token_outputs(model, batch: dict, temperature: float, suppressed: list[int],
     index = targets[where][:, None]
     out = {"logprobs": logp.gather(1, index).squeeze(1),
            "entropy": -(logp.exp() * logp).sum(-1)}
-    if plain_logprobs or full_logprobs:
-        plain = torch.log_softmax(raw, -1)
-        out["plain_logprobs"] = plain.gather(1, index).squeeze(1)
-        if full_logprobs:
-            out["full_logprobs"] = plain
+    if plain_rows is not None:
+        plain = torch.log_softmax(raw[plain_rows], -1)
+        out["plain_full"] = plain
+        out["plain_logprobs"] = plain.gather(1, index[plain_rows]).squeeze(1)
     if value_head is not None:
         out["values"] = value_head(rows.to(value_head.weight.dtype)).squeeze(-1).float()
     return out

@@ -296,10 +296,11 @@ class RlLoop(TrainLoop):
         for group in plan_micro_batches([s.num_tokens for s in samples],
                                         max(self.train.max_tokens_per_micro_batch, max(s.num_tokens for s in samples))):
             micro = [samples[i] for i in group]
+            every_row = torch.ones(sum(s.num_targets for s in micro), dtype=torch.bool, device=device)
             with self._autocast():
                 out = token_outputs(self.reference, to_device(pack(micro), device), 1.0, self.engine.suppressed,
-                                    full_logprobs=True)
-            for s, rows in zip(micro, out["full_logprobs"].float().cpu().split([s.num_targets for s in micro])):
+                                    plain_rows=every_row)
+            for s, rows in zip(micro, out["plain_full"].float().cpu().split([s.num_targets for s in micro])):
                 s.meta["ref_full_logprobs"] = rows
 
     def _timing(self, started, generated, scored, updated, rollouts) -> dict[str, float]:
@@ -350,16 +351,16 @@ class RlLoop(TrainLoop):
 
     def _loss(self, policy: Policy, batch: dict, micro: list) -> tuple[torch.Tensor, int, dict[str, float]]:
         cfg = self.cfg
-        ptx_on, ptx_kl = bool(cfg.ptx.coef), bool(cfg.ptx.coef) and cfg.ptx.loss == "kl"
-        out = policy.token_outputs(batch, cfg.rollout.temperature, self.engine.suppressed, plain_logprobs=ptx_on,
-                                   full_logprobs=ptx_kl)
+        ptx_on = bool(cfg.ptx.coef)
+        rl = torch.cat([torch.full((s.num_targets,), not s.meta.get("ptx")) for s in micro]).to(batch["targets"].device)
+        out = policy.token_outputs(batch, cfg.rollout.temperature, self.engine.suppressed,
+                                   plain_rows=~rl if ptx_on else None)
         logp = out["logprobs"]
 
         def meta(key: str) -> torch.Tensor:
             return torch.cat([s.meta[key] for s in micro]).to(logp.device)
 
         old, advantages = meta("old_logprobs"), meta("advantages")
-        rl = torch.cat([torch.full((s.num_targets,), not s.meta.get("ptx")) for s in micro]).to(logp.device)
         extras = {"ratio_max": float(torch.exp(logp.detach() - old)[rl].max()) if rl.any() else 1.0}
         if cfg.algorithm == "ter":
             weights = A.truncated_importance_weights(logp, old, cfg.ter.importance_cap)
@@ -377,13 +378,13 @@ class RlLoop(TrainLoop):
                 per_token = per_token + cfg.grpo.kl_coef * A.kl_k3(logp, meta("ref_logprobs"))
         loss = per_token[rl].sum()
         if ptx_on:
-            nll = -out["plain_logprobs"][~rl]
+            nll = -out["plain_logprobs"]
             ptx_loss = nll
-            if ptx_kl:  # KL(reference || policy) per position, over the vocabulary
+            if cfg.ptx.loss == "kl":  # KL(reference || policy) per position, over the vocabulary
                 ptx_samples = [s for s in micro if s.meta.get("ptx")]
                 ref = torch.cat([s.meta["ref_full_logprobs"] for s in ptx_samples]).to(logp.device) \
-                    if ptx_samples else out["full_logprobs"][:0]
-                ptx_loss = (ref.exp() * (ref - out["full_logprobs"][~rl])).sum(-1)
+                    if ptx_samples else out["plain_full"]
+                ptx_loss = (ref.exp() * (ref - out["plain_full"])).sum(-1)
                 extras["ptx_kl_sum"] = float(ptx_loss.detach().sum())
             loss = loss + (meta("ptx_weight")[~rl] * ptx_loss).sum()
             extras.update(ptx_nll_sum=float(nll.detach().sum()), ptx_tokens=float(nll.numel()))
