@@ -26,9 +26,9 @@ same packed batches with transformers' plain `sdpa`, which builds a block-causal
 row (budget^2 per row): the kernel's own gain, measured in the same process. Each arm trains its own
 copy of the model; `--vision-like 7b` swaps in a random-init ViT resized so that an image token costs what it
 costs in Qwen2.5-VL-7B next to a text token (`vit_to_lm_cost`; the demo model's ViT is 12x heavier than that,
-which caps what packing, an LM-side saving, can show); two untimed warm-up steps each; `--repeats` epochs over all samples, interleaved padded/packed so machine
-load hits both alike; the median epoch rate counts. The goals (efficiency >= 0.98, speed-up >= 1.5x) are printed
-beside the numbers, never asserted.
+which caps what packing, an LM-side saving, can show); two untimed warm-up steps each; `--repeats` epochs over all
+samples, interleaved padded/packed so machine load hits both alike; the median epoch rate counts. The goals
+(efficiency >= 0.98, speed-up >= 1.5x) are printed beside the numbers, never asserted.
 """
 
 from __future__ import annotations

@@ -136,6 +136,7 @@ class RlLoop(TrainLoop):
         self.reference = reference.to(self.device).eval()
         self.prompts, self.image, self.engine, self.rewards = prompts, image, engine, rewards
         self.ptx_pool = ptx_pool or []
+        self.ptx_token_weight = 0.0  # set with each step's ptx samples (see _ptx_samples)
         self.kl_ctl = A.AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
         self.moments = A.RunningMoments()
         self.baseline = A.EmaBaseline(cfg.ter.baseline_decay)
@@ -279,10 +280,11 @@ class RlLoop(TrainLoop):
         samples = [self.engine.encoder.encode(E.prompt_turns(r["question"]) + [{"role": "assistant", "text": r["answer"]}],
                                               images=[self.image(r["image"])], sample_id=f"ptx:{r['id']}")
                    for r in records]
-        weight = self.cfg.ptx.coef * sum(r.length for r in rollouts) / sum(s.num_targets for s in samples)
+        completion_tokens = sum(r.length for r in rollouts)
+        self.ptx_token_weight = self.cfg.ptx.coef * completion_tokens / sum(s.num_targets for s in samples)
         for s in samples:
             n = s.num_targets
-            s.meta.update(ptx=True, ptx_weight=torch.full((n,), weight), old_logprobs=torch.zeros(n),
+            s.meta.update(ptx=True, old_logprobs=torch.zeros(n),
                           ref_logprobs=torch.zeros(n), advantages=torch.zeros(n), returns=torch.zeros(n),
                           old_values=torch.zeros(n))
         if self.cfg.ptx.loss == "kl":
@@ -346,13 +348,14 @@ class RlLoop(TrainLoop):
                 r.advantages = torch.full((r.length,), adv)
         for r in rollouts:
             r.sample.meta.update(old_logprobs=r.logprobs, ref_logprobs=r.ref_logprobs, advantages=r.advantages,
-                                 returns=r.returns, old_values=r.values, ptx_weight=torch.zeros(r.length))
+                                 returns=r.returns, old_values=r.values)
         return out
 
     def _loss(self, policy: Policy, batch: dict, micro: list) -> tuple[torch.Tensor, int, dict[str, float]]:
         cfg = self.cfg
         ptx_on = bool(cfg.ptx.coef)
-        rl = torch.cat([torch.full((s.num_targets,), not s.meta.get("ptx")) for s in micro]).to(batch["targets"].device)
+        rl = torch.cat([torch.full((s.num_targets,), not s.meta.get("ptx")) for s in micro])
+        rl = rl.to(batch["targets"].device)
         out = policy.token_outputs(batch, cfg.rollout.temperature, self.engine.suppressed,
                                    plain_rows=~rl if ptx_on else None)
         logp = out["logprobs"]
@@ -386,7 +389,7 @@ class RlLoop(TrainLoop):
                     if ptx_samples else out["plain_full"]
                 ptx_loss = (ref.exp() * (ref - out["plain_full"])).sum(-1)
                 extras["ptx_kl_sum"] = float(ptx_loss.detach().sum())
-            loss = loss + (meta("ptx_weight")[~rl] * ptx_loss).sum()
+            loss = loss + self.ptx_token_weight * ptx_loss.sum()
             extras.update(ptx_nll_sum=float(nll.detach().sum()), ptx_tokens=float(nll.numel()))
         return loss, int(rl.sum()), extras
 
