@@ -116,9 +116,20 @@ def load_image(root: Path, reference: str) -> Image.Image:
         raise ValueError(f"image {reference!r} cannot be used: {error}") from error
 
 
-def load_eval_records(data_dir: Path, *, per_type: int | None = None) -> list[dict]:
-    """eval.jsonl, at most `per_type` records of each question type (file order), images loaded."""
-    records = read_jsonl(data_dir / "eval.jsonl", ("id", "image", "question", "answer", "type"))
+def load_eval_records(data_dir: Path, *, per_type: int | None = None,
+                      files: tuple[str, ...] | list[str] = ("eval.jsonl",)) -> list[dict]:
+    """Held-out questions {"id", "image", "question", "answer", "type", "pil"} from `files` in the data directory,
+    at most `per_type` of each question type (file order), images loaded. A file holds eval.jsonl records
+    ({"id","image","question","answer","type"}) or LLaVA conversation records with a `type` and one image (as
+    sft.jsonl / rl.jsonl: the first human turn is the question, the first gpt turn the answer)."""
+    records, seen = [], {}
+    for file_name in files:
+        for record in _eval_file_records(data_dir, file_name):
+            if record["id"] in seen:
+                raise ValueError(f"eval record id {record['id']!r} is in both {seen[record['id']]} and {file_name}; "
+                                 "held-out ids must be unique across eval files.")
+            seen[record["id"]] = file_name
+            records.append(record)
     counts: dict[str, int] = defaultdict(int)
     kept = []
     for record in records:
@@ -129,6 +140,30 @@ def load_eval_records(data_dir: Path, *, per_type: int | None = None) -> list[di
             counts[record["type"]] += 1
             kept.append({**record, "pil": load_image(data_dir, record["image"])})
     return kept
+
+
+def _eval_file_records(data_dir: Path, file_name: str) -> list[dict]:
+    """One eval file's records in eval.jsonl's flat form (conversation records converted)."""
+    path = data_dir / file_name
+    first = next((line for line in path.read_text().splitlines() if line.strip()), "{}") if path.is_file() else "{}"
+    try:
+        conversation_format = "conversations" in json.loads(first)
+    except json.JSONDecodeError:
+        conversation_format = False  # read_jsonl names the line
+    if not conversation_format:
+        return read_jsonl(path, ("id", "image", "question", "answer", "type"))
+    out = []
+    for r in load_conversations(data_dir, file_name=file_name):
+        if len(r["images"]) != 1:
+            raise ValueError(f"{file_name}: eval record {r['id']!r} has {len(r['images'])} images; held-out "
+                             "questions need exactly one.")
+        question = next((t["text"] for t in r["turns"] if t["role"] == "user"), None)
+        if question is None:
+            raise ValueError(f"{file_name}: eval record {r['id']!r} has no human turn to ask.")
+        answer = next(t["text"] for t in r["turns"] if t["role"] == "assistant")
+        out.append({"id": r["id"], "image": r["images"][0], "question": question.replace("<image>", "").strip(),
+                    "answer": answer, "type": r["type"]})
+    return out
 
 
 def prompt_turns(question: str) -> list[dict]:

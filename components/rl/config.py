@@ -102,6 +102,10 @@ class GateConfig(SubConfig):
 
 
 class RlEvalConfig(SubConfig):
+    files: list[str] = Field(default_factory=lambda: ["eval.jsonl"], min_length=1, description=(
+        "Held-out question files in the data directory: eval.jsonl records, or conversation records like the "
+        "prompts file's (e.g. rl.jsonl when the policy trains on sft.jsonl: more unseen questions, narrower "
+        "intervals on the efficacy change). Never the prompts file."))
     per_type: Annotated[int | None, Field(ge=1)] = 50
     batch_size: Annotated[int, Field(ge=1)] = 64
     max_new_tokens: Annotated[int, Field(ge=1)] = 48
@@ -154,6 +158,9 @@ class RlConfig(StageConfig):
         if self.algorithm == "ter" and self.ter.grad_ema and self.train.backend == "deepspeed":
             raise ValueError("ter.grad_ema needs the torch backend (DeepSpeed owns the gradients); set ter.grad_ema: 0 "
                              "or train.backend: torch.")
+        if self.prompts_file in self.eval.files:
+            raise ValueError(f"eval.files holds the prompts file {self.prompts_file!r}: the policy trains on those "
+                             "questions, so they are not held out; drop it from eval.files or train on another file.")
         rollouts = self.train.samples_per_step * self.rollout.samples_per_prompt
         if self.update.minibatches > rollouts:
             raise ValueError(f"update.minibatches={self.update.minibatches} exceeds the {rollouts} rollouts of a step "

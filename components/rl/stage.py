@@ -425,7 +425,7 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
     output_dir = Path(output_dir)
     data_dir = E.resolve_data_dir(data, scratch=output_dir / ".scratch")
     prompts = load_prompts(data_dir, cfg, need_types=bool(cfg.rewards.get("efficacy")))
-    eval_records = E.load_eval_records(data_dir, per_type=cfg.eval.per_type)
+    eval_records = E.load_eval_records(data_dir, per_type=cfg.eval.per_type, files=cfg.eval.files)
     key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"base_model": base_model, "reward_model": reward_model,
                                                          "data": data})
     torch.manual_seed(cfg.seed)

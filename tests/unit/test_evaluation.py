@@ -1,5 +1,6 @@
 """The eval suite's generation: batched, left-padded KV-cache generation equals teacher-forced greedy decoding."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -95,3 +96,25 @@ def test_images_load_from_the_data_dir_or_s3_and_bad_ones_are_named(tmp_path: Pa
         E.load_image(tmp_path, "broken.png")
     with pytest.raises(ValueError, match="'missing.png' does not exist"):
         E.load_image(tmp_path, "missing.png")
+
+
+def test_eval_records_join_files_of_both_formats(tmp_path: Path):
+    Image.fromarray(np.zeros((28, 28, 3), dtype=np.uint8)).save(tmp_path / "x.png")
+    flat = {"image": "x.png", "question": "What colour?", "answer": "red", "type": "color"}
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"id": f"e{i}", **flat}) + "\n" for i in range(3)))
+    conversation = {"image": "x.png", "type": "color", "conversations": [
+        {"from": "human", "value": "<image>\nWhat colour is the shape?"}, {"from": "gpt", "value": "blue"}]}
+    (tmp_path / "rl.jsonl").write_text("".join(json.dumps({"id": f"r{i}", **conversation}) + "\n" for i in range(4)))
+    records = E.load_eval_records(tmp_path, files=["eval.jsonl", "rl.jsonl"])
+    assert [r["id"] for r in records] == ["e0", "e1", "e2", "r0", "r1", "r2", "r3"]
+    assert records[3]["question"] == "What colour is the shape?" and records[3]["answer"] == "blue"
+    assert records[3]["pil"].size == (28, 28)
+    assert [r["id"] for r in E.load_eval_records(tmp_path, files=["eval.jsonl", "rl.jsonl"], per_type=5)] == [
+        "e0", "e1", "e2", "r0", "r1"]  # the cap counts across files, in file order
+    (tmp_path / "dup.jsonl").write_text(json.dumps({"id": "e1", **flat}) + "\n")
+    with pytest.raises(ValueError, match="'e1' is in both eval.jsonl and dup.jsonl"):
+        E.load_eval_records(tmp_path, files=["eval.jsonl", "dup.jsonl"])
+    two_images = {**conversation, "images": ["x.png", "x.png"]}
+    (tmp_path / "multi.jsonl").write_text(json.dumps({"id": "m0", **two_images}) + "\n")
+    with pytest.raises(ValueError, match="multi.jsonl: eval record 'm0' has 2 images"):
+        E.load_eval_records(tmp_path, files=["multi.jsonl"])

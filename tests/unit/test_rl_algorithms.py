@@ -124,6 +124,14 @@ def test_ppo_group_baseline_needs_several_samples_per_prompt():
     assert RlConfig(algorithm="ppo", ppo={"group_baseline": True}, rollout={"samples_per_prompt": 2}).ppo.group_baseline
 
 
+def test_the_prompts_file_cannot_be_a_held_out_file():
+    from components.rl.config import RlConfig
+
+    with pytest.raises(ValueError, match="eval.files holds the prompts file 'rl.jsonl'"):
+        RlConfig(prompts_file="rl.jsonl", eval={"files": ["eval.jsonl", "rl.jsonl"]})
+    assert RlConfig(eval={"files": ["eval.jsonl", "rl.jsonl"]}).eval.files == ["eval.jsonl", "rl.jsonl"]
+
+
 def test_importance_weights_are_capped_and_carry_no_gradient():
     logp = torch.tensor([0.0, math.log(3.0)], requires_grad=True)
     w = A.truncated_importance_weights(logp, torch.zeros(2), cap=2.0)
