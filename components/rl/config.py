@@ -76,11 +76,14 @@ class PtxConfig(SubConfig):
 
     coef: Annotated[float, Field(ge=0, description=(
         "Weight of the mean token NLL of reference answers added to the RL loss of every optimizer step: "
-        "records of the prompts file, every question type whatever `prompt_types` says, drawn afresh each step "
-        "and split over its minibatches like the rollouts. It holds the answers the reward cannot move where SFT "
+        "records of the prompts file of `ptx.types` (default every type, whatever `prompt_types` says), drawn "
+        "afresh each step and split over its minibatches like the rollouts. It holds the answers the reward cannot move where SFT "
         "left them while the RL term moves the others; 0 = off."))] = 0.0
     samples_per_step: Annotated[int, Field(ge=0, description=(
         "Reference records per RL step; 0 = train.samples_per_step."))] = 0
+    types: list[str] = Field(default_factory=list, description=(
+        "Question types of the ptx records; empty = every type. With RL on some types (`prompt_types`), the "
+        "others alone hold the rest where SFT left them and leave the RL types free to move."))
     loss: Literal["nll", "kl"] = Field("nll", description=(
         "nll: the SFT loss on the reference answers (pulls towards the reference); kl: KL(reference model || "
         "policy) over the whole vocabulary at those answers' positions (holds the SFT model's distribution there, "

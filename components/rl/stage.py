@@ -92,9 +92,10 @@ class Gates:
         self.strikes = defaultdict(int, {k: int(v) for k, v in state.items()})
 
 
-def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, all_types: bool = False) -> list[dict]:
-    """Prompt records {"id", "image", "question", "answer", "type"} from the prompts file (LLaVA format), of the
-    `prompt_types` (every type with `all_types`: the ptx pool)."""
+def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, types: list[str] | None = None) -> list[dict]:
+    """Prompt records {"id", "image", "question", "answer", "type"} from the prompts file (LLaVA format), of
+    `types` (default `prompt_types`; empty = every type)."""
+    types = cfg.prompt_types if types is None else types
     prompts = []
     for r in E.load_conversations(data_dir, file_name=cfg.prompts_file):
         if len(r["images"]) != 1:
@@ -102,7 +103,7 @@ def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, all_types: 
         if need_types and r["type"] not in M.QUESTION_TYPES:
             raise ValueError(f"rl prompt {r['id']!r} has type {r['type']!r}; the efficacy reward needs one of "
                              f"{M.QUESTION_TYPES}. Fix the record or drop the efficacy reward.")
-        if cfg.prompt_types and not all_types and r["type"] not in cfg.prompt_types:
+        if types and r["type"] not in types:
             continue
         user = next(t["text"] for t in r["turns"] if t["role"] == "user")
         answer = next(t["text"] for t in r["turns"] if t["role"] == "assistant")
@@ -111,7 +112,7 @@ def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, all_types: 
         if cfg.max_records and len(prompts) >= cfg.max_records:
             break
     if not prompts:
-        raise ValueError(f"no rl prompts in {data_dir / cfg.prompts_file} (prompt_types={cfg.prompt_types}).")
+        raise ValueError(f"no rl prompts in {data_dir / cfg.prompts_file} (question types {types or 'all'}).")
     return prompts
 
 
@@ -271,7 +272,7 @@ class RlLoop(TrainLoop):
         return float(sum(s.num_targets for s in unit if not s.meta.get("ptx")))
 
     def _ptx_samples(self, rollouts: list[Rollout]) -> list:
-        """`ptx.samples_per_step` records of the prompts file (every type, drawn afresh each step as a pure function
+        """`ptx.samples_per_step` records of the prompts file (of `ptx.types`, drawn afresh each step as a pure function
         of the seed and step) with their reference answers, encoded as SFT encodes them; each target token weighs
         ptx.coef x (completion tokens / reference tokens of the step), so the term adds ptx.coef x the mean NLL."""
         count = min(self.cfg.ptx.samples_per_step or self.train.samples_per_step, len(self.ptx_pool))
@@ -447,7 +448,7 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
                   checkpoints=CheckpointStore(ckpt.location(cfg.train.checkpoint_uri, "rl", key, output_dir),
                                               keep=cfg.train.keep_checkpoints, scratch=output_dir / ".scratch"),
                   tracker=tracker,
-                  ptx_pool=load_prompts(data_dir, cfg, need_types=False, all_types=True) if cfg.ptx.coef else None)
+                  ptx_pool=load_prompts(data_dir, cfg, need_types=False, types=cfg.ptx.types) if cfg.ptx.coef else None)
     final_rows: list[dict] = []
 
     def evaluate(step: int) -> dict[str, float]:

@@ -179,6 +179,21 @@ def test_ppo_with_the_reward_model_reward(data_dir, sft_model, reward_model, tmp
     assert set(rewards) == {"efficacy", "format", "reward_model"}
 
 
+def test_prompt_and_ptx_pools_take_their_own_question_types(data_dir):
+    """RL prompts come from `prompt_types`; the ptx pool from `ptx.types` (empty = every type), so the anchor can
+    hold the types RL does not train without restraining the ones it does."""
+    cfg = _cfg("ter", prompt_types=["caption", "grounding"], ptx={"coef": 1.0, "types": ["count", "color"]})
+    every = load_prompts(data_dir, _cfg("ter"), need_types=True)
+    assert len({r["type"] for r in every}) >= 6
+    assert {r["type"] for r in load_prompts(data_dir, cfg, need_types=True)} == {"caption", "grounding"}
+    ptx_pool = load_prompts(data_dir, cfg, need_types=False, types=cfg.ptx.types)
+    assert {r["type"] for r in ptx_pool} == {"count", "color"}
+    assert len(ptx_pool) == sum(r["type"] in ("count", "color") for r in every)
+    assert len(load_prompts(data_dir, cfg, need_types=False, types=[])) == len(every)
+    with pytest.raises(ValueError, match=r"no rl prompts .* \(question types \['weather'\]\)"):
+        load_prompts(data_dir, cfg, need_types=False, types=["weather"])
+
+
 def test_bad_prompts_and_settings_are_rejected_with_the_fix(data_dir, tmp_path):
     with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
         _cfg("grpo", rollout={"samples_per_prompt": 1})
