@@ -49,13 +49,13 @@ def preflight_op(
         needs_sft_data: Whether this DAG runs sft (then sft_data_uri must be set).
         preference_data_uri: Preference pairs (must hold preferences.jsonl).
         needs_preference_data: Whether this DAG runs reward_model (then preference_data_uri must be set).
-        rl_data_uri: RL prompts (must hold the rl section's prompts_file and eval.jsonl).
+        rl_data_uri: RL prompts (must hold the rl section's prompts_file and its eval.files).
         needs_rl_data: Whether this DAG runs rl (then rl_data_uri must be set).
         report: preflight.json with what was checked and where the models resolved to.
         experiment: MLflow experiment name.
     """
     from components._shared.launch import run_stage
-    from components.preflight.stage import model_uris_in
+    from components.preflight.stage import model_uris_in, rl_data_files
 
     stage_configs = {"clean_data": clean_data_config, "extract_features": extract_features_config,
                      "pretrain": pretrain_config, "sft": sft_config, "reward_model": reward_model_config, "rl": rl_config,
@@ -65,8 +65,7 @@ def preflight_op(
         "sft_data_uri": {"uri": sft_data_uri, "files": ["sft.jsonl", "eval.jsonl"], "required": needs_sft_data},  # sft, distill
         "preference_data_uri": {"uri": preference_data_uri, "files": ["preferences.jsonl"],
                                 "required": needs_preference_data},
-        "rl_data_uri": {"uri": rl_data_uri, "files": [rl_config.get("prompts_file", "sft.jsonl"), "eval.jsonl"],
-                        "required": needs_rl_data},
+        "rl_data_uri": {"uri": rl_data_uri, "files": rl_data_files(rl_config), "required": needs_rl_data},
     }
     run_stage(
         "preflight",

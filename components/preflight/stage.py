@@ -100,6 +100,11 @@ def check_data(data_files: dict[str, dict[str, Any]]) -> int:
     return found
 
 
+def rl_data_files(rl_config: dict[str, Any]) -> list[str]:
+    """The files the rl stage reads from its data directory: the prompts file and the held-out files."""
+    return [rl_config.get("prompts_file", "sft.jsonl"), *rl_config.get("eval", {}).get("files", ["eval.jsonl"])]
+
+
 def run(
     cfg: PreflightConfig,
     *,

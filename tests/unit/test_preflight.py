@@ -6,7 +6,7 @@ import pytest
 
 from components._shared.tracking import NullTracker
 from components.preflight.config import PreflightConfig
-from components.preflight.stage import model_uris_in, run
+from components.preflight.stage import model_uris_in, rl_data_files, run
 
 
 def _run(tmp_path, lake, **kwargs):
@@ -63,6 +63,12 @@ def test_model_uris_are_found_in_stage_configs():
                "distill": {"student": {"init": "model", "model_uri": "s3://m/qwen-3b"}, "loss": {"kl": 1.0}},
                "select_checkpoint": {"registry_name": "qvl-vlm"}}
     assert model_uris_in(configs) == ["builtin:tiny-clip", "s3://m/clip", "s3://m/qwen-3b"]
+
+
+def test_rl_data_must_hold_the_prompts_file_and_every_held_out_file():
+    assert rl_data_files({}) == ["sft.jsonl", "eval.jsonl"]
+    assert rl_data_files({"prompts_file": "mine.jsonl", "eval": {"files": ["eval.jsonl", "rl.jsonl"]}}) == [
+        "mine.jsonl", "eval.jsonl", "rl.jsonl"]
 
 
 def test_training_data_is_required_where_the_dag_reads_it(tmp_path, lake):
