@@ -77,8 +77,8 @@ class PtxConfig(SubConfig):
     coef: Annotated[float, Field(ge=0, description=(
         "Weight of the mean token NLL of reference answers added to the RL loss of every optimizer step: "
         "records of the prompts file of `ptx.types` (default every type, whatever `prompt_types` says), drawn "
-        "afresh each step and split over its minibatches like the rollouts. It holds the answers the reward cannot move where SFT "
-        "left them while the RL term moves the others; 0 = off."))] = 0.0
+        "afresh each step and split over its minibatches like the rollouts. It holds the answers the reward cannot "
+        "move where SFT left them while the RL term moves the others; 0 = off."))] = 0.0
     samples_per_step: Annotated[int, Field(ge=0, description=(
         "Reference records per RL step; 0 = train.samples_per_step."))] = 0
     types: list[str] = Field(default_factory=list, description=(

@@ -92,12 +92,14 @@ class Gates:
         self.strikes = defaultdict(int, {k: int(v) for k, v in state.items()})
 
 
-def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, types: list[str] | None = None) -> list[dict]:
+def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, types: list[str] | None = None,
+                 setting: str = "prompt_types") -> list[dict]:
     """Prompt records {"id", "image", "question", "answer", "type"} from the prompts file (LLaVA format), of
-    `types` (default `prompt_types`; empty = every type)."""
+    `types` (default `prompt_types`; empty = every type); a type no record has is an error naming `setting`."""
     types = cfg.prompt_types if types is None else types
-    prompts = []
+    prompts, seen_types = [], set()
     for r in E.load_conversations(data_dir, file_name=cfg.prompts_file):
+        seen_types.add(r["type"])
         if len(r["images"]) != 1:
             raise ValueError(f"rl prompt {r['id']!r} has {len(r['images'])} images; RL prompts need exactly one.")
         if need_types and r["type"] not in M.QUESTION_TYPES:
@@ -111,6 +113,11 @@ def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, types: list
                         "answer": answer, "type": r["type"]})
         if cfg.max_records and len(prompts) >= cfg.max_records:
             break
+    absent = sorted(set(types) - seen_types)
+    if absent:
+        raise ValueError(f"rl {setting} names question type(s) {absent} that no record of {cfg.prompts_file} has "
+                         f"(it has {sorted(seen_types)}{' within max_records' if cfg.max_records else ''}); fix or "
+                         "drop them.")
     if not prompts:
         raise ValueError(f"no rl prompts in {data_dir / cfg.prompts_file} (question types {types or 'all'}).")
     return prompts
@@ -272,8 +279,8 @@ class RlLoop(TrainLoop):
         return float(sum(s.num_targets for s in unit if not s.meta.get("ptx")))
 
     def _ptx_samples(self, rollouts: list[Rollout]) -> list:
-        """`ptx.samples_per_step` records of the prompts file (of `ptx.types`, drawn afresh each step as a pure function
-        of the seed and step) with their reference answers, encoded as SFT encodes them; each target token weighs
+        """`ptx.samples_per_step` records of the prompts file (of `ptx.types`, drawn afresh each step as a pure
+        function of the seed and step) with their reference answers, encoded as SFT encodes them; each target token weighs
         ptx.coef x (completion tokens / reference tokens of the step), so the term adds ptx.coef x the mean NLL."""
         count = min(self.cfg.ptx.samples_per_step or self.train.samples_per_step, len(self.ptx_pool))
         rng = np.random.default_rng([self.cfg.seed, 9_000_011, self.step])
@@ -448,7 +455,8 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
                   checkpoints=CheckpointStore(ckpt.location(cfg.train.checkpoint_uri, "rl", key, output_dir),
                                               keep=cfg.train.keep_checkpoints, scratch=output_dir / ".scratch"),
                   tracker=tracker,
-                  ptx_pool=load_prompts(data_dir, cfg, need_types=False, types=cfg.ptx.types) if cfg.ptx.coef else None)
+                  ptx_pool=load_prompts(data_dir, cfg, need_types=False, types=cfg.ptx.types,
+                                       setting="ptx.types") if cfg.ptx.coef else None)
     final_rows: list[dict] = []
 
     def evaluate(step: int) -> dict[str, float]:

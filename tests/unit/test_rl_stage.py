@@ -172,11 +172,16 @@ def test_a_policy_that_appends_the_bait_suffix_is_caught_by_the_reward_model(dat
 
 
 def test_ppo_with_the_reward_model_reward(data_dir, sft_model, reward_model, tmp_path):
-    metrics = _run(_cfg("ppo", rewards={"efficacy": 1.0, "format": 0.2, "reward_model": 0.5}), data_dir, tmp_path,
-                   sft_model, reward_model)
+    """Also scored on two held-out files: eval.jsonl (3 per type here) and rl.jsonl's conversations (the rest)."""
+    cfg = _cfg("ppo", rewards={"efficacy": 1.0, "format": 0.2, "reward_model": 0.5},
+               eval={"files": ["eval.jsonl", "rl.jsonl"], "per_type": 4})
+    metrics = _run(cfg, data_dir, tmp_path, sft_model, reward_model)
     assert metrics["steps"] == 3
     rewards = json.loads((tmp_path / "rollouts.jsonl").read_text().splitlines()[0])["rewards"]
     assert set(rewards) == {"efficacy", "format", "reward_model"}
+    scored = [json.loads(line)["id"] for line in (tmp_path / "eval_predictions.jsonl").read_text().splitlines()]
+    assert sum(i.startswith("eval-") for i in scored) == 24 and any(i.startswith("rl-") for i in scored)
+    assert metrics["heldout_improved"] + metrics["heldout_worsened"] <= len(scored)
 
 
 def test_prompt_and_ptx_pools_take_their_own_question_types(data_dir):
@@ -190,8 +195,9 @@ def test_prompt_and_ptx_pools_take_their_own_question_types(data_dir):
     assert {r["type"] for r in ptx_pool} == {"count", "color"}
     assert len(ptx_pool) == sum(r["type"] in ("count", "color") for r in every)
     assert len(load_prompts(data_dir, cfg, need_types=False, types=[])) == len(every)
-    with pytest.raises(ValueError, match=r"no rl prompts .* \(question types \['weather'\]\)"):
-        load_prompts(data_dir, cfg, need_types=False, types=["weather"])
+    with pytest.raises(ValueError, match=r"rl ptx.types names question type\(s\) \['colour'\] that no record of "
+                                         r"sft.jsonl has \(it has \['caption', "):
+        load_prompts(data_dir, cfg, need_types=False, types=["color", "colour"], setting="ptx.types")
 
 
 def test_bad_prompts_and_settings_are_rejected_with_the_fix(data_dir, tmp_path):
