@@ -145,21 +145,30 @@ def load_eval_records(data_dir: Path, *, per_type: int | None = None,
 def _eval_file_records(data_dir: Path, file_name: str) -> list[dict]:
     """One eval file's records in eval.jsonl's flat form (conversation records converted)."""
     path = data_dir / file_name
-    first = next((line for line in path.read_text().splitlines() if line.strip()), "{}") if path.is_file() else "{}"
+    first = "{}"
+    if path.is_file():
+        with path.open() as lines:
+            first = next((line for line in lines if line.strip()), first)
     try:
         conversation_format = "conversations" in json.loads(first)
     except json.JSONDecodeError:
         conversation_format = False  # read_jsonl names the line
     if not conversation_format:
         return read_jsonl(path, ("id", "image", "question", "answer", "type"))
+    return conversation_questions(data_dir, file_name, label="eval record")
+
+
+def conversation_questions(data_dir: Path, file_name: str, *, label: str) -> list[dict]:
+    """A conversation file (sft.jsonl / rl.jsonl format) as {"id", "image", "question", "answer", "type"}: the first
+    human turn (without its <image> marker) and the first gpt turn; a record needs exactly one image."""
     out = []
     for r in load_conversations(data_dir, file_name=file_name):
         if len(r["images"]) != 1:
-            raise ValueError(f"{file_name}: eval record {r['id']!r} has {len(r['images'])} images; held-out "
-                             "questions need exactly one.")
+            raise ValueError(f"{file_name}: {label} {r['id']!r} has {len(r['images'])} images; each needs exactly "
+                             "one.")
         question = next((t["text"] for t in r["turns"] if t["role"] == "user"), None)
         if question is None:
-            raise ValueError(f"{file_name}: eval record {r['id']!r} has no human turn to ask.")
+            raise ValueError(f"{file_name}: {label} {r['id']!r} has no human turn to ask.")
         answer = next(t["text"] for t in r["turns"] if t["role"] == "assistant")
         out.append({"id": r["id"], "image": r["images"][0], "question": question.replace("<image>", "").strip(),
                     "answer": answer, "type": r["type"]})

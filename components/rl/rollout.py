@@ -109,6 +109,15 @@ def token_outputs(model, batch: dict, temperature: float, suppressed: list[int],
     return out
 
 
+def packed_micro_batches(samples: list[Sample], max_tokens: int, device):
+    """(indices, samples, packed batch on `device`) per micro-batch of at most `max_tokens` tokens (a longer sample
+    gets one of its own)."""
+    sizes = [s.num_tokens for s in samples]
+    for group in plan_micro_batches(sizes, max(max_tokens, max(sizes))):
+        micro = [samples[i] for i in group]
+        yield group, micro, to_device(pack(micro), device)
+
+
 def split_by_sample(values: torch.Tensor, samples: list[Sample]) -> list[torch.Tensor]:
     """Cut a tensor over the labelled positions of a packed batch into one piece per sample."""
     return list(values.split([s.num_targets for s in samples]))
@@ -170,11 +179,7 @@ class RolloutEngine:
     def score(self, policy: Policy, reference, rollouts: list[Rollout]) -> None:
         """Fill logprobs, entropy and values (policy) and ref_logprobs (frozen reference) of every rollout."""
         samples = [r.sample for r in rollouts]
-        device = next(policy.parameters()).device
-        for group in plan_micro_batches([s.num_tokens for s in samples],
-                                        max(self.max_tokens, max(s.num_tokens for s in samples))):
-            micro = [samples[i] for i in group]
-            batch = to_device(pack(micro), device)
+        for group, micro, batch in packed_micro_batches(samples, self.max_tokens, next(policy.parameters()).device):
             mine = policy.token_outputs(batch, self.temperature, self.suppressed)
             ref = token_outputs(reference, to_device(batch, next(reference.parameters()).device), self.temperature,
                                 self.suppressed)

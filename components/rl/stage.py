@@ -36,7 +36,7 @@ from components._shared import checkpoint as ckpt
 from components._shared import evaluation as E
 from components._shared import metrics as M
 from components._shared.checkpoint import CheckpointStore
-from components._shared.packing import ConversationEncoder, pack, plan_micro_batches, to_device
+from components._shared.packing import ConversationEncoder
 from components._shared.reports import figure, history_series
 from components._shared.tracking import Tracker
 from components._shared.train_config import OptimConfig
@@ -45,7 +45,7 @@ from components._shared.vlm import freeze, load_vlm, save_vlm, set_pixel_bounds
 from components.rl import algorithms as A
 from components.rl.config import GateConfig, RlConfig
 from components.rl.rewards import EfficacyCache, build_rewards, task_efficacy
-from components.rl.rollout import Policy, Rollout, RolloutEngine, token_outputs
+from components.rl.rollout import Policy, Rollout, RolloutEngine, packed_micro_batches, split_by_sample, token_outputs
 
 
 class GateTripped(RuntimeError):
@@ -98,19 +98,14 @@ def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, types: list
     `types` (default `prompt_types`; empty = every type); a type no record has is an error naming `setting`."""
     types = cfg.prompt_types if types is None else types
     prompts, seen_types = [], set()
-    for r in E.load_conversations(data_dir, file_name=cfg.prompts_file):
+    for r in E.conversation_questions(data_dir, cfg.prompts_file, label="rl prompt"):
         seen_types.add(r["type"])
-        if len(r["images"]) != 1:
-            raise ValueError(f"rl prompt {r['id']!r} has {len(r['images'])} images; RL prompts need exactly one.")
         if need_types and r["type"] not in M.QUESTION_TYPES:
             raise ValueError(f"rl prompt {r['id']!r} has type {r['type']!r}; the efficacy reward needs one of "
                              f"{M.QUESTION_TYPES}. Fix the record or drop the efficacy reward.")
         if types and r["type"] not in types:
             continue
-        user = next(t["text"] for t in r["turns"] if t["role"] == "user")
-        answer = next(t["text"] for t in r["turns"] if t["role"] == "assistant")
-        prompts.append({"id": r["id"], "image": r["images"][0], "question": user.replace("<image>", "").strip(),
-                        "answer": answer, "type": r["type"]})
+        prompts.append(r)
         if cfg.max_records and len(prompts) >= cfg.max_records:
             break
     absent = sorted(set(types) - seen_types)
@@ -280,8 +275,9 @@ class RlLoop(TrainLoop):
 
     def _ptx_samples(self, rollouts: list[Rollout]) -> list:
         """`ptx.samples_per_step` records of the prompts file (of `ptx.types`, drawn afresh each step as a pure
-        function of the seed and step) with their reference answers, encoded as SFT encodes them; each target token weighs
-        ptx.coef x (completion tokens / reference tokens of the step), so the term adds ptx.coef x the mean NLL."""
+        function of the seed and step) with their reference answers, encoded as SFT encodes them; each target token
+        weighs ptx.coef x (completion tokens / reference tokens of the step), so the term adds ptx.coef x the mean
+        NLL."""
         count = min(self.cfg.ptx.samples_per_step or self.train.samples_per_step, len(self.ptx_pool))
         rng = np.random.default_rng([self.cfg.seed, 9_000_011, self.step])
         records = [self.ptx_pool[i] for i in rng.choice(len(self.ptx_pool), count, replace=False)]
@@ -303,14 +299,11 @@ class RlLoop(TrainLoop):
     def _reference_distributions(self, samples: list) -> None:
         """meta["ref_full_logprobs"] (targets x vocabulary, T=1) of each ptx sample under the frozen reference."""
         device = next(self.reference.parameters()).device
-        for group in plan_micro_batches([s.num_tokens for s in samples],
-                                        max(self.train.max_tokens_per_micro_batch, max(s.num_tokens for s in samples))):
-            micro = [samples[i] for i in group]
+        for _, micro, batch in packed_micro_batches(samples, self.engine.max_tokens, device):
             every_row = torch.ones(sum(s.num_targets for s in micro), dtype=torch.bool, device=device)
             with self._autocast():
-                out = token_outputs(self.reference, to_device(pack(micro), device), 1.0, self.engine.suppressed,
-                                    plain_rows=every_row)
-            for s, rows in zip(micro, out["plain_full"].float().cpu().split([s.num_targets for s in micro])):
+                out = token_outputs(self.reference, batch, 1.0, self.engine.suppressed, plain_rows=every_row)
+            for s, rows in zip(micro, split_by_sample(out["plain_full"].float().cpu(), micro)):
                 s.meta["ref_full_logprobs"] = rows
 
     def _timing(self, started, generated, scored, updated, rollouts) -> dict[str, float]:
