@@ -128,7 +128,7 @@ def child_ours(warm_lake: str, lake: str, out: str, repeats: int) -> list[dict]:
     """A warm-up run on a small lake (imports, lazy loads), then `repeats` timed runs; returns the fastest."""
     import pyarrow.parquet as pq
 
-    from components._shared.tracking import NullTracker
+    from components._shared.platform.tracking import NullTracker
     from components.clean_data.config import CleanDataConfig
     from components.clean_data.stage import run
 

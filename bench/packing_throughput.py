@@ -49,7 +49,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `components` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from components._shared.packing import (
+from components._shared.model.packing import (
     ConversationEncoder,
     Sample,
     batch_tokens,
@@ -59,7 +59,7 @@ from components._shared.packing import (
     plan_micro_batches,
     token_loss,
 )
-from components._shared.vlm import build_student, load_vlm, qwen_model
+from components._shared.model.vlm import build_student, load_vlm, qwen_model
 from components.synth_world import world
 
 MIN_SIDE, MAX_SIDE = 56, 448

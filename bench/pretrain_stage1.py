@@ -24,13 +24,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from components._shared.checkpoint import CheckpointStore
-from components._shared.imaging import decode_image
-from components._shared.packing import ConversationEncoder
-from components._shared.tracking import NullTracker
-from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
-from components._shared.training import Phase, TrainLoop
-from components._shared.vlm import freeze, load_vlm
+from components._shared.model.checkpoint import CheckpointStore
+from components._shared.platform.imaging import decode_image
+from components._shared.model.packing import ConversationEncoder
+from components._shared.platform.tracking import NullTracker
+from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.model.training import Phase, TrainLoop
+from components._shared.model.vlm import freeze, load_vlm
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.stage import run as extract
 from components.pretrain.stage import FeatureStore

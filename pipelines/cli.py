@@ -47,7 +47,7 @@ def models_build(
     names: list[str] = typer.Argument(None, help="Builtin names (default: every builtin of the tiny and demo presets)."),
 ):
     """Build builtin models into the cache now (otherwise they are built on first use)."""
-    from components._shared.models import resolve_model
+    from components._shared.model.sources import resolve_model
 
     for name in names or ["tiny-qwen2_5-vl", "demo-qwen2_5-vl", "tiny-clip"]:
         uri = name if name.startswith("builtin:") else f"builtin:{name}"

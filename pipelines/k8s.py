@@ -10,8 +10,8 @@ KFP's limits, and how this works within them:
 - the platform spec has no priorityClassName for task pods: multi-node stages get their priority class from
   the TrainJob's TrainingRuntime (manifests/overlays/prod), single-pod tasks run at the namespace default;
 - a task pod is one pod: a stage asking for `nodes > 1` runs as a Kubeflow Trainer TrainJob launched and
-  watched by its task (components/_shared/trainjob.py), a stage asking for several GPUs on one node runs
-  under torchrun inside its pod (components/_shared/scale_out.py). Both read the plan from QVL_LAUNCH_PLAN.
+  watched by its task (components/_shared/launch/trainjob.py), a stage asking for several GPUs on one node runs
+  under torchrun inside its pod (components/_shared/launch/torchrun.py). Both read the plan from QVL_LAUNCH_PLAN.
 """
 
 import json
@@ -20,13 +20,7 @@ from typing import Any, Literal
 from kfp import dsl, kubernetes
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from components._shared.scale_out import (
-    LAUNCH_PLAN_ENV,
-    MULTI_PROCESS_STAGES,
-    POD_NAME_ENV,
-    POD_UID_ENV,
-    LaunchPlan,
-)
+from components._shared.launch.plan import LAUNCH_PLAN_ENV, LaunchPlan, MULTI_PROCESS_STAGES, POD_NAME_ENV, POD_UID_ENV
 
 PART_OF = "qwen-vl-pipeline"
 CPU_STAGES = ("preflight", "clean_data")  # run on the CPU image: no CUDA inside
@@ -148,7 +142,7 @@ def load_cluster_profile(section: dict[str, Any] | None) -> ClusterProfile:
     """A preset's `kubernetes:` section over the defaults; errors name the setting (kubernetes.stages.sft.gpus)."""
     from pydantic import ValidationError
 
-    from components._shared.cli import deep_merge
+    from components._shared.platform.presets import deep_merge
 
     section = dict(section or {})
     stages = deep_merge(DEFAULT_STAGES, section.pop("stages", None) or {})

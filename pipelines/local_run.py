@@ -1,7 +1,7 @@
 """Run the DAG on this machine with kfp.local and write run_summary.json.
 
 Every task runs as a subprocess of this Python (no containers); the stages record their results through
-`components._shared.launch` into a per-run directory named by QVL_RUN_SUMMARY_DIR, and the MLflow parent
+`components._shared.launch.result` into a per-run directory named by QVL_RUN_SUMMARY_DIR, and the MLflow parent
 run id travels in QVL_MLFLOW_PARENT_RUN_ID (environment only, never a cached task input).
 """
 
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from components._shared.launch import RESULT_FILE, SUMMARY_DIR_ENV
+from components._shared.launch.result import RESULT_FILE, SUMMARY_DIR_ENV
 from components.stages import DAG_ORDER
 
 SUMMARY_FILE = "run_summary.json"
@@ -88,7 +88,7 @@ def run_local(
     also written to out_dir/run_summary.json."""
     from kfp import local
 
-    from components._shared.tracking import default_tracking_uri, finish_pipeline_run, start_pipeline_run
+    from components._shared.platform.tracking import default_tracking_uri, finish_pipeline_run, start_pipeline_run
     from pipelines.presets import load_preset
     from pipelines.vlm_training import build_pipeline
 

@@ -67,7 +67,7 @@ def split_pairs(pairs: list[str]) -> tuple[dict[str, str], dict[str, Any]]:
 
     Parameter values stay strings (they are all string parameters); dotted settings are parsed as YAML scalars.
     """
-    from components._shared.cli import deep_merge, parse_overrides
+    from components._shared.platform.presets import deep_merge, parse_overrides
     from components.stages import STAGES
 
     params: dict[str, str] = {}
@@ -115,7 +115,7 @@ def prepare(preset: str, pairs: list[str], workdir: Path) -> Prepared:
 
     Every check happens here, before a client exists: a bad setting never reaches the cluster.
     """
-    from components._shared.cli import deep_merge, read_preset_yaml
+    from components._shared.platform.presets import deep_merge, read_preset_yaml
     from components.stages import STAGES
     from pipelines.compile import compile_pipeline
     from pipelines.presets import load_preset, preset_path

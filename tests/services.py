@@ -76,7 +76,7 @@ class S3Server:
     region: str = "us-east-1"
 
     def env(self) -> dict[str, str]:
-        """The environment variables boto3 (and components._shared.storage) read."""
+        """The environment variables boto3 (and components._shared.platform.storage) read."""
         return {
             "AWS_ACCESS_KEY_ID": self.access_key,
             "AWS_SECRET_ACCESS_KEY": self.secret_key,

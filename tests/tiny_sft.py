@@ -6,7 +6,7 @@ so those stages need a model that has seen the data. One recipe, sized per test 
 
 from pathlib import Path
 
-from components._shared.tracking import NullTracker
+from components._shared.platform.tracking import NullTracker
 
 BASE = "builtin:tiny-qwen2_5-vl"
 

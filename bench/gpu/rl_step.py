@@ -32,11 +32,11 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `components` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from components._shared import evaluation as E
-from components._shared.checkpoint import CheckpointStore
-from components._shared.packing import ConversationEncoder
-from components._shared.tracking import NullTracker
-from components._shared.vlm import build_student, load_vlm
+from components._shared.eval import evaluation as E
+from components._shared.model.checkpoint import CheckpointStore
+from components._shared.model.packing import ConversationEncoder
+from components._shared.platform.tracking import NullTracker
+from components._shared.model.vlm import build_student, load_vlm
 from components.rl.config import RlConfig
 from components.rl.rewards import build_rewards
 from components.rl.rollout import Policy, RolloutEngine

@@ -56,7 +56,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `components` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from components._shared.packing import (
+from components._shared.model.packing import (
     IGNORE_INDEX,
     Sample,
     forward_logits,
@@ -64,7 +64,7 @@ from components._shared.packing import (
     plan_micro_batches,
     token_loss,
 )
-from components._shared.vlm import qwen_model
+from components._shared.model.vlm import qwen_model
 
 H200_BF16_DENSE_TFLOPS = 989.0
 CPU_NOMINAL_TFLOPS_PER_THREAD = 0.1
@@ -114,11 +114,11 @@ def build_model(args, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForImageTextToText
 
     if args.tiny:
-        from components._shared.vlm import load_vlm
+        from components._shared.model.vlm import load_vlm
 
         model, _ = load_vlm("builtin:tiny-qwen2_5-vl", dtype=dtype, device=device)
         return model
-    from components._shared.attention import register
+    from components._shared.model.attention import register
 
     register()  # makes "sdpa_packed" (the default --attn) a valid attn_implementation
     with torch.device(device):

@@ -7,7 +7,7 @@ from typing import List
 
 from kfp import dsl
 
-from components._shared.images import DATA_IMAGE
+from components._shared.platform.images import DATA_IMAGE
 
 
 @dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)
@@ -28,7 +28,7 @@ def clean_shard_op(shard_uri: str, config: dict, shard: dsl.Output[dsl.Dataset],
         shard: This shard's kept/rejected records and shard_report.json.
         experiment: MLflow experiment name (the merge task logs for all shards).
     """
-    from components._shared.launch import run_stage
+    from components._shared.launch.runner import run_stage
 
     run_stage(
         "clean_data", config, experiment=experiment, function="clean_shard",
@@ -58,7 +58,8 @@ def merge_shards_op(
     import shutil
     from pathlib import Path
 
-    from components._shared.launch import report_metrics, run_stage
+    from components._shared.launch.result import report_metrics
+    from components._shared.launch.runner import run_stage
 
     results = run_stage(
         "clean_data", config, experiment=experiment, function="merge_shards",

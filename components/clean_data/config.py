@@ -11,7 +11,7 @@ from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from components._shared.config import StageConfig
+from components._shared.platform.config import StageConfig
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from components._shared.ocr import OcrReader, load_ocr, unmentioned_words  # noqa: F401 (used as filters.*)
+from components._shared.eval.ocr import OcrReader, load_ocr, unmentioned_words  # noqa: F401 (used as filters.*)
 
 Rejection = tuple[str, str]
 
@@ -218,7 +218,7 @@ class ClipScorer:
 
 @lru_cache(maxsize=2)
 def load_clip(model_uri: str) -> ClipScorer:
-    from components._shared.models import resolve_model
+    from components._shared.model.sources import resolve_model
 
     return ClipScorer(resolve_model(model_uri))
 
@@ -258,7 +258,7 @@ def load_nsfw(threads: int = 0) -> NsfwScorer:
 
 # ---------------------------------------------------------------- level 3: OCR vs caption
 
-# level 3 (OCR vs caption): the reader and the word matching live in components/_shared/ocr.py (rl's
+# level 3 (OCR vs caption): the reader and the word matching live in components/_shared/eval/ocr.py (rl's
 # OCR-consistency reward uses them too): OcrReader, load_ocr, unmentioned_words.
 
 
@@ -339,6 +339,6 @@ class CaptionJudge:
 
 @lru_cache(maxsize=1)
 def load_judge(model_uri: str, prompt: str) -> CaptionJudge:
-    from components._shared.models import resolve_model
+    from components._shared.model.sources import resolve_model
 
     return CaptionJudge(resolve_model(model_uri), prompt)

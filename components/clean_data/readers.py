@@ -53,7 +53,7 @@ def shard_name(uri: str) -> str:
 def open_shard(uri: str):
     """A context manager giving a binary stream of a local or s3:// shard."""
     if uri.startswith("s3://"):
-        from components._shared.storage import open_read
+        from components._shared.platform.storage import open_read
 
         return open_read(uri)
     return open(uri, "rb")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from components._shared.tracking import Tracker
+from components._shared.platform.tracking import Tracker
 from components.clean_data.config import CleanDataConfig
 
 

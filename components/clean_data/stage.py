@@ -28,8 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from components._shared.imaging import ImageRejected, decode_image, visual_tokens
-from components._shared.tracking import Tracker
+from components._shared.platform.imaging import ImageRejected, decode_image, visual_tokens
+from components._shared.platform.tracking import Tracker
 from components.clean_data import filters
 from components.clean_data.config import CleanDataConfig
 from components.clean_data.readers import Record, ShardError, read_shard, shard_name
@@ -112,7 +112,7 @@ def _reason_counts(reasons) -> dict[str, int]:
 
 def list_shards(lake_uri: str) -> list[str]:
     """The lake's shard URIs (`*.tar`, `*.parquet`), local or s3://, sorted."""
-    from components._shared.storage import list_lake_shards
+    from components._shared.platform.storage import list_lake_shards
 
     return list_lake_shards(str(lake_uri))
 
@@ -506,6 +506,6 @@ def run(cfg: CleanDataConfig, *, lake_uri: str, output_dir: Path, tracker: Track
 
 
 def main(argv: list[str] | None = None) -> None:
-    from components._shared.cli import stage_main
+    from components._shared.launch.cli import stage_main
 
     stage_main(CleanDataConfig, run, section="clean_data", inputs=("lake_uri",), argv=argv)

@@ -2,7 +2,7 @@
 
 from kfp import dsl
 
-from components._shared.images import TRAIN_IMAGE
+from components._shared.platform.images import TRAIN_IMAGE
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
@@ -28,7 +28,8 @@ def distill_op(
     """
     import shutil
 
-    from components._shared.launch import report_metrics, run_stage
+    from components._shared.launch.result import report_metrics
+    from components._shared.launch.runner import run_stage
 
     results = run_stage(
         "distill", config, experiment=experiment,

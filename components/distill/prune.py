@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from components._shared.attention import register as packed_attention
-from components._shared.packing import forward_logits, to_device
-from components._shared.vlm import qwen_model, student_config
+from components._shared.model.attention import register as packed_attention
+from components._shared.model.packing import forward_logits, to_device
+from components._shared.model.vlm import qwen_model, student_config
 
 _LM_LAYER = re.compile(r"(model\.language_model\.layers\.)(\d+)(\..*)")
 _VIS_BLOCK = re.compile(r"(model\.visual\.blocks\.)(\d+)(\..*)")

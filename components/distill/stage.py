@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from components._shared import checkpoint as ckpt
-from components._shared import evaluation as E
-from components._shared import metrics as M
-from components._shared.attention import PACKED_SDPA
-from components._shared.checkpoint import CheckpointStore
-from components._shared.packing import (
+from components._shared.model import checkpoint as ckpt
+from components._shared.eval import evaluation as E
+from components._shared.eval import metrics as M
+from components._shared.model.attention import PACKED_SDPA
+from components._shared.model.checkpoint import CheckpointStore
+from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
     forward_outputs,
@@ -43,10 +43,10 @@ from components._shared.packing import (
     plan_micro_batches,
     to_device,
 )
-from components._shared.reports import figure, history_series
-from components._shared.tracking import Tracker
-from components._shared.training import Phase, TrainLoop, is_main_process, resolve_device
-from components._shared.vlm import count_parameters, load_vlm, qwen_model, save_vlm, set_pixel_bounds
+from components._shared.platform.reports import figure, history_series
+from components._shared.platform.tracking import Tracker
+from components._shared.model.training import Phase, TrainLoop, is_main_process, resolve_device
+from components._shared.model.vlm import count_parameters, load_vlm, qwen_model, save_vlm, set_pixel_bounds
 from components.distill.config import DistillConfig, StudentConfig
 from components.distill.losses import distillation_loss, layer_map, logit_kl
 from components.distill.prune import PrunePlan, measure_importance, plan_pruning, prune
@@ -314,6 +314,6 @@ def report(metrics: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from components._shared.cli import stage_main
+    from components._shared.launch.cli import stage_main
 
     stage_main(DistillConfig, run, section="distill", inputs=("teacher_model", "data"), argv=argv)

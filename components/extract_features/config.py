@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from components._shared.config import StageConfig
+from components._shared.platform.config import StageConfig
 
 DecodeBackend = Literal["auto", "dali", "torchvision", "pil"]
 FeatureDtype = Literal["bfloat16", "float16", "float32"]

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from components._shared.tracking import Tracker
+from components._shared.platform.tracking import Tracker
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.decode import (
     JPEG_MAGIC,
@@ -61,14 +61,14 @@ class Record:
 def resolve_model_dir(uri: str | Path) -> Path:
     """A local directory for a model uri: `_shared.models.resolve_model` when present, else a local path."""
     try:
-        from components._shared.models import resolve_model
+        from components._shared.model.sources import resolve_model
     except ModuleNotFoundError as err:
-        if err.name != "components._shared.models":
+        if err.name != "components._shared.model.sources":
             raise
         path = Path(uri)
         if not path.is_dir():
             raise ValueError(
-                f"Model '{uri}' is not a local directory, and components._shared.models (to resolve it) "
+                f"Model '{uri}' is not a local directory, and components._shared.model.sources (to resolve it) "
                 "is missing."
             ) from err
         return path
@@ -474,7 +474,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from components._shared.cli import stage_main
+    from components._shared.launch.cli import stage_main
 
     stage_main(
         ExtractFeaturesConfig, run, section="extract_features", inputs=("clean_data", "base_model"), argv=argv

@@ -2,7 +2,7 @@
 
 from kfp import dsl
 
-from components._shared.images import DATA_IMAGE
+from components._shared.platform.images import DATA_IMAGE
 
 
 @dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)
@@ -54,7 +54,7 @@ def preflight_op(
         report: preflight.json with what was checked and where the models resolved to.
         experiment: MLflow experiment name.
     """
-    from components._shared.launch import run_stage
+    from components._shared.launch.runner import run_stage
     from components.preflight.stage import model_uris_in, rl_data_files
 
     stage_configs = {"clean_data": clean_data_config, "extract_features": extract_features_config,

@@ -4,7 +4,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from components._shared.config import StageConfig
+from components._shared.platform.config import StageConfig
 
 
 class PreflightConfig(StageConfig):

@@ -13,12 +13,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from components._shared.tracking import Tracker
+from components._shared.platform.tracking import Tracker
 from components.preflight.config import PreflightConfig
 
 def validate_stage_configs(stage_configs: dict[str, dict[str, Any]]) -> int:
     """Validate every stage section; one error lists every invalid setting of every stage."""
-    from components._shared.cli import validate
+    from components._shared.platform.presets import validate
     from components.stages import STAGES, load_config_class
 
     problems = []
@@ -37,7 +37,7 @@ def validate_stage_configs(stage_configs: dict[str, dict[str, Any]]) -> int:
 
 def count_lake_shards(lake_uri: str) -> int:
     """Number of shards (tar/parquet) in the lake; an empty, missing or unreachable lake is an error."""
-    from components._shared import storage
+    from components._shared.platform import storage
 
     try:
         return len(storage.list_lake_shards(lake_uri))
@@ -82,7 +82,7 @@ def model_uris_in(stage_configs: dict[str, dict[str, Any]]) -> list[str]:
 def check_data(data_files: dict[str, dict[str, Any]]) -> int:
     """Require the files under each needed data URI ({parameter: {"uri", "files", "required"}}); returns how many
     files were found. An empty URI that a stage of this DAG needs is an error naming the pipeline parameter."""
-    from components._shared import storage
+    from components._shared.platform import storage
 
     found = 0
     for parameter, spec in data_files.items():
@@ -126,7 +126,7 @@ def run(
         metrics["tracking"] = check_tracking_server(cfg.timeout_s)
     resolved = {}
     if cfg.resolve_models:
-        from components._shared.models import resolve_model
+        from components._shared.model.sources import resolve_model
 
         for uri in dict.fromkeys(u for u in model_uris if u):
             resolved[uri] = str(resolve_model(uri))
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import yaml
 
-    from components._shared.cli import stage_main
+    from components._shared.launch.cli import stage_main
 
     # model_uris and stage_configs arrive as text on the command line: parse them before the generic runner.
     pre = argparse.ArgumentParser(add_help=False)

@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from components._shared.config import StageConfig, SubConfig
-from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.platform.config import StageConfig, SubConfig
+from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
 
 Group = Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]
 

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from components._shared import evaluation as E
-from components._shared import checkpoint as ckpt
-from components._shared import storage
-from components._shared.checkpoint import CheckpointStore
-from components._shared.imaging import decode_image
-from components._shared.packing import (
+from components._shared.eval import evaluation as E
+from components._shared.model import checkpoint as ckpt
+from components._shared.platform import storage
+from components._shared.model.checkpoint import CheckpointStore
+from components._shared.platform.imaging import decode_image
+from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
     forward_logits,
@@ -39,10 +39,10 @@ from components._shared.packing import (
     to_device,
     token_loss,
 )
-from components._shared.reports import figure, history_series
-from components._shared.tracking import Tracker
-from components._shared.training import Phase, TrainLoop, TrainResult, is_main_process
-from components._shared.vlm import freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
+from components._shared.platform.reports import figure, history_series
+from components._shared.platform.tracking import Tracker
+from components._shared.model.training import Phase, TrainLoop, TrainResult, is_main_process
+from components._shared.model.vlm import freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
 from components.pretrain.config import InfoNceConfig, PretrainConfig
 
 MAX_IMAGE_PIXELS = 89_478_485
@@ -351,7 +351,7 @@ class _Prefixed:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from components._shared.cli import stage_main
+    from components._shared.launch.cli import stage_main
 
     stage_main(PretrainConfig, run, section="pretrain", inputs=("clean_data", "features", "base_model", "data"),
                argv=argv)

@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from components._shared.config import StageConfig
-from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.platform.config import StageConfig
+from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
 
 
 class RewardModelConfig(StageConfig):

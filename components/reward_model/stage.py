@@ -23,21 +23,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from components._shared import checkpoint as ckpt
-from components._shared import evaluation as E
-from components._shared.checkpoint import CheckpointStore
-from components._shared.packing import (
+from components._shared.model import checkpoint as ckpt
+from components._shared.eval import evaluation as E
+from components._shared.model.checkpoint import CheckpointStore
+from components._shared.model.packing import (
     ConversationEncoder,
     Sample,
     pack,
     plan_micro_batches,
     to_device,
 )
-from components._shared.reports import figure, history_series
-from components._shared.reward_models import RewardModel, reward_index, save_reward_model
-from components._shared.tracking import Tracker
-from components._shared.training import Phase, TrainLoop, is_main_process
-from components._shared.vlm import freeze, load_vlm, set_pixel_bounds
+from components._shared.platform.reports import figure, history_series
+from components._shared.model.reward_models import RewardModel, reward_index, save_reward_model
+from components._shared.platform.tracking import Tracker
+from components._shared.model.training import Phase, TrainLoop, is_main_process
+from components._shared.model.vlm import freeze, load_vlm, set_pixel_bounds
 from components.reward_model.config import RewardModelConfig
 
 def load_pairs(data_dir: Path, max_records: int | None) -> list[dict]:
@@ -178,6 +178,6 @@ def report(metrics: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from components._shared.cli import stage_main
+    from components._shared.launch.cli import stage_main
 
     stage_main(RewardModelConfig, run, section="reward_model", inputs=("base_model", "data"), argv=argv)

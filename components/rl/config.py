@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from components._shared.config import StageConfig, SubConfig
-from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.platform.config import StageConfig, SubConfig
+from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
 
 REWARD_NAMES = ("efficacy", "format", "reward_model", "ocr_consistency")  # = rewards.REWARDS
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from components._shared import metrics as M
-from components._shared.reward_models import RewardModelScorer
+from components._shared.eval import metrics as M
+from components._shared.model.reward_models import RewardModelScorer
 
 RewardFn = Callable[..., list[float]]
 _WORDS = re.compile(r"[^\W_]+", re.UNICODE)
@@ -150,7 +150,7 @@ class OcrConsistencyReward:
     """
 
     def __init__(self, *, detect_side: int = 736, threads: int = 0, cache_size: int = 4096) -> None:
-        from components._shared.ocr import load_ocr
+        from components._shared.eval.ocr import load_ocr
 
         self.reader = load_ocr(detect_side, threads)
         self.cache: OrderedDict[str, str] = OrderedDict()  # prompt id -> words read in its image
@@ -170,7 +170,7 @@ class OcrConsistencyReward:
         return self.cache[record["id"]]
 
     def __call__(self, prompts: list[str], completions: list[str], *, records: list[dict], **_: Any) -> list[float]:
-        from components._shared.ocr import unmentioned_words
+        from components._shared.eval.ocr import unmentioned_words
 
         out = []
         for record, answer in zip(records, completions):

@@ -3,7 +3,7 @@ per model for the log-probabilities (policy, reference), entropies and values of
 
 Completions are kept as the generated token ids (never re-tokenised text), so the update scores exactly the
 tokens that were sampled. A rollout's `sample` is the prompt plus its completion with labels on the
-completion tokens only, so the packer (components/_shared/packing.py) serves sampling-time scoring and the
+completion tokens only, so the packer (components/_shared/model/packing.py) serves sampling-time scoring and the
 update alike; the per-token tensors are in the order of those labelled tokens.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from components._shared.packing import (
+from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
     Sample,
@@ -22,8 +22,8 @@ from components._shared.packing import (
     plan_micro_batches,
     to_device,
 )
-from components._shared.evaluation import prompt_turns
-from components._shared.vlm import qwen_model
+from components._shared.eval.evaluation import prompt_turns
+from components._shared.model.vlm import qwen_model
 
 
 @dataclass

@@ -32,16 +32,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from components._shared import checkpoint as ckpt
-from components._shared import evaluation as E
-from components._shared import metrics as M
-from components._shared.checkpoint import CheckpointStore
-from components._shared.packing import ConversationEncoder
-from components._shared.reports import figure, history_series
-from components._shared.tracking import Tracker
-from components._shared.train_config import OptimConfig
-from components._shared.training import Phase, TrainLoop, _crash_point, lr_factor, resolve_device
-from components._shared.vlm import freeze, load_vlm, save_vlm, set_pixel_bounds
+from components._shared.model import checkpoint as ckpt
+from components._shared.eval import evaluation as E
+from components._shared.eval import metrics as M
+from components._shared.model.checkpoint import CheckpointStore
+from components._shared.model.packing import ConversationEncoder
+from components._shared.platform.reports import figure, history_series
+from components._shared.platform.tracking import Tracker
+from components._shared.model.train_config import OptimConfig
+from components._shared.model.training import Phase, TrainLoop, _crash_point, lr_factor, resolve_device
+from components._shared.model.vlm import freeze, load_vlm, save_vlm, set_pixel_bounds
 from components.rl import algorithms as A
 from components.rl.config import GateConfig, RlConfig
 from components.rl.rewards import EfficacyCache, build_rewards, task_efficacy
@@ -562,6 +562,6 @@ def report(metrics: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from components._shared.cli import stage_main
+    from components._shared.launch.cli import stage_main
 
     stage_main(RlConfig, run, section="rl", inputs=("base_model", "reward_model", "data"), argv=argv)

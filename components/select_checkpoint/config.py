@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from components._shared.config import StageConfig, SubConfig
+from components._shared.platform.config import StageConfig, SubConfig
 
 QUESTION_TYPES = ("caption", "color", "count", "shape", "position", "relation", "grounding", "ocr")  # = metrics.py
 SUITE_METRICS = ("vqa_exact_match", "grounding_accuracy", "anls", "cider_d", "reward_model_score", "parameters",

@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from components._shared import checkpoint as ckpt
-from components._shared import evaluation as E
-from components._shared import metrics as M
-from components._shared import storage
-from components._shared.launch import RESULT_FILE
-from components._shared.packing import ConversationEncoder
-from components._shared.tracking import Tracker
-from components._shared.vlm import count_parameters, load_vlm, save_vlm, set_pixel_bounds
+from components._shared.model import checkpoint as ckpt
+from components._shared.eval import evaluation as E
+from components._shared.eval import metrics as M
+from components._shared.platform import storage
+from components._shared.launch.result import RESULT_FILE
+from components._shared.model.packing import ConversationEncoder
+from components._shared.platform.tracking import Tracker
+from components._shared.model.vlm import count_parameters, load_vlm, save_vlm, set_pixel_bounds
 from components.select_checkpoint.config import SelectCheckpointConfig
 
 IGNORED_CHECKPOINT_KEYS = ("value_head.", "distill_projections.")  # training-only modules (rl's critic, distill's maps)
@@ -191,7 +191,7 @@ def run(cfg: SelectCheckpointConfig, *, data: str, pretrain: str = "", sft: str 
     device = torch.device("cuda" if cfg.device == "cuda" or cfg.device == "auto" and torch.cuda.is_available() else "cpu")
     scorer = None
     if reward_model:
-        from components._shared.reward_models import RewardModelScorer
+        from components._shared.model.reward_models import RewardModelScorer
 
         scorer = RewardModelScorer(reward_model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, device=device)
     predictions: dict[str, list[dict]] = {}
@@ -334,7 +334,7 @@ def model_card(cfg: SelectCheckpointConfig, candidates: list[Candidate], winner:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from components._shared.cli import stage_main
+    from components._shared.launch.cli import stage_main
 
     stage_main(SelectCheckpointConfig, run, section="select_checkpoint",
                inputs=("data", "pretrain", "sft", "rl", "distill", "reward_model", "clean_data"), argv=argv)

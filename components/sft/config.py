@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from components._shared.config import StageConfig, SubConfig
-from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.platform.config import StageConfig, SubConfig
+from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
 
 # LoRA targets by default: LM attention + MLP, the ViT's fused qkv and the merger's two linears.
 # The merger is listed explicitly: LoRA that silently leaves the projector frozen is a known pain (seed 003).

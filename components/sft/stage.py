@@ -23,16 +23,16 @@ from typing import Any
 
 import torch
 
-from components._shared import evaluation as E
-from components._shared import metrics as M
-from components._shared import checkpoint as ckpt
-from components._shared.checkpoint import CheckpointStore
-from components._shared.evaluation import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
-from components._shared.packing import ConversationEncoder
-from components._shared.reports import figure, history_series
-from components._shared.tracking import Tracker
-from components._shared.training import Phase, TrainLoop, is_main_process
-from components._shared.vlm import count_parameters, freeze, load_vlm, save_vlm, set_pixel_bounds
+from components._shared.eval import evaluation as E
+from components._shared.eval import metrics as M
+from components._shared.model import checkpoint as ckpt
+from components._shared.model.checkpoint import CheckpointStore
+from components._shared.eval.evaluation import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
+from components._shared.model.packing import ConversationEncoder
+from components._shared.platform.reports import figure, history_series
+from components._shared.platform.tracking import Tracker
+from components._shared.model.training import Phase, TrainLoop, is_main_process
+from components._shared.model.vlm import count_parameters, freeze, load_vlm, save_vlm, set_pixel_bounds
 from components.sft.config import SftConfig
 
 def build_model(cfg: SftConfig, base_model: str):
@@ -69,8 +69,8 @@ def _load_4bit(cfg: SftConfig, base_model: str):
     """
     from transformers import AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
 
-    from components._shared.attention import register as packed_attention
-    from components._shared.models import resolve_model
+    from components._shared.model.attention import register as packed_attention
+    from components._shared.model.sources import resolve_model
 
     path = resolve_model(base_model)
     quant = BitsAndBytesConfig(
@@ -294,7 +294,7 @@ def report(metrics: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from components._shared.cli import stage_main
+    from components._shared.launch.cli import stage_main
 
     stage_main(SftConfig, run, section="sft", inputs=("base_model", "data"), argv=argv)
 

@@ -9,7 +9,7 @@ Every model is a Hugging Face directory (config.json, model.safetensors, process
 `builtin.json` (name, recipe, recipe version, parameter count, build seconds; for CLIP its held-out
 metrics and the recommended cosine threshold). Qwen weights are a seeded random init; the tokenizer
 is trained on the world's text (components/synth_world/tokenizer.py). Use through
-`components._shared.models.resolve_model("builtin:NAME")`, which caches and builds atomically.
+`components._shared.model.sources.resolve_model("builtin:NAME")`, which caches and builds atomically.
 """
 
 from __future__ import annotations

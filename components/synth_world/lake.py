@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 from pydantic import Field, field_validator
 
-from components._shared.config import StageConfig
+from components._shared.platform.config import StageConfig
 from components.synth_world.splits import write_splits
 from components.synth_world.world import (
     WORDS,

@@ -51,8 +51,8 @@ def preset_path(name_or_path: str | Path) -> Path:
 
 def load_preset(name_or_path: str | Path = "tiny", overrides: dict[str, Any] | None = None) -> Preset:
     """Read and validate a preset; every stage section goes through its config class (errors name the setting)."""
-    from components._shared.cli import deep_merge, read_preset_yaml, validate
-    from components._shared.scale_out import check_config
+    from components._shared.platform.presets import deep_merge, read_preset_yaml, validate
+    from components._shared.launch.plan import check_config
     from components.stages import STAGES, load_config_class
 
     path = preset_path(name_or_path)

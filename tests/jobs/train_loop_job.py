@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from components._shared.checkpoint import CheckpointStore
-from components._shared.packing import ConversationEncoder
-from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
-from components._shared.training import Phase, TrainLoop
-from components._shared.vlm import load_vlm
+from components._shared.model.checkpoint import CheckpointStore
+from components._shared.model.packing import ConversationEncoder
+from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.model.training import Phase, TrainLoop
+from components._shared.model.vlm import load_vlm
 from components.synth_world.world import sample_clean_pairs
 
 STEPS = 8
@@ -43,7 +43,7 @@ def main(out: str, backend: str = "torch", checkpoint_root: str = "") -> None:
     result = loop.run()
     from safetensors.torch import save_file
 
-    from components._shared.training import is_main_process
+    from components._shared.model.training import is_main_process
 
     with loop.backend.gathered():
         weights = {n: p.detach().float().cpu().contiguous() for n, p in loop.backend.module.named_parameters()}

@@ -1,5 +1,5 @@
 """The container images (docker/): hadolint-clean Dockerfiles, pinned bases, a numeric non-root user, the
-pyproject pins, and tags that are exactly the ones the components ask for (components/_shared/images.py).
+pyproject pins, and tags that are exactly the ones the components ask for (components/_shared/platform/images.py).
 
 The slow test builds the data image with buildah from a local debootstrap base (docs/images.md).
 """
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from components import __version__
-from components._shared import images
+from components._shared.platform import images
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = {"train": ROOT / "docker" / "Dockerfile.train", "data": ROOT / "docker" / "Dockerfile.data"}

@@ -298,7 +298,7 @@ def test_the_names_the_pipeline_uses(name):
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_launcher_rbac(name):
-    """What components/_shared/trainjob.py and the Kubeflow SDK call, granted to the pipeline pods."""
+    """What components/_shared/launch/trainjob.py and the Kubeflow SDK call, granted to the pipeline pods."""
     objs = render(name)
     role = find(objs, "Role", "qvl-trainjob-launcher")
     binding = find(objs, "RoleBinding", "qvl-trainjob-launcher")

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from components._shared.tracking import NullTracker
+from components._shared.platform.tracking import NullTracker
 from components.clean_data.config import CleanDataConfig
 from components.clean_data.stage import clean_shard
 
@@ -91,7 +91,7 @@ config_values = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), 
 @pytest.mark.parametrize("stage", ["clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl"])
 @given(data=st.data())
 def test_stage_configs_reject_any_bad_value_with_an_error_naming_the_setting(stage, data):
-    from components._shared.cli import validate
+    from components._shared.platform.presets import validate
     from components.stages import load_config_class
 
     config_cls = load_config_class(stage)
@@ -108,7 +108,7 @@ def test_stage_configs_reject_any_bad_value_with_an_error_naming_the_setting(sta
 @FUZZ
 @given(pairs=st.lists(st.text(max_size=20), max_size=4))
 def test_command_line_overrides_parse_or_say_how_to_write_them(pairs):
-    from components._shared.cli import parse_overrides
+    from components._shared.platform.presets import parse_overrides
 
     try:
         parsed = parse_overrides(pairs)

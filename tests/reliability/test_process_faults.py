@@ -57,7 +57,7 @@ def test_a_kfp_task_killed_mid_stage_is_retried_under_kfp_local_and_resumes_bit_
 
     from kfp import dsl, local
 
-    from components._shared.models import resolve_model
+    from components._shared.model.sources import resolve_model
     from components.sft.component import sft_op
 
     pretrained = tmp_path / "pretrained"

@@ -67,8 +67,8 @@ def test_no_code_path_unpickles_or_trusts_remote_code():
 
 
 def test_model_directories_with_pickle_weights_are_refused(tmp_path):
-    from components._shared.models import resolve_model
-    from components._shared.vlm import load_vlm
+    from components._shared.model.sources import resolve_model
+    from components._shared.model.vlm import load_vlm
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -92,7 +92,7 @@ class _Payload:
 def test_a_checkpoint_carrying_code_is_refused_without_running_it(tmp_path):
     from safetensors.torch import save_file
 
-    from components._shared.checkpoint import load_torch_state
+    from components._shared.model.checkpoint import load_torch_state
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())

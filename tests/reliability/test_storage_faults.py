@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from components._shared import storage
+from components._shared.platform import storage
 from tests.reliability.fault_proxy import FaultProxy
 
 RATE = 0.2
@@ -47,7 +47,7 @@ def test_publish_fetch_and_reads_complete_and_verify_under_faults(faulty_s3, tmp
 
 
 def test_checkpoints_commit_prune_and_resume_verified_under_faults(faulty_s3, tmp_path):
-    from components._shared.checkpoint import CheckpointStore
+    from components._shared.model.checkpoint import CheckpointStore
 
     s3, proxy = faulty_s3
     store = CheckpointStore(f"{s3.uri}/ckpt/sft-abc", keep=2, scratch=tmp_path / "scratch")

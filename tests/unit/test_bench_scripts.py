@@ -57,7 +57,7 @@ def test_vision_like_7b_resizes_only_the_vit_to_the_7b_cost_ratio():
     next to a text token) what it costs in Qwen2.5-VL-7B (0.36, counted on a meta-device 7B)."""
     sys.path.insert(0, str(ROOT))
     from bench.packing_throughput import reference_vit_to_lm_cost, vision_like, vit_to_lm_cost
-    from components._shared.vlm import load_vlm
+    from components._shared.model.vlm import load_vlm
 
     model, _ = load_vlm("builtin:tiny-qwen2_5-vl")
     target = reference_vit_to_lm_cost("7b")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import components._shared
-from components._shared.models import resolve_model, validate_model_dir
+from components._shared.model.sources import resolve_model, validate_model_dir
 from components.synth_world import builtin_models as bm
 from components.synth_world import tokenizer as wt
 from components.synth_world.world import sample_clean_pairs
@@ -336,7 +336,7 @@ def test_unknown_uri_forms_are_rejected(uri, tmp_path):
 def test_s3_model_round_trip_on_a_real_server(s3_env, model_cache, tmp_path, monkeypatch):
     from transformers import AutoModelForImageTextToText
 
-    from components._shared import storage
+    from components._shared.platform import storage
 
     local = resolve_model("builtin:tiny-qwen2_5-vl", cache_dir=model_cache)
     uri = f"{s3_env.uri}/models/tiny"
@@ -375,7 +375,7 @@ def test_s3_prefix_downloaded_once_per_marker(tmp_path, monkeypatch):
         read_bytes=lambda uri: state["marker"] if uri == "s3://bucket/models/tiny/_COMMITTED.json" else 1 / 0,
         fetch_dir=fetch_dir,
     )
-    monkeypatch.setitem(sys.modules, "components._shared.storage", fake)
+    monkeypatch.setitem(sys.modules, "components._shared.platform.storage", fake)
     monkeypatch.setattr(components._shared, "storage", fake, raising=False)
     first = resolve_model("s3://bucket/models/tiny/", cache_dir=tmp_path / "cache")
     assert resolve_model("s3://bucket/models/tiny", cache_dir=tmp_path / "cache") == first

@@ -1,7 +1,7 @@
 """clean_data on the synthetic world: recall per injected defect, precision of the kept set, exact accounting,
 and the pipeline's fan-out (list_shards -> clean_shard -> merge_shards) equal to the one-process `run`.
 
-Needs components.synth_world (the world) and components._shared.models (builtin:tiny-clip); skips without them.
+Needs components.synth_world (the world) and components._shared.model.sources (builtin:tiny-clip); skips without them.
 """
 
 import json
@@ -11,8 +11,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from components._shared.models import resolve_model
-from components._shared.tracking import NullTracker
+from components._shared.model.sources import resolve_model
+from components._shared.platform.tracking import NullTracker
 from components.clean_data.config import CleanDataConfig
 from components.synth_world.lake import write_world
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from components._shared import storage
+from components._shared.platform import storage
 from components.clean_data.stage import main as clean_main
 
 MODEL_FREE = ["clip_enabled=false", "nsfw_enabled=false", "ocr_enabled=false", "outlier_enabled=false"]

@@ -12,9 +12,9 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from components._shared.packing import ConversationEncoder, forward_logits, pack
-from components._shared.tracking import NullTracker
-from components._shared.vlm import build_student, count_parameters, load_vlm, set_pixel_bounds
+from components._shared.model.packing import ConversationEncoder, forward_logits, pack
+from components._shared.platform.tracking import NullTracker
+from components._shared.model.vlm import build_student, count_parameters, load_vlm, set_pixel_bounds
 from components.distill.config import DistillConfig, LossConfig
 from components.distill.losses import attention_kl, distillation_loss, layer_map, logit_kl
 from components.distill.prune import measure_importance, plan_pruning, prune

@@ -8,9 +8,9 @@ import pytest
 import torch
 from PIL import Image
 
-from components._shared import evaluation as E
-from components._shared.packing import ConversationEncoder, forward_logits, pack
-from components._shared.vlm import load_vlm
+from components._shared.eval import evaluation as E
+from components._shared.model.packing import ConversationEncoder, forward_logits, pack
+from components._shared.model.vlm import load_vlm
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_eval_records_are_validated(tmp_path: Path):
 def test_images_load_from_the_data_dir_or_s3_and_bad_ones_are_named(tmp_path: Path, s3_env):
     import io
 
-    from components._shared import storage
+    from components._shared.platform import storage
 
     buf = io.BytesIO()
     Image.fromarray(np.full((40, 60, 3), 128, dtype=np.uint8)).save(buf, format="PNG")

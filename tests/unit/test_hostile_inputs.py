@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from components._shared.tracking import NullTracker
+from components._shared.platform.tracking import NullTracker
 from components.clean_data import filters
 from components.clean_data.config import CleanDataConfig
 from components.clean_data.stage import clean_shard, list_shards, merge_shards, run

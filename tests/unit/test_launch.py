@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from components._shared.config import StageConfig
-from components._shared.launch import RESULT_FILE, SUMMARY_DIR_ENV, execute, flatten_metrics
+from components._shared.platform.config import StageConfig
+from components._shared.launch.result import RESULT_FILE, SUMMARY_DIR_ENV, flatten_metrics
+from components._shared.launch.runner import execute
 
 
 class ToyConfig(StageConfig):
@@ -62,7 +63,7 @@ def test_unrecorded_shard_run_writes_no_summary(env):
 
 
 def test_output_is_committed_last_and_only_on_success(env):
-    from components._shared import storage
+    from components._shared.platform import storage
 
     execute("toy", ToyConfig(), toy_run, inputs={"value": 2}, output_dir=env / "ok", experiment="t", record_as="toy")
     marker = storage.read_marker(env / "ok")
@@ -74,7 +75,7 @@ def test_output_is_committed_last_and_only_on_success(env):
 
 
 def test_a_modified_committed_input_is_refused(env):
-    from components._shared.storage import IntegrityError
+    from components._shared.platform.storage import IntegrityError
 
     execute("toy", ToyConfig(), toy_run, inputs={"value": 2}, output_dir=env / "up", experiment="t", record_as="up")
     (env / "up" / "out.txt").write_text("tampered")

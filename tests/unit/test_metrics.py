@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from components._shared.metrics import (
+from components._shared.eval.metrics import (
     QUESTION_TYPES,
     anls,
     box_iou,

@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from components._shared.attention import PACKED_SDPA, segment_lengths
-from components._shared.packing import (
+from components._shared.model.attention import PACKED_SDPA, segment_lengths
+from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
     batch_tokens,
@@ -16,7 +16,7 @@ from components._shared.packing import (
     per_sample_loss,
     plan_micro_batches,
 )
-from components._shared.vlm import load_vlm
+from components._shared.model.vlm import load_vlm
 
 SIZES = [(112, 112), (56, 168), (224, 112), (84, 84), (140, 70), (168, 56)]
 

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from components._shared.tracking import NullTracker
+from components._shared.platform.tracking import NullTracker
 from components.preflight.config import PreflightConfig
 from components.preflight.stage import model_uris_in, rl_data_files, run
 

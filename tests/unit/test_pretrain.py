@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from components._shared.packing import ConversationEncoder, forward_logits, pack, per_sample_loss
-from components._shared.tracking import NullTracker
-from components._shared.vlm import load_vlm
+from components._shared.model.packing import ConversationEncoder, forward_logits, pack, per_sample_loss
+from components._shared.platform.tracking import NullTracker
+from components._shared.model.vlm import load_vlm
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.stage import run as extract
 from components.pretrain.config import InfoNceConfig, PretrainConfig
@@ -91,7 +91,7 @@ def test_stage1_lowers_heldout_caption_loss_and_exports_the_best_of_last_n(input
     # the ViT did not move in stage 1; the exported model loads as a plain HF checkpoint
     from safetensors.torch import load_file
 
-    from components._shared.models import resolve_model
+    from components._shared.model.sources import resolve_model
 
     before, after = load_file(str(resolve_model(BASE) / "model.safetensors")), load_file(
         str(tmp_path / "model/model.safetensors"))
@@ -117,7 +117,7 @@ def test_stage2_trains_the_vision_tower_from_pixels_with_infonce(inputs, tmp_pat
     assert metrics["stage2_steps"] == 2
     from safetensors.torch import load_file
 
-    from components._shared.models import resolve_model
+    from components._shared.model.sources import resolve_model
 
     before, after = load_file(str(resolve_model(BASE) / "model.safetensors")), load_file(
         str(tmp_path / "model/model.safetensors"))

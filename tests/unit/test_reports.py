@@ -3,8 +3,8 @@
 import base64
 import math
 
-from components._shared.reports import figure, history_series
-from components._shared.tracking import NullTracker
+from components._shared.platform.reports import figure, history_series
+from components._shared.platform.tracking import NullTracker
 
 
 class Recording(NullTracker):

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from components._shared.packing import ConversationEncoder, pack
-from components._shared.tracking import NullTracker
-from components._shared.vlm import load_vlm
+from components._shared.model.packing import ConversationEncoder, pack
+from components._shared.platform.tracking import NullTracker
+from components._shared.model.vlm import load_vlm
 from components.reward_model.config import RewardModelConfig
-from components._shared.reward_models import RewardModel, load_reward_model, reward_index
+from components._shared.model.reward_models import RewardModel, load_reward_model, reward_index
 from components.reward_model.stage import load_pairs, run, score_pairs
 from components.synth_world.splits import write_splits
 
@@ -52,7 +52,7 @@ def test_training_separates_pairs_and_reports_every_kind(data_dir, tmp_path, bac
 
 
 def _unit(encoder, data_dir, record, k=150, rejected=None):
-    from components._shared import evaluation as E
+    from components._shared.eval import evaluation as E
 
     image = E.load_image(data_dir, record["image"])
     out = []

@@ -2,7 +2,7 @@
 
 import pytest
 
-from components._shared import evaluation as E
+from components._shared.eval import evaluation as E
 from components.rl.rewards import (
     EfficacyCache,
     OcrConsistencyReward,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from components._shared import evaluation as E
-from components._shared.tracking import NullTracker
+from components._shared.eval import evaluation as E
+from components._shared.platform.tracking import NullTracker
 from components.reward_model.config import RewardModelConfig
 from components.reward_model.stage import run as train_reward_model
 from components.rl.config import RlConfig

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from components._shared.scale_out import LAUNCH_PLAN_ENV, LaunchPlan, check_config, stage_argv
+from components._shared.launch.plan import LAUNCH_PLAN_ENV, LaunchPlan, check_config, stage_argv
 
 
 def test_several_processes_need_deepspeed_in_every_train_section():
@@ -26,8 +26,8 @@ def test_the_stage_command_line_carries_config_inputs_and_output():
 @pytest.mark.slow
 def test_a_two_gpu_profile_runs_the_stage_under_torchrun_and_returns_rank0s_metrics(tmp_path, monkeypatch,
                                                                                      tracking_env):
-    from components._shared import storage
-    from components._shared.launch import run_stage
+    from components._shared.platform import storage
+    from components._shared.launch.runner import run_stage
     from components.synth_world.lake import write_splits
 
     data = tmp_path / "data"

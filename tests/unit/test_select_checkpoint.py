@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from components._shared.tracking import NullTracker, stage_tracker
+from components._shared.platform.tracking import NullTracker, stage_tracker
 from components.select_checkpoint.config import SelectCheckpointConfig
 from components.select_checkpoint.stage import Candidate, NoCandidatePasses, choose, judge, run
 from components.synth_world.splits import write_splits
@@ -71,7 +71,7 @@ def test_config_rejects_unknown_metrics():
 @pytest.fixture(scope="module")
 def stage_outputs(tmp_path_factory):
     """A held-out world, an untrained 'pretrain' output and a briefly fine-tuned 'sft' output with checkpoints."""
-    from components._shared.vlm import load_vlm, save_vlm
+    from components._shared.model.vlm import load_vlm, save_vlm
 
     root = tmp_path_factory.mktemp("select")
     write_splits(root / "data", seed=5, eval_per_type=3, sft_records=200, preference_pairs=8)
@@ -161,8 +161,8 @@ def test_select_fails_clearly_when_no_candidate_passes(stage_outputs, tmp_path):
 def test_checkpoints_kept_on_s3_are_found_through_the_stage_outputs_pointer(stage_outputs, s3_env, tmp_path):
     """A stage trained with train.checkpoint_uri=s3://... keeps its checkpoints there and names the root in
     OUTPUT/checkpoints.json; select lists, downloads (sha256-checked) and scores them like local ones."""
-    from components._shared import checkpoint as ckpt
-    from components._shared import storage
+    from components._shared.model import checkpoint as ckpt
+    from components._shared.platform import storage
 
     root = stage_outputs
     sft = tmp_path / "sft"
@@ -184,7 +184,7 @@ def test_checkpoints_kept_on_s3_are_found_through_the_stage_outputs_pointer(stag
 
 
 def test_stages_name_checkpoint_roots_outside_their_output(tmp_path):
-    from components._shared import checkpoint as ckpt
+    from components._shared.model import checkpoint as ckpt
 
     (tmp_path / "a").mkdir()
     ckpt.write_pointer(tmp_path / "a", [str(tmp_path / "a" / "checkpoints")])

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from components._shared.tracking import NullTracker
+from components._shared.platform.tracking import NullTracker
 from components.sft.config import SftConfig
 from components.sft.stage import load_sft_records, run
 from components.synth_world.splits import write_splits
@@ -67,7 +67,7 @@ def test_lora_trains_vision_qkv_and_merger_adapters_and_merges_exactly(data_dir,
 
 def test_full_sft_with_frozen_vision_changes_only_unfrozen_weights(data_dir, tmp_path):
     _run(_cfg("full", freeze=["vision_lower", "vision_upper"], calibration={"enabled": False}), data_dir, tmp_path)
-    from components._shared.models import resolve_model
+    from components._shared.model.sources import resolve_model
 
     before = load_file(str(resolve_model(BASE) / "model.safetensors"))
     after = load_file(str(tmp_path / "model/model.safetensors"))

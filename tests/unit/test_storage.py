@@ -1,4 +1,4 @@
-"""components._shared.storage against local directories and a real S3 server (SeaweedFS)."""
+"""components._shared.platform.storage against local directories and a real S3 server (SeaweedFS)."""
 
 import json
 import os
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from components._shared import storage
-from components._shared.storage import COMMIT_MARKER, IntegrityError
+from components._shared.platform import storage
+from components._shared.platform.storage import COMMIT_MARKER, IntegrityError
 
 MiB = 1024**2
 

@@ -1,4 +1,4 @@
-"""components._shared.tracking against an embedded sqlite store and a real `mlflow server`."""
+"""components._shared.platform.tracking against an embedded sqlite store and a real `mlflow server`."""
 
 import json
 import time
@@ -6,8 +6,8 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from components._shared import tracking
-from components._shared.tracking import (
+from components._shared.platform import tracking
+from components._shared.platform.tracking import (
     PARENT_RUN_ENV,
     MlflowTracker,
     NullTracker,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from components._shared.train_config import ScheduleConfig, WarmupSegment
-from components._shared.training import lr_factor
+from components._shared.model.train_config import ScheduleConfig, WarmupSegment
+from components._shared.model.training import lr_factor
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,7 +111,7 @@ def test_two_process_zero2_matches_one_process_and_resumes_exactly(tmp_path):
 
 def test_checkpoints_on_s3_resume_bit_identical(tmp_path, s3_env):
     """Checkpoints published to S3 (SeaweedFS): a killed run resumes from the bucket and ends bit-identical."""
-    from components._shared import storage
+    from components._shared.platform import storage
 
     root = f"{s3_env.uri}/ckpt"
     reference = _job(tmp_path / "straight", "torch")
@@ -129,8 +129,8 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     import numpy as np
     from PIL import Image
 
-    from components._shared.packing import ConversationEncoder, forward_logits, pack, token_loss
-    from components._shared.vlm import load_vlm
+    from components._shared.model.packing import ConversationEncoder, forward_logits, pack, token_loss
+    from components._shared.model.vlm import load_vlm
 
     grads = []
     for checkpointing in (False, True):

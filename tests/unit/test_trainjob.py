@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from components._shared import storage
-from components._shared.scale_out import LAUNCH_PLAN_ENV, LaunchPlan, plan_from_env
-from components._shared.trainjob import TrainJobFailed, run_trainjob
+from components._shared.platform import storage
+from components._shared.launch.plan import LAUNCH_PLAN_ENV, LaunchPlan, plan_from_env
+from components._shared.launch.trainjob import TrainJobFailed, run_trainjob
 from tests.fake_k8s_api import FakeKubernetesApi
 
 SENTINEL = "sentinel-secret-4c1d"
@@ -187,7 +187,7 @@ def test_the_job_command_line_runs_the_stage_and_its_outputs_come_back_through_r
         s3_env, tmp_path, monkeypatch):
     """The pods' work done for real: the TrainJob's args run under python (one process) with the job's env,
     read the staged inputs from S3 and publish the outputs; run_stage returns the recorded metrics."""
-    from components._shared.launch import run_stage
+    from components._shared.launch.runner import run_stage
     from components.synth_world.lake import write_splits
 
     data = tmp_path / "data"
@@ -209,7 +209,7 @@ def test_the_job_command_line_runs_the_stage_and_its_outputs_come_back_through_r
     with FakeKubernetesApi(on_create=pods) as api:
         plan = _plan(s3_env, gpus_per_node=0, namespace="qvl")
         monkeypatch.setenv(LAUNCH_PLAN_ENV, plan.model_dump_json())
-        import components._shared.trainjob as trainjob
+        import components._shared.launch.trainjob as trainjob
 
         real = trainjob._trainer_client
         monkeypatch.setattr(trainjob, "_trainer_client", lambda p, cfg=None: real(p, api.configuration()))

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from components._shared.train_config import OptimConfig
-from components._shared.training import build_optimizer, clip_per_group
-from components._shared.vlm import (
+from components._shared.model.train_config import OptimConfig
+from components._shared.model.training import build_optimizer, clip_per_group
+from components._shared.model.vlm import (
     MODULE_GROUPS,
     build_student,
     count_parameters,
@@ -79,7 +79,7 @@ def test_student_is_smaller_same_family_and_round_trips_through_auto_classes(fam
     import numpy as np
     from PIL import Image
 
-    from components._shared.packing import ConversationEncoder, forward_logits, pack
+    from components._shared.model.packing import ConversationEncoder, forward_logits, pack
 
     encoder = ConversationEncoder(processor, student, min_pixels=3136, max_pixels=12544)
     image = Image.fromarray(np.zeros((56, 84, 3), dtype=np.uint8))

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from components._shared import storage
+from components._shared.platform import storage
 
 STEP_PREFIX = "step-"
 

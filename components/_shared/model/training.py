@@ -12,7 +12,7 @@ loss by the step's number of target tokens, so a step's gradient does not depend
 
 Written by hand rather than with the HF Trainer: that trainer's resume does not restore this model's
 weights, restores RNG one batch late and writes non-atomic checkpoints (GUIDE section 5). The DeepSpeed
-backend (components/_shared/ds_backend.py) plugs into the same loop.
+backend (components/_shared/model/ds_backend.py) plugs into the same loop.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from components._shared import checkpoint as ckpt
-from components._shared.packing import (
+from components._shared.model import checkpoint as ckpt
+from components._shared.model.packing import (
     Sample,
     batch_tokens,
     forward_logits,
@@ -41,9 +41,9 @@ from components._shared.packing import (
     to_device,
     token_loss,
 )
-from components._shared.tracking import NullTracker, Tracker
-from components._shared.train_config import OptimConfig, ScheduleConfig, TrainConfig
-from components._shared.vlm import named_groups
+from components._shared.platform.tracking import NullTracker, Tracker
+from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.model.vlm import named_groups
 
 LossFn = Callable[[Any, dict, list[Sample]], tuple[torch.Tensor, int, dict[str, float]]]
 
@@ -190,7 +190,7 @@ class TrainLoop:
             model.enable_input_require_grads()
         model.to(self.device)
         if train.backend == "deepspeed":
-            from components._shared.ds_backend import DeepSpeedBackend
+            from components._shared.model.ds_backend import DeepSpeedBackend
 
             self.backend = DeepSpeedBackend(model, train=train, optim=optim, lr_lambda=self._lr_lambda)
         else:

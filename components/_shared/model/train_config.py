@@ -1,7 +1,7 @@
 """Training-loop settings shared by the model stages (pretrain, sft, and later reward_model, rl, distill).
 
 Pydantic only, so pipelines/ compiles without torch. A stage config nests these as `optim`, `schedule`
-and `train` blocks; the loop itself is components/_shared/training.py.
+and `train` blocks; the loop itself is components/_shared/model/training.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from components._shared.config import SubConfig
+from components._shared.platform.config import SubConfig
 
 MODULE_GROUPS = ("vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper")  # = vlm.MODULE_GROUPS
 

@@ -12,7 +12,7 @@ import base64
 import math
 from pathlib import Path
 
-from components._shared.tracking import Tracker
+from components._shared.platform.tracking import Tracker
 
 Series = dict[str, list[tuple[float, float]]]
 

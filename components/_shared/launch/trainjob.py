@@ -20,15 +20,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from components._shared import storage
-from components._shared.scale_out import (
-    LAUNCHED_ENV,
-    POD_NAME_ENV,
-    POD_UID_ENV,
-    LaunchPlan,
-    read_result,
-    stage_argv,
-)
+from components._shared.platform import storage
+from components._shared.launch.plan import LAUNCHED_ENV, LaunchPlan, POD_NAME_ENV, POD_UID_ENV, stage_argv
+from components._shared.launch.result import read_result
 
 TRAINER_CONTAINER = "node"  # the trainer container of the torch runtimes
 PASS_THROUGH_ENV = ("QVL_MLFLOW_PARENT_RUN_ID", "QVL_CACHE_DIR", "HF_HOME")  # non-secret settings the pods inherit

@@ -1,10 +1,11 @@
-"""Run a training stage on several processes: torchrun inside the task's pod, or a TrainJob over several nodes.
+"""Launch plans: how a training stage runs on several processes (torchrun in its pod, or a TrainJob of N nodes).
 
 The compiled pipeline puts a `LaunchPlan` (JSON, no secrets) in QVL_LAUNCH_PLAN of every task whose cluster
-profile asks for more than one GPU (pipelines/k8s.py). `run_stage` sees it and, instead of running the stage
-in its own process, starts the stage's command line (`python -m components.<stage> --config-json ...`)
-- on one node: under `torch.distributed.run --standalone --nproc-per-node G` in the same pod;
-- on N nodes: as a Kubeflow Trainer TrainJob with the same image (components/_shared/trainjob.py).
+profile asks for more than one GPU (pipelines/k8s.py). `run_stage` (launch/runner.py) sees it and, instead
+of running the stage in its own process, starts the stage's command line (`python -m components.<stage>
+--config-json ...`)
+- on one node: under `torch.distributed.run --standalone --nproc-per-node G` in the same pod (launch/torchrun.py);
+- on N nodes: as a Kubeflow Trainer TrainJob with the same image (launch/trainjob.py).
 The started processes carry QVL_LAUNCHED=1, so they run the stage themselves. Either way the task's output
 directory ends up as if the stage had run in the task, and its recorded metrics are returned.
 """
@@ -13,16 +14,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+
 LAUNCH_PLAN_ENV = "QVL_LAUNCH_PLAN"
+
+
 LAUNCHED_ENV = "QVL_LAUNCHED"  # set on the processes a launcher starts: they run the stage themselves
+
+
 POD_NAME_ENV, POD_UID_ENV = "QVL_POD_NAME", "QVL_POD_UID"  # a multi-node task's pod (downward API): owns its job
+
+
 # Stages whose loop shards micro-batches over ranks (TrainLoop + DeepSpeed); rl rolls out in one process.
 MULTI_PROCESS_STAGES = ("pretrain", "sft", "reward_model", "distill")
 
@@ -94,7 +100,7 @@ def check_config(stage: str, config: dict[str, Any]) -> None:
 
 def stage_argv(stage: str, config: dict[str, Any], inputs: dict[str, Any], output_dir: str,
                experiment: str) -> list[str]:
-    """`-m components.<stage> ...`: the stage's own command line (components/_shared/cli.py:stage_main)."""
+    """`-m components.<stage> ...`: the stage's own command line (launch/cli.py:stage_main)."""
     argv = ["-m", f"components.{stage}", "--config-json", json.dumps(config, sort_keys=True),
             "--output-dir", str(output_dir), "--experiment", experiment]
     for name, value in inputs.items():
@@ -103,42 +109,3 @@ def stage_argv(stage: str, config: dict[str, Any], inputs: dict[str, Any], outpu
                              f"got {type(value).__name__}.")
         argv += [f"--{name.replace('_', '-')}", str(value)]
     return argv
-
-
-def read_result(output_dir: str | Path, stage: str) -> dict[str, Any]:
-    """The metrics the launched stage recorded in its output directory (launch.RESULT_FILE)."""
-    from components._shared.launch import RESULT_FILE
-
-    path = Path(output_dir) / RESULT_FILE
-    if not path.exists():
-        raise RuntimeError(f"{stage}: the launched processes finished without writing {path}.")
-    result = json.loads(path.read_text())
-    if result.get("status") != "succeeded":
-        raise RuntimeError(f"{stage}: the launched stage recorded status {result.get('status')}: "
-                           f"{result.get('error', 'no error recorded')}")
-    return result["metrics"]
-
-
-def run_local_torchrun(plan: LaunchPlan, config: dict[str, Any], *, inputs: dict[str, Any], output_dir: str,
-                       experiment: str) -> dict[str, Any]:
-    """One node, G processes (one per GPU) in this pod; rank 0 writes `output_dir` and the result record."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={plan.processes_per_node}",
-           *stage_argv(plan.stage, config, inputs, output_dir, experiment)]
-    print(f"[scale_out] {plan.stage}: torchrun with {plan.processes_per_node} processes", flush=True)
-    rc = subprocess.run(cmd, env={**os.environ, LAUNCHED_ENV: "1"}).returncode
-    if rc != 0:
-        raise RuntimeError(f"{plan.stage}: torchrun with {plan.processes_per_node} processes exited with code {rc} "
-                           "(the failing rank's traceback is in the log above).")
-    return read_result(output_dir, plan.stage)
-
-
-def run_launched(plan: LaunchPlan, config: dict[str, Any], *, inputs: dict[str, Any], output_dir: str,
-                 experiment: str) -> dict[str, Any]:
-    """Run the stage as the plan says; returns its metrics."""
-    check_config(plan.stage, config)
-    if plan.nodes > 1:
-        from components._shared.trainjob import run_trainjob
-
-        return run_trainjob(plan, config, inputs=inputs, output_dir=output_dir, experiment=experiment)
-    return run_local_torchrun(plan, config, inputs=inputs, output_dir=output_dir, experiment=experiment)

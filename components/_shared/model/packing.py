@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from components._shared.vlm import qwen_model
+from components._shared.model.vlm import qwen_model
 
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"

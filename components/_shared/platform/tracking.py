@@ -262,7 +262,7 @@ class MlflowTracker(Tracker):
         if metrics or params or tags:
             path = self._spill(metrics=metrics, params=params, tags=tags, status=status)
             logger.warning("MLflow unreachable at close: %d metrics, %d params, %d tags written to %s "
-                           "(send them later with components._shared.tracking.replay_fallback)",
+                           "(send them later with components._shared.platform.tracking.replay_fallback)",
                            len(metrics), len(params), len(tags), path)
 
     # -- sending ------------------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def _resolve_builtin(name: str, cache: Path) -> Path:
 
 
 def _resolve_s3(uri: str, cache: Path) -> Path:
-    from components._shared import storage
+    from components._shared.platform import storage
 
     prefix = uri.rstrip("/")
     try:

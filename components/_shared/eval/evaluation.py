@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from components._shared import metrics as M
-from components._shared.packing import (
+from components._shared.eval import metrics as M
+from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
     Sample,
@@ -31,7 +31,7 @@ from components._shared.packing import (
 
 def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
     """A local directory for a data URI (s3:// prefixes are downloaded into `scratch`)."""
-    from components._shared import storage
+    from components._shared.platform import storage
 
     if storage.is_s3(uri):
         return storage.fetch_dir(uri, scratch / "data", require_commit=storage.is_committed(uri))
@@ -97,8 +97,8 @@ MAX_IMAGE_PIXELS = 89_478_485  # Pillow's default bomb limit, enforced by imagin
 def load_image(root: Path, reference: str) -> Image.Image:
     """An image named by a data record: a path inside the data directory, or an s3:// object. Decoded through
     the same guarded decoder as the lake (format allow-list, decompression-bomb limit)."""
-    from components._shared import storage
-    from components._shared.imaging import ImageRejected, decode_image
+    from components._shared.platform import storage
+    from components._shared.platform.imaging import ImageRejected, decode_image
 
     if storage.is_s3(reference):
         data = storage.read_bytes(reference)

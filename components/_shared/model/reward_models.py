@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from components._shared.packing import IGNORE_INDEX, Sample, forward_hidden
-from components._shared.vlm import load_vlm, qwen_model, save_vlm
+from components._shared.model.packing import IGNORE_INDEX, Sample, forward_hidden
+from components._shared.model.vlm import load_vlm, qwen_model, save_vlm
 
 HEAD_FILE = "reward_head.safetensors"
 META_FILE = "reward_model.json"
@@ -65,7 +65,7 @@ def load_reward_model(uri: str | Path, *, dtype: torch.dtype = torch.float32) ->
     """(reward model, processor, meta) from a directory written by this stage (safetensors only)."""
     from safetensors.torch import load_file
 
-    from components._shared.models import resolve_model
+    from components._shared.model.sources import resolve_model
 
     path = resolve_model(str(uri))
     if not (path / HEAD_FILE).is_file() or not (path / META_FILE).is_file():
@@ -83,7 +83,7 @@ class RewardModelScorer:
 
     def __init__(self, uri: str, *, min_pixels: int, max_pixels: int, device: torch.device,
                  max_tokens: int = 4096) -> None:
-        from components._shared.packing import ConversationEncoder
+        from components._shared.model.packing import ConversationEncoder
 
         self.model, processor, self.meta = load_reward_model(
             uri, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -97,7 +97,7 @@ class RewardModelScorer:
     @torch.no_grad()
     def raw_scores(self, records: list[dict], answers: list[str]) -> list[float]:
         """One score per (record {"id", "question", "pil"}, answer)."""
-        from components._shared.packing import pack, plan_micro_batches, to_device
+        from components._shared.model.packing import pack, plan_micro_batches, to_device
 
         samples = []
         for i, (record, answer) in enumerate(zip(records, answers)):

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from components._shared.train_config import OptimConfig, TrainConfig
-from components._shared.vlm import named_groups
+from components._shared.model.train_config import OptimConfig, TrainConfig
+from components._shared.model.vlm import named_groups
 
 TAG = "state"
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from components._shared.attention import register as packed_attention
-from components._shared.models import resolve_model, validate_model_dir
+from components._shared.model.attention import register as packed_attention
+from components._shared.model.sources import resolve_model, validate_model_dir
 
 SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 # Parameter groups in the order the seeds discuss them; every trainable parameter falls in exactly one.

@@ -1,0 +1,1 @@
+"""Data readers, the held-out evaluation suite, metrics and task scorers. Imports `model` and `platform`."""

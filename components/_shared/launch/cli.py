@@ -1,0 +1,67 @@
+"""Command-line entry shared by every stage: `python -m components.<stage> --config FILE [key=value ...]`.
+
+The config file is either a preset (one section per stage; the stage's section is used) or a bare stage
+section (platform/presets.py reads both). `key=value` overrides use dotted paths (`optim.lr=2e-5`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from components._shared.platform.presets import deep_merge, parse_overrides, read_section, validate
+
+
+def stage_main(
+    config_cls,
+    run: Callable[..., dict[str, Any]],
+    *,
+    section: str,
+    inputs: tuple[str, ...],
+    argv: list[str] | None = None,
+) -> dict[str, Any]:
+    """Parse the command line, validate the config, run the stage under a tracker, print its metrics as JSON."""
+    parser = argparse.ArgumentParser(prog=f"python -m components.{section}", description=run.__doc__)
+    parser.add_argument("--config", type=Path, help="Preset YAML (uses its '%s' section) or a bare section." % section)
+    parser.add_argument("--config-json", help="The section as JSON (what launchers pass); --config and overrides apply "
+                                              "underneath and on top.")
+    parser.add_argument("--output-dir", required=True, help="Output directory or s3:// prefix (published atomically).")
+    parser.add_argument("--experiment", default="vlm", help="MLflow experiment name.")
+    for name in inputs:
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, required=True, help=f"Input '{name}'.")
+    parser.add_argument("overrides", nargs="*", help="Dotted key=value overrides of the config.")
+    args = parser.parse_args(argv)
+
+    data = read_section(args.config, section)
+    if args.config_json:
+        try:
+            data = deep_merge(data, json.loads(args.config_json))
+        except json.JSONDecodeError as err:
+            parser.error(f"--config-json is not valid JSON: {err}")
+    data = deep_merge(data, parse_overrides(args.overrides))
+    cfg = validate(config_cls, section, data)
+
+    import tempfile
+
+    from components._shared.platform import storage
+    from components._shared.launch.runner import execute
+
+    with tempfile.TemporaryDirectory(prefix=f"qvl-{section}-") as scratch:
+        # An s3:// output is written locally first, then published: files first, commit marker last.
+        local_out = Path(scratch) / "out" if storage.is_s3(args.output_dir) else Path(args.output_dir)
+        metrics = execute(
+            section,
+            cfg,
+            run,
+            inputs={name: getattr(args, name) for name in inputs},
+            output_dir=local_out,
+            experiment=args.experiment,
+            record_as=section,
+        )
+        if storage.is_s3(args.output_dir) and os.environ.get("RANK", "0").strip() in ("", "0"):
+            storage.publish_dir(local_out, args.output_dir)  # rank 0 only: it alone wrote the outputs
+    print(json.dumps(metrics, indent=2, sort_keys=True, default=str))
+    return metrics

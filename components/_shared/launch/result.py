@@ -1,0 +1,69 @@
+"""A stage's result record and metrics: `<output_dir>/_stage_result.json`, the run-summary copy, KFP Metrics.
+
+Every run of a stage writes its record (status, metrics, artifacts, seconds) into its output directory and,
+when QVL_RUN_SUMMARY_DIR is set, `$QVL_RUN_SUMMARY_DIR/<stage>.json` (the local runner collects those into
+run_summary.json). The variable is run-scoped, so it travels in the environment and never in a cached task
+input. Launchers read the record back (`read_result`) to return the metrics of a stage run elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+RESULT_FILE = "_stage_result.json"
+
+
+SUMMARY_DIR_ENV = "QVL_RUN_SUMMARY_DIR"
+
+
+def flatten_metrics(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Numeric metrics only, nested dicts flattened with '.', for KFP's Metrics artifact and MLflow."""
+    flat: dict[str, float] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten_metrics(value, prefix=f"{name}."))
+        elif isinstance(value, bool):
+            flat[name] = float(value)
+        elif isinstance(value, (int, float)):
+            flat[name] = float(value)
+    return flat
+
+
+def report_metrics(artifact, metrics: dict[str, Any]) -> None:
+    """Mirror a stage's metrics to a KFP Metrics artifact: logged for the UI and written as JSON at its path.
+
+    The file matters: KFP's local cache treats an output whose path does not exist as missing and re-runs
+    the task, and a Metrics artifact otherwise has no file.
+    """
+    flat = flatten_metrics(metrics)
+    for name, value in flat.items():
+        artifact.log_metric(name, value)
+    Path(artifact.path).parent.mkdir(parents=True, exist_ok=True)
+    Path(artifact.path).write_text(json.dumps(flat, indent=2, sort_keys=True))
+
+
+def _record(stage: str, result: dict[str, Any], output_dir: Path | None) -> None:
+    text = json.dumps({"stage": stage, **result}, indent=2, sort_keys=True, default=str)
+    if output_dir is not None and output_dir.is_dir():
+        (output_dir / RESULT_FILE).write_text(text)
+    summary_dir = os.environ.get(SUMMARY_DIR_ENV)
+    if summary_dir:
+        Path(summary_dir).mkdir(parents=True, exist_ok=True)
+        (Path(summary_dir) / f"{stage}.json").write_text(text)
+
+
+def read_result(output_dir: str | Path, stage: str) -> dict[str, Any]:
+    """The metrics the launched stage recorded in its output directory (launch.RESULT_FILE)."""
+    path = Path(output_dir) / RESULT_FILE
+    if not path.exists():
+        raise RuntimeError(f"{stage}: the launched processes finished without writing {path}.")
+    result = json.loads(path.read_text())
+    if result.get("status") != "succeeded":
+        raise RuntimeError(f"{stage}: the launched stage recorded status {result.get('status')}: "
+                           f"{result.get('error', 'no error recorded')}")
+    return result["metrics"]
