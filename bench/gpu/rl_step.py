@@ -32,7 +32,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `components` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from components._shared.eval import evaluation as E
+from components._shared.eval import readers
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.packing import ConversationEncoder
 from components._shared.platform.tracking import NullTracker
@@ -103,14 +103,14 @@ def main() -> None:
                                max_tokens=cfg.train.max_tokens_per_micro_batch)
         rewards = build_rewards(dict(cfg.rewards), reward_model_uri=None, min_pixels=args.pixels,
                                 max_pixels=args.pixels, device=device)
-        loop = RlLoop(policy, reference, cfg=cfg, prompts=prompts, image=lambda ref: E.load_image(data, ref),
+        loop = RlLoop(policy, reference, cfg=cfg, prompts=prompts, image=lambda ref: readers.load_image(data, ref),
                       engine=engine, rewards=rewards, checkpoints=CheckpointStore(Path(tmp) / "ckpt"),
                       tracker=NullTracker())
         params = sum(p.numel() for p in model.parameters())
         steps = []
         for i in range(args.warmup + args.steps):
             indices, _ = loop._next_indices()
-            records = [{**prompts[j], "pil": E.load_image(data, prompts[j]["image"])} for j in indices]
+            records = [{**prompts[j], "pil": readers.load_image(data, prompts[j]["image"])} for j in indices]
             metrics = loop._rl_step(records)
             loop.step += 1
             if device.type == "cuda":
@@ -120,7 +120,7 @@ def main() -> None:
 
         # baseline: the same kind of batch sampled without the KV cache
         indices, _ = loop._next_indices()
-        records = [{**prompts[j], "pil": E.load_image(data, prompts[j]["image"])} for j in indices]
+        records = [{**prompts[j], "pil": readers.load_image(data, prompts[j]["image"])} for j in indices]
         arms = {}
         for name, cache in (("kv_cache", True), ("no_cache", False)):
             engine.use_cache = cache

@@ -32,6 +32,7 @@ import torch
 
 from components._shared.model import checkpoint as ckpt
 from components._shared.eval import evaluation as E
+from components._shared.eval import readers
 from components._shared.eval import metrics as M
 from components._shared.model.attention import PACKED_SDPA
 from components._shared.model.checkpoint import CheckpointStore
@@ -135,9 +136,9 @@ def heldout_kl(student, teacher, samples: list, *, temperature: float, max_token
 def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | Path, tracker: Tracker) -> dict[str, Any]:
     """Distill the teacher into the configured student; returns teacher vs student scores, sizes and speed."""
     output_dir = Path(output_dir)
-    data_dir = E.resolve_data_dir(data, scratch=output_dir / ".scratch")
-    records = E.load_conversations(data_dir, cfg.max_records)
-    eval_records = E.load_eval_records(data_dir, per_type=cfg.eval.per_type)
+    data_dir = readers.resolve_data_dir(data, scratch=output_dir / ".scratch")
+    records = readers.load_conversations(data_dir, cfg.max_records)
+    eval_records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"teacher_model": teacher_model, "data": data})
     device = resolve_device(cfg.train.device)
     teacher_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
@@ -147,7 +148,7 @@ def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | 
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     encoder = ConversationEncoder(processor, teacher, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
                                   max_length=cfg.max_length)
-    image = functools.lru_cache(maxsize=4096)(functools.partial(E.load_image, data_dir))
+    image = functools.lru_cache(maxsize=4096)(functools.partial(readers.load_image, data_dir))
 
     def encode(i: int, turns: list[dict] | None = None, **kw):
         r = records[i]

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from components._shared.eval import evaluation as E
+from components._shared.eval import readers
 from components._shared.model import checkpoint as ckpt
 from components._shared.platform import storage
 from components._shared.model.checkpoint import CheckpointStore
@@ -156,7 +157,7 @@ class HeldoutCaptions:
     """Held-out caption loss and image->text retrieval R@1 on eval.jsonl's caption records."""
 
     def __init__(self, cfg: PretrainConfig, encoder: ConversationEncoder, data_dir: Path) -> None:
-        records = [r for r in E.load_eval_records(data_dir) if r["type"] == "caption"]
+        records = [r for r in readers.load_eval_records(data_dir) if r["type"] == "caption"]
         if len(records) < 2:
             raise ValueError(f"{data_dir}/eval.jsonl has {len(records)} caption records; pretrain needs >= 2 to "
                              "measure held-out caption loss and retrieval.")
@@ -242,7 +243,7 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     encoder = ConversationEncoder(processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
                                   max_length=cfg.max_length)
-    heldout = HeldoutCaptions(cfg, encoder, E.resolve_data_dir(data, scratch=output_dir / ".scratch"))
+    heldout = HeldoutCaptions(cfg, encoder, readers.resolve_data_dir(data, scratch=output_dir / ".scratch"))
 
     def turns(caption: str) -> list[dict]:
         return [{"role": "user", "text": f"<image>\n{cfg.prompt}"}, {"role": "assistant", "text": caption}]

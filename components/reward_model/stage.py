@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from components._shared.model import checkpoint as ckpt
-from components._shared.eval import evaluation as E
+from components._shared.eval import readers
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.packing import (
     ConversationEncoder,
@@ -41,7 +41,7 @@ from components._shared.model.vlm import freeze, load_vlm, set_pixel_bounds
 from components.reward_model.config import RewardModelConfig
 
 def load_pairs(data_dir: Path, max_records: int | None) -> list[dict]:
-    records = E.read_jsonl(data_dir / "preferences.jsonl", ("id", "image", "prompt", "chosen", "rejected"))
+    records = readers.read_jsonl(data_dir / "preferences.jsonl", ("id", "image", "prompt", "chosen", "rejected"))
     for r in records:
         if r["chosen"] == r["rejected"]:
             raise ValueError(f"preference record {r['id']!r}: chosen and rejected are the same text; fix or drop it.")
@@ -84,7 +84,7 @@ def run(cfg: RewardModelConfig, *, base_model: str, data: str, output_dir: str |
         tracker: Tracker) -> dict[str, Any]:
     """Train the reward model; returns held-out pair accuracy (overall and per rejection kind) and reward stats."""
     output_dir = Path(output_dir)
-    data_dir = E.resolve_data_dir(data, scratch=output_dir / ".scratch")
+    data_dir = readers.resolve_data_dir(data, scratch=output_dir / ".scratch")
     pairs = load_pairs(data_dir, cfg.max_records)
     train = [p for p in pairs if not is_heldout(p["id"], cfg.heldout_fraction)]
     heldout = [p for p in pairs if is_heldout(p["id"], cfg.heldout_fraction)]
@@ -101,7 +101,7 @@ def run(cfg: RewardModelConfig, *, base_model: str, data: str, output_dir: str |
                                   max_length=cfg.max_length)
 
     def unit(record: dict) -> list[Sample]:
-        image = E.load_image(data_dir, record["image"])
+        image = readers.load_image(data_dir, record["image"])
         out = []
         for side in ("chosen", "rejected"):
             turns = [{"role": "user", "text": f"<image>\n{record['prompt']}"},

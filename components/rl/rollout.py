@@ -22,7 +22,7 @@ from components._shared.model.packing import (
     plan_micro_batches,
     to_device,
 )
-from components._shared.eval.evaluation import prompt_turns
+from components._shared.eval.readers import prompt_turns
 from components._shared.model.vlm import qwen_model
 
 

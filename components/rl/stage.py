@@ -34,6 +34,7 @@ import torch
 
 from components._shared.model import checkpoint as ckpt
 from components._shared.eval import evaluation as E
+from components._shared.eval import readers
 from components._shared.eval import metrics as M
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.packing import ConversationEncoder
@@ -98,7 +99,7 @@ def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, types: list
     `types` (default `prompt_types`; empty = every type); a type no record has is an error naming `setting`."""
     types = cfg.prompt_types if types is None else types
     prompts, seen_types = [], set()
-    for r in E.conversation_questions(data_dir, cfg.prompts_file, label="rl prompt"):
+    for r in readers.conversation_questions(data_dir, cfg.prompts_file, label="rl prompt"):
         seen_types.add(r["type"])
         if need_types and r["type"] not in M.QUESTION_TYPES:
             raise ValueError(f"rl prompt {r['id']!r} has type {r['type']!r}; the efficacy reward needs one of "
@@ -281,7 +282,7 @@ class RlLoop(TrainLoop):
         count = min(self.cfg.ptx.samples_per_step or self.train.samples_per_step, len(self.ptx_pool))
         rng = np.random.default_rng([self.cfg.seed, 9_000_011, self.step])
         records = [self.ptx_pool[i] for i in rng.choice(len(self.ptx_pool), count, replace=False)]
-        samples = [self.engine.encoder.encode(E.prompt_turns(r["question"]) + [{"role": "assistant", "text": r["answer"]}],
+        samples = [self.engine.encoder.encode(readers.prompt_turns(r["question"]) + [{"role": "assistant", "text": r["answer"]}],
                                               images=[self.image(r["image"])], sample_id=f"ptx:{r['id']}")
                    for r in records]
         completion_tokens = sum(r.length for r in rollouts)
@@ -424,9 +425,9 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
         raise ValueError("the rl stage runs in one process (rollouts are not sharded over ranks yet); launch it "
                          "without torchrun (train.backend: deepspeed still works on one GPU).")
     output_dir = Path(output_dir)
-    data_dir = E.resolve_data_dir(data, scratch=output_dir / ".scratch")
+    data_dir = readers.resolve_data_dir(data, scratch=output_dir / ".scratch")
     prompts = load_prompts(data_dir, cfg, need_types=bool(cfg.rewards.get("efficacy")))
-    eval_records = E.load_eval_records(data_dir, per_type=cfg.eval.per_type, files=cfg.eval.files)
+    eval_records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type, files=cfg.eval.files)
     key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"base_model": base_model, "reward_model": reward_model,
                                                          "data": data})
     torch.manual_seed(cfg.seed)
@@ -441,7 +442,7 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
                                   max_length=cfg.max_length)
     rewards = build_rewards(dict(cfg.rewards), reward_model_uri=reward_model or None, min_pixels=cfg.min_pixels,
                             max_pixels=cfg.max_pixels, device=device)
-    image = functools.lru_cache(maxsize=4096)(functools.partial(E.load_image, data_dir))
+    image = functools.lru_cache(maxsize=4096)(functools.partial(readers.load_image, data_dir))
     engine = RolloutEngine(encoder, max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                            batch_size=cfg.rollout.batch_size, max_tokens=cfg.train.max_tokens_per_micro_batch)
     loop = RlLoop(policy, reference, cfg=cfg, prompts=prompts, image=image, engine=engine, rewards=rewards,

@@ -29,6 +29,7 @@ import torch
 
 from components._shared.model import checkpoint as ckpt
 from components._shared.eval import evaluation as E
+from components._shared.eval import readers
 from components._shared.eval import metrics as M
 from components._shared.platform import storage
 from components._shared.launch.result import RESULT_FILE
@@ -184,8 +185,8 @@ def run(cfg: SelectCheckpointConfig, *, data: str, pretrain: str = "", sft: str 
     if not candidates:
         raise ValueError(f"no candidates: pass the output directories of the stages in select_checkpoint.stages "
                          f"({cfg.stages}).")
-    data_dir = E.resolve_data_dir(data, scratch=output_dir / ".scratch")
-    records = E.load_eval_records(data_dir, per_type=cfg.eval.per_type)
+    data_dir = readers.resolve_data_dir(data, scratch=output_dir / ".scratch")
+    records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("select_checkpoint.device=cuda but no CUDA GPU is visible; use device: auto or cpu.")
     device = torch.device("cuda" if cfg.device == "cuda" or cfg.device == "auto" and torch.cuda.is_available() else "cpu")

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from components._shared.eval import evaluation as E
+from components._shared.eval import readers
 from components._shared.eval import metrics as M
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.checkpoint import CheckpointStore
-from components._shared.eval.evaluation import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
+from components._shared.eval.readers import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
 from components._shared.model.packing import ConversationEncoder
 from components._shared.platform.reports import figure, history_series
 from components._shared.platform.tracking import Tracker
@@ -140,9 +141,9 @@ def phases_for(cfg: SftConfig, records: list[dict]) -> list[Phase]:
 def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, tracker: Tracker) -> dict[str, Any]:
     """Fine-tune, evaluate against the majority baseline, calibrate, save; returns the stage metrics."""
     output_dir = Path(output_dir)
-    data_dir = E.resolve_data_dir(data, scratch=output_dir / ".scratch")
+    data_dir = readers.resolve_data_dir(data, scratch=output_dir / ".scratch")
     records = load_sft_records(data_dir, cfg.max_records)
-    eval_records = E.load_eval_records(data_dir, per_type=cfg.eval.per_type)
+    eval_records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"base_model": base_model, "data": data})
     checkpoint_root = ckpt.location(cfg.train.checkpoint_uri, "sft", key, output_dir)
     model, processor = build_model(cfg, base_model)
@@ -151,7 +152,7 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
                                   max_length=cfg.max_length)
     @functools.lru_cache(maxsize=4096)  # bounded: a real SFT set does not fit in memory decoded
     def image(reference: str):
-        return E.load_image(data_dir, reference)
+        return readers.load_image(data_dir, reference)
 
     def sample(i: int):
         r = records[i]

@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from components._shared.eval import evaluation as E
+from components._shared.eval import readers
 from components._shared.model.packing import ConversationEncoder, forward_logits, pack
 from components._shared.model.vlm import load_vlm
 
@@ -40,7 +41,7 @@ def test_batched_generation_equals_teacher_forced_greedy(model_and_encoder):
         generated = E.generate_answers(model, encoder, records, batch_size=4, max_new_tokens=4,
                                        first_logits=first_logits)
         for record, answer, logits in zip(records, generated, first_logits):
-            sample = encoder.encode(E.prompt_turns(record["question"]), images=[record["pil"]],
+            sample = encoder.encode(readers.prompt_turns(record["question"]), images=[record["pil"]],
                                     add_generation_prompt=True)
             ids = sample.input_ids
             expected = []
@@ -74,10 +75,10 @@ def test_eval_records_are_validated(tmp_path: Path):
     (tmp_path / "eval.jsonl").write_text('{"id": "q1", "image": "../x.png", "question": "?", "answer": "a", '
                                          '"type": "color"}\n')
     with pytest.raises(ValueError, match="leaves the data directory"):
-        E.load_eval_records(tmp_path)
+        readers.load_eval_records(tmp_path)
     (tmp_path / "eval.jsonl").write_text('{"id": "q2", "image": "x.png"}\n')
     with pytest.raises(ValueError, match=r"eval.jsonl:1 \(id='q2'\): missing field\(s\) \['question'"):
-        E.load_eval_records(tmp_path)
+        readers.load_eval_records(tmp_path)
 
 
 def test_images_load_from_the_data_dir_or_s3_and_bad_ones_are_named(tmp_path: Path, s3_env):
@@ -89,13 +90,13 @@ def test_images_load_from_the_data_dir_or_s3_and_bad_ones_are_named(tmp_path: Pa
     Image.fromarray(np.full((40, 60, 3), 128, dtype=np.uint8)).save(buf, format="PNG")
     (tmp_path / "a.png").write_bytes(buf.getvalue())
     storage.write_bytes(f"{s3_env.uri}/imgs/b.png", buf.getvalue())
-    assert E.load_image(tmp_path, "a.png").size == (60, 40)
-    assert E.load_image(tmp_path, f"{s3_env.uri}/imgs/b.png").size == (60, 40)
+    assert readers.load_image(tmp_path, "a.png").size == (60, 40)
+    assert readers.load_image(tmp_path, f"{s3_env.uri}/imgs/b.png").size == (60, 40)
     (tmp_path / "broken.png").write_bytes(buf.getvalue()[:30])
     with pytest.raises(ValueError, match="image 'broken.png' cannot be used: undecodable"):
-        E.load_image(tmp_path, "broken.png")
+        readers.load_image(tmp_path, "broken.png")
     with pytest.raises(ValueError, match="'missing.png' does not exist"):
-        E.load_image(tmp_path, "missing.png")
+        readers.load_image(tmp_path, "missing.png")
 
 
 def test_eval_records_join_files_of_both_formats(tmp_path: Path):
@@ -105,16 +106,16 @@ def test_eval_records_join_files_of_both_formats(tmp_path: Path):
     conversation = {"image": "x.png", "type": "color", "conversations": [
         {"from": "human", "value": "<image>\nWhat colour is the shape?"}, {"from": "gpt", "value": "blue"}]}
     (tmp_path / "rl.jsonl").write_text("".join(json.dumps({"id": f"r{i}", **conversation}) + "\n" for i in range(4)))
-    records = E.load_eval_records(tmp_path, files=["eval.jsonl", "rl.jsonl"])
+    records = readers.load_eval_records(tmp_path, files=["eval.jsonl", "rl.jsonl"])
     assert [r["id"] for r in records] == ["e0", "e1", "e2", "r0", "r1", "r2", "r3"]
     assert records[3]["question"] == "What colour is the shape?" and records[3]["answer"] == "blue"
     assert records[3]["pil"].size == (28, 28)
-    assert [r["id"] for r in E.load_eval_records(tmp_path, files=["eval.jsonl", "rl.jsonl"], per_type=5)] == [
+    assert [r["id"] for r in readers.load_eval_records(tmp_path, files=["eval.jsonl", "rl.jsonl"], per_type=5)] == [
         "e0", "e1", "e2", "r0", "r1"]  # the cap counts across files, in file order
     (tmp_path / "dup.jsonl").write_text(json.dumps({"id": "e1", **flat}) + "\n")
     with pytest.raises(ValueError, match="'e1' is in both eval.jsonl and dup.jsonl"):
-        E.load_eval_records(tmp_path, files=["eval.jsonl", "dup.jsonl"])
+        readers.load_eval_records(tmp_path, files=["eval.jsonl", "dup.jsonl"])
     two_images = {**conversation, "images": ["x.png", "x.png"]}
     (tmp_path / "multi.jsonl").write_text(json.dumps({"id": "m0", **two_images}) + "\n")
     with pytest.raises(ValueError, match="multi.jsonl: eval record 'm0' has 2 images"):
-        E.load_eval_records(tmp_path, files=["multi.jsonl"])
+        readers.load_eval_records(tmp_path, files=["multi.jsonl"])

@@ -52,9 +52,9 @@ def test_training_separates_pairs_and_reports_every_kind(data_dir, tmp_path, bac
 
 
 def _unit(encoder, data_dir, record, k=150, rejected=None):
-    from components._shared.eval import evaluation as E
+    from components._shared.eval import readers
 
-    image = E.load_image(data_dir, record["image"])
+    image = readers.load_image(data_dir, record["image"])
     out = []
     for text in (record["chosen"], rejected or record["rejected"]):
         s = encoder.encode([{"role": "user", "text": f"<image>\n{record['prompt']}"},
