@@ -219,7 +219,7 @@ def _make_tags(**env: str) -> dict[str, str]:
 
 def _python_tags(**env: str) -> dict[str, str]:
     environ = {k: v for k, v in os.environ.items() if k != "QVL_IMAGE_REGISTRY"} | env
-    code = "from components._shared import images; print(images.TRAIN_IMAGE); print(images.DATA_IMAGE)"
+    code = "from components._shared.platform import images; print(images.TRAIN_IMAGE); print(images.DATA_IMAGE)"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True,
                           check=True, timeout=60)
     train, data = done.stdout.split()
