@@ -158,9 +158,7 @@ def child_dj(configs: list[str], repeats: int) -> list[dict]:
         return {"cpu_s": cpu, "wall_s": wall, "kept_keys": kept}
 
     timed_run(configs[0])
-    return [
-        min((timed_run(config) for _ in range(repeats)), key=lambda r: r["cpu_s"]) for config in configs[1:]
-    ]
+    return [min((timed_run(config) for _ in range(repeats)), key=lambda r: r["cpu_s"]) for config in configs[1:]]
 
 
 # ---------------------------------------------------------------- parent
@@ -295,15 +293,11 @@ def print_table(results: dict[str, dict], truth: dict[str, str | None]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=2000, help="lake records (default 2000)")
     parser.add_argument("--warm-records", type=int, default=100, help="records of the untimed warm-up lake")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--repeats", type=int, default=1, help="timed runs per side; the fastest counts (default 1)"
-    )
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per side; the fastest counts (default 1)")
     parser.add_argument(
         "--dj-python",
         default=os.environ.get("QVL_DJ_PYTHON"),
@@ -337,9 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         lake, warm_lake = work / "world" / "lake", work / "warm" / "lake"
         truth = {
             row["key"]: row["defect"]
-            for row in map(
-                json.loads, (work / "world" / "ground_truth.jsonl").read_text(encoding="utf-8").splitlines()
-            )
+            for row in map(json.loads, (work / "world" / "ground_truth.jsonl").read_text(encoding="utf-8").splitlines())
         }
         model_free = sum(v for k, v in counts["defects"].items() if k in MODEL_FREE_DEFECTS)
         print(

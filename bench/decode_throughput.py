@@ -59,15 +59,11 @@ def make_jpegs(count: int, seed: int = 0) -> list[bytes]:
 def baseline_qwen_vl_utils(data: bytes):
     from qwen_vl_utils import fetch_image
 
-    return fetch_image(
-        {"image": Image.open(io.BytesIO(data)), "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS}
-    )
+    return fetch_image({"image": Image.open(io.BytesIO(data)), "min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS})
 
 
 def stage_path(decode: Callable[[bytes], torch.Tensor]) -> Callable[[bytes], torch.Tensor]:
-    return lambda data: resize_for_qwen(
-        decode(data), factor=FACTOR, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS
-    )
+    return lambda data: resize_for_qwen(decode(data), factor=FACTOR, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
 
 def simplejpeg_cv2(data: bytes) -> np.ndarray:
@@ -75,9 +71,7 @@ def simplejpeg_cv2(data: bytes) -> np.ndarray:
     import simplejpeg
 
     image = simplejpeg.decode_jpeg(data, colorspace="RGB")
-    height, width = qwen_target_size(
-        *image.shape[:2], factor=FACTOR, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS
-    )
+    height, width = qwen_target_size(*image.shape[:2], factor=FACTOR, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     return cv2.resize(image, (width, height), interpolation=cv2.INTER_CUBIC)
 
 
@@ -96,23 +90,17 @@ def measure(candidates: list[tuple[str, Callable]], jpegs: list[bytes], rounds: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch/cv2/DALI threads (1 = per-core throughput)."
-    )
+    parser.add_argument("--threads", type=int, default=1, help="torch/cv2/DALI threads (1 = per-core throughput).")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     import cv2
 
     cv2.setNumThreads(args.threads)
     jpegs = make_jpegs(args.images)
-    megapixels = (
-        np.mean([Image.open(io.BytesIO(d)).size[0] * Image.open(io.BytesIO(d)).size[1] for d in jpegs]) / 1e6
-    )
+    megapixels = np.mean([Image.open(io.BytesIO(d)).size[0] * Image.open(io.BytesIO(d)).size[1] for d in jpegs]) / 1e6
 
     def each(per_image: Callable) -> Callable[[list[bytes]], list]:
         return lambda items: [per_image(data) for data in items]

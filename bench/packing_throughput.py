@@ -103,13 +103,17 @@ def make_conversation(rng: np.random.Generator) -> tuple[list[dict], object]:
         turns = []
         for i in range(int(rng.integers(3, 7))):
             question, answer = _question(scene, rng)
-            turns += [{"role": "user", "text": ("<image>\n" if i == 0 else "") + question},
-                      {"role": "assistant", "text": answer}]
+            turns += [
+                {"role": "user", "text": ("<image>\n" if i == 0 else "") + question},
+                {"role": "assistant", "text": answer},
+            ]
     else:  # a long, detailed description: several caption sentences and every object's box
         sentences = [world.caption(scene, rng) for _ in range(int(rng.integers(3, 9)))]
         boxes = [f"The {o.name} is at {world.format_box(o.box)}." for o in scene.ordered()]
-        turns = [{"role": "user", "text": "<image>\nDescribe the image in detail."},
-                 {"role": "assistant", "text": " ".join(sentences + boxes)}]
+        turns = [
+            {"role": "user", "text": "<image>\nDescribe the image in detail."},
+            {"role": "assistant", "text": " ".join(sentences + boxes)},
+        ]
     return turns, image
 
 
@@ -148,8 +152,14 @@ def vision_like(model, name: str):
     best = None
     for depth in range(1, depth_max + 1):
         for width in (16, 32, 48, 64, 96, 128):
-            candidate = build_student(model.config, layers=text_layers, vision_depth=depth, vision_hidden=width,
-                                      vision_heads=width // 16, vision_intermediate=2 * width)
+            candidate = build_student(
+                model.config,
+                layers=text_layers,
+                vision_depth=depth,
+                vision_hidden=width,
+                vision_heads=width // 16,
+                vision_intermediate=2 * width,
+            )
             gap = abs(np.log(vit_to_lm_cost(candidate) / target))
             if best is None or gap < best[0]:
                 best = (gap, candidate)
@@ -204,16 +214,23 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default="builtin:demo-qwen2_5-vl")
     parser.add_argument("--samples", type=int, default=192)
     parser.add_argument("--batch-size", type=int, default=8, help="samples per padded batch (the baseline)")
-    parser.add_argument("--budget", default="auto,1024,512",
-                        help="packed micro-batch token budget(s), comma-separated, one packed arm each; 'auto' (or 0) "
-                             "= the padded batches' mean slot count")
+    parser.add_argument(
+        "--budget",
+        default="auto,1024,512",
+        help="packed micro-batch token budget(s), comma-separated, one packed arm each; 'auto' (or 0) "
+        "= the padded batches' mean slot count",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="timed epochs per arm (median counts)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per arm first")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vision-like", default="same", choices=("same", "7b"),
-                        help="'same': the model as loaded; '7b': the same LM with a random-init ViT resized so an image "
-                             "token costs, next to a text token, what it costs in Qwen2.5-VL-7B")
+    parser.add_argument(
+        "--vision-like",
+        default="same",
+        choices=("same", "7b"),
+        help="'same': the model as loaded; '7b': the same LM with a random-init ViT resized so an image "
+        "token costs, next to a text token, what it costs in Qwen2.5-VL-7B",
+    )
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -229,8 +246,10 @@ def main(argv: list[str] | None = None) -> dict:
     visual = np.array([int(s.image_grid_thw.prod(-1).sum()) // encoder.merge_unit for s in samples])
 
     order = np.random.default_rng([args.seed, 7]).permutation(len(samples))
-    padded = [pad([samples[i] for i in order[k:k + args.batch_size]], processor.tokenizer.pad_token_id)
-              for k in range(0, len(samples), args.batch_size)]
+    padded = [
+        pad([samples[i] for i in order[k : k + args.batch_size]], processor.tokenizer.pad_token_id)
+        for k in range(0, len(samples), args.batch_size)
+    ]
     pad_real, pad_slots = efficiency(padded)
     mean_slots = round(pad_slots / len(padded))
     arms: dict[str, list[dict]] = {"padded": padded}
@@ -264,11 +283,16 @@ def main(argv: list[str] | None = None) -> dict:
         vision.append(vision_epoch(state["padded"][0], padded))
 
     results: dict = {
-        "model": args.model, "vision_like": args.vision_like, "vit_to_lm_cost": vit_to_lm_cost(model),
-        "samples": len(samples), "batch_size": args.batch_size,
-        "padded_mean_slots": mean_slots, "threads": args.threads, "repeats": args.repeats,
+        "model": args.model,
+        "vision_like": args.vision_like,
+        "vit_to_lm_cost": vit_to_lm_cost(model),
+        "samples": len(samples),
+        "batch_size": args.batch_size,
+        "padded_mean_slots": mean_slots,
+        "threads": args.threads,
+        "repeats": args.repeats,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch thread(s), "
-                   f"torch {torch.__version__}",
+        f"torch {torch.__version__}",
         "real_tokens": int(lengths.sum()),
         "sample_tokens": {"min": int(lengths.min()), "median": float(np.median(lengths)), "max": int(lengths.max())},
         "visual_tokens": {"min": int(visual.min()), "median": float(np.median(visual)), "max": int(visual.max())},
@@ -280,9 +304,15 @@ def main(argv: list[str] | None = None) -> dict:
         cpu = statistics.median(t[0] for t in times[name])
         wall = statistics.median(t[1] for t in times[name])
         arm = results["arms"][name] = {
-            "steps": len(batches), "real_tokens": real, "slots": slots, "efficiency": real / slots,
-            "mean_slots_per_step": slots / len(batches), "cpu_s": cpu, "wall_s": wall,
-            "tokens_per_cpu_s": real / cpu, "tokens_per_wall_s": real / wall,
+            "steps": len(batches),
+            "real_tokens": real,
+            "slots": slots,
+            "efficiency": real / slots,
+            "mean_slots_per_step": slots / len(batches),
+            "cpu_s": cpu,
+            "wall_s": wall,
+            "tokens_per_cpu_s": real / cpu,
+            "tokens_per_wall_s": real / wall,
         }
         if name in budgets:
             arm["budget"] = budgets[name]
@@ -298,32 +328,48 @@ def main(argv: list[str] | None = None) -> dict:
         arm["speedup_wall"] = arm["tokens_per_wall_s"] / pad_arm["tokens_per_wall_s"]
 
     vit = qwen_model(model).config.vision_config
-    print(f"ViT depth {vit.depth}, width {vit.hidden_size}: an image token costs {results['vit_to_lm_cost']:.2f} text "
-          f"tokens in matmul parameters" + ("" if args.vision_like == "same" else
-                                            f" (Qwen2.5-VL-{args.vision_like}: "
-                                            f"{reference_vit_to_lm_cost(args.vision_like):.2f})"))
-    print(f"{args.model}: {len(samples)} samples ({results['real_tokens']} real tokens; per sample "
-          f"{lengths.min()}..{lengths.max()}, median {np.median(lengths):.0f}; visual {visual.min()}..{visual.max()}, "
-          f"median {np.median(visual):.0f}), padded batches of {args.batch_size} (mean {mean_slots} slots), "
-          f"threads={args.threads}, median of {args.repeats} interleaved epochs after {args.warmup} warm-up steps "
-          f"per arm; {results['machine']}")
-    print(f"{'arm':24s} {'steps':>6s} {'slots/step':>11s} {'efficiency':>11s} {'budget fill':>12s} "
-          f"{'tok/CPU-s':>10s} {'tok/wall-s':>11s} {'vs padded':>10s}")
+    print(
+        f"ViT depth {vit.depth}, width {vit.hidden_size}: an image token costs {results['vit_to_lm_cost']:.2f} text "
+        f"tokens in matmul parameters"
+        + (
+            ""
+            if args.vision_like == "same"
+            else f" (Qwen2.5-VL-{args.vision_like}: {reference_vit_to_lm_cost(args.vision_like):.2f})"
+        )
+    )
+    print(
+        f"{args.model}: {len(samples)} samples ({results['real_tokens']} real tokens; per sample "
+        f"{lengths.min()}..{lengths.max()}, median {np.median(lengths):.0f}; visual {visual.min()}..{visual.max()}, "
+        f"median {np.median(visual):.0f}), padded batches of {args.batch_size} (mean {mean_slots} slots), "
+        f"threads={args.threads}, median of {args.repeats} interleaved epochs after {args.warmup} warm-up steps "
+        f"per arm; {results['machine']}"
+    )
+    print(
+        f"{'arm':24s} {'steps':>6s} {'slots/step':>11s} {'efficiency':>11s} {'budget fill':>12s} "
+        f"{'tok/CPU-s':>10s} {'tok/wall-s':>11s} {'vs padded':>10s}"
+    )
     for name, arm in results["arms"].items():
         fill = f"{arm['budget_fill']:.3f}" if "budget_fill" in arm else "-"
-        print(f"{name:24s} {arm['steps']:6d} {arm['mean_slots_per_step']:11.0f} {arm['efficiency']:11.3f} "
-              f"{fill:>12s} {arm['tokens_per_cpu_s']:10.0f} {arm['tokens_per_wall_s']:11.0f} {arm['speedup']:9.2f}x")
-    print(f"vision tower fwd+bwd: {share:.2f} of the padded step's CPU time (the same work in every arm); if the LM's "
-          f"cost were linear in slots, packing could gain at most {results['linear_ceiling_speedup']:.2f}x here")
+        print(
+            f"{name:24s} {arm['steps']:6d} {arm['mean_slots_per_step']:11.0f} {arm['efficiency']:11.3f} "
+            f"{fill:>12s} {arm['tokens_per_cpu_s']:10.0f} {arm['tokens_per_wall_s']:11.0f} {arm['speedup']:9.2f}x"
+        )
+    print(
+        f"vision tower fwd+bwd: {share:.2f} of the padded step's CPU time (the same work in every arm); if the LM's "
+        f"cost were linear in slots, packing could gain at most {results['linear_ceiling_speedup']:.2f}x here"
+    )
+
     def met(ok: bool) -> str:
         return "met" if ok else "NOT met"
 
     for name in budgets:
         arm = results["arms"][name]
-        print(f"goals {name}: efficiency {arm['efficiency']:.3f} (budget fill {arm['budget_fill']:.3f}) vs padded "
-              f"{pad_arm['efficiency']:.3f}, goal >= {GOAL_EFFICIENCY} -> {met(arm['efficiency'] >= GOAL_EFFICIENCY)}; "
-              f"speed-up {arm['speedup']:.2f}x per CPU-s ({arm['speedup_wall']:.2f}x wall), goal >= {GOAL_SPEEDUP}x "
-              f"-> {met(arm['speedup'] >= GOAL_SPEEDUP)}")
+        print(
+            f"goals {name}: efficiency {arm['efficiency']:.3f} (budget fill {arm['budget_fill']:.3f}) vs padded "
+            f"{pad_arm['efficiency']:.3f}, goal >= {GOAL_EFFICIENCY} -> {met(arm['efficiency'] >= GOAL_EFFICIENCY)}; "
+            f"speed-up {arm['speedup']:.2f}x per CPU-s ({arm['speedup_wall']:.2f}x wall), goal >= {GOAL_SPEEDUP}x "
+            f"-> {met(arm['speedup'] >= GOAL_SPEEDUP)}"
+        )
     if args.json:
         print("JSON " + json.dumps(results, sort_keys=True))
     return results

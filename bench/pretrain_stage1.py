@@ -25,12 +25,12 @@ import pyarrow.parquet as pq
 import torch
 
 from components._shared.model.checkpoint import CheckpointStore
-from components._shared.platform.imaging import decode_image
 from components._shared.model.packing import ConversationEncoder
-from components._shared.platform.tracking import NullTracker
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
 from components._shared.model.training import Phase, TrainLoop
 from components._shared.model.vlm import freeze, load_vlm
+from components._shared.platform.imaging import decode_image
+from components._shared.platform.tracking import NullTracker
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.stage import run as extract
 from components.pretrain.stage import FeatureStore
@@ -39,8 +39,9 @@ from components.synth_world.world import sample_clean_pairs
 SIZES = ((112, 112), (224, 224), (168, 112), (112, 196))  # 16..64 visual tokens, lake-like aspect ratios
 
 
-def build_inputs(root: Path, model: str, records: int, min_pixels: int, max_pixels: int,
-                 sizes: tuple[tuple[int, int], ...] = SIZES) -> list[dict]:
+def build_inputs(
+    root: Path, model: str, records: int, min_pixels: int, max_pixels: int, sizes: tuple[tuple[int, int], ...] = SIZES
+) -> list[dict]:
     rows = []
     for k, size in enumerate(sizes):
         for image, caption in sample_clean_pairs(records // len(SIZES), seed=10 + k, size=size):
@@ -50,8 +51,13 @@ def build_inputs(root: Path, model: str, records: int, min_pixels: int, max_pixe
             rows.append({"image_hash": hashlib.sha256(data).hexdigest(), "image": data, "caption": caption})
     (root / "clean/kept").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows), root / "clean/kept/part-00000.parquet")
-    extract(ExtractFeaturesConfig(min_pixels=min_pixels, max_pixels=max_pixels, dtype="float32", decode_workers=0),
-            clean_data=root / "clean", base_model=model, output_dir=root / "features", tracker=NullTracker())
+    extract(
+        ExtractFeaturesConfig(min_pixels=min_pixels, max_pixels=max_pixels, dtype="float32", decode_workers=0),
+        clean_data=root / "clean",
+        base_model=model,
+        output_dir=root / "features",
+        tracker=NullTracker(),
+    )
     return rows
 
 
@@ -73,12 +79,22 @@ def time_arm(name: str, model_uri: str, rows: list[dict], root: Path, args) -> f
         image = decode_image(rows[i]["image"], max_image_pixels=10**8).image
         return encoder.encode(turns(rows[i]["caption"]), images=[image])
 
-    train = TrainConfig(steps=args.steps + 1, samples_per_step=args.batch, max_tokens_per_micro_batch=args.budget,
-                        threads=args.threads, log_every=10**6)
-    loop = TrainLoop(model, train=train, optim=OptimConfig(lr=1e-3), schedule=ScheduleConfig(),
-                     sample=cached if name == "cached" else on_the_fly,
-                     phases=[Phase("all", args.steps + 1, list(range(len(rows))))],
-                     checkpoints=CheckpointStore(Path(tempfile.mkdtemp(dir=root))))
+    train = TrainConfig(
+        steps=args.steps + 1,
+        samples_per_step=args.batch,
+        max_tokens_per_micro_batch=args.budget,
+        threads=args.threads,
+        log_every=10**6,
+    )
+    loop = TrainLoop(
+        model,
+        train=train,
+        optim=OptimConfig(lr=1e-3),
+        schedule=ScheduleConfig(),
+        sample=cached if name == "cached" else on_the_fly,
+        phases=[Phase("all", args.steps + 1, list(range(len(rows))))],
+        checkpoints=CheckpointStore(Path(tempfile.mkdtemp(dir=root))),
+    )
     loop._train_step([loop.sample(i) for i in range(args.batch)])  # warm-up (allocator, kernels)
     started = time.perf_counter()
     for _ in range(args.steps):
@@ -107,10 +123,18 @@ def main() -> None:
         rows = build_inputs(root, args.model, args.records, args.min_pixels, args.max_pixels, sizes)
         vit = time_arm("on_the_fly", args.model, rows, root, args)
         cached = time_arm("cached", args.model, rows, root, args)
-    result = {"model": args.model, "steps": args.steps, "samples_per_step": args.batch, "threads": args.threads,
-              "trains": "merger + LM" if args.train_lm else "merger", "sizes": args.sizes,
-              "vit_on_the_fly_steps_per_s": round(vit, 3), "cached_features_steps_per_s": round(cached, 3),
-              "speedup": round(cached / vit, 2), "goal": 2.0}
+    result = {
+        "model": args.model,
+        "steps": args.steps,
+        "samples_per_step": args.batch,
+        "threads": args.threads,
+        "trains": "merger + LM" if args.train_lm else "merger",
+        "sizes": args.sizes,
+        "vit_on_the_fly_steps_per_s": round(vit, 3),
+        "cached_features_steps_per_s": round(cached, 3),
+        "speedup": round(cached / vit, 2),
+        "goal": 2.0,
+    }
     print(json.dumps(result, indent=2))
 
 

@@ -27,8 +27,16 @@ STAGES: dict[str, tuple[str, str]] = {
 }
 
 # Stages in DAG order (preflight is a check, not a stage of the run summary's training flow).
-DAG_ORDER: tuple[str, ...] = ("clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill",
-                                 "select_checkpoint")
+DAG_ORDER: tuple[str, ...] = (
+    "clean_data",
+    "extract_features",
+    "pretrain",
+    "sft",
+    "reward_model",
+    "rl",
+    "distill",
+    "select_checkpoint",
+)
 
 
 def _check(stage: str) -> tuple[str, str]:

@@ -1,10 +1,10 @@
 """`qvl`: the pipeline's command line (synthesise a lake, run the DAG locally, run one stage, compile).
 
-    qvl lake synth --out runs/world --records 2000
-    qvl run --local --preset demo --lake runs/world/lake --out runs/demo
-    qvl stage clean_data --config pipelines/presets/tiny.yaml --lake-uri runs/world/lake --output-dir runs/clean
-    qvl compile
-    KFP_TOKEN=... qvl submit --host https://kfp.example.com/pipeline --experiment vlm-prod lake_uri=s3://lake/x --wait
+qvl lake synth --out runs/world --records 2000
+qvl run --local --preset demo --lake runs/world/lake --out runs/demo
+qvl stage clean_data --config pipelines/presets/tiny.yaml --lake-uri runs/world/lake --output-dir runs/clean
+qvl compile
+KFP_TOKEN=... qvl submit --host https://kfp.example.com/pipeline --experiment vlm-prod lake_uri=s3://lake/x --wait
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ def lake_synth(
 
 @models_app.command("build")
 def models_build(
-    names: list[str] = typer.Argument(None, help="Builtin names (default: every builtin of the tiny and demo presets)."),
+    names: list[str] = typer.Argument(
+        None, help="Builtin names (default: every builtin of the tiny and demo presets)."
+    ),
 ):
     """Build builtin models into the cache now (otherwise they are built on first use)."""
     from components._shared.model.sources import resolve_model
@@ -60,7 +62,8 @@ def run(
     preset: str = typer.Option("tiny", help="Preset name (pipelines/presets/NAME.yaml) or a YAML path."),
     lake: Optional[str] = typer.Option(None, help="Lake dir or s3:// prefix (default: the preset's lake_uri)."),
     data: Optional[str] = typer.Option(
-        None, help="Training data dir or s3:// prefix (eval.jsonl, sft.jsonl, preferences.jsonl; default: LAKE/../heldout)."
+        None,
+        help="Training data dir or s3:// prefix (eval.jsonl, sft.jsonl, preferences.jsonl; default: LAKE/../heldout).",
     ),
     out: Path = typer.Option(Path("runs/local"), help="Run directory (run_summary.json, mlflow.db, artifacts)."),
     until: Optional[str] = typer.Option(None, help="Last stage to run (default: all)."),
@@ -68,8 +71,10 @@ def run(
 ):
     """Run the DAG and write OUT/run_summary.json."""
     if not local:
-        typer.echo("`qvl run` runs locally (--local); submit to a cluster with `qvl submit` or `kfp run create` "
-                   "(docs/submitting.md).")
+        typer.echo(
+            "`qvl run` runs locally (--local); submit to a cluster with `qvl submit` or `kfp run create` "
+            "(docs/submitting.md)."
+        )
         raise typer.Exit(2)
     from pipelines.local_run import SUMMARY_FILE, run_local
     from pipelines.presets import load_preset
@@ -80,8 +85,9 @@ def run(
         raise typer.Exit(2)
     if data is None and "://" not in lake_uri:
         data = str(Path(lake_uri).resolve().parent / "heldout")  # where `qvl lake synth` puts it
-    summary = run_local(lake_uri=lake_uri, data_uri=data or "", out_dir=out, preset=preset, until=until,
-                        enable_caching=cache)
+    summary = run_local(
+        lake_uri=lake_uri, data_uri=data or "", out_dir=out, preset=preset, until=until, enable_caching=cache
+    )
     for stage, result in summary["stages"].items():
         typer.echo(f"{stage:18s} {result['status']:10s} {result.get('seconds', 0):8.1f}s")
     typer.echo(f"{summary['status']}: {out / SUMMARY_FILE}")
@@ -97,8 +103,11 @@ def stage(ctx: typer.Context, name: str = typer.Argument(..., help="Stage packag
 
     if name not in STAGES:
         shown = "" if name in ("-h", "--help") else f"Unknown stage '{name}'. "
-        typer.echo(f"{shown}Usage: qvl stage NAME [--config FILE] ... (qvl stage NAME --help lists a stage's "
-                   f"options). Stages: {', '.join(STAGES)}.", err=True)
+        typer.echo(
+            f"{shown}Usage: qvl stage NAME [--config FILE] ... (qvl stage NAME --help lists a stage's "
+            f"options). Stages: {', '.join(STAGES)}.",
+            err=True,
+        )
         raise typer.Exit(0 if not shown else 2)
     load_stage(name).main(list(ctx.args))
 
@@ -116,8 +125,12 @@ def compile_(
 
 @app.command("submit")
 def submit(
-    host: str = typer.Option(..., envvar="KFP_HOST", help="KFP API endpoint, e.g. https://kfp.example.com/pipeline "
-                                                          "(env KFP_HOST). The token is read from env KFP_TOKEN."),
+    host: str = typer.Option(
+        ...,
+        envvar="KFP_HOST",
+        help="KFP API endpoint, e.g. https://kfp.example.com/pipeline "
+        "(env KFP_HOST). The token is read from env KFP_TOKEN.",
+    ),
     experiment: str = typer.Option(..., help="KFP experiment name (created when missing)."),
     preset: str = typer.Option("prod-7b", help="Preset name or YAML path whose configs become the defaults."),
     run_name: Optional[str] = typer.Option(None, help="Run name (default: 'vlm-training PRESET UTC-TIME')."),
@@ -129,7 +142,8 @@ def submit(
         None, help="JSON/YAML mapping of pipeline parameters (e.g. a data manifest with lake_uri); KEY=VALUE wins."
     ),
     pairs: Optional[list[str]] = typer.Argument(
-        None, metavar="[KEY=VALUE]...",
+        None,
+        metavar="[KEY=VALUE]...",
         help="Pipeline parameters (lake_uri=s3://..., eval_data_uri=...) or dotted preset settings (sft.optim.lr=1e-5).",
     ),
 ):
@@ -144,9 +158,16 @@ def submit(
         typer.echo(line, err=True)
 
     try:
-        client, run_id = sub.compile_and_submit(host=host, experiment=experiment, preset=preset, pairs=pairs or [],
-                                                run_name=run_name, namespace=namespace, echo=typer.echo,
-                                                params_file=params_file)
+        client, run_id = sub.compile_and_submit(
+            host=host,
+            experiment=experiment,
+            preset=preset,
+            pairs=pairs or [],
+            run_name=run_name,
+            namespace=namespace,
+            echo=typer.echo,
+            params_file=params_file,
+        )
     except sub.SubmitError as err:
         typer.echo(f"Error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -156,8 +177,13 @@ def submit(
     if not wait:
         return
     try:
-        state = sub.wait(client, run_id, timeout=timeout, poll_interval=poll_interval,
-                         on_state=lambda s: echo_err(f"run {run_id}: {s}"))
+        state = sub.wait(
+            client,
+            run_id,
+            timeout=timeout,
+            poll_interval=poll_interval,
+            on_state=lambda s: echo_err(f"run {run_id}: {s}"),
+        )
     except sub.RunFailed as err:
         typer.echo(f"Error: {err} See {sub.run_url(host, run_id)}", err=True)
         raise typer.Exit(1) from None

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from kfp import dsl, kubernetes
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from components._shared.launch.plan import LAUNCH_PLAN_ENV, LaunchPlan, MULTI_PROCESS_STAGES, POD_NAME_ENV, POD_UID_ENV
+from components._shared.launch.plan import LAUNCH_PLAN_ENV, MULTI_PROCESS_STAGES, POD_NAME_ENV, POD_UID_ENV, LaunchPlan
 
 PART_OF = "qwen-vl-pipeline"
 CPU_STAGES = ("preflight", "clean_data")  # run on the CPU image: no CUDA inside
@@ -78,8 +78,10 @@ class TrainJobSettings(_Strict):
     timeout_s: int = Field(7 * 24 * 3600, ge=60, description="Fail the task (and delete the job) after this long.")
     poll_s: float = Field(15.0, gt=0)
     artifacts_on_s3: bool = Field(
-        False, description="KFP's artifact store is the S3 the s3 secret reaches: pass input artifacts to the job "
-                           "by URI (/s3/B/K -> s3://B/K) instead of copying them to staging_uri.")
+        False,
+        description="KFP's artifact store is the S3 the s3 secret reaches: pass input artifacts to the job "
+        "by URI (/s3/B/K -> s3://B/K) instead of copying them to staging_uri.",
+    )
 
 
 class ClusterProfile(_Strict):
@@ -149,9 +151,7 @@ def load_cluster_profile(section: dict[str, Any] | None) -> ClusterProfile:
     try:
         return ClusterProfile(stages=stages, **section)
     except ValidationError as err:
-        problems = "; ".join(
-            f"kubernetes.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
-        )
+        problems = "; ".join(f"kubernetes.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
         raise ValueError(f"Invalid kubernetes profile: {problems}") from None
 
 
@@ -159,16 +159,26 @@ def launch_plan(cluster: ClusterProfile, stage: str, image: str) -> LaunchPlan:
     """What scale_out needs to run `stage` on several processes or nodes (same image, secrets, volumes)."""
     p = cluster.stages[stage]
     return LaunchPlan(
-        stage=stage, nodes=p.nodes, gpus_per_node=p.gpus, image=image,
-        cpu=p.cpu, memory=p.memory, accelerator_resource=p.accelerator_resource,
+        stage=stage,
+        nodes=p.nodes,
+        gpus_per_node=p.gpus,
+        image=image,
+        cpu=p.cpu,
+        memory=p.memory,
+        accelerator_resource=p.accelerator_resource,
         node_selector=p.node_selectors(),
         tolerations=[t.model_dump(exclude_none=True) for t in _tolerations(p)],
-        shm_size=p.shm_size, scratch_pvc=cluster.scratch_pvc if p.scratch else None,
+        shm_size=p.shm_size,
+        scratch_pvc=cluster.scratch_pvc if p.scratch else None,
         scratch_mount_path=cluster.scratch_mount_path,
         secrets={cluster.s3_secret: list(_S3_KEYS), cluster.mlflow_secret: list(_MLFLOW_KEYS)},
-        image_pull_secrets=cluster.image_pull_secrets, run_as_user=cluster.run_as_user,
-        labels=_labels(stage, p), runtime=cluster.trainjob.runtime, staging_uri=cluster.trainjob.staging_uri,
-        timeout_s=cluster.trainjob.timeout_s, poll_s=cluster.trainjob.poll_s,
+        image_pull_secrets=cluster.image_pull_secrets,
+        run_as_user=cluster.run_as_user,
+        labels=_labels(stage, p),
+        runtime=cluster.trainjob.runtime,
+        staging_uri=cluster.trainjob.staging_uri,
+        timeout_s=cluster.trainjob.timeout_s,
+        poll_s=cluster.trainjob.poll_s,
         artifacts_on_s3=cluster.trainjob.artifacts_on_s3,
     )
 
@@ -192,8 +202,12 @@ def apply_task_policy(task: dsl.PipelineTask, stage: str, cluster: ClusterProfil
     """Retries and caching: KFP settings that kfp.local honours too."""
     p = cluster.stages[stage]
     if p.retries:
-        task.set_retry(num_retries=p.retries, backoff_duration=p.backoff, backoff_factor=p.backoff_factor,
-                       backoff_max_duration=p.backoff_max)
+        task.set_retry(
+            num_retries=p.retries,
+            backoff_duration=p.backoff,
+            backoff_factor=p.backoff_factor,
+            backoff_max_duration=p.backoff_max,
+        )
     return task.set_caching_options(p.caching)
 
 
@@ -206,9 +220,16 @@ def apply_profile(task: dsl.PipelineTask, stage: str, cluster: ClusterProfile) -
     p = cluster.stages[stage]
     plan = launch_plan(cluster, stage, task.container_spec.image) if p.gpus * p.nodes > 1 else None
     if p.nodes > 1:
-        p = StageProfile(**LAUNCHER_POD, labels=p.labels, annotations=p.annotations, retries=p.retries,
-                         backoff=p.backoff, backoff_factor=p.backoff_factor, backoff_max=p.backoff_max,
-                         caching=p.caching)
+        p = StageProfile(
+            **LAUNCHER_POD,
+            labels=p.labels,
+            annotations=p.annotations,
+            retries=p.retries,
+            backoff=p.backoff,
+            backoff_factor=p.backoff_factor,
+            backoff_max=p.backoff_max,
+            caching=p.caching,
+        )
     task.set_cpu_request(p.cpu).set_cpu_limit(p.cpu_limit or p.cpu)
     task.set_memory_request(p.memory).set_memory_limit(p.memory_limit or p.memory)
     if p.gpus:
@@ -218,20 +239,24 @@ def apply_profile(task: dsl.PipelineTask, stage: str, cluster: ClusterProfile) -
     for t in _tolerations(p):
         kubernetes.add_toleration(task, key=t.key, operator=t.operator, value=t.value, effect=t.effect)
     if p.shm_size:
-        kubernetes.empty_dir_mount(task, volume_name="dshm", mount_path="/dev/shm", medium="Memory",
-                                   size_limit=p.shm_size)
+        kubernetes.empty_dir_mount(
+            task, volume_name="dshm", mount_path="/dev/shm", medium="Memory", size_limit=p.shm_size
+        )
     if p.scratch:
         kubernetes.mount_pvc(task, pvc_name=cluster.scratch_pvc, mount_path=cluster.scratch_mount_path)
         task.set_env_variable("QVL_CACHE_DIR", f"{cluster.scratch_mount_path}/qvl-cache")
         task.set_env_variable("HF_HOME", f"{cluster.scratch_mount_path}/hf")
-    kubernetes.use_secret_as_env(task, secret_name=cluster.s3_secret, secret_key_to_env={k: k for k in _S3_KEYS},
-                                 optional=True)
-    kubernetes.use_secret_as_env(task, secret_name=cluster.mlflow_secret,
-                                 secret_key_to_env={k: k for k in _MLFLOW_KEYS}, optional=True)
+    kubernetes.use_secret_as_env(
+        task, secret_name=cluster.s3_secret, secret_key_to_env={k: k for k in _S3_KEYS}, optional=True
+    )
+    kubernetes.use_secret_as_env(
+        task, secret_name=cluster.mlflow_secret, secret_key_to_env={k: k for k in _MLFLOW_KEYS}, optional=True
+    )
     if cluster.image_pull_secrets:
         kubernetes.set_image_pull_secrets(task, cluster.image_pull_secrets)
-    kubernetes.set_security_context(task, run_as_user=cluster.run_as_user, run_as_group=cluster.run_as_user,
-                                    run_as_non_root=True)
+    kubernetes.set_security_context(
+        task, run_as_user=cluster.run_as_user, run_as_group=cluster.run_as_user, run_as_non_root=True
+    )
     for key, value in _labels(stage, p).items():
         kubernetes.add_pod_label(task, label_key=key, label_value=value)
     for key, value in p.annotations.items():

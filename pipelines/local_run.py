@@ -119,8 +119,14 @@ def run_local(
     )
     started = time.time()
     with _recording_cache_hits() as hits:
-        pipeline(lake_uri=lake_uri, eval_data_uri=data_uri, sft_data_uri=data_uri, preference_data_uri=data_uri,
-                 rl_data_uri=data_uri, **p.pipeline_args())
+        pipeline(
+            lake_uri=lake_uri,
+            eval_data_uri=data_uri,
+            sft_data_uri=data_uri,
+            preference_data_uri=data_uri,
+            rl_data_uri=data_uri,
+            **p.pipeline_args(),
+        )
 
     expected = ["preflight", *DAG_ORDER[: DAG_ORDER.index(until) + 1 if until else len(DAG_ORDER)]]
     stages = _collect(results_dir, expected, _cached_results(hits))

@@ -29,8 +29,15 @@ from typing import Any
 import yaml
 
 # Pipeline parameters settable as `key=value` (the stage configs are set through dotted preset settings).
-PIPELINE_PARAMS = ("lake_uri", "eval_data_uri", "sft_data_uri", "preference_data_uri", "rl_data_uri",
-                   "base_model_uri", "experiment")
+PIPELINE_PARAMS = (
+    "lake_uri",
+    "eval_data_uri",
+    "sft_data_uri",
+    "preference_data_uri",
+    "rl_data_uri",
+    "base_model_uri",
+    "experiment",
+)
 TOKEN_ENV = "KFP_TOKEN"
 SUCCESS_STATES = {"SUCCEEDED"}
 # Terminal states that are not a success (a run-level SKIPPED trained nothing). "ERROR" is the v1 API's name.
@@ -82,8 +89,11 @@ def split_pairs(pairs: list[str]) -> tuple[dict[str, str], dict[str, Any]]:
             params[key] = raw
         else:
             stage = key.removesuffix("_config")
-            hint = (f" Stage settings are dotted: {stage}.SETTING=VALUE (e.g. sft.optim.lr=1e-5)."
-                    if stage in STAGES else " Stage settings are dotted, e.g. sft.optim.lr=1e-5.")
+            hint = (
+                f" Stage settings are dotted: {stage}.SETTING=VALUE (e.g. sft.optim.lr=1e-5)."
+                if stage in STAGES
+                else " Stage settings are dotted, e.g. sft.optim.lr=1e-5."
+            )
             raise SubmitError(f"Unknown pipeline parameter '{key}'. Parameters: {', '.join(PIPELINE_PARAMS)}.{hint}")
     return params, overrides
 
@@ -98,12 +108,14 @@ def read_params_file(path: Path) -> list[str]:
     except (OSError, yaml.YAMLError) as err:
         raise SubmitError(f"--params-file {path}: {err}") from None
     if not isinstance(data, dict):
-        raise SubmitError(f"--params-file {path}: expected a mapping of pipeline parameters, e.g. "
-                          '{"lake_uri": "s3://bucket/lake"}.')
+        raise SubmitError(
+            f'--params-file {path}: expected a mapping of pipeline parameters, e.g. {{"lake_uri": "s3://bucket/lake"}}.'
+        )
     unknown = sorted(str(k) for k in data if k not in PIPELINE_PARAMS)
     if unknown:
-        raise SubmitError(f"--params-file {path}: unknown pipeline parameter(s) {unknown}. "
-                          f"Parameters: {', '.join(PIPELINE_PARAMS)}.")
+        raise SubmitError(
+            f"--params-file {path}: unknown pipeline parameter(s) {unknown}. Parameters: {', '.join(PIPELINE_PARAMS)}."
+        )
     bad = sorted(k for k, v in data.items() if not isinstance(v, str))
     if bad:
         raise SubmitError(f"--params-file {path}: {bad} must be strings (URIs or names).")
@@ -127,8 +139,9 @@ def prepare(preset: str, pairs: list[str], workdir: Path) -> Prepared:
         raise SubmitError(str(err)) from None
     lake_uri = params.get("lake_uri") or resolved.lake_uri
     if not lake_uri:
-        raise SubmitError(f"lake_uri is required: add lake_uri=s3://BUCKET/PREFIX (preset '{resolved.name}' sets "
-                          "no default lake).")
+        raise SubmitError(
+            f"lake_uri is required: add lake_uri=s3://BUCKET/PREFIX (preset '{resolved.name}' sets no default lake)."
+        )
     params["lake_uri"] = lake_uri
     for stage in overrides:
         if stage in STAGES:  # the whole section: a dict parameter is replaced, not merged, by KFP
@@ -156,28 +169,40 @@ def make_client(host: str, namespace: str | None = None):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # "This client only works with KFP v2.0.0-beta.2 and later"
-        return kfp.Client(host=host, existing_token=os.environ.get(TOKEN_ENV) or None,
-                          namespace=namespace or "kubeflow")
+        return kfp.Client(
+            host=host, existing_token=os.environ.get(TOKEN_ENV) or None, namespace=namespace or "kubeflow"
+        )
 
 
 def run_url(host: str, run_id: str) -> str:
     return f"{host.rstrip('/')}/#/runs/details/{run_id}"
 
 
-def submit(client, prepared: Prepared, *, experiment: str, run_name: str | None = None,
-           namespace: str | None = None) -> str:
+def submit(
+    client, prepared: Prepared, *, experiment: str, run_name: str | None = None, namespace: str | None = None
+) -> str:
     """Create the experiment when missing and start the run; returns the run id."""
     name = run_name or f"vlm-training {prepared.preset_name} {datetime.now(UTC):%Y-%m-%d %H-%M-%S}"
     with contextlib.redirect_stdout(sys.stderr):  # kfp prints its own links; stdout stays ours
         result = client.create_run_from_pipeline_package(
-            str(prepared.package), arguments=prepared.params, run_name=name, experiment_name=experiment,
+            str(prepared.package),
+            arguments=prepared.params,
+            run_name=name,
+            experiment_name=experiment,
             namespace=namespace,
         )
     return result.run_id
 
 
-def wait(client, run_id: str, *, timeout: float | None = None, poll_interval: float = 30.0,
-         on_state: Callable[[str], None] = lambda state: None, max_api_errors: int = 5) -> str:
+def wait(
+    client,
+    run_id: str,
+    *,
+    timeout: float | None = None,
+    poll_interval: float = 30.0,
+    on_state: Callable[[str], None] = lambda state: None,
+    max_api_errors: int = 5,
+) -> str:
     """Poll the run until it ends; returns "SUCCEEDED", raises RunFailed (naming the state) or RunTimeout.
 
     Unlike kfp.Client.wait_for_run_completion this ends on CANCELED too, and a few consecutive API errors
@@ -206,18 +231,29 @@ def wait(client, run_id: str, *, timeout: float | None = None, poll_interval: fl
                 return state
             if state in FAILED_STATES:
                 detail = getattr(run.error, "message", None) if run.error else None
-                raise RunFailed(state, f"Run {run_id} finished in state {state}"
-                                       + (f": {detail}" if detail else "") + ".")
+                raise RunFailed(
+                    state, f"Run {run_id} finished in state {state}" + (f": {detail}" if detail else "") + "."
+                )
         elapsed = time.monotonic() - start
         if timeout is not None and elapsed >= timeout:
-            raise RunTimeout(f"Run {run_id} is still {seen or 'unknown'} after {timeout:g}s (--timeout); it keeps "
-                             "running on the cluster.")
+            raise RunTimeout(
+                f"Run {run_id} is still {seen or 'unknown'} after {timeout:g}s (--timeout); it keeps "
+                "running on the cluster."
+            )
         time.sleep(poll_interval if timeout is None else max(0.0, min(poll_interval, timeout - elapsed)))
 
 
-def compile_and_submit(*, host: str, experiment: str, preset: str, pairs: list[str], run_name: str | None,
-                       namespace: str | None, echo: Callable[[str], None],
-                       params_file: Path | None = None) -> tuple[Any, str]:
+def compile_and_submit(
+    *,
+    host: str,
+    experiment: str,
+    preset: str,
+    pairs: list[str],
+    run_name: str | None,
+    namespace: str | None,
+    echo: Callable[[str], None],
+    params_file: Path | None = None,
+) -> tuple[Any, str]:
     """Validate, compile into a temporary directory, submit; returns (client, run_id)."""
     check_host(host)
     if params_file is not None:

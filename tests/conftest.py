@@ -1,8 +1,8 @@
 """Shared fixtures: a real S3 server (SeaweedFS), a real MLflow server, and isolated tracking settings.
 
-    def test_x(s3_env):            # AWS_* env points at SeaweedFS; s3_env.uri is a fresh empty bucket
-    def test_y(tracking_env):      # MLFLOW_TRACKING_URI is a fresh sqlite db; tracking_env is that URI
-    def test_z(mlflow_server):     # a running `mlflow server` (module-scoped); it is the URI, with stop()/start()
+def test_x(s3_env):            # AWS_* env points at SeaweedFS; s3_env.uri is a fresh empty bucket
+def test_y(tracking_env):      # MLFLOW_TRACKING_URI is a fresh sqlite db; tracking_env is that URI
+def test_z(mlflow_server):     # a running `mlflow server` (module-scoped); it is the URI, with stop()/start()
 """
 
 from __future__ import annotations

@@ -24,17 +24,37 @@ CREATED = "2026-11-30T00:00:00Z"
 def torch_runtime(name: str) -> dict[str, Any]:
     """A torch TrainingRuntime like the stock `torch-distributed` one."""
     return {
-        "apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "ClusterTrainingRuntime",
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "ClusterTrainingRuntime",
         "metadata": {"name": name, "labels": {"trainer.kubeflow.org/framework": "torch"}},
         "spec": {
             "mlPolicy": {"numNodes": 1, "torch": {"numProcPerNode": "auto"}},
-            "template": {"spec": {"replicatedJobs": [{
-                "name": "node", "replicas": 1,
-                "template": {"metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
-                             "spec": {"template": {"spec": {"containers": [
-                                 {"name": "node", "image": "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime",
-                                  "command": ["torchrun"]}]}}}},
-            }]}},
+            "template": {
+                "spec": {
+                    "replicatedJobs": [
+                        {
+                            "name": "node",
+                            "replicas": 1,
+                            "template": {
+                                "metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
+                                "spec": {
+                                    "template": {
+                                        "spec": {
+                                            "containers": [
+                                                {
+                                                    "name": "node",
+                                                    "image": "pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime",
+                                                    "command": ["torchrun"],
+                                                }
+                                            ]
+                                        }
+                                    }
+                                },
+                            },
+                        }
+                    ]
+                }
+            },
         },
     }
 
@@ -50,8 +70,9 @@ class Request:
 @dataclass
 class FakeKubernetesApi:
     states: list[Any] = field(default_factory=lambda: ["Created", "Running", "Complete"])
-    cluster_runtimes: dict[str, dict] = field(default_factory=lambda: {"torch-distributed": torch_runtime(
-        "torch-distributed")})
+    cluster_runtimes: dict[str, dict] = field(
+        default_factory=lambda: {"torch-distributed": torch_runtime("torch-distributed")}
+    )
     logs: str = "rank 0: step 1 loss 2.0\nrank 0: done\n"
     on_create: Callable[[dict], None] | None = None
     requests: list[Request] = field(default_factory=list)
@@ -119,8 +140,12 @@ class FakeKubernetesApi:
 
     def route(self, method: str, path: str, query: dict, body: Any) -> tuple[int, Any]:
         if path == "/api/v1/namespaces/kubeflow-system/configmaps/kubeflow-trainer-public" and method == "GET":
-            return 200, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "kubeflow-trainer-public"},
-                         "data": {"kubeflow_trainer_version": "v2.1.0"}}
+            return 200, {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "kubeflow-trainer-public"},
+                "data": {"kubeflow_trainer_version": "v2.1.0"},
+            }
         if m := re.fullmatch(rf"{GROUP}/namespaces/([^/]+)/trainingruntimes/([^/]+)", path):
             return 404, _status(404, f'trainingruntimes "{m[2]}" not found')
         if m := re.fullmatch(rf"{GROUP}/clustertrainingruntimes/([^/]+)", path):
@@ -148,8 +173,12 @@ class FakeKubernetesApi:
         if (m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods", path)) and method == "GET":
             selector = query.get("labelSelector", [""])[0]
             name = re.search(r"jobset-name=([^,]+)", selector)
-            return 200, {"apiVersion": "v1", "kind": "PodList", "metadata": {},
-                         "items": self._pods(name[1]) if name and name[1] in self.jobs else []}
+            return 200, {
+                "apiVersion": "v1",
+                "kind": "PodList",
+                "metadata": {},
+                "items": self._pods(name[1]) if name and name[1] in self.jobs else [],
+            }
         if re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/log", path):
             return 200, self.logs
         if re.fullmatch(r"/api/v1/namespaces/([^/]+)/events", path):
@@ -161,34 +190,71 @@ class FakeKubernetesApi:
         state = self._state(name)
         conditions = []
         if state == "Complete":
-            conditions = [{"type": "Complete", "status": "True", "reason": "JobSetCompleted",
-                           "message": "jobset completed", "lastTransitionTime": CREATED}]
+            conditions = [
+                {
+                    "type": "Complete",
+                    "status": "True",
+                    "reason": "JobSetCompleted",
+                    "message": "jobset completed",
+                    "lastTransitionTime": CREATED,
+                }
+            ]
         elif isinstance(state, tuple):
             _, reason, message = state
-            conditions = [{"type": "Failed", "status": "True", "reason": reason, "message": message,
-                           "lastTransitionTime": CREATED}]
+            conditions = [
+                {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": reason,
+                    "message": message,
+                    "lastTransitionTime": CREATED,
+                }
+            ]
         job["status"] = {"conditions": conditions} if conditions else {}
         return job
 
     def _pods(self, name: str) -> list[dict]:
         state = self._state(name)
         phase = {"Created": "Pending", "Running": "Running", "Complete": "Succeeded"}.get(
-            state if isinstance(state, str) else "", "Failed")
+            state if isinstance(state, str) else "", "Failed"
+        )
         nodes = self.jobs[name]["spec"].get("trainer", {}).get("numNodes", 1)
         resources = self.jobs[name]["spec"].get("trainer", {}).get("resourcesPerNode", {})
-        return [{
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": f"{name}-node-0-{i}-abcde", "namespace": "qvl", "creationTimestamp": CREATED,
-                         "labels": {"jobset.sigs.k8s.io/jobset-name": name,
-                                    "jobset.sigs.k8s.io/replicatedjob-name": "node",
-                                    "batch.kubernetes.io/job-completion-index": str(i),
-                                    "trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
-            "spec": {"containers": [{"name": "node", "image": self.jobs[name]["spec"]["trainer"].get("image", ""),
-                                     "resources": resources}]},
-            "status": {"phase": phase},
-        } for i in range(nodes)]
+        return [
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": f"{name}-node-0-{i}-abcde",
+                    "namespace": "qvl",
+                    "creationTimestamp": CREATED,
+                    "labels": {
+                        "jobset.sigs.k8s.io/jobset-name": name,
+                        "jobset.sigs.k8s.io/replicatedjob-name": "node",
+                        "batch.kubernetes.io/job-completion-index": str(i),
+                        "trainer.kubeflow.org/trainjob-ancestor-step": "trainer",
+                    },
+                },
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "node",
+                            "image": self.jobs[name]["spec"]["trainer"].get("image", ""),
+                            "resources": resources,
+                        }
+                    ]
+                },
+                "status": {"phase": phase},
+            }
+            for i in range(nodes)
+        ]
 
 
 def _status(code: int, message: str) -> dict:
-    return {"apiVersion": "v1", "kind": "Status", "status": "Failure" if code >= 400 else "Success",
-            "message": message, "code": code}
+    return {
+        "apiVersion": "v1",
+        "kind": "Status",
+        "status": "Failure" if code >= 400 else "Success",
+        "message": message,
+        "code": code,
+    }

@@ -32,15 +32,49 @@ from urllib.parse import parse_qs, urlsplit
 PREFIX = "/apis/v2beta1"
 CREATED_AT = "2025-01-01T00:00:00Z"
 # Fields of the v2beta1 resources (kfp_server_api 2.17 models); a body with another field is refused.
-RUN_FIELDS = {"experiment_id", "run_id", "display_name", "storage_state", "description", "pipeline_version_id",
-              "pipeline_spec", "pipeline_version_reference", "runtime_config", "service_account", "created_at",
-              "scheduled_at", "finished_at", "state", "error", "run_details", "recurring_run_id", "state_history",
-              "plugins_input", "plugins_output"}
-EXPERIMENT_FIELDS = {"experiment_id", "display_name", "description", "created_at", "namespace", "storage_state",
-                     "last_run_created_at"}
+RUN_FIELDS = {
+    "experiment_id",
+    "run_id",
+    "display_name",
+    "storage_state",
+    "description",
+    "pipeline_version_id",
+    "pipeline_spec",
+    "pipeline_version_reference",
+    "runtime_config",
+    "service_account",
+    "created_at",
+    "scheduled_at",
+    "finished_at",
+    "state",
+    "error",
+    "run_details",
+    "recurring_run_id",
+    "state_history",
+    "plugins_input",
+    "plugins_output",
+}
+EXPERIMENT_FIELDS = {
+    "experiment_id",
+    "display_name",
+    "description",
+    "created_at",
+    "namespace",
+    "storage_state",
+    "last_run_created_at",
+}
 RUNTIME_CONFIG_FIELDS = {"parameters", "pipeline_root"}
-STATES = {"RUNTIME_STATE_UNSPECIFIED", "PENDING", "RUNNING", "SUCCEEDED", "SKIPPED", "FAILED", "CANCELING",
-          "CANCELED", "PAUSED"}
+STATES = {
+    "RUNTIME_STATE_UNSPECIFIED",
+    "PENDING",
+    "RUNNING",
+    "SUCCEEDED",
+    "SKIPPED",
+    "FAILED",
+    "CANCELING",
+    "CANCELED",
+    "PAUSED",
+}
 
 
 class ApiError(Exception):
@@ -135,13 +169,14 @@ class FakeKfpApi:
             return [r for r in self.requests if r.status >= 400 and r.status != 401]
 
     # -- the API -----------------------------------------------------------------------------------------
-    def handle(self, method: str, path: str, query: dict[str, list[str]], headers: dict[str, str],
-               body: Any) -> tuple[int, Any]:
+    def handle(
+        self, method: str, path: str, query: dict[str, list[str]], headers: dict[str, str], body: Any
+    ) -> tuple[int, Any]:
         if not path.startswith(PREFIX + "/"):
             raise ApiError(404, f"no route for {method} {path}")
         if self.token is not None and headers.get("authorization") != f"Bearer {self.token}":
             raise ApiError(401, "missing or wrong bearer token")
-        route = path[len(PREFIX):]
+        route = path[len(PREFIX) :]
         with self._lock:
             if method == "GET" and route == "/healthz":
                 return 200, {"multi_user": self.multi_user, "pipeline_store": "database"}
@@ -176,12 +211,19 @@ class FakeKfpApi:
         name = body.get("display_name")
         if not isinstance(name, str) or not name.strip():
             raise ApiError(400, "experiment.display_name is required")
-        if any(e["display_name"] == name and e.get("namespace", "") == (body.get("namespace") or "")
-               for e in self.experiments.values()):
+        if any(
+            e["display_name"] == name and e.get("namespace", "") == (body.get("namespace") or "")
+            for e in self.experiments.values()
+        ):
             raise ApiError(409, f"experiment '{name}' already exists")
         exp_id = f"exp-{next(self._ids)}"
-        self.experiments[exp_id] = {"experiment_id": exp_id, "display_name": name, "created_at": CREATED_AT,
-                                    "namespace": body.get("namespace") or "", "storage_state": "AVAILABLE"}
+        self.experiments[exp_id] = {
+            "experiment_id": exp_id,
+            "display_name": name,
+            "created_at": CREATED_AT,
+            "namespace": body.get("namespace") or "",
+            "storage_state": "AVAILABLE",
+        }
         return self.experiments[exp_id]
 
     def _create_run(self, body: Any, query: dict[str, list[str]]) -> dict[str, Any]:
@@ -204,13 +246,21 @@ class FakeKfpApi:
         unknown = sorted(set(params) - set(declared))
         if unknown:
             raise ApiError(400, f"unknown pipeline parameters {unknown}; the spec declares {sorted(declared)}")
-        missing = sorted(name for name, p in declared.items()
-                         if "defaultValue" not in p and not p.get("isOptional") and name not in params)
+        missing = sorted(
+            name
+            for name, p in declared.items()
+            if "defaultValue" not in p and not p.get("isOptional") and name not in params
+        )
         if missing:
             raise ApiError(400, f"required pipeline parameters missing: {missing}")
         run_id = f"run-{next(self._ids)}"
-        resource = {**body, "run_id": run_id, "created_at": CREATED_AT, "storage_state": "AVAILABLE",
-                    "state": self.states[0]}
+        resource = {
+            **body,
+            "run_id": run_id,
+            "created_at": CREATED_AT,
+            "storage_state": "AVAILABLE",
+            "state": self.states[0],
+        }
         self.runs[run_id] = _Run(resource=resource, states=list(self.states))
         return resource
 

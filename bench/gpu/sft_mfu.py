@@ -93,19 +93,39 @@ def config_7b():
 
     return Qwen2_5_VLConfig(
         text_config={
-            "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-            "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 128000,
-            "rms_norm_eps": 1e-6, "hidden_act": "silu",
+            "vocab_size": 152064,
+            "hidden_size": 3584,
+            "intermediate_size": 18944,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 28,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 128000,
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
-            "bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": 151643,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "pad_token_id": 151643,
         },
         vision_config={
-            "depth": 32, "hidden_size": 1280, "num_heads": 16, "intermediate_size": 3420, "out_hidden_size": 3584,
-            "fullatt_block_indexes": [7, 15, 23, 31], "window_size": 112, "patch_size": 14,
-            "spatial_merge_size": 2, "temporal_patch_size": 2, "tokens_per_second": 2, "in_channels": 3,
+            "depth": 32,
+            "hidden_size": 1280,
+            "num_heads": 16,
+            "intermediate_size": 3420,
+            "out_hidden_size": 3584,
+            "fullatt_block_indexes": [7, 15, 23, 31],
+            "window_size": 112,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "tokens_per_second": 2,
+            "in_channels": 3,
             "hidden_act": "silu",
         },
-        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
         tie_word_embeddings=False,
     )
 
@@ -133,8 +153,15 @@ def synthetic_sample(model, rng: np.random.Generator, profile: Profile, index: i
     """One user turn (prompt, image, question) and an answer (labelled), as token ids; random pixels."""
     config = qwen_model(model).config
     text = config.text_config
-    specials = [config.image_token_id, config.video_token_id, config.vision_start_token_id,
-                config.vision_end_token_id, text.eos_token_id, text.pad_token_id, text.bos_token_id]
+    specials = [
+        config.image_token_id,
+        config.video_token_id,
+        config.vision_start_token_id,
+        config.vision_end_token_id,
+        text.eos_token_id,
+        text.pad_token_id,
+        text.bos_token_id,
+    ]
     low_special = min(int(t) for t in specials if t is not None)
     vision = config.vision_config
     merge = vision.spatial_merge_size
@@ -157,8 +184,14 @@ def synthetic_sample(model, rng: np.random.Generator, profile: Profile, index: i
     positions, _ = qwen_model(model).get_rope_index(input_ids[None], token_types[None], image_grid_thw=grid)
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
     pixels = torch.randn(h * w, patch_dim)
-    return Sample(input_ids=input_ids, labels=torch.tensor(labels, dtype=torch.int64),
-                  position_ids=positions[:, 0], image_grid_thw=grid, pixel_values=pixels, sample_id=f"syn{index}")
+    return Sample(
+        input_ids=input_ids,
+        labels=torch.tensor(labels, dtype=torch.int64),
+        position_ids=positions[:, 0],
+        image_grid_thw=grid,
+        pixel_values=pixels,
+        sample_id=f"syn{index}",
+    )
 
 
 def step_batches(model, profile: Profile, budget: int, steps: int, seed: int) -> list[tuple[dict, list[Sample]]]:
@@ -189,8 +222,12 @@ def flops_per_step(model, samples: list[Sample], *, vision_trains: bool) -> dict
     grids = torch.cat([s.image_grid_thw for s in samples])
     per_image = grids.prod(-1)
     patches = int(per_image.sum())
-    _, cu_windows = get_vision_window_index(grids, spatial_merge_size=vision.spatial_merge_size,
-                                           window_size=vision.window_size, patch_size=vision.patch_size)
+    _, cu_windows = get_vision_window_index(
+        grids,
+        spatial_merge_size=vision.spatial_merge_size,
+        window_size=vision.window_size,
+        patch_size=vision.patch_size,
+    )
     windows = torch.diff(cu_windows.to(torch.int64))
     full_blocks = len(vision.fullatt_block_indexes)
     k = 6 if vision_trains else 2
@@ -198,13 +235,16 @@ def flops_per_step(model, samples: list[Sample], *, vision_trains: bool) -> dict
         "lm_matmul": 6.0 * lm_params * tokens,
         "lm_attention": 12.0 * text.num_hidden_layers * text.hidden_size * sum(s.num_tokens**2 for s in samples),
         "vit_matmul": float(k * ((vit_params - merger_params) * patches + merger_params * patches / 4)),
-        "vit_attention": 2.0 * k * vision.hidden_size * (
+        "vit_attention": 2.0
+        * k
+        * vision.hidden_size
+        * (
             full_blocks * float((per_image.double() ** 2).sum())
-            + (vision.depth - full_blocks) * float((windows.double() ** 2).sum())),
+            + (vision.depth - full_blocks) * float((windows.double() ** 2).sum())
+        ),
     }
     parts["total"] = sum(parts.values())
-    parts.update(lm_params=float(lm_params), vit_params=float(vit_params), tokens=float(tokens),
-                 patches=float(patches))
+    parts.update(lm_params=float(lm_params), vit_params=float(vit_params), tokens=float(tokens), patches=float(patches))
     return parts
 
 
@@ -236,18 +276,28 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: builtin tiny model, fp32")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 3 with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --tiny)")
-    parser.add_argument("--budget", type=int, default=None, help="tokens per packed micro-batch (default 4096; "
-                                                                  "1024 with --tiny)")
+    parser.add_argument(
+        "--budget", type=int, default=None, help="tokens per packed micro-batch (default 4096; 1024 with --tiny)"
+    )
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (recompute not counted)")
     parser.add_argument("--freeze-vision", action="store_true", help="train the LM (and nothing of the ViT)")
     parser.add_argument("--optim", default="adamw", choices=("adamw", "adamw-fused", "adamw8bit"))
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--attn", default="sdpa_packed", help=(
-        "attn_implementation of the 7B model: sdpa_packed (per-sample SDPA on packed rows, what the stages use), "
-        "flash_attention_2 (needs flash-attn), or sdpa (block-causal mask over the whole row)"))
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help=f"peak dense FLOP/s of the device in TFLOP/s (default {H200_BF16_DENSE_TFLOPS:g}, H200 "
-                             "bf16; with --tiny a nominal CPU figure)")
+    parser.add_argument(
+        "--attn",
+        default="sdpa_packed",
+        help=(
+            "attn_implementation of the 7B model: sdpa_packed (per-sample SDPA on packed rows, what the stages use), "
+            "flash_attention_2 (needs flash-attn), or sdpa (block-causal mask over the whole row)"
+        ),
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help=f"peak dense FLOP/s of the device in TFLOP/s (default {H200_BF16_DENSE_TFLOPS:g}, H200 "
+        "bf16; with --tiny a nominal CPU figure)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (--tiny)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", default=None)
@@ -298,10 +348,16 @@ def main(argv: list[str] | None = None) -> dict:
             optimizer.step()
             sync()
         except torch.OutOfMemoryError as err:
-            report = {"error": "out of memory", "step": i, "budget": budget, "grad_ckpt": args.grad_ckpt,
-                      "optim": args.optim, "max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-                      "hint": "rerun with --grad-ckpt, a smaller --budget or --optim adamw8bit",
-                      "message": str(err).splitlines()[0]}
+            report = {
+                "error": "out of memory",
+                "step": i,
+                "budget": budget,
+                "grad_ckpt": args.grad_ckpt,
+                "optim": args.optim,
+                "max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "hint": "rerun with --grad-ckpt, a smaller --budget or --optim adamw8bit",
+                "message": str(err).splitlines()[0],
+            }
             print(json.dumps(report, sort_keys=True))
             raise SystemExit(3) from None
         if i >= warmup:
@@ -319,33 +375,55 @@ def main(argv: list[str] | None = None) -> dict:
         peak = CPU_NOMINAL_TFLOPS_PER_THREAD * torch.get_num_threads() if args.tiny else H200_BF16_DENSE_TFLOPS
     achieved = sum(f["total"] for f in flops) / sum(times)
     if device.type == "cuda":
-        memory = {"max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
-                  "max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-                  "device_total_gib": torch.cuda.get_device_properties(0).total_memory / 2**30}
+        memory = {
+            "max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "device_total_gib": torch.cuda.get_device_properties(0).total_memory / 2**30,
+        }
         device_name = torch.cuda.get_device_name(0)
     else:
         memory = {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
         device_name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} thread(s)"
     result = {
         "model": "builtin:tiny-qwen2_5-vl" if args.tiny else "qwen2_5_vl-7B-shaped (random init)",
-        "device": device_name, "dtype": str(dtype).removeprefix("torch."), "attn": args.attn if not args.tiny else
-        "sdpa_packed", "optim": args.optim, "grad_ckpt": args.grad_ckpt, "freeze_vision": args.freeze_vision,
-        "params": sum(p.numel() for p in model.parameters()), "lm_params_no_embed": int(flops[0]["lm_params"]),
-        "vit_params": int(flops[0]["vit_params"]), "budget": budget, "warmup_steps": warmup, "timed_steps": steps,
-        "samples_per_step": statistics.mean(len(s) for s in timed), "tokens_per_step": mean_tokens,
+        "device": device_name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "attn": args.attn if not args.tiny else "sdpa_packed",
+        "optim": args.optim,
+        "grad_ckpt": args.grad_ckpt,
+        "freeze_vision": args.freeze_vision,
+        "params": sum(p.numel() for p in model.parameters()),
+        "lm_params_no_embed": int(flops[0]["lm_params"]),
+        "vit_params": int(flops[0]["vit_params"]),
+        "budget": budget,
+        "warmup_steps": warmup,
+        "timed_steps": steps,
+        "samples_per_step": statistics.mean(len(s) for s in timed),
+        "tokens_per_step": mean_tokens,
         "patches_per_step": statistics.mean(f["patches"] for f in flops),
-        "step_time_s": step_s, "step_time_s_all": times, "tokens_per_s": sum(f["tokens"] for f in flops) / sum(times),
+        "step_time_s": step_s,
+        "step_time_s_all": times,
+        "tokens_per_s": sum(f["tokens"] for f in flops) / sum(times),
         "model_flops_per_step": mean_flops,
-        "flops_split": {k: statistics.mean(f[k] for f in flops) / mean_flops
-                        for k in ("lm_matmul", "lm_attention", "vit_matmul", "vit_attention")},
-        "achieved_tflops": achieved / 1e12, "peak_tflops": peak, "mfu": achieved / (peak * 1e12),
+        "flops_split": {
+            k: statistics.mean(f[k] for f in flops) / mean_flops
+            for k in ("lm_matmul", "lm_attention", "vit_matmul", "vit_attention")
+        },
+        "achieved_tflops": achieved / 1e12,
+        "peak_tflops": peak,
+        "mfu": achieved / (peak * 1e12),
         "mfu_meaningful": not args.tiny or args.peak_tflops is not None,
-        "memory": memory, "loss_first_last": [losses[0], losses[-1]], "build_s": build_s,
-        "total_s": time.perf_counter() - started, "torch": torch.__version__, "host_cpus": os.cpu_count(),
+        "memory": memory,
+        "loss_first_last": [losses[0], losses[-1]],
+        "build_s": build_s,
+        "total_s": time.perf_counter() - started,
+        "torch": torch.__version__,
+        "host_cpus": os.cpu_count(),
     }
     if args.tiny and args.peak_tflops is None:
-        result["note"] = (f"CPU smoke run: peak is a nominal {CPU_NOMINAL_TFLOPS_PER_THREAD} TFLOP/s per thread, MFU "
-                          "not meaningful")
+        result["note"] = (
+            f"CPU smoke run: peak is a nominal {CPU_NOMINAL_TFLOPS_PER_THREAD} TFLOP/s per thread, MFU not meaningful"
+        )
     line = json.dumps(result, sort_keys=True)
     print(line)
     if args.json_out:

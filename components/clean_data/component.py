@@ -31,8 +31,13 @@ def clean_shard_op(shard_uri: str, config: dict, shard: dsl.Output[dsl.Dataset],
     from components._shared.launch.runner import run_stage
 
     run_stage(
-        "clean_data", config, experiment=experiment, function="clean_shard",
-        inputs={"shard_uri": shard_uri}, output_dir=shard.path, record_as=None,
+        "clean_data",
+        config,
+        experiment=experiment,
+        function="clean_shard",
+        inputs={"shard_uri": shard_uri},
+        output_dir=shard.path,
+        record_as=None,
     )
 
 
@@ -62,9 +67,14 @@ def merge_shards_op(
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
-        "clean_data", config, experiment=experiment, function="merge_shards",
-        inputs={"shard_dirs": [Path(s.path) for s in shards]}, output_dir=clean_data.path,
-        artifacts={"clean_data": clean_data.path, "report": report.path}, record_as="clean_data",
+        "clean_data",
+        config,
+        experiment=experiment,
+        function="merge_shards",
+        inputs={"shard_dirs": [Path(s.path) for s in shards]},
+        output_dir=clean_data.path,
+        artifacts={"clean_data": clean_data.path, "report": report.path},
+        record_as="clean_data",
     )
     shutil.copyfile(Path(clean_data.path) / "report.md", report.path)
     report_metrics(metrics, results)

@@ -87,14 +87,19 @@ def check_caption(raw: bytes, cfg) -> tuple[str | None, Rejection | None]:
     if len(text) > cfg.max_caption_chars:
         return None, ("caption_too_long", f"{len(text)} chars > max_caption_chars={cfg.max_caption_chars}")
     if cfg.garbage_caption_enabled:
-        why = garbage_caption(text, min_words=cfg.min_caption_words, min_letter_ratio=cfg.min_letter_ratio,
-                              max_repeated_chars=cfg.max_repeated_chars)
+        why = garbage_caption(
+            text,
+            min_words=cfg.min_caption_words,
+            min_letter_ratio=cfg.min_letter_ratio,
+            max_repeated_chars=cfg.max_repeated_chars,
+        )
         if why:
             return None, ("garbage_caption", why)
     return text, None
 
 
 # ---------------------------------------------------------------- size
+
 
 def check_size(width: int, height: int, cfg) -> Rejection | None:
     """too_small / too_large / extreme_aspect, or None."""
@@ -104,11 +109,15 @@ def check_size(width: int, height: int, cfg) -> Rejection | None:
     if long > cfg.max_side:
         return "too_large", f"{width}x{height}: longer side {long} > max_side={cfg.max_side}"
     if long / short > cfg.max_aspect_ratio:
-        return "extreme_aspect", f"{width}x{height}: aspect {long / short:.2f} > max_aspect_ratio={cfg.max_aspect_ratio}"
+        return (
+            "extreme_aspect",
+            f"{width}x{height}: aspect {long / short:.2f} > max_aspect_ratio={cfg.max_aspect_ratio}",
+        )
     return None
 
 
 # ---------------------------------------------------------------- near dedup
+
 
 def phash64(image) -> int:
     """64-bit perceptual hash (imagehash pHash) of a PIL image, as an int."""
@@ -181,6 +190,7 @@ class PhashIndex:
 
 # ---------------------------------------------------------------- level 1: CLIP
 
+
 class ClipScorer:
     """Cosine similarity of CLIP image and text embeddings (safetensors weights only, no remote code)."""
 
@@ -190,12 +200,15 @@ class ClipScorer:
 
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = AutoModel.from_pretrained(model_dir, use_safetensors=True, trust_remote_code=False).eval().to(self.device)
+        self.model = (
+            AutoModel.from_pretrained(model_dir, use_safetensors=True, trust_remote_code=False).eval().to(self.device)
+        )
         self.processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=False)
         self.max_text_tokens = int(getattr(self.model.config.text_config, "max_position_embeddings", 77))
         meta = Path(model_dir) / "builtin.json"
         self.recommended_threshold: float | None = (
-            json.loads(meta.read_text()).get("recommended_threshold") if meta.is_file() else None)
+            json.loads(meta.read_text()).get("recommended_threshold") if meta.is_file() else None
+        )
 
     @staticmethod
     def _features(output):
@@ -204,13 +217,20 @@ class ClipScorer:
     def score(self, images: Sequence, captions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """(cosine per pair [n], L2-normalised image embeddings [n, d]) for one batch."""
         torch = self.torch
-        inputs = self.processor(text=list(captions), images=list(images), return_tensors="pt", padding=True,
-                                truncation=True, max_length=self.max_text_tokens)
+        inputs = self.processor(
+            text=list(captions),
+            images=list(images),
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=self.max_text_tokens,
+        )
         inputs = inputs.to(self.device)
         with torch.inference_mode():
             image = self._features(self.model.get_image_features(pixel_values=inputs["pixel_values"]))
-            text = self._features(self.model.get_text_features(
-                input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask")))
+            text = self._features(
+                self.model.get_text_features(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"))
+            )
         image = torch.nn.functional.normalize(image.float().cpu(), dim=-1)
         text = torch.nn.functional.normalize(text.float().cpu(), dim=-1)
         return (image * text).sum(-1).numpy(), image.numpy()
@@ -225,8 +245,9 @@ def load_clip(model_uri: str) -> ClipScorer:
 
 # ---------------------------------------------------------------- level 2: NSFW
 
-NSFW_CLASSES = frozenset({"FEMALE_GENITALIA_EXPOSED", "MALE_GENITALIA_EXPOSED", "FEMALE_BREAST_EXPOSED",
-                          "BUTTOCKS_EXPOSED", "ANUS_EXPOSED"})
+NSFW_CLASSES = frozenset(
+    {"FEMALE_GENITALIA_EXPOSED", "MALE_GENITALIA_EXPOSED", "FEMALE_BREAST_EXPOSED", "BUTTOCKS_EXPOSED", "ANUS_EXPOSED"}
+)
 
 
 class NsfwScorer:
@@ -243,7 +264,9 @@ class NsfwScorer:
             import nudenet
 
             model_path = str(Path(nudenet.__file__).parent / "320n.onnx")  # the detector NudeDetector() loads
-            self.detector.onnx_session = onnxruntime.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
+            self.detector.onnx_session = onnxruntime.InferenceSession(
+                model_path, options, providers=["CPUExecutionProvider"]
+            )
 
     def score(self, image) -> float:
         bgr = np.ascontiguousarray(np.asarray(image)[:, :, ::-1])
@@ -264,8 +287,10 @@ def load_nsfw(threads: int = 0) -> NsfwScorer:
 
 # ---------------------------------------------------------------- level 4: embedding outliers
 
-def knn_outlier_scores(embeddings: np.ndarray, *, k: int, reference_size: int, seed: int,
-                       block: int = 4096) -> np.ndarray:
+
+def knn_outlier_scores(
+    embeddings: np.ndarray, *, k: int, reference_size: int, seed: int, block: int = 4096
+) -> np.ndarray:
     """Mean cosine distance of each row to its k nearest neighbours in a random reference sample.
 
     Cost is O(n * reference_size) instead of O(n^2); a row never counts itself as a neighbour.
@@ -298,6 +323,7 @@ def robust_threshold(scores: np.ndarray, z: float) -> float:
 
 # ---------------------------------------------------------------- level 5: self-judge
 
+
 class CaptionJudge:
     """Mean caption-token loss of an image-text-to-text VLM (the seed's "model judges its own data")."""
 
@@ -309,8 +335,11 @@ class CaptionJudge:
         self.processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=False)
         self.processor.tokenizer.padding_side = "right"
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, use_safetensors=True,
-                                                                 trust_remote_code=False).eval().to(self.device)
+        self.model = (
+            AutoModelForImageTextToText.from_pretrained(model_dir, use_safetensors=True, trust_remote_code=False)
+            .eval()
+            .to(self.device)
+        )
         self.prompt = prompt
 
     def _prompt_text(self) -> str:
@@ -322,9 +351,12 @@ class CaptionJudge:
         torch = self.torch
         prompt = self._prompt_text()
         eos = self.processor.tokenizer.eos_token or ""
-        prompt_batch = self.processor(text=[prompt] * len(images), images=list(images), return_tensors="pt", padding=True)
-        full = self.processor(text=[prompt + c + eos for c in captions], images=list(images), return_tensors="pt",
-                              padding=True)
+        prompt_batch = self.processor(
+            text=[prompt] * len(images), images=list(images), return_tensors="pt", padding=True
+        )
+        full = self.processor(
+            text=[prompt + c + eos for c in captions], images=list(images), return_tensors="pt", padding=True
+        )
         prompt_len = prompt_batch["attention_mask"].sum(1)
         labels = full["input_ids"].clone()
         positions = torch.arange(labels.shape[1]).unsqueeze(0)
@@ -332,7 +364,8 @@ class CaptionJudge:
         with torch.inference_mode():
             logits = self.model(**full.to(self.device)).logits.float().cpu()
         token_loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none")
+            logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none"
+        )
         counted = (labels[:, 1:] != -100).sum(1).clamp(min=1)
         return (token_loss.sum(1) / counted).numpy()
 

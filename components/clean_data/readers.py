@@ -115,7 +115,9 @@ def _parse_metadata(data: bytes) -> dict[str, Any]:
         value = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         return {"metadata_error": f"invalid JSON: {exc}"[:200]}
-    return value if isinstance(value, dict) else {"metadata_error": f"expected a JSON object, got {type(value).__name__}"}
+    return (
+        value if isinstance(value, dict) else {"metadata_error": f"expected a JSON object, got {type(value).__name__}"}
+    )
 
 
 def read_tar(stream: BinaryIO, shard: str, *, max_member_bytes: int, errors: list[ShardError]) -> Iterator[Record]:
@@ -145,8 +147,15 @@ def read_tar(stream: BinaryIO, shard: str, *, max_member_bytes: int, errors: lis
                     group.add(ext, member.name, None, ("unsafe_member", problem))
                     continue
                 if member.size > max_member_bytes:
-                    group.add(ext, member.name, None,
-                              ("file_too_large", f"member {member.name!r} has {member.size} bytes > max_file_bytes={max_member_bytes}"))
+                    group.add(
+                        ext,
+                        member.name,
+                        None,
+                        (
+                            "file_too_large",
+                            f"member {member.name!r} has {member.size} bytes > max_file_bytes={max_member_bytes}",
+                        ),
+                    )
                     continue
                 handle = tar.extractfile(member)
                 data = handle.read() if handle is not None else b""
@@ -159,7 +168,9 @@ def read_tar(stream: BinaryIO, shard: str, *, max_member_bytes: int, errors: lis
             count += 1
             yield group.record
             group = None
-        errors.append(ShardError(shard=shard, error=f"{type(exc).__name__}: {exc}"[:500], records_read=count, offset=offset))
+        errors.append(
+            ShardError(shard=shard, error=f"{type(exc).__name__}: {exc}"[:500], records_read=count, offset=offset)
+        )
         return
     if group is not None:
         yield group.finish()
@@ -181,8 +192,9 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
-def read_parquet(source: BinaryIO, shard: str, *, max_member_bytes: int, errors: list[ShardError],
-                 batch_rows: int = 256) -> Iterator[Record]:
+def read_parquet(
+    source: BinaryIO, shard: str, *, max_member_bytes: int, errors: list[ShardError], batch_rows: int = 256
+) -> Iterator[Record]:
     """Records of a Parquet lake file: image column jpg|png|webp|image, caption column caption|txt, key column."""
     import pyarrow.parquet as pq
 
@@ -206,12 +218,22 @@ def read_parquet(source: BinaryIO, shard: str, *, max_member_bytes: int, errors:
                 if image is None:
                     rec.reject = ("missing_image", f"no image value (columns tried: {list(PARQUET_IMAGE_COLUMNS)})")
                 elif not isinstance(image, bytes):
-                    rec.reject = ("missing_image", f"image column {image_col!r} holds {type(image).__name__}, not bytes")
+                    rec.reject = (
+                        "missing_image",
+                        f"image column {image_col!r} holds {type(image).__name__}, not bytes",
+                    )
                 elif len(image) > max_member_bytes:
                     rec.reject = ("file_too_large", f"image has {len(image)} bytes > max_file_bytes={max_member_bytes}")
                 elif caption is None:
-                    rec.reject = ("missing_caption", f"no caption value (columns tried: {list(PARQUET_CAPTION_COLUMNS)})")
-                rec.image, rec.image_member, rec.caption = (image if isinstance(image, bytes) else None), image_col, caption
+                    rec.reject = (
+                        "missing_caption",
+                        f"no caption value (columns tried: {list(PARQUET_CAPTION_COLUMNS)})",
+                    )
+                rec.image, rec.image_member, rec.caption = (
+                    (image if isinstance(image, bytes) else None),
+                    image_col,
+                    caption,
+                )
                 count += 1
                 yield rec
     except Exception as exc:  # noqa: BLE001 - a broken Parquet file is a shard error, not a crash

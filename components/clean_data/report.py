@@ -10,23 +10,31 @@ from components._shared.platform.tracking import Tracker
 from components.clean_data.config import CleanDataConfig
 
 
-def _histograms(output_dir: Path, cfg: CleanDataConfig, reports: list[dict[str, Any]],
-                info: dict[str, Any]) -> list[str]:
+def _histograms(
+    output_dir: Path, cfg: CleanDataConfig, reports: list[dict[str, Any]], info: dict[str, Any]
+) -> list[str]:
     """One PNG per score (values of kept and rejected records), with the threshold drawn in."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = {name: [v for r in reports for v in r.get("scores", {}).get(name, [])]
-              for name in ("clip_score", "nsfw_score", "ocr_unmentioned_words")}
+    series = {
+        name: [v for r in reports for v in r.get("scores", {}).get(name, [])]
+        for name in ("clip_score", "nsfw_score", "ocr_unmentioned_words")
+    }
     series["outlier_score"] = info.get("outlier", {}).get("scores", [])
     series["judge_loss"] = info.get("self_judge", {}).get("scores", [])
-    clip_used = [r["thresholds"]["clip_score"] for r in reports if r.get("thresholds", {}).get("clip_score") is not None]
-    thresholds = {"clip_score": clip_used[0] if clip_used else cfg.clip_min_score, "nsfw_score": cfg.nsfw_threshold,
-                  "ocr_unmentioned_words": cfg.ocr_max_unmentioned_words + 0.5,
-                  "outlier_score": info.get("outlier", {}).get("threshold"),
-                  "judge_loss": info.get("self_judge", {}).get("loss_cutoff")}
+    clip_used = [
+        r["thresholds"]["clip_score"] for r in reports if r.get("thresholds", {}).get("clip_score") is not None
+    ]
+    thresholds = {
+        "clip_score": clip_used[0] if clip_used else cfg.clip_min_score,
+        "nsfw_score": cfg.nsfw_threshold,
+        "ocr_unmentioned_words": cfg.ocr_max_unmentioned_words + 0.5,
+        "outlier_score": info.get("outlier", {}).get("threshold"),
+        "judge_loss": info.get("self_judge", {}).get("loss_cutoff"),
+    }
     names = []
     for name, values in series.items():
         if not values:
@@ -44,19 +52,34 @@ def _histograms(output_dir: Path, cfg: CleanDataConfig, reports: list[dict[str, 
     return names
 
 
-def write_report(output_dir: Path, cfg: CleanDataConfig, manifest: dict[str, Any], reports: list[dict[str, Any]],
-                  info: dict[str, Any], tracker: Tracker) -> list[str]:
+def write_report(
+    output_dir: Path,
+    cfg: CleanDataConfig,
+    manifest: dict[str, Any],
+    reports: list[dict[str, Any]],
+    info: dict[str, Any],
+    tracker: Tracker,
+) -> list[str]:
     """report.md (counts per reason and shard, throughput per filter, histograms); returns the files written."""
     total = max(1, manifest["records_in"])
-    lines = ["# clean_data report", "",
-             (f"records in {manifest['records_in']}, kept {manifest['records_kept']} "
-              f"({manifest['records_kept'] / total:.1%}), rejected {manifest['records_rejected']}"), "",
-             "| reason | records | share |", "|---|---:|---:|"]
+    lines = [
+        "# clean_data report",
+        "",
+        (
+            f"records in {manifest['records_in']}, kept {manifest['records_kept']} "
+            f"({manifest['records_kept'] / total:.1%}), rejected {manifest['records_rejected']}"
+        ),
+        "",
+        "| reason | records | share |",
+        "|---|---:|---:|",
+    ]
     lines += [f"| {reason} | {n} | {n / total:.1%} |" for reason, n in manifest["rejected_by_reason"].items() if n]
     lines += ["", "| shard | in | kept | rejected | error |", "|---|---:|---:|---:|---|"]
     for shard, entry in manifest["per_shard"].items():
         error = (entry["shard_error"] or {}).get("error", "")
-        lines.append(f"| {shard} | {entry['records_in']} | {entry['records_kept']} | {entry['records_rejected']} | {error} |")
+        lines.append(
+            f"| {shard} | {entry['records_in']} | {entry['records_kept']} | {entry['records_rejected']} | {error} |"
+        )
     lines += ["", "| filter | records | seconds | records/s |", "|---|---:|---:|---:|"]
     for name, t in sorted(manifest["timings"].items(), key=lambda kv: -kv[1]["seconds"]):
         rate = t["records"] / t["seconds"] if t["seconds"] > 0 else float("inf")

@@ -36,21 +36,57 @@ from components.clean_data.readers import Record, ShardError, read_shard, shard_
 from components.clean_data.report import write_report
 
 REASONS = (
-    "unsafe_member", "file_too_large", "missing_image", "missing_caption", "shard_error",
-    "empty_file", "caption_not_utf8", "empty_caption", "caption_too_long", "garbage_caption",
-    "decompression_bomb", "unsupported_format", "undecodable", "truncated_image",
-    "too_small", "too_large", "extreme_aspect", "exact_duplicate", "near_duplicate",
-    "low_clip_score", "nsfw", "ocr_caption_mismatch", "embedding_outlier", "self_judge",
+    "unsafe_member",
+    "file_too_large",
+    "missing_image",
+    "missing_caption",
+    "shard_error",
+    "empty_file",
+    "caption_not_utf8",
+    "empty_caption",
+    "caption_too_long",
+    "garbage_caption",
+    "decompression_bomb",
+    "unsupported_format",
+    "undecodable",
+    "truncated_image",
+    "too_small",
+    "too_large",
+    "extreme_aspect",
+    "exact_duplicate",
+    "near_duplicate",
+    "low_clip_score",
+    "nsfw",
+    "ocr_caption_mismatch",
+    "embedding_outlier",
+    "self_judge",
 )
 MODEL_SIDE = 1024  # images are shrunk to this longer side before the model levels (all resize further)
 
-REJECTED_SCHEMA = pa.schema([("key", pa.string()), ("shard", pa.string()), ("reason", pa.string()),
-                             ("detail", pa.string()), ("image_hash", pa.string())])
+REJECTED_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("shard", pa.string()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+        ("image_hash", pa.string()),
+    ]
+)
 KEPT_FIELDS = [
-    ("image_hash", pa.string()), ("key", pa.string()), ("shard", pa.string()), ("image", pa.binary()),
-    ("image_format", pa.string()), ("caption", pa.string()), ("width", pa.int32()), ("height", pa.int32()),
-    ("visual_tokens", pa.int32()), ("clip_score", pa.float32()), ("nsfw_score", pa.float32()),
-    ("ocr_text", pa.string()), ("phash", pa.string()), ("metadata", pa.string()),
+    ("image_hash", pa.string()),
+    ("key", pa.string()),
+    ("shard", pa.string()),
+    ("image", pa.binary()),
+    ("image_format", pa.string()),
+    ("caption", pa.string()),
+    ("width", pa.int32()),
+    ("height", pa.int32()),
+    ("visual_tokens", pa.int32()),
+    ("clip_score", pa.float32()),
+    ("nsfw_score", pa.float32()),
+    ("ocr_text", pa.string()),
+    ("phash", pa.string()),
+    ("metadata", pa.string()),
 ]
 SHARD_KEPT_SCHEMA = pa.schema(KEPT_FIELDS + [("thumb", pa.binary()), ("clip_embedding", pa.list_(pa.float32()))])
 FINAL_KEPT_SCHEMA = pa.schema(KEPT_FIELDS + [("outlier_score", pa.float32()), ("judge_loss", pa.float32())])
@@ -110,6 +146,7 @@ def _reason_counts(reasons) -> dict[str, int]:
 
 # ---------------------------------------------------------------- listing
 
+
 def list_shards(lake_uri: str) -> list[str]:
     """The lake's shard URIs (`*.tar`, `*.parquet`), local or s3://, sorted."""
     from components._shared.platform.storage import list_lake_shards
@@ -119,20 +156,24 @@ def list_shards(lake_uri: str) -> list[str]:
 
 # ---------------------------------------------------------------- one shard
 
+
 def _cheap_checks(rec: Record, cfg: CleanDataConfig, timer: Timer) -> Candidate | dict[str, Any]:
     image_hash = hashlib.sha256(rec.image).hexdigest() if rec.image is not None else None
     if rec.reject is not None:
         return _rejection(rec.key, rec.shard, *rec.reject, image_hash)
     if not rec.image:
-        return _rejection(rec.key, rec.shard, "empty_file", f"image member {rec.image_member!r} has 0 bytes", image_hash)
+        return _rejection(
+            rec.key, rec.shard, "empty_file", f"image member {rec.image_member!r} has 0 bytes", image_hash
+        )
     with timer("caption"):
         caption, problem = filters.check_caption(rec.caption, cfg)
     if problem:
         return _rejection(rec.key, rec.shard, *problem, image_hash)
     try:
         with timer("decode"):
-            decoded = decode_image(rec.image, max_image_pixels=cfg.max_image_pixels,
-                                   allowed_formats=tuple(cfg.allowed_formats))
+            decoded = decode_image(
+                rec.image, max_image_pixels=cfg.max_image_pixels, allowed_formats=tuple(cfg.allowed_formats)
+            )
     except ImageRejected as rejected:
         return _rejection(rec.key, rec.shard, rejected.reason, rejected.detail, image_hash)
     problem = filters.check_size(decoded.width, decoded.height, cfg)
@@ -141,10 +182,20 @@ def _cheap_checks(rec: Record, cfg: CleanDataConfig, timer: Timer) -> Candidate 
     with timer("phash"):
         phash, thumb = filters.phash64(decoded.image), filters.thumbnail(decoded.image)
     return Candidate(
-        key=rec.key, shard=rec.shard, image=rec.image, image_hash=image_hash, image_format=decoded.format,
-        caption=caption, width=decoded.width, height=decoded.height,
-        visual_tokens=visual_tokens(decoded.height, decoded.width, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels),
-        phash=phash, thumb=thumb, metadata=json.dumps(rec.metadata, sort_keys=True, ensure_ascii=False, default=str),
+        key=rec.key,
+        shard=rec.shard,
+        image=rec.image,
+        image_hash=image_hash,
+        image_format=decoded.format,
+        caption=caption,
+        width=decoded.width,
+        height=decoded.height,
+        visual_tokens=visual_tokens(
+            decoded.height, decoded.width, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels
+        ),
+        phash=phash,
+        thumb=thumb,
+        metadata=json.dumps(rec.metadata, sort_keys=True, ensure_ascii=False, default=str),
     )
 
 
@@ -161,17 +212,34 @@ def dedup(items: list, cfg: CleanDataConfig, timer: Timer, rejected: list[dict[s
         for item in sorted(items, key=lambda c: (c.key, c.shard)):
             first = seen.get(item.image_hash)
             if first is not None:
-                rejected.append(_rejection(item.key, item.shard, "exact_duplicate",
-                                           f"same sha256 as {first.key} ({first.shard})", item.image_hash))
+                rejected.append(
+                    _rejection(
+                        item.key,
+                        item.shard,
+                        "exact_duplicate",
+                        f"same sha256 as {first.key} ({first.shard})",
+                        item.image_hash,
+                    )
+                )
                 continue
             if cfg.near_dedup_enabled:
-                match = index.find(item.phash, None if max_diff is None else
-                                   lambda other, item=item: filters.thumb_difference(item.thumb, other.thumb) <= max_diff)
+                match = index.find(
+                    item.phash,
+                    None
+                    if max_diff is None
+                    else lambda other, item=item: filters.thumb_difference(item.thumb, other.thumb) <= max_diff,
+                )
                 if match is not None:
                     original, distance = match
-                    rejected.append(_rejection(item.key, item.shard, "near_duplicate",
-                                               f"pHash distance {distance} to {original.key} ({original.shard})",
-                                               item.image_hash))
+                    rejected.append(
+                        _rejection(
+                            item.key,
+                            item.shard,
+                            "near_duplicate",
+                            f"pHash distance {distance} to {original.key} ({original.shard})",
+                            item.image_hash,
+                        )
+                    )
                     continue
                 index.add(item.phash, item)
             seen[item.image_hash] = item
@@ -191,21 +259,28 @@ def clip_threshold(cfg: CleanDataConfig, clip) -> float:
     if not cfg.clip_threshold_from_model:
         return cfg.clip_min_score
     if clip.recommended_threshold is None:
-        raise ValueError(f"clip_threshold_from_model=true but clip_model={cfg.clip_model!r} has no builtin.json "
-                         "recommended_threshold; set clip_min_score and clip_threshold_from_model=false.")
+        raise ValueError(
+            f"clip_threshold_from_model=true but clip_model={cfg.clip_model!r} has no builtin.json "
+            "recommended_threshold; set clip_min_score and clip_threshold_from_model=false."
+        )
     return float(clip.recommended_threshold)
 
 
-def _model_levels(candidates: list[Candidate], cfg: CleanDataConfig, timer: Timer,
-                  rejected: list[dict[str, Any]], scores: dict[str, list[float]],
-                  thresholds: dict[str, float]) -> list[Candidate]:
+def _model_levels(
+    candidates: list[Candidate],
+    cfg: CleanDataConfig,
+    timer: Timer,
+    rejected: list[dict[str, Any]],
+    scores: dict[str, list[float]],
+    thresholds: dict[str, float],
+) -> list[Candidate]:
     """CLIP score, NSFW, OCR-vs-caption on batches of candidates (models load once per process)."""
     if not (cfg.clip_enabled or cfg.nsfw_enabled or cfg.ocr_enabled):
         return candidates
     clip = None  # loaded on first use, so a shard without candidates loads no model
     kept: list[Candidate] = []
     for start in range(0, len(candidates), cfg.clip_batch_size):
-        batch = candidates[start:start + cfg.clip_batch_size]
+        batch = candidates[start : start + cfg.clip_batch_size]
         with timer("model_decode", len(batch)):
             images = [_model_image(c.image, cfg) for c in batch]
         alive = list(range(len(batch)))
@@ -217,30 +292,55 @@ def _model_levels(candidates: list[Candidate], cfg: CleanDataConfig, timer: Time
             for i, c in enumerate(batch):
                 c.clip_score, c.embedding = float(cosine[i]), embeddings[i].tolist()
                 scores["clip_score"].append(c.clip_score)
-            alive = [i for i in alive if not _reject_if(
-                batch[i].clip_score < threshold, batch[i], rejected, "low_clip_score",
-                f"CLIP cosine {batch[i].clip_score:.3f} < threshold {threshold:.3f}")]
+            alive = [
+                i
+                for i in alive
+                if not _reject_if(
+                    batch[i].clip_score < threshold,
+                    batch[i],
+                    rejected,
+                    "low_clip_score",
+                    f"CLIP cosine {batch[i].clip_score:.3f} < threshold {threshold:.3f}",
+                )
+            ]
         if cfg.nsfw_enabled and alive:
             nsfw = filters.load_nsfw(cfg.onnx_threads)
             with timer("nsfw", len(alive)):
                 for i in alive:
                     batch[i].nsfw_score = nsfw.score(images[i])
                     scores["nsfw_score"].append(batch[i].nsfw_score)
-            alive = [i for i in alive if not _reject_if(
-                batch[i].nsfw_score > cfg.nsfw_threshold, batch[i], rejected, "nsfw",
-                f"exposed-class score {batch[i].nsfw_score:.3f} > nsfw_threshold={cfg.nsfw_threshold}")]
+            alive = [
+                i
+                for i in alive
+                if not _reject_if(
+                    batch[i].nsfw_score > cfg.nsfw_threshold,
+                    batch[i],
+                    rejected,
+                    "nsfw",
+                    f"exposed-class score {batch[i].nsfw_score:.3f} > nsfw_threshold={cfg.nsfw_threshold}",
+                )
+            ]
         if cfg.ocr_enabled and alive:
             ocr = filters.load_ocr(cfg.ocr_detect_side, cfg.onnx_threads)
             survivors = []
             with timer("ocr", len(alive)):
                 for i in alive:
-                    words = ocr.words(images[i], min_confidence=cfg.ocr_min_confidence, min_chars=cfg.ocr_min_word_chars,
-                                      min_box_aspect=cfg.ocr_min_box_aspect)
+                    words = ocr.words(
+                        images[i],
+                        min_confidence=cfg.ocr_min_confidence,
+                        min_chars=cfg.ocr_min_word_chars,
+                        min_box_aspect=cfg.ocr_min_box_aspect,
+                    )
                     batch[i].ocr_text = " ".join(words)
                     missing = filters.unmentioned_words(words, batch[i].caption)
                     scores["ocr_unmentioned_words"].append(float(len(missing)))
-                    if not _reject_if(len(missing) > cfg.ocr_max_unmentioned_words, batch[i], rejected,
-                                      "ocr_caption_mismatch", f"image text {missing[:5]} not in the caption"):
+                    if not _reject_if(
+                        len(missing) > cfg.ocr_max_unmentioned_words,
+                        batch[i],
+                        rejected,
+                        "ocr_caption_mismatch",
+                        f"image text {missing[:5]} not in the caption",
+                    ):
                         survivors.append(i)
             alive = survivors
         kept += [batch[i] for i in alive]
@@ -255,14 +355,22 @@ def _reject_if(condition: bool, c: Candidate, rejected: list[dict[str, Any]], re
 
 def _kept_rows(candidates: list[Candidate]) -> dict[str, list]:
     return {
-        "image_hash": [c.image_hash for c in candidates], "key": [c.key for c in candidates],
-        "shard": [c.shard for c in candidates], "image": [c.image for c in candidates],
-        "image_format": [c.image_format for c in candidates], "caption": [c.caption for c in candidates],
-        "width": [c.width for c in candidates], "height": [c.height for c in candidates],
-        "visual_tokens": [c.visual_tokens for c in candidates], "clip_score": [c.clip_score for c in candidates],
-        "nsfw_score": [c.nsfw_score for c in candidates], "ocr_text": [c.ocr_text for c in candidates],
-        "phash": [f"{c.phash:016x}" for c in candidates], "metadata": [c.metadata for c in candidates],
-        "thumb": [c.thumb for c in candidates], "clip_embedding": [c.embedding for c in candidates],
+        "image_hash": [c.image_hash for c in candidates],
+        "key": [c.key for c in candidates],
+        "shard": [c.shard for c in candidates],
+        "image": [c.image for c in candidates],
+        "image_format": [c.image_format for c in candidates],
+        "caption": [c.caption for c in candidates],
+        "width": [c.width for c in candidates],
+        "height": [c.height for c in candidates],
+        "visual_tokens": [c.visual_tokens for c in candidates],
+        "clip_score": [c.clip_score for c in candidates],
+        "nsfw_score": [c.nsfw_score for c in candidates],
+        "ocr_text": [c.ocr_text for c in candidates],
+        "phash": [f"{c.phash:016x}" for c in candidates],
+        "metadata": [c.metadata for c in candidates],
+        "thumb": [c.thumb for c in candidates],
+        "clip_embedding": [c.embedding for c in candidates],
     }
 
 
@@ -300,10 +408,16 @@ def clean_shard(cfg: CleanDataConfig, *, shard_uri: str, output_dir: Path, track
     rejected.sort(key=lambda r: r["key"])
     pq.write_table(pa.Table.from_pylist(rejected, schema=REJECTED_SCHEMA), output_dir / "rejected.parquet")
     if records_in != len(kept) + len(rejected):
-        raise RuntimeError(f"accounting bug in shard {shard}: {records_in} in, {len(kept)} kept, {len(rejected)} rejected")
+        raise RuntimeError(
+            f"accounting bug in shard {shard}: {records_in} in, {len(kept)} kept, {len(rejected)} rejected"
+        )
     report = {
-        "shard": shard, "shard_uri": shard_uri, "records_in": records_in, "records_kept": len(kept),
-        "records_rejected": len(rejected), "rejected_by_reason": _reason_counts(r["reason"] for r in rejected),
+        "shard": shard,
+        "shard_uri": shard_uri,
+        "records_in": records_in,
+        "records_kept": len(kept),
+        "records_rejected": len(rejected),
+        "rejected_by_reason": _reason_counts(r["reason"] for r in rejected),
         "shard_error": _error_dict(errors[0]) if errors else None,
         "scores": {name: _sample(values, cfg.score_samples, cfg.seed) for name, values in scores.items()},
         "thresholds": thresholds,
@@ -321,6 +435,7 @@ def _error_dict(error: ShardError) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- merge
+
 
 @dataclass
 class _Row:
@@ -343,37 +458,61 @@ def _read_shard_dir(shard_dir: Path) -> tuple[dict[str, Any], pa.Table, pa.Table
     return json.loads(paths[0].read_text()), pq.read_table(paths[1]), pq.read_table(paths[2])
 
 
-def _outliers(table: pa.Table, alive: list[int], cfg: CleanDataConfig, timer: Timer,
-              rejected: list[dict[str, Any]], info: dict[str, Any]) -> tuple[list[int], dict[int, float]]:
+def _outliers(
+    table: pa.Table,
+    alive: list[int],
+    cfg: CleanDataConfig,
+    timer: Timer,
+    rejected: list[dict[str, Any]],
+    info: dict[str, Any],
+) -> tuple[list[int], dict[int, float]]:
     embeddings = table.column("clip_embedding").to_pylist()
     usable = [i for i in alive if embeddings[i] is not None]
     if not cfg.outlier_enabled or len(usable) < cfg.outlier_min_records:
-        info["outlier"] = {"skipped": f"{len(usable)} records with CLIP embeddings (< outlier_min_records="
-                                      f"{cfg.outlier_min_records}) or outlier_enabled=false"}
+        info["outlier"] = {
+            "skipped": f"{len(usable)} records with CLIP embeddings (< outlier_min_records="
+            f"{cfg.outlier_min_records}) or outlier_enabled=false"
+        }
         return alive, {}
     with timer("outlier", len(usable)):
         matrix = np.asarray([embeddings[i] for i in usable], dtype=np.float32)
-        scores = filters.knn_outlier_scores(matrix, k=cfg.outlier_k, reference_size=cfg.outlier_reference_size,
-                                            seed=cfg.seed)
+        scores = filters.knn_outlier_scores(
+            matrix, k=cfg.outlier_k, reference_size=cfg.outlier_reference_size, seed=cfg.seed
+        )
         threshold = filters.robust_threshold(scores, cfg.outlier_mad_z)
-    info["outlier"] = {"threshold": round(threshold, 5), "median": round(float(np.median(scores)), 5),
-                       "scores": _sample(scores.tolist(), cfg.score_samples, cfg.seed)}
+    info["outlier"] = {
+        "threshold": round(threshold, 5),
+        "median": round(float(np.median(scores)), 5),
+        "scores": _sample(scores.tolist(), cfg.score_samples, cfg.seed),
+    }
     by_index = {i: float(s) for i, s in zip(usable, scores)}
     keys, shards, hashes = (table.column(c).to_pylist() for c in ("key", "shard", "image_hash"))
     survivors = []
     for i in alive:
         score = by_index.get(i)
         if score is not None and score > threshold:
-            rejected.append(_rejection(keys[i], shards[i], "embedding_outlier",
-                                       f"kNN cosine distance {score:.3f} > {threshold:.3f} (median + {cfg.outlier_mad_z} MAD)",
-                                       hashes[i]))
+            rejected.append(
+                _rejection(
+                    keys[i],
+                    shards[i],
+                    "embedding_outlier",
+                    f"kNN cosine distance {score:.3f} > {threshold:.3f} (median + {cfg.outlier_mad_z} MAD)",
+                    hashes[i],
+                )
+            )
         else:
             survivors.append(i)
     return survivors, by_index
 
 
-def _self_judge(table: pa.Table, alive: list[int], cfg: CleanDataConfig, timer: Timer,
-                rejected: list[dict[str, Any]], info: dict[str, Any]) -> tuple[list[int], dict[int, float]]:
+def _self_judge(
+    table: pa.Table,
+    alive: list[int],
+    cfg: CleanDataConfig,
+    timer: Timer,
+    rejected: list[dict[str, Any]],
+    info: dict[str, Any],
+) -> tuple[list[int], dict[int, float]]:
     if cfg.judge_model is None or not alive:
         return alive, {}
     judge = filters.load_judge(cfg.judge_model, cfg.judge_prompt)
@@ -381,20 +520,29 @@ def _self_judge(table: pa.Table, alive: list[int], cfg: CleanDataConfig, timer: 
     losses: dict[int, float] = {}
     with timer("self_judge", len(alive)):
         for start in range(0, len(alive), cfg.judge_batch_size):
-            batch = alive[start:start + cfg.judge_batch_size]
+            batch = alive[start : start + cfg.judge_batch_size]
             pictures = [_model_image(images[i].as_py(), cfg) for i in batch]
             values = judge.losses(pictures, [captions[i].as_py() for i in batch])
             losses.update({i: float(v) for i, v in zip(batch, values)})
     n_drop = int(cfg.judge_drop_fraction * len(alive))
     worst = set(sorted(alive, key=lambda i: (-losses[i], i))[:n_drop])
     cutoff = min((losses[i] for i in worst), default=None)
-    info["self_judge"] = {"dropped": n_drop, "loss_cutoff": cutoff,
-                          "scores": _sample(list(losses.values()), cfg.score_samples, cfg.seed)}
+    info["self_judge"] = {
+        "dropped": n_drop,
+        "loss_cutoff": cutoff,
+        "scores": _sample(list(losses.values()), cfg.score_samples, cfg.seed),
+    }
     keys, shards, hashes = (table.column(c).to_pylist() for c in ("key", "shard", "image_hash"))
     for i in sorted(worst):
-        rejected.append(_rejection(keys[i], shards[i], "self_judge",
-                                   f"judge caption loss {losses[i]:.3f} in the worst {cfg.judge_drop_fraction:.0%}",
-                                   hashes[i]))
+        rejected.append(
+            _rejection(
+                keys[i],
+                shards[i],
+                "self_judge",
+                f"judge caption loss {losses[i]:.3f} in the worst {cfg.judge_drop_fraction:.0%}",
+                hashes[i],
+            )
+        )
     return [i for i in alive if i not in worst], losses
 
 
@@ -427,8 +575,12 @@ def merge_shards(cfg: CleanDataConfig, *, shard_dirs: list[Path], output_dir: Pa
     timer, info = Timer(), {}
     merge_rejected: list[dict[str, Any]] = []
 
-    rows = [_Row(i, k, s, h, int(p, 16), t) for i, (k, s, h, p, t) in enumerate(zip(
-        *(table.column(c).to_pylist() for c in ("key", "shard", "image_hash", "phash", "thumb"))))]
+    rows = [
+        _Row(i, k, s, h, int(p, 16), t)
+        for i, (k, s, h, p, t) in enumerate(
+            zip(*(table.column(c).to_pylist() for c in ("key", "shard", "image_hash", "phash", "thumb")))
+        )
+    ]
     alive = sorted(row.index for row in dedup(rows, cfg, timer, merge_rejected))
     alive, outlier_scores = _outliers(table, alive, cfg, timer, merge_rejected, info)
     alive, judge_losses = _self_judge(table, alive, cfg, timer, merge_rejected, info)
@@ -474,21 +626,29 @@ def _manifest(reports: list[dict[str, Any]], kept: pa.Table, rejected: pa.Table)
     per_shard = {}
     for report in reports:
         shard = report["shard"]
-        entry = {"records_in": report["records_in"], "records_kept": kept_by_shard.get(shard, 0),
-                 "records_rejected": len(rejected_by_shard[shard]),
-                 "rejected_by_reason": _reason_counts(rejected_by_shard[shard]), "shard_error": report["shard_error"]}
+        entry = {
+            "records_in": report["records_in"],
+            "records_kept": kept_by_shard.get(shard, 0),
+            "records_rejected": len(rejected_by_shard[shard]),
+            "rejected_by_reason": _reason_counts(rejected_by_shard[shard]),
+            "shard_error": report["shard_error"],
+        }
         if entry["records_in"] != entry["records_kept"] + entry["records_rejected"]:
             raise RuntimeError(f"accounting bug in shard {shard}: {entry}")
         per_shard[shard] = entry
     reasons = rejected.column("reason").to_pylist()
     return {
-        "records_in": sum(r["records_in"] for r in reports), "records_kept": kept.num_rows,
-        "records_rejected": rejected.num_rows, "rejected_by_reason": _reason_counts(reasons), "per_shard": per_shard,
+        "records_in": sum(r["records_in"] for r in reports),
+        "records_kept": kept.num_rows,
+        "records_rejected": rejected.num_rows,
+        "rejected_by_reason": _reason_counts(reasons),
+        "per_shard": per_shard,
         "shard_errors": [{"shard": r["shard"], **r["shard_error"]} for r in reports if r["shard_error"]],
     }
 
 
 # ---------------------------------------------------------------- one process
+
 
 def run(cfg: CleanDataConfig, *, lake_uri: str, output_dir: Path, tracker: Tracker) -> dict[str, Any]:
     """list_shards -> clean_shard for each -> merge_shards, in one process (models load once)."""

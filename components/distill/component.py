@@ -32,9 +32,13 @@ def distill_op(
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
-        "distill", config, experiment=experiment,
+        "distill",
+        config,
+        experiment=experiment,
         inputs={"teacher_model": teacher.path + "/model", "data": sft_data_uri},
-        output_dir=model.path, artifacts={"model": model.path + "/model"}, record_as="distill",
+        output_dir=model.path,
+        artifacts={"model": model.path + "/model"},
+        record_as="distill",
     )
     report_metrics(metrics, results)
     shutil.copyfile(model.path + "/report.md", report.path)

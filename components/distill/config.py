@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from components._shared.platform.config import StageConfig, SubConfig
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.platform.config import StageConfig, SubConfig
 
 
 class StudentConfig(SubConfig):
@@ -40,7 +40,9 @@ class LossConfig(SubConfig):
     temperature: Annotated[float, Field(gt=0, le=20)] = 2.0
     kl: Annotated[float, Field(ge=0)] = 1.0
     ce: Annotated[float, Field(ge=0)] = 0.0
-    hidden: Annotated[float, Field(ge=0, description="Hidden-state matching through learned projections (seed 001).")] = 0.0
+    hidden: Annotated[
+        float, Field(ge=0, description="Hidden-state matching through learned projections (seed 001).")
+    ] = 0.0
     attention: Annotated[float, Field(ge=0, description="Attention-map matching (runs eager attention: slower).")] = 0.0
 
 
@@ -69,8 +71,9 @@ class DistillConfig(StageConfig):
     min_pixels: Annotated[int, Field(ge=28 * 28)] = 56 * 56
     max_pixels: Annotated[int, Field(ge=28 * 28)] = 1280 * 28 * 28
     max_length: Annotated[int, Field(ge=16)] = 4096
-    teacher_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description=(
-        "The frozen teacher's weights: auto = bfloat16 on a GPU, float32 on the CPU."))
+    teacher_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description=("The frozen teacher's weights: auto = bfloat16 on a GPU, float32 on the CPU.")
+    )
     eval: DistillEvalConfig = DistillEvalConfig()
     train: TrainConfig = TrainConfig(steps=500, samples_per_step=32, max_tokens_per_micro_batch=4096)
     optim: OptimConfig = OptimConfig(lr=1e-4)
@@ -83,10 +86,14 @@ class DistillConfig(StageConfig):
         if self.student.init == "model" and not self.student.model_uri:
             raise ValueError("student.init=model needs student.model_uri (a smaller Qwen2-VL / Qwen2.5-VL checkpoint).")
         if self.student.init != "model" and self.student.model_uri:
-            raise ValueError(f"student.model_uri is set but student.init={self.student.init!r}; set init: model to "
-                             "load it, or clear model_uri.")
+            raise ValueError(
+                f"student.model_uri is set but student.init={self.student.init!r}; set init: model to "
+                "load it, or clear model_uri."
+            )
         if not (self.loss.kl or self.loss.ce):
-            raise ValueError("loss.kl and loss.ce are both 0: nothing ties the student to the answers; give one weight.")
+            raise ValueError(
+                "loss.kl and loss.ce are both 0: nothing ties the student to the answers; give one weight."
+            )
         if self.on_policy.fraction and not self.loss.kl:
             raise ValueError("on_policy.fraction > 0 needs loss.kl > 0 (the teacher scores the student's own tokens).")
         return self

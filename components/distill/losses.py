@@ -29,7 +29,7 @@ def logit_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tempera
     """Per-token T^2 * KL(teacher_T || student_T), (n,) in fp32."""
     t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     s = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    return temperature ** 2 * (t.exp() * (t - s)).sum(-1)
+    return temperature**2 * (t.exp() * (t - s)).sum(-1)
 
 
 def attention_kl(student_attention: torch.Tensor, teacher_attention: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -40,9 +40,16 @@ def attention_kl(student_attention: torch.Tensor, teacher_attention: torch.Tenso
     return (t * ((t + eps).log() - (s + eps).log())).sum(-1)
 
 
-def distillation_loss(student_out, teacher_out, batch: dict, *, weights, pairs: list[tuple[int, int]],
-                      projections: torch.nn.ModuleList | None, data_answer: torch.Tensor
-                      ) -> tuple[torch.Tensor, int, dict[str, float]]:
+def distillation_loss(
+    student_out,
+    teacher_out,
+    batch: dict,
+    *,
+    weights,
+    pairs: list[tuple[int, int]],
+    projections: torch.nn.ModuleList | None,
+    data_answer: torch.Tensor,
+) -> tuple[torch.Tensor, int, dict[str, float]]:
     """(summed weighted loss over response tokens, their count, per-token means of each part).
 
     `weights` is the LossConfig; `data_answer` (L,) bool marks tokens whose target is the data's answer (CE applies
@@ -60,14 +67,21 @@ def distillation_loss(student_out, teacher_out, batch: dict, *, weights, pairs: 
         total = total + weights.ce * ce.sum()
         parts["ce"] = float(ce.detach().mean()) if n else 0.0
     if weights.hidden:
-        mse = sum(F.mse_loss(projections[k](student_out.hidden_states[s + 1][0][valid].float()),
-                             teacher_out.hidden_states[t + 1][0][valid].float(), reduction="none").mean(-1)
-                  for k, (s, t) in enumerate(pairs)) / len(pairs)
+        mse = sum(
+            F.mse_loss(
+                projections[k](student_out.hidden_states[s + 1][0][valid].float()),
+                teacher_out.hidden_states[t + 1][0][valid].float(),
+                reduction="none",
+            ).mean(-1)
+            for k, (s, t) in enumerate(pairs)
+        ) / len(pairs)
         total = total + weights.hidden * mse.sum()
         parts["hidden_mse"] = float(mse.detach().mean()) if n else 0.0
     if weights.attention:
         rows = valid.nonzero().flatten()
-        att = sum(attention_kl(student_out.attentions[s], teacher_out.attentions[t], rows) for s, t in pairs) / len(pairs)
+        att = sum(attention_kl(student_out.attentions[s], teacher_out.attentions[t], rows) for s, t in pairs) / len(
+            pairs
+        )
         total = total + weights.attention * att.sum()
         parts["attention_kl"] = float(att.detach().mean()) if n else 0.0
     return total, n, parts

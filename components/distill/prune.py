@@ -68,8 +68,12 @@ class PrunePlan:
     config: object = None  # the student's model config
 
     def summary(self) -> dict[str, object]:
-        return {"lm_layers_kept": self.lm_layers, "vision_blocks_kept": self.vis_blocks,
-                "lm_channels_kept": int(self.lm_channels.numel()), "vision_channels_kept": int(self.vis_channels.numel())}
+        return {
+            "lm_layers_kept": self.lm_layers,
+            "vision_blocks_kept": self.vis_blocks,
+            "lm_channels_kept": int(self.lm_channels.numel()),
+            "vision_channels_kept": int(self.vis_channels.numel()),
+        }
 
 
 def _vision_width(config) -> int:
@@ -107,18 +111,21 @@ def measure_importance(teacher, batches) -> Importance:
             x_in, x_out = rows(args[0]), rows(_first_tensor(output))
             add(channel_key, x_out.abs().sum(0), x_out.shape[0])
             add(f"ms:{name}", x_in.pow(2).sum(0), x_in.shape[0])
+
         return hook
 
     def head_hook(key: str, head_dim: int):
         def hook(module, args):
             x = rows(args[0])
             add(key, x.view(x.shape[0], -1, head_dim).norm(dim=-1).sum(0), x.shape[0])
+
         return hook
 
     def neuron_hook(key: str):
         def hook(module, args):
             x = rows(args[0])
             add(key, x.abs().sum(0), x.shape[0])
+
         return hook
 
     def block_hook(key: str):
@@ -127,11 +134,15 @@ def measure_importance(teacher, batches) -> Importance:
             x_out = rows(_first_tensor(output))
             cos = torch.nn.functional.cosine_similarity(x_in, x_out, dim=-1)
             add(key, (1.0 - cos).sum(), x_in.shape[0])
+
         return hook
 
     for name, module in teacher.named_modules():
-        if name.endswith(("input_layernorm", "post_attention_layernorm")) and ".language_model.layers." in name \
-                or name.endswith("language_model.norm"):
+        if (
+            name.endswith(("input_layernorm", "post_attention_layernorm"))
+            and ".language_model.layers." in name
+            or name.endswith("language_model.norm")
+        ):
             hooks.append(module.register_forward_hook(norm_hook(name, "lm_channels")))
         elif name.endswith((".norm1", ".norm2")) and ".visual.blocks." in name or name.endswith("merger.ln_q"):
             hooks.append(module.register_forward_hook(norm_hook(name, "vis_channels")))
@@ -180,9 +191,18 @@ def _top(scores: torch.Tensor | list[float], k: int) -> torch.Tensor:
     return torch.tensor(sorted(order[:k]), dtype=torch.int64)
 
 
-def plan_pruning(teacher, importance: Importance, *, layers: int = 0, hidden: int = 0, intermediate: int = 0,
-                 kv_heads: int = 0, vision_depth: int = 0, vision_hidden: int = 0,
-                 vision_intermediate: int = 0) -> PrunePlan:
+def plan_pruning(
+    teacher,
+    importance: Importance,
+    *,
+    layers: int = 0,
+    hidden: int = 0,
+    intermediate: int = 0,
+    kv_heads: int = 0,
+    vision_depth: int = 0,
+    vision_hidden: int = 0,
+    vision_intermediate: int = 0,
+) -> PrunePlan:
     """Choose what stays; a size of 0 keeps the teacher's. Raises naming the setting when a size cannot be cut."""
     config = qwen_model(teacher).config
     text, vision = config.text_config, config.vision_config
@@ -193,27 +213,39 @@ def plan_pruning(teacher, importance: Importance, *, layers: int = 0, hidden: in
     t_vinter = int(t_vwidth * vision.mlp_ratio) if config.model_type == "qwen2_vl" else vision.intermediate_size
     layers, hidden, intermediate = layers or t_layers, hidden or t_hidden, intermediate or text.intermediate_size
     vision_depth, vision_hidden = vision_depth or t_depth, vision_hidden or t_vwidth
-    vision_intermediate = vision_intermediate or (t_vinter * vision_hidden // t_vwidth
-                                                  if config.model_type == "qwen2_vl" else t_vinter)
-    checks = [("layers", layers, t_layers), ("hidden", hidden, t_hidden),
-              ("intermediate", intermediate, text.intermediate_size), ("vision_depth", vision_depth, t_depth),
-              ("vision_hidden", vision_hidden, t_vwidth), ("vision_intermediate", vision_intermediate, t_vinter)]
+    vision_intermediate = vision_intermediate or (
+        t_vinter * vision_hidden // t_vwidth if config.model_type == "qwen2_vl" else t_vinter
+    )
+    checks = [
+        ("layers", layers, t_layers),
+        ("hidden", hidden, t_hidden),
+        ("intermediate", intermediate, text.intermediate_size),
+        ("vision_depth", vision_depth, t_depth),
+        ("vision_hidden", vision_hidden, t_vwidth),
+        ("vision_intermediate", vision_intermediate, t_vinter),
+    ]
     for name, value, limit in checks:
         if value > limit:
             raise ValueError(f"distill.student.{name}={value} exceeds the teacher's {limit}; pruning only removes.")
     if hidden % head_dim:
-        raise ValueError(f"distill.student.hidden={hidden} is not a multiple of the teacher's head_dim {head_dim}; "
-                         "pruning removes whole heads.")
+        raise ValueError(
+            f"distill.student.hidden={hidden} is not a multiple of the teacher's head_dim {head_dim}; "
+            "pruning removes whole heads."
+        )
     if vision_hidden % v_head_dim:
-        raise ValueError(f"distill.student.vision_hidden={vision_hidden} is not a multiple of the teacher's ViT "
-                         f"head_dim {v_head_dim}; pruning removes whole heads.")
+        raise ValueError(
+            f"distill.student.vision_hidden={vision_hidden} is not a multiple of the teacher's ViT "
+            f"head_dim {v_head_dim}; pruning removes whole heads."
+        )
     heads = hidden // head_dim
     kv_heads = kv_heads or max(1, t_kv * heads // t_heads)
     group, t_group = heads // max(kv_heads, 1), t_heads // t_kv
     if heads % kv_heads or kv_heads > t_kv or group > t_group:
-        raise ValueError(f"distill.student.kv_heads={kv_heads} does not fit {heads} query heads in the teacher's "
-                         f"{t_kv} groups of {t_group}; choose kv_heads dividing {heads} with {heads}/kv_heads <= "
-                         f"{t_group}.")
+        raise ValueError(
+            f"distill.student.kv_heads={kv_heads} does not fit {heads} query heads in the teacher's "
+            f"{t_kv} groups of {t_group}; choose kv_heads dividing {heads} with {heads}/kv_heads <= "
+            f"{t_group}."
+        )
     vheads = vision_hidden // v_head_dim
 
     lm_layers = _top(importance.lm_layers, layers).tolist()
@@ -229,7 +261,7 @@ def plan_pruning(teacher, importance: Importance, *, layers: int = 0, hidden: in
     vis_neurons = {i: _top(importance.vis_neurons[i], vision_intermediate) for i in vis_blocks}
     lm_channels = _top(importance.lm_channels, hidden)
     vis_channels = _top(importance.vis_channels, vision_hidden)
-    merge_unit = vision.spatial_merge_size ** 2
+    merge_unit = vision.spatial_merge_size**2
     merger_neurons = _top(importance.merger_neurons, vision_hidden * merge_unit)
 
     norm_scale = {}
@@ -238,14 +270,35 @@ def plan_pruning(teacher, importance: Importance, *, layers: int = 0, hidden: in
         norm_scale[name] = float(torch.sqrt(ms[kept].mean() / ms.mean().clamp_min(1e-12)))
     full = getattr(vision, "fullatt_block_indexes", None)
     student = student_config(
-        config, layers=layers, hidden=hidden, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
-        vision_depth=vision_depth, vision_hidden=vision_hidden, vision_heads=vheads,
+        config,
+        layers=layers,
+        hidden=hidden,
+        intermediate=intermediate,
+        heads=heads,
+        kv_heads=kv_heads,
+        vision_depth=vision_depth,
+        vision_hidden=vision_hidden,
+        vision_heads=vheads,
         vision_intermediate=vision_intermediate,
-        vision_full_attention=None if full is None else ([j for j, i in enumerate(vis_blocks) if i in full]
-                                                         or [vision_depth - 1]))
+        vision_full_attention=None
+        if full is None
+        else ([j for j, i in enumerate(vis_blocks) if i in full] or [vision_depth - 1]),
+    )
     student.text_config.rope_parameters = dict(text.rope_parameters)  # head_dim unchanged: same M-RoPE sections
-    return PrunePlan(lm_layers, lm_channels, lm_q, lm_kv, lm_neurons, vis_blocks, vis_channels, vis_heads,
-                     vis_neurons, merger_neurons, norm_scale, student)
+    return PrunePlan(
+        lm_layers,
+        lm_channels,
+        lm_q,
+        lm_kv,
+        lm_neurons,
+        vis_blocks,
+        vis_channels,
+        vis_heads,
+        vis_neurons,
+        merger_neurons,
+        norm_scale,
+        student,
+    )
 
 
 def _rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -260,16 +313,25 @@ def _slices(name: str, plan: PrunePlan, teacher_config) -> tuple[str, list[tuple
         layer = plan.lm_layers[int(m.group(2))]
         teacher_name, rest = f"{m.group(1)}{layer}{m.group(3)}", m.group(3)
         head_dim = text.hidden_size // text.num_attention_heads
-        q, kv, neurons = _rows(plan.lm_q_heads[layer], head_dim), _rows(plan.lm_kv_heads[layer], head_dim), \
-            plan.lm_neurons[layer]
+        q, kv, neurons = (
+            _rows(plan.lm_q_heads[layer], head_dim),
+            _rows(plan.lm_kv_heads[layer], head_dim),
+            plan.lm_neurons[layer],
+        )
         if "layernorm" in rest:
             return teacher_name, [(0, lm_ch)], teacher_name.rsplit(".", 1)[0]
-        table = {".self_attn.q_proj.weight": [(0, q), (1, lm_ch)], ".self_attn.q_proj.bias": [(0, q)],
-                 ".self_attn.k_proj.weight": [(0, kv), (1, lm_ch)], ".self_attn.k_proj.bias": [(0, kv)],
-                 ".self_attn.v_proj.weight": [(0, kv), (1, lm_ch)], ".self_attn.v_proj.bias": [(0, kv)],
-                 ".self_attn.o_proj.weight": [(0, lm_ch), (1, q)],
-                 ".mlp.gate_proj.weight": [(0, neurons), (1, lm_ch)], ".mlp.up_proj.weight": [(0, neurons), (1, lm_ch)],
-                 ".mlp.down_proj.weight": [(0, lm_ch), (1, neurons)]}
+        table = {
+            ".self_attn.q_proj.weight": [(0, q), (1, lm_ch)],
+            ".self_attn.q_proj.bias": [(0, q)],
+            ".self_attn.k_proj.weight": [(0, kv), (1, lm_ch)],
+            ".self_attn.k_proj.bias": [(0, kv)],
+            ".self_attn.v_proj.weight": [(0, kv), (1, lm_ch)],
+            ".self_attn.v_proj.bias": [(0, kv)],
+            ".self_attn.o_proj.weight": [(0, lm_ch), (1, q)],
+            ".mlp.gate_proj.weight": [(0, neurons), (1, lm_ch)],
+            ".mlp.up_proj.weight": [(0, neurons), (1, lm_ch)],
+            ".mlp.down_proj.weight": [(0, lm_ch), (1, neurons)],
+        }
         return teacher_name, table[rest], ""
     if m := _VIS_BLOCK.match(name):
         block = plan.vis_blocks[int(m.group(2))]
@@ -280,18 +342,23 @@ def _slices(name: str, plan: PrunePlan, teacher_config) -> tuple[str, list[tuple
         qkv = torch.cat([part * width + heads for part in range(3)])
         if rest.startswith((".norm1.", ".norm2.")):
             return teacher_name, [(0, vis_ch)], teacher_name.rsplit(".", 1)[0] if rest.endswith("weight") else ""
-        table = {".attn.qkv.weight": [(0, qkv), (1, vis_ch)], ".attn.qkv.bias": [(0, qkv)],
-                 ".attn.proj.weight": [(0, vis_ch), (1, heads)], ".attn.proj.bias": [(0, vis_ch)]}
+        table = {
+            ".attn.qkv.weight": [(0, qkv), (1, vis_ch)],
+            ".attn.qkv.bias": [(0, qkv)],
+            ".attn.proj.weight": [(0, vis_ch), (1, heads)],
+            ".attn.proj.bias": [(0, vis_ch)],
+        }
         for up in ("gate_proj", "up_proj", "fc1"):
             table[f".mlp.{up}.weight"], table[f".mlp.{up}.bias"] = [(0, neurons), (1, vis_ch)], [(0, neurons)]
         for down in ("down_proj", "fc2"):
             table[f".mlp.{down}.weight"], table[f".mlp.{down}.bias"] = [(0, vis_ch), (1, neurons)], [(0, vis_ch)]
         return teacher_name, table[rest], ""
-    merge_unit = vision.spatial_merge_size ** 2
+    merge_unit = vision.spatial_merge_size**2
     merger_in = torch.cat([s * _vision_width(teacher_config) + vis_ch for s in range(merge_unit)])
     table = {
         "model.visual.patch_embed.proj.weight": [(0, vis_ch)],
-        "model.visual.merger.ln_q.weight": [(0, vis_ch)], "model.visual.merger.ln_q.bias": [(0, vis_ch)],
+        "model.visual.merger.ln_q.weight": [(0, vis_ch)],
+        "model.visual.merger.ln_q.bias": [(0, vis_ch)],
         "model.visual.merger.mlp.0.weight": [(0, plan.merger_neurons), (1, merger_in)],
         "model.visual.merger.mlp.0.bias": [(0, plan.merger_neurons)],
         "model.visual.merger.mlp.2.weight": [(0, lm_ch), (1, plan.merger_neurons)],
@@ -301,10 +368,14 @@ def _slices(name: str, plan: PrunePlan, teacher_config) -> tuple[str, list[tuple
         "lm_head.weight": [(1, lm_ch)],
     }
     if name not in table:
-        raise ValueError(f"pruning does not know the student parameter {name!r}; this model layout is not a "
-                         "Qwen2-VL / Qwen2.5-VL one the pruner supports (use student.init: random or model).")
-    norm = {"model.visual.merger.ln_q.weight": "model.visual.merger.ln_q",
-            "model.language_model.norm.weight": "model.language_model.norm"}.get(name, "")
+        raise ValueError(
+            f"pruning does not know the student parameter {name!r}; this model layout is not a "
+            "Qwen2-VL / Qwen2.5-VL one the pruner supports (use student.init: random or model)."
+        )
+    norm = {
+        "model.visual.merger.ln_q.weight": "model.visual.merger.ln_q",
+        "model.language_model.norm.weight": "model.language_model.norm",
+    }.get(name, "")
     return name, table[name], norm
 
 
@@ -314,7 +385,8 @@ def prune(teacher, plan: PrunePlan):
     from transformers import AutoModelForImageTextToText
 
     student = AutoModelForImageTextToText.from_config(  # fp32, on the CPU; copy_ casts and moves
-        plan.config, attn_implementation=packed_attention())
+        plan.config, attn_implementation=packed_attention()
+    )
     teacher_config = qwen_model(teacher).config
     weights = teacher.state_dict()
     for name, param in student.state_dict().items():
@@ -326,8 +398,10 @@ def prune(teacher, plan: PrunePlan):
             value = value * plan.norm_scale.get(norm, 1.0)
         value = value.to(device=param.device, dtype=param.dtype)
         if value.shape != param.shape:
-            raise ValueError(f"pruned {teacher_name} to {tuple(value.shape)} but the student's {name} is "
-                             f"{tuple(param.shape)}; the plan and the student config disagree.")
+            raise ValueError(
+                f"pruned {teacher_name} to {tuple(value.shape)} but the student's {name} is "
+                f"{tuple(param.shape)}; the plan and the student config disagree."
+            )
         param.copy_(value)
     student.generation_config = teacher.generation_config
     return student

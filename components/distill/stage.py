@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from components._shared.model import checkpoint as ckpt
 from components._shared.eval import evaluation as E
-from components._shared.eval import readers
 from components._shared.eval import metrics as M
+from components._shared.eval import readers
+from components._shared.model import checkpoint as ckpt
 from components._shared.model.attention import PACKED_SDPA
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.packing import (
@@ -44,10 +44,10 @@ from components._shared.model.packing import (
     plan_micro_batches,
     to_device,
 )
-from components._shared.platform.reports import figure, history_series
-from components._shared.platform.tracking import Tracker
 from components._shared.model.training import Phase, TrainLoop, is_main_process, resolve_device
 from components._shared.model.vlm import count_parameters, load_vlm, qwen_model, save_vlm, set_pixel_bounds
+from components._shared.platform.reports import figure, history_series
+from components._shared.platform.tracking import Tracker
 from components.distill.config import DistillConfig, StudentConfig
 from components.distill.losses import distillation_loss, layer_map, logit_kl
 from components.distill.prune import PrunePlan, measure_importance, plan_pruning, prune
@@ -56,8 +56,18 @@ SUITE_KEYS = ("vqa_exact_match", "grounding_accuracy", "anls", "cider_d")
 
 
 def _sizes(cfg: StudentConfig) -> dict[str, int]:
-    return {k: getattr(cfg, k) for k in ("layers", "hidden", "intermediate", "kv_heads", "vision_depth",
-                                         "vision_hidden", "vision_intermediate")}
+    return {
+        k: getattr(cfg, k)
+        for k in (
+            "layers",
+            "hidden",
+            "intermediate",
+            "kv_heads",
+            "vision_depth",
+            "vision_hidden",
+            "vision_intermediate",
+        )
+    }
 
 
 def build_student(cfg: DistillConfig, teacher, processor, calibration) -> tuple[Any, PrunePlan | None]:
@@ -83,14 +93,20 @@ def _check_compatible(student, student_processor, teacher, processor, uri: str) 
     """A student checkpoint must share the teacher's vocabulary and image tokenisation (logits are compared
     token by token, and both models read the same packed rows)."""
     s, t = qwen_model(student).config, qwen_model(teacher).config
-    if student_processor.tokenizer.get_vocab() != processor.tokenizer.get_vocab() or \
-            s.text_config.vocab_size != t.text_config.vocab_size:
-        raise ValueError(f"distill.student.model_uri={uri!r} has another tokenizer / vocabulary than the teacher; "
-                         "logit distillation needs the same one (use a checkpoint of the teacher's family).")
+    if (
+        student_processor.tokenizer.get_vocab() != processor.tokenizer.get_vocab()
+        or s.text_config.vocab_size != t.text_config.vocab_size
+    ):
+        raise ValueError(
+            f"distill.student.model_uri={uri!r} has another tokenizer / vocabulary than the teacher; "
+            "logit distillation needs the same one (use a checkpoint of the teacher's family)."
+        )
     for key in ("patch_size", "spatial_merge_size", "temporal_patch_size"):
         if getattr(s.vision_config, key) != getattr(t.vision_config, key):
-            raise ValueError(f"distill.student.model_uri={uri!r}: vision {key} {getattr(s.vision_config, key)} != the "
-                             f"teacher's {getattr(t.vision_config, key)}; both must tokenise images the same way.")
+            raise ValueError(
+                f"distill.student.model_uri={uri!r}: vision {key} {getattr(s.vision_config, key)} != the "
+                f"teacher's {getattr(t.vision_config, key)}; both must tokenise images the same way."
+            )
     for key in ("image_token_id", "vision_start_token_id"):
         if getattr(s, key) != getattr(t, key):
             raise ValueError(f"distill.student.model_uri={uri!r}: {key} differs from the teacher's.")
@@ -113,8 +129,9 @@ def attach_projections(student, teacher, pairs: list[tuple[int, int]], plan: Pru
 def heldout_eval(model, encoder, records: list[dict], cfg: DistillConfig) -> tuple[dict[str, float], list[dict], float]:
     """(suite metrics, per-record rows, seconds spent generating)."""
     started = time.perf_counter()
-    summary, rows = E.evaluate_vqa(model, encoder, records, batch_size=cfg.eval.batch_size,
-                                   max_new_tokens=cfg.eval.max_new_tokens)
+    summary, rows = E.evaluate_vqa(
+        model, encoder, records, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
+    )
     return summary, rows, time.perf_counter() - started
 
 
@@ -124,16 +141,23 @@ def heldout_kl(student, teacher, samples: list, *, temperature: float, max_token
     training loss measures, on data the student never trained on)."""
     device = next(student.parameters()).device
     total, count = 0.0, 0
-    for group in plan_micro_batches([s.num_tokens for s in samples], max(max_tokens, max(s.num_tokens for s in samples))):
+    for group in plan_micro_batches(
+        [s.num_tokens for s in samples], max(max_tokens, max(s.num_tokens for s in samples))
+    ):
         batch = to_device(pack([samples[i] for i in group]), device)
         valid = batch["targets"][0] != IGNORE_INDEX
-        kl = logit_kl(forward_outputs(student, batch).logits[0][valid], forward_outputs(teacher, batch).logits[0][valid],
-                      temperature)
+        kl = logit_kl(
+            forward_outputs(student, batch).logits[0][valid],
+            forward_outputs(teacher, batch).logits[0][valid],
+            temperature,
+        )
         total, count = total + float(kl.sum()), count + int(valid.sum())
     return total / max(count, 1)
 
 
-def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | Path, tracker: Tracker) -> dict[str, Any]:
+def run(
+    cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | Path, tracker: Tracker
+) -> dict[str, Any]:
     """Distill the teacher into the configured student; returns teacher vs student scores, sizes and speed."""
     output_dir = Path(output_dir)
     data_dir = readers.resolve_data_dir(data, scratch=output_dir / ".scratch")
@@ -142,12 +166,14 @@ def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | 
     key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"teacher_model": teacher_model, "data": data})
     device = resolve_device(cfg.train.device)
     teacher_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-        cfg.teacher_dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        cfg.teacher_dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     teacher, processor = load_vlm(teacher_model)
     teacher.requires_grad_(False).eval()
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
-    encoder = ConversationEncoder(processor, teacher, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-                                  max_length=cfg.max_length)
+    encoder = ConversationEncoder(
+        processor, teacher, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
+    )
     image = functools.lru_cache(maxsize=4096)(functools.partial(readers.load_image, data_dir))
 
     def encode(i: int, turns: list[dict] | None = None, **kw):
@@ -165,8 +191,11 @@ def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | 
     student.to(torch.float32)  # fp32 master weights whatever the teacher's dtype
     teacher.to(dtype=teacher_dtype)
     student_layers = qwen_model(student).config.text_config.num_hidden_layers
-    pairs = layer_map(student_layers, qwen_model(teacher).config.text_config.num_hidden_layers,
-                      plan.lm_layers if plan is not None else None)
+    pairs = layer_map(
+        student_layers,
+        qwen_model(teacher).config.text_config.num_hidden_layers,
+        plan.lm_layers if plan is not None else None,
+    )
     if cfg.loss.hidden:
         attach_projections(student, teacher, pairs, plan)
     if cfg.loss.attention:  # attention maps are only returned by the eager kernels
@@ -179,9 +208,15 @@ def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | 
             teacher_out = forward_outputs(teacher, batch, **flags)
         student_out = forward_outputs(model, batch, **flags)
         data_answer = torch.cat([torch.full((s.num_tokens,), not s.meta.get("on_policy", False)) for s in micro])
-        return distillation_loss(student_out, teacher_out, batch, weights=cfg.loss, pairs=pairs,
-                                 projections=getattr(model, "distill_projections", None),
-                                 data_answer=data_answer)
+        return distillation_loss(
+            student_out,
+            teacher_out,
+            batch,
+            weights=cfg.loss,
+            pairs=pairs,
+            projections=getattr(model, "distill_projections", None),
+            data_answer=data_answer,
+        )
 
     def sample_batch(indices: list[int]) -> list:
         """The step's samples; the first `on_policy.fraction` of them answered by the current student."""
@@ -198,12 +233,19 @@ def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | 
         model = loop.backend.module
         was_training = model.training
         model.eval()
-        answers = E.generate_completions(model, encoder, prompts, batch_size=cfg.eval.batch_size,
-                                         max_new_tokens=cfg.on_policy.max_new_tokens,
-                                         temperature=cfg.on_policy.temperature)
+        answers = E.generate_completions(
+            model,
+            encoder,
+            prompts,
+            batch_size=cfg.eval.batch_size,
+            max_new_tokens=cfg.on_policy.max_new_tokens,
+            temperature=cfg.on_policy.temperature,
+        )
         model.train(was_training)
-        generated = [encode(i, [*context, {"role": "assistant", "text": answer}], meta={"on_policy": True})
-                     for i, context, answer in zip(indices[:on], contexts, answers)]
+        generated = [
+            encode(i, [*context, {"role": "assistant", "text": answer}], meta={"on_policy": True})
+            for i, context, answer in zip(indices[:on], contexts, answers)
+        ]
         return generated + samples
 
     kl_samples = E.answer_samples(encoder, eval_records, [r["answer"] for r in eval_records])
@@ -214,15 +256,35 @@ def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | 
         summary, rows, seconds = heldout_eval(loop.backend.module, encoder, eval_records, cfg)
         final_rows[:] = rows
         eval_seconds.append(seconds)
-        kl = heldout_kl(loop.backend.module, teacher, kl_samples, temperature=cfg.loss.temperature,
-                        max_tokens=cfg.train.max_tokens_per_micro_batch)
-        return {"heldout_kl": kl, **{k: v for k, v in summary.items() if k in SUITE_KEYS or k.startswith("exact_match/")}}
+        kl = heldout_kl(
+            loop.backend.module,
+            teacher,
+            kl_samples,
+            temperature=cfg.loss.temperature,
+            max_tokens=cfg.train.max_tokens_per_micro_batch,
+        )
+        return {
+            "heldout_kl": kl,
+            **{k: v for k, v in summary.items() if k in SUITE_KEYS or k.startswith("exact_match/")},
+        }
 
-    loop = TrainLoop(student, train=cfg.train, optim=cfg.optim, schedule=cfg.schedule, sample=encode,
-                     phases=[Phase("all", cfg.train.steps, list(range(len(records))))], tracker=tracker,
-                     seed=cfg.seed, loss_fn=loss_fn, sample_batch=sample_batch,
-                     checkpoints=CheckpointStore(ckpt.location(cfg.train.checkpoint_uri, "distill", key, output_dir),
-                                                 keep=cfg.train.keep_checkpoints, scratch=output_dir / ".scratch"))
+    loop = TrainLoop(
+        student,
+        train=cfg.train,
+        optim=cfg.optim,
+        schedule=cfg.schedule,
+        sample=encode,
+        phases=[Phase("all", cfg.train.steps, list(range(len(records))))],
+        tracker=tracker,
+        seed=cfg.seed,
+        loss_fn=loss_fn,
+        sample_batch=sample_batch,
+        checkpoints=CheckpointStore(
+            ckpt.location(cfg.train.checkpoint_uri, "distill", key, output_dir),
+            keep=cfg.train.keep_checkpoints,
+            scratch=output_dir / ".scratch",
+        ),
+    )
     result = loop.run(evaluate=evaluate)
     student = loop.backend.module
     if cfg.train.backend == "deepspeed":  # export a plain copy of the fp32 masters (ZeRO-3 partitions the module)
@@ -273,25 +335,53 @@ def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | 
         "tokens_per_second": round(result.tokens / result.seconds, 1) if result.seconds else 0.0,
     }
     if is_main_process():
-        save_vlm(student, processor, output_dir / "model", metadata={
-            "stage": "distill", "teacher_model": str(teacher_model), "student_init": cfg.student.init,
-            "student_param_ratio": metrics["student_param_ratio"]})
+        save_vlm(
+            student,
+            processor,
+            output_dir / "model",
+            metadata={
+                "stage": "distill",
+                "teacher_model": str(teacher_model),
+                "student_init": cfg.student.init,
+                "student_param_ratio": metrics["student_param_ratio"],
+            },
+        )
         ckpt.write_pointer(output_dir, [loop.store.root])
-        description = {"init": cfg.student.init, "sizes": _sizes(cfg.student), "parameters": student_params,
-                       "layer_pairs": pairs, **(plan.summary() if plan is not None else {})}
+        description = {
+            "init": cfg.student.init,
+            "sizes": _sizes(cfg.student),
+            "parameters": student_params,
+            "layer_pairs": pairs,
+            **(plan.summary() if plan is not None else {}),
+        }
         (output_dir / "student.json").write_text(json.dumps(description, indent=2) + "\n")
         with (output_dir / "eval_predictions.jsonl").open("w") as f:
             for row in final_rows:
                 f.write(json.dumps(row) + "\n")
     text = report(metrics)
     if is_main_process():
-        text += "\n".join([
-            *figure("train_loss", "training loss and its parts",
-                    history_series(result.history, ["loss", "kl", "ce", "hidden_mse", "attention_kl"]),
-                    output_dir=output_dir, tracker=tracker, log_y=True),
-            *figure("heldout", "held-out KL to the teacher and student VQA",
-                    history_series(result.evals, ["heldout_kl", "vqa_exact_match"]), output_dir=output_dir,
-                    tracker=tracker)]) + "\n"
+        text += (
+            "\n".join(
+                [
+                    *figure(
+                        "train_loss",
+                        "training loss and its parts",
+                        history_series(result.history, ["loss", "kl", "ce", "hidden_mse", "attention_kl"]),
+                        output_dir=output_dir,
+                        tracker=tracker,
+                        log_y=True,
+                    ),
+                    *figure(
+                        "heldout",
+                        "held-out KL to the teacher and student VQA",
+                        history_series(result.evals, ["heldout_kl", "vqa_exact_match"]),
+                        output_dir=output_dir,
+                        tracker=tracker,
+                    ),
+                ]
+            )
+            + "\n"
+        )
         (output_dir / "report.md").write_text(text)
     shutil.rmtree(output_dir / ".scratch", ignore_errors=True)
     tracker.log_text(text, "report.md")
@@ -299,14 +389,20 @@ def run(cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | 
 
 
 def report(metrics: dict[str, Any]) -> str:
-    lines = ["# Distillation", "",
-             f"Student ({metrics['student_init']} init): {metrics['student_parameters']:,} parameters = "
-             f"{metrics['student_param_ratio']:.2f} x the teacher's {metrics['teacher_parameters']:,}; "
-             f"{metrics['steps']} steps, loss {metrics['train_loss_first']:.3f} -> {metrics['train_loss_final']:.3f}.",
-             f"Held-out VQA exact match: teacher {metrics.get('teacher_vqa_exact_match', 0):.3f}, student "
-             f"{metrics.get('student_vqa_exact_match', 0):.3f} (at init {metrics['student_vqa_exact_match_init']:.3f})"
-             f" = {metrics['student_score_ratio']:.2f} x the teacher; generation {metrics['student_speedup']:.2f}x "
-             "faster.", "", "| metric | teacher | student |", "|---|---|---|"]
+    lines = [
+        "# Distillation",
+        "",
+        f"Student ({metrics['student_init']} init): {metrics['student_parameters']:,} parameters = "
+        f"{metrics['student_param_ratio']:.2f} x the teacher's {metrics['teacher_parameters']:,}; "
+        f"{metrics['steps']} steps, loss {metrics['train_loss_first']:.3f} -> {metrics['train_loss_final']:.3f}.",
+        f"Held-out VQA exact match: teacher {metrics.get('teacher_vqa_exact_match', 0):.3f}, student "
+        f"{metrics.get('student_vqa_exact_match', 0):.3f} (at init {metrics['student_vqa_exact_match_init']:.3f})"
+        f" = {metrics['student_score_ratio']:.2f} x the teacher; generation {metrics['student_speedup']:.2f}x "
+        "faster.",
+        "",
+        "| metric | teacher | student |",
+        "|---|---|---|",
+    ]
     keys = [*SUITE_KEYS[1:], *(f"exact_match/{t}" for t in M.QUESTION_TYPES)]
     for k in keys:
         if f"teacher_{k}" in metrics and f"student_{k}" in metrics:

@@ -28,8 +28,12 @@ def extract_features_op(
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
-        "extract_features", config, experiment=experiment,
+        "extract_features",
+        config,
+        experiment=experiment,
         inputs={"clean_data": clean_data.path, "base_model": base_model_uri},
-        output_dir=features.path, artifacts={"features": features.path}, record_as="extract_features",
+        output_dir=features.path,
+        artifacts={"features": features.path},
+        record_as="extract_features",
     )
     report_metrics(metrics, results)

@@ -19,25 +19,17 @@ class ExtractFeaturesConfig(StageConfig):
         "auto",
         description="auto = DALI (nvJPEG) when DALI imports and the model is on CUDA, else torchvision.",
     )
-    min_pixels: Annotated[
-        int, Field(ge=28 * 28, description="smart_resize lower bound; must equal clean_data's.")
-    ] = 56 * 56
-    max_pixels: Annotated[
-        int, Field(ge=28 * 28, description="smart_resize upper bound; must equal clean_data's.")
-    ] = 1280 * 28 * 28
+    min_pixels: Annotated[int, Field(ge=28 * 28, description="smart_resize lower bound; must equal clean_data's.")] = (
+        56 * 56
+    )
+    max_pixels: Annotated[int, Field(ge=28 * 28, description="smart_resize upper bound; must equal clean_data's.")] = (
+        1280 * 28 * 28
+    )
     batch_size: Annotated[int, Field(ge=1, le=4096, description="Images per vision-tower forward pass.")] = 16
-    images_per_shard: Annotated[
-        int, Field(ge=1, description="Images per features-NNNNN.safetensors file.")
-    ] = 128
-    dtype: FeatureDtype = Field(
-        "bfloat16", description="Dtype of the vision tower and of the stored features."
-    )
-    device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="auto = cuda when available, else cpu."
-    )
-    decode_workers: Annotated[
-        int, Field(ge=0, le=256, description="CPU decode threads; 0 decodes inline.")
-    ] = 4
+    images_per_shard: Annotated[int, Field(ge=1, description="Images per features-NNNNN.safetensors file.")] = 128
+    dtype: FeatureDtype = Field("bfloat16", description="Dtype of the vision tower and of the stored features.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
+    decode_workers: Annotated[int, Field(ge=0, le=256, description="CPU decode threads; 0 decodes inline.")] = 4
     text_encoder: str | None = Field(
         None,
         description="Optional CLIP model (dir, s3://, builtin:tiny-clip) for pooled caption embeddings.",
@@ -47,9 +39,7 @@ class ExtractFeaturesConfig(StageConfig):
     @classmethod
     def _text_encoder_not_blank(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():
-            raise ValueError(
-                "text_encoder is blank; give a model uri such as 'builtin:tiny-clip', or null to skip."
-            )
+            raise ValueError("text_encoder is blank; give a model uri such as 'builtin:tiny-clip', or null to skip.")
         return value
 
     @model_validator(mode="after")

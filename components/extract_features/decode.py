@@ -25,9 +25,7 @@ import torch
 
 BACKENDS = ("dali", "torchvision", "pil")
 JPEG_MAGIC = b"\xff\xd8\xff"
-MAX_DECODE_PIXELS = (
-    1 << 30
-)  # clean_data enforced the real limit; this only keeps Pillow's bomb guard out of the way
+MAX_DECODE_PIXELS = 1 << 30  # clean_data enforced the real limit; this only keeps Pillow's bomb guard out of the way
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # Qwen2VLImageProcessor defaults (OpenAI CLIP)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -123,9 +121,7 @@ class DaliJpegDecoder:
     def __call__(self, blobs: list[bytes]) -> list[torch.Tensor]:
         images: list[torch.Tensor] = []
         for start in range(0, len(blobs), self.max_batch_size):
-            chunk = [
-                np.frombuffer(blob, dtype=np.uint8) for blob in blobs[start : start + self.max_batch_size]
-            ]
+            chunk = [np.frombuffer(blob, dtype=np.uint8) for blob in blobs[start : start + self.max_batch_size]]
             self._pipeline.feed_input("encoded", chunk)
             (decoded,) = self._pipeline.run()
             # DALI reuses its output buffers on the next run: copy out before feeding again.
@@ -168,9 +164,7 @@ class PatchSpec:
         )
 
 
-def qwen_target_size(
-    height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int
-) -> tuple[int, int]:
+def qwen_target_size(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """(height, width) after Qwen's smart_resize (the processor's own function)."""
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
@@ -186,19 +180,13 @@ def resize_for_qwen(image: torch.Tensor, *, factor: int, min_pixels: int, max_pi
     from torchvision.transforms.v2 import functional as tvF
 
     height, width = image.shape[-2:]
-    target = list(
-        qwen_target_size(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
-    )
+    target = list(qwen_target_size(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels))
     bicubic = tvF.InterpolationMode.BICUBIC
     if image.device.type == "cpu":
         return tvF.resize(image, target, interpolation=bicubic, antialias=True)
     if target == [height, width]:
         return image.to(torch.float32)
-    return (
-        tvF.resize(image.to(torch.float32), target, interpolation=bicubic, antialias=True)
-        .round_()
-        .clamp_(0, 255)
-    )
+    return tvF.resize(image.to(torch.float32), target, interpolation=bicubic, antialias=True).round_().clamp_(0, 255)
 
 
 def patch_rows(image: torch.Tensor, spec: PatchSpec) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -208,9 +196,7 @@ def patch_rows(image: torch.Tensor, spec: PatchSpec) -> tuple[torch.Tensor, tupl
     channels, height, width = image.shape
     p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
     if height % (p * m) or width % (p * m):
-        raise ValueError(
-            f"image of {height}x{width} is not a multiple of patch*merge={p * m}; resize it first."
-        )
+        raise ValueError(f"image of {height}x{width} is not a multiple of patch*merge={p * m}; resize it first.")
     # The processor's fused rescale+normalise: mean and std divided by rescale_factor, one sub and one div.
     mean = torch.tensor(spec.image_mean, device=image.device) * (1.0 / spec.rescale_factor)
     std = torch.tensor(spec.image_std, device=image.device) * (1.0 / spec.rescale_factor)

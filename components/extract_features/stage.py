@@ -101,8 +101,7 @@ def _vision_weights(model_dir: Path) -> dict[str, torch.Tensor]:
         files = ["model.safetensors"]
     else:
         raise ValueError(
-            f"{model_dir}: no model.safetensors(.index.json); only safetensors checkpoints are loaded "
-            "(never pickle)."
+            f"{model_dir}: no model.safetensors(.index.json); only safetensors checkpoints are loaded (never pickle)."
         )
     state: dict[str, torch.Tensor] = {}
     for name in files:
@@ -132,14 +131,9 @@ def load_vision_tower(
         )
     else:
         raise ValueError(
-            f"base_model {model_dir} is a '{config.model_type}' model; "
-            "extract_features needs qwen2_5_vl or qwen2_vl."
+            f"base_model {model_dir} is a '{config.model_type}' model; extract_features needs qwen2_5_vl or qwen2_vl."
         )
-    flash = (
-        device.type == "cuda"
-        and dtype != torch.float32
-        and importlib.util.find_spec("flash_attn") is not None
-    )
+    flash = device.type == "cuda" and dtype != torch.float32 and importlib.util.find_spec("flash_attn") is not None
     tower = tower_cls._from_config(
         config.vision_config, attn_implementation="flash_attention_2" if flash else "sdpa", dtype=dtype
     )
@@ -147,8 +141,7 @@ def load_vision_tower(
     missing = [key for key in missing if not key.startswith("merger.")]
     if missing or unexpected:
         raise ValueError(
-            f"{model_dir}: vision weights do not fit the config "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]})."
+            f"{model_dir}: vision weights do not fit the config (missing {missing[:5]}, unexpected {unexpected[:5]})."
         )
     merge_size = int(config.vision_config.spatial_merge_size)
     tower.merger = _MergeGroupsAsRows(merge_size * merge_size)
@@ -157,9 +150,7 @@ def load_vision_tower(
 
 
 @torch.no_grad()
-def pre_merger_features(
-    tower: torch.nn.Module, rows: torch.Tensor, grid_thw: torch.Tensor
-) -> list[torch.Tensor]:
+def pre_merger_features(tower: torch.nn.Module, rows: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
     """Per image [tokens_pre_merge, hidden] features of a packed batch (rows of n images, grid_thw [n, 3])."""
     dtype = next(tower.parameters()).dtype
     output = tower(rows.to(dtype), grid_thw=grid_thw)
@@ -177,9 +168,7 @@ def iter_records(parts: list[Path], batch_size: int) -> Iterator[list[Record]]:
         names = set(handle.schema_arrow.names)
         lacking = [column for column in ("image_hash", "image") if column not in names]
         if lacking:
-            raise ValueError(
-                f"{path}: missing column(s) {lacking}; expected clean_data's kept parquet format."
-            )
+            raise ValueError(f"{path}: missing column(s) {lacking}; expected clean_data's kept parquet format.")
         columns = [column for column in INPUT_COLUMNS if column in names]
         for table in handle.iter_batches(batch_size=batch_size, columns=columns):
             data = table.to_pydict()
@@ -207,9 +196,7 @@ def _decode_error(record: Record, backend: str, err: BaseException) -> ValueErro
 class BatchPreparer:
     """Decodes and resizes a batch of records with the chosen backend (uint8 on CPU, float on GPU)."""
 
-    def __init__(
-        self, cfg: ExtractFeaturesConfig, backend: str, device: torch.device, spec: PatchSpec
-    ) -> None:
+    def __init__(self, cfg: ExtractFeaturesConfig, backend: str, device: torch.device, spec: PatchSpec) -> None:
         self.cfg, self.backend, self.spec = cfg, backend, spec
         self.pool = ThreadPoolExecutor(cfg.decode_workers) if cfg.decode_workers > 0 else None
         self.dali = None
@@ -225,9 +212,7 @@ class BatchPreparer:
                 image, factor=self.spec.factor, min_pixels=self.cfg.min_pixels, max_pixels=self.cfg.max_pixels
             )
         except ValueError as err:  # smart_resize refuses aspect ratios over 200
-            raise ValueError(
-                f"image_hash {record.image_hash}: cannot be resized for the model ({err})."
-            ) from None
+            raise ValueError(f"image_hash {record.image_hash}: cannot be resized for the model ({err}).") from None
 
     def _cpu_one(self, record: Record) -> torch.Tensor:
         decode: Callable[[bytes], torch.Tensor] = decode_pil if self.backend == "pil" else decode_torchvision
@@ -294,9 +279,7 @@ class ShardWriter:
         self.feature_bytes = 0
         self.index: dict[str, dict[str, Any]] = {}
 
-    def add(
-        self, image_hash: str, features: torch.Tensor, grid_thw: tuple[int, int, int], visual_tokens: int
-    ) -> None:
+    def add(self, image_hash: str, features: torch.Tensor, grid_thw: tuple[int, int, int], visual_tokens: int) -> None:
         self.pending[image_hash] = features.contiguous()
         self.pending[f"{image_hash}.grid_thw"] = torch.tensor(grid_thw, dtype=torch.int64)
         self.index[image_hash] = {
@@ -333,9 +316,7 @@ def caption_embeddings(
 
     model_dir = resolve_model_dir(uri)
     if AutoConfig.from_pretrained(model_dir).model_type != "clip":
-        raise ValueError(
-            f"text_encoder '{uri}' is not a CLIP model; give a CLIPModel directory or builtin:tiny-clip."
-        )
+        raise ValueError(f"text_encoder '{uri}' is not a CLIP model; give a CLIPModel directory or builtin:tiny-clip.")
     model = CLIPModel.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     max_length = int(model.config.text_config.max_position_embeddings)
@@ -377,9 +358,7 @@ def run(
     clean_data, output_dir = Path(clean_data), Path(output_dir)
     parts = sorted((clean_data / "kept").glob("part-*.parquet"))
     if not parts:
-        raise ValueError(
-            f"{clean_data}/kept has no part-*.parquet files; point --clean-data at clean_data's output."
-        )
+        raise ValueError(f"{clean_data}/kept has no part-*.parquet files; point --clean-data at clean_data's output.")
     output_dir.mkdir(parents=True, exist_ok=True)
     for stale in [
         *output_dir.glob("features-*.safetensors"),
@@ -402,9 +381,7 @@ def run(
         for step, (records, images) in enumerate(preparer.batches(iter_records(parts, cfg.batch_size))):
             keep, in_batch = [], set()
             for i, record in enumerate(records):
-                if (
-                    record.image_hash not in writer.index and record.image_hash not in in_batch
-                ):  # exact duplicates
+                if record.image_hash not in writer.index and record.image_hash not in in_batch:  # exact duplicates
                     keep.append(i)
                     in_batch.add(record.image_hash)
             duplicates += len(records) - len(keep)
@@ -438,12 +415,8 @@ def run(
     if cfg.text_encoder is not None and captions:
         from safetensors.torch import save_file
 
-        embeddings = caption_embeddings(
-            cfg.text_encoder, captions, device=device, batch_size=max(cfg.batch_size, 32)
-        )
-        save_file(
-            embeddings, str(output_dir / CAPTION_FILE), metadata={"format": "pt", "model": cfg.text_encoder}
-        )
+        embeddings = caption_embeddings(cfg.text_encoder, captions, device=device, batch_size=max(cfg.batch_size, 32))
+        save_file(embeddings, str(output_dir / CAPTION_FILE), metadata={"format": "pt", "model": cfg.text_encoder})
         caption_file = CAPTION_FILE
 
     index = {
@@ -476,6 +449,4 @@ def run(
 def main(argv: list[str] | None = None) -> None:
     from components._shared.launch.cli import stage_main
 
-    stage_main(
-        ExtractFeaturesConfig, run, section="extract_features", inputs=("clean_data", "base_model"), argv=argv
-    )
+    stage_main(ExtractFeaturesConfig, run, section="extract_features", inputs=("clean_data", "base_model"), argv=argv)

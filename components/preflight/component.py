@@ -57,14 +57,28 @@ def preflight_op(
     from components._shared.launch.runner import run_stage
     from components.preflight.stage import model_uris_in, rl_data_files
 
-    stage_configs = {"clean_data": clean_data_config, "extract_features": extract_features_config,
-                     "pretrain": pretrain_config, "sft": sft_config, "reward_model": reward_model_config, "rl": rl_config,
-                     "distill": distill_config, "select_checkpoint": select_checkpoint_config}
+    stage_configs = {
+        "clean_data": clean_data_config,
+        "extract_features": extract_features_config,
+        "pretrain": pretrain_config,
+        "sft": sft_config,
+        "reward_model": reward_model_config,
+        "rl": rl_config,
+        "distill": distill_config,
+        "select_checkpoint": select_checkpoint_config,
+    }
     data_files = {
         "eval_data_uri": {"uri": eval_data_uri, "files": ["eval.jsonl"], "required": needs_eval_data},
-        "sft_data_uri": {"uri": sft_data_uri, "files": ["sft.jsonl", "eval.jsonl"], "required": needs_sft_data},  # sft, distill
-        "preference_data_uri": {"uri": preference_data_uri, "files": ["preferences.jsonl"],
-                                "required": needs_preference_data},
+        "sft_data_uri": {
+            "uri": sft_data_uri,
+            "files": ["sft.jsonl", "eval.jsonl"],
+            "required": needs_sft_data,
+        },  # sft, distill
+        "preference_data_uri": {
+            "uri": preference_data_uri,
+            "files": ["preferences.jsonl"],
+            "required": needs_preference_data,
+        },
         "rl_data_uri": {"uri": rl_data_uri, "files": rl_data_files(rl_config), "required": needs_rl_data},
     }
     run_stage(

@@ -16,6 +16,7 @@ from typing import Any
 from components._shared.platform.tracking import Tracker
 from components.preflight.config import PreflightConfig
 
+
 def validate_stage_configs(stage_configs: dict[str, dict[str, Any]]) -> int:
     """Validate every stage section; one error lists every invalid setting of every stage."""
     from components._shared.platform.presets import validate
@@ -70,8 +71,11 @@ def model_uris_in(stage_configs: dict[str, dict[str, Any]]) -> list[str]:
         for key, value in (data or {}).items():
             if isinstance(value, dict):  # nested blocks, e.g. distill.student.model_uri
                 visit(value)
-            elif isinstance(value, str) and value and (key.endswith(("_model", "_model_uri")) or key in
-                                                       ("text_encoder", "model_uri")):
+            elif (
+                isinstance(value, str)
+                and value
+                and (key.endswith(("_model", "_model_uri")) or key in ("text_encoder", "model_uri"))
+            ):
                 uris.append(value)
 
     for data in stage_configs.values():
@@ -89,13 +93,17 @@ def check_data(data_files: dict[str, dict[str, Any]]) -> int:
         uri, names = spec.get("uri") or "", spec.get("files") or []
         if not uri:
             if spec.get("required"):
-                raise ValueError(f"pipeline parameter {parameter} is empty, but a stage of this DAG reads it; pass "
-                                 f"{parameter}=s3://bucket/prefix (a directory with {', '.join(names)} and images).")
+                raise ValueError(
+                    f"pipeline parameter {parameter} is empty, but a stage of this DAG reads it; pass "
+                    f"{parameter}=s3://bucket/prefix (a directory with {', '.join(names)} and images)."
+                )
             continue
         for name in names:
             if not storage.exists(storage.join(uri, name)):
-                raise ValueError(f"{storage.join(uri, name)} does not exist; the training data at {uri} needs {name} "
-                                 "(`qvl lake synth --out DIR` writes DIR/heldout with eval.jsonl and sft.jsonl).")
+                raise ValueError(
+                    f"{storage.join(uri, name)} does not exist; the training data at {uri} needs {name} "
+                    "(`qvl lake synth --out DIR` writes DIR/heldout with eval.jsonl and sft.jsonl)."
+                )
             found += 1
     return found
 

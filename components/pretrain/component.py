@@ -36,10 +36,18 @@ def pretrain_op(
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
-        "pretrain", config, experiment=experiment,
-        inputs={"clean_data": clean_data.path, "features": features.path, "base_model": base_model_uri,
-                "data": eval_data_uri},
-        output_dir=model.path, artifacts={"model": model.path + "/model"}, record_as="pretrain",
+        "pretrain",
+        config,
+        experiment=experiment,
+        inputs={
+            "clean_data": clean_data.path,
+            "features": features.path,
+            "base_model": base_model_uri,
+            "data": eval_data_uri,
+        },
+        output_dir=model.path,
+        artifacts={"model": model.path + "/model"},
+        record_as="pretrain",
     )
     report_metrics(metrics, results)
     shutil.copyfile(model.path + "/report.md", report.path)

@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from components._shared.platform.config import StageConfig, SubConfig
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.platform.config import StageConfig, SubConfig
 
 Group = Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]
 
@@ -42,8 +42,16 @@ class InfoNceConfig(SubConfig):
 
 class PretrainEvalConfig(SubConfig):
     heldout_captions: Annotated[int, Field(ge=2, description="Held-out caption records for the caption loss.")] = 64
-    retrieval_candidates: Annotated[int, Field(ge=2, le=256, description=(
-        "Images (and their captions) in the image->text retrieval pool; costs candidates^2 scored pairs."))] = 32
+    retrieval_candidates: Annotated[
+        int,
+        Field(
+            ge=2,
+            le=256,
+            description=(
+                "Images (and their captions) in the image->text retrieval pool; costs candidates^2 scored pairs."
+            ),
+        ),
+    ] = 32
 
 
 class PretrainConfig(StageConfig):
@@ -51,16 +59,25 @@ class PretrainConfig(StageConfig):
 
     prompt: str = Field("Describe the image.", min_length=1, description="User turn that precedes each caption.")
     min_pixels: Annotated[int, Field(ge=28 * 28, description="Must equal extract_features' min_pixels.")] = 56 * 56
-    max_pixels: Annotated[int, Field(ge=28 * 28, description="Must equal extract_features' max_pixels.")] = 1280 * 28 * 28
+    max_pixels: Annotated[int, Field(ge=28 * 28, description="Must equal extract_features' max_pixels.")] = (
+        1280 * 28 * 28
+    )
     max_length: Annotated[int, Field(ge=16)] = 4096
     max_records: Annotated[int | None, Field(ge=1)] = None
     stage1: Stage1Config = Stage1Config()
     stage2: Stage2Config = Stage2Config()
     infonce: InfoNceConfig = InfoNceConfig()
     eval: PretrainEvalConfig = PretrainEvalConfig()
-    keep_best_of_last: Annotated[int, Field(ge=1, description=(
-        "Export the best of the last N evaluated checkpoints by held-out caption loss (seed 001); set the "
-        "last stage's train.keep_checkpoints >= N and eval_every = checkpoint_every."))] = 1
+    keep_best_of_last: Annotated[
+        int,
+        Field(
+            ge=1,
+            description=(
+                "Export the best of the last N evaluated checkpoints by held-out caption loss (seed 001); set the "
+                "last stage's train.keep_checkpoints >= N and eval_every = checkpoint_every."
+            ),
+        ),
+    ] = 1
     selection_metric: Literal["heldout_caption_loss", "retrieval_r1"] = "heldout_caption_loss"
 
     @model_validator(mode="after")
@@ -69,9 +86,13 @@ class PretrainConfig(StageConfig):
             raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}; swap or fix them.")
         last = self.stage2.train if self.stage2.enabled else self.stage1.train
         if self.keep_best_of_last > last.keep_checkpoints:
-            raise ValueError(f"keep_best_of_last={self.keep_best_of_last} needs the last stage's "
-                             f"train.keep_checkpoints >= {self.keep_best_of_last} (it is {last.keep_checkpoints}).")
+            raise ValueError(
+                f"keep_best_of_last={self.keep_best_of_last} needs the last stage's "
+                f"train.keep_checkpoints >= {self.keep_best_of_last} (it is {last.keep_checkpoints})."
+            )
         if self.keep_best_of_last > 1 and last.eval_every != last.checkpoint_every:
-            raise ValueError("keep_best_of_last > 1 needs the last stage's train.eval_every == checkpoint_every, so "
-                             "every kept checkpoint has a held-out score.")
+            raise ValueError(
+                "keep_best_of_last > 1 needs the last stage's train.eval_every == checkpoint_every, so "
+                "every kept checkpoint has a held-out score."
+            )
         return self

@@ -26,9 +26,7 @@ import torch.nn.functional as F
 from components._shared.eval import evaluation as E
 from components._shared.eval import readers
 from components._shared.model import checkpoint as ckpt
-from components._shared.platform import storage
 from components._shared.model.checkpoint import CheckpointStore
-from components._shared.platform.imaging import decode_image
 from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
@@ -40,10 +38,12 @@ from components._shared.model.packing import (
     to_device,
     token_loss,
 )
-from components._shared.platform.reports import figure, history_series
-from components._shared.platform.tracking import Tracker
 from components._shared.model.training import Phase, TrainLoop, TrainResult, is_main_process
 from components._shared.model.vlm import freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
+from components._shared.platform import storage
+from components._shared.platform.imaging import decode_image
+from components._shared.platform.reports import figure, history_series
+from components._shared.platform.tracking import Tracker
 from components.pretrain.config import InfoNceConfig, PretrainConfig
 
 MAX_IMAGE_PIXELS = 89_478_485
@@ -81,14 +81,18 @@ class FeatureStore:
         """The cache must come from this model's ViT at this resolution, or stage 1 trains on the wrong rows."""
         hidden = qwen_model(model).config.vision_config.hidden_size
         if self.index.get("hidden_size") != hidden:
-            raise ValueError(f"{self.dir}/index.json: features of width {self.index.get('hidden_size')} from "
-                             f"{self.index.get('model')!r}, but this model's vision tower is {hidden} wide; run "
-                             "extract_features with the same base model as pretrain.")
+            raise ValueError(
+                f"{self.dir}/index.json: features of width {self.index.get('hidden_size')} from "
+                f"{self.index.get('model')!r}, but this model's vision tower is {hidden} wide; run "
+                "extract_features with the same base model as pretrain."
+            )
         for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
             if name in self.index and self.index[name] != value:
-                raise ValueError(f"{self.dir}/index.json: features extracted with {name}={self.index[name]} but "
-                                 f"pretrain.{name}={value}; set extract_features and pretrain to the same "
-                                 "min_pixels / max_pixels.")
+                raise ValueError(
+                    f"{self.dir}/index.json: features extracted with {name}={self.index[name]} but "
+                    f"pretrain.{name}={value}; set extract_features and pretrain to the same "
+                    "min_pixels / max_pixels."
+                )
 
     def __contains__(self, image_hash: str) -> bool:
         return image_hash in self.index["images"]
@@ -114,7 +118,9 @@ def infonce_loss(cfg: InfoNceConfig, embeds: torch.Tensor, batch: dict, text_emb
     img = img / torch.bincount(image_seq, minlength=n).clamp_min(1)[:, None]
     txt_rows = text_embeds[0][caption_mask]
     txt_seq = seq[caption_mask]
-    txt = torch.zeros(n, txt_rows.shape[-1], dtype=txt_rows.dtype, device=txt_rows.device).index_add_(0, txt_seq, txt_rows)
+    txt = torch.zeros(n, txt_rows.shape[-1], dtype=txt_rows.dtype, device=txt_rows.device).index_add_(
+        0, txt_seq, txt_rows
+    )
     txt = txt / torch.bincount(txt_seq, minlength=n).clamp_min(1)[:, None]
     sim = F.normalize(img.float(), dim=-1) @ F.normalize(txt.float(), dim=-1).T / cfg.temperature
     row, col = sim, sim.T
@@ -159,19 +165,31 @@ class HeldoutCaptions:
     def __init__(self, cfg: PretrainConfig, encoder: ConversationEncoder, data_dir: Path) -> None:
         records = [r for r in readers.load_eval_records(data_dir) if r["type"] == "caption"]
         if len(records) < 2:
-            raise ValueError(f"{data_dir}/eval.jsonl has {len(records)} caption records; pretrain needs >= 2 to "
-                             "measure held-out caption loss and retrieval.")
+            raise ValueError(
+                f"{data_dir}/eval.jsonl has {len(records)} caption records; pretrain needs >= 2 to "
+                "measure held-out caption loss and retrieval."
+            )
         self.cfg, self.encoder = cfg, encoder
-        turns = lambda caption: [{"role": "user", "text": f"<image>\n{cfg.prompt}"},  # noqa: E731
-                                 {"role": "assistant", "text": caption}]
-        self.loss_samples = [encoder.encode(turns(r["answer"]), images=[r["pil"]], sample_id=r["id"])
-                             for r in records[: cfg.eval.heldout_captions]]
+        turns = lambda caption: [
+            {"role": "user", "text": f"<image>\n{cfg.prompt}"},  # noqa: E731
+            {"role": "assistant", "text": caption},
+        ]
+        self.loss_samples = [
+            encoder.encode(turns(r["answer"]), images=[r["pil"]], sample_id=r["id"])
+            for r in records[: cfg.eval.heldout_captions]
+        ]
         pool = records[: cfg.eval.retrieval_candidates]
-        self.image_samples = self.loss_samples[: len(pool)] if len(pool) <= len(self.loss_samples) else [
-            encoder.encode(turns(r["answer"]), images=[r["pil"]], sample_id=r["id"]) for r in pool]
+        self.image_samples = (
+            self.loss_samples[: len(pool)]
+            if len(pool) <= len(self.loss_samples)
+            else [encoder.encode(turns(r["answer"]), images=[r["pil"]], sample_id=r["id"]) for r in pool]
+        )
         grids = [s.image_grid_thw[0] for s in self.image_samples]
-        self.pairs = [encoder.encode(turns(pool[j]["answer"]), grids=[grids[i]], sample_id=f"{i}:{j}")
-                      for i in range(len(pool)) for j in range(len(pool))]
+        self.pairs = [
+            encoder.encode(turns(pool[j]["answer"]), grids=[grids[i]], sample_id=f"{i}:{j}")
+            for i in range(len(pool))
+            for j in range(len(pool))
+        ]
         self.pool = len(pool)
 
     @torch.no_grad()
@@ -179,8 +197,11 @@ class HeldoutCaptions:
         losses = E.heldout_loss(model, self.loss_samples)
         device = next(model.parameters()).device
         batch = to_device(pack(self.image_samples), device)
-        per_image = list(image_embeddings(model, batch).split(
-            [int(s.image_grid_thw.prod()) // self.encoder.merge_unit for s in self.image_samples]))
+        per_image = list(
+            image_embeddings(model, batch).split(
+                [int(s.image_grid_thw.prod()) // self.encoder.merge_unit for s in self.image_samples]
+            )
+        )
         scores = torch.empty(self.pool, self.pool)
         budget = max(4096, max(s.num_tokens for s in self.pairs))
         for group in plan_micro_batches([s.num_tokens for s in self.pairs], budget):
@@ -201,13 +222,25 @@ def checkpoint_root(name: str, block, key: str, output_dir: Path) -> str:
     return storage.join(ckpt.location(block.train.checkpoint_uri, "pretrain", key, output_dir), name)
 
 
-def train_phase(name: str, model, cfg: PretrainConfig, block, sample, n: int, output_dir: Path, tracker: Tracker,
-                evaluate, key: str) -> tuple[TrainLoop, TrainResult]:
-    loop = TrainLoop(model, train=block.train, optim=block.optim, schedule=block.schedule, sample=sample,
-                     phases=[Phase(name, block.train.steps, list(range(n)))],
-                     checkpoints=CheckpointStore(checkpoint_root(name, block, key, output_dir),
-                                                 keep=block.train.keep_checkpoints, scratch=output_dir / ".scratch"),
-                     tracker=_Prefixed(tracker, name), loss_fn=make_loss(cfg), seed=cfg.seed)
+def train_phase(
+    name: str, model, cfg: PretrainConfig, block, sample, n: int, output_dir: Path, tracker: Tracker, evaluate, key: str
+) -> tuple[TrainLoop, TrainResult]:
+    loop = TrainLoop(
+        model,
+        train=block.train,
+        optim=block.optim,
+        schedule=block.schedule,
+        sample=sample,
+        phases=[Phase(name, block.train.steps, list(range(n)))],
+        checkpoints=CheckpointStore(
+            checkpoint_root(name, block, key, output_dir),
+            keep=block.train.keep_checkpoints,
+            scratch=output_dir / ".scratch",
+        ),
+        tracker=_Prefixed(tracker, name),
+        loss_fn=make_loss(cfg),
+        seed=cfg.seed,
+    )
     return loop, loop.run(evaluate=evaluate)
 
 
@@ -215,7 +248,7 @@ def select_best(loop: TrainLoop, cfg: PretrainConfig) -> tuple[dict[str, float],
     """Load the best of the last N evaluated, still committed checkpoints into the model; returns its eval and
     how many candidates there were."""
     committed = {int(Path(u.rstrip("/")).name.split("-")[1]): u for u in loop.store.committed()}
-    candidates = [e for e in loop.evals if e["step"] in committed][-cfg.keep_best_of_last:]
+    candidates = [e for e in loop.evals if e["step"] in committed][-cfg.keep_best_of_last :]
     if not candidates:
         return loop.evals[-1], 1
     sign = 1.0 if cfg.selection_metric == "heldout_caption_loss" else -1.0
@@ -225,24 +258,37 @@ def select_best(loop: TrainLoop, cfg: PretrainConfig) -> tuple[dict[str, float],
     return best, len(candidates)
 
 
-def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str, data: str,
-        output_dir: str | Path, tracker: Tracker) -> dict[str, Any]:
+def run(
+    cfg: PretrainConfig,
+    *,
+    clean_data: str,
+    features: str,
+    base_model: str,
+    data: str,
+    output_dir: str | Path,
+    tracker: Tracker,
+) -> dict[str, Any]:
     """Stage 1 (+ optional stage 2); returns held-out caption loss before/after, retrieval R@1 and throughput."""
     output_dir = Path(output_dir)
     records = load_kept(Path(clean_data), cfg.max_records, with_images=cfg.stage2.enabled)
     store = FeatureStore(Path(features))
     missing = [r["image_hash"] for r in records if r["image_hash"] not in store]
     if missing:
-        raise ValueError(f"{len(missing)} kept images have no cached features (first: {missing[0]}); run "
-                         "extract_features on this clean_data output.")
-    key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"clean_data": clean_data, "features": features,
-                                                         "base_model": base_model, "data": data})
+        raise ValueError(
+            f"{len(missing)} kept images have no cached features (first: {missing[0]}); run "
+            "extract_features on this clean_data output."
+        )
+    key = ckpt.fingerprint(
+        cfg.model_dump(mode="json"),
+        {"clean_data": clean_data, "features": features, "base_model": base_model, "data": data},
+    )
     torch.manual_seed(cfg.seed)
     model, processor = load_vlm(base_model)
     store.check(model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
-    encoder = ConversationEncoder(processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-                                  max_length=cfg.max_length)
+    encoder = ConversationEncoder(
+        processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
+    )
     heldout = HeldoutCaptions(cfg, encoder, readers.resolve_data_dir(data, scratch=output_dir / ".scratch"))
 
     def turns(caption: str) -> list[dict]:
@@ -250,8 +296,9 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
 
     def from_features(i: int):
         rows, grid = store.get(records[i]["image_hash"])
-        return encoder.encode(turns(records[i]["caption"]), grids=[grid], features=[rows],
-                              sample_id=records[i]["image_hash"])
+        return encoder.encode(
+            turns(records[i]["caption"]), grids=[grid], features=[rows], sample_id=records[i]["image_hash"]
+        )
 
     def from_pixels(i: int):
         image = decode_image(records[i]["image"], max_image_pixels=MAX_IMAGE_PIXELS).image
@@ -259,8 +306,18 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
 
     frozen = ["vision_lower", "vision_upper"] + ([] if cfg.stage1.train_lm else ["lm_lower", "lm_upper"])
     freeze(model, tuple(frozen))
-    loop, first = train_phase("stage1", model, cfg, cfg.stage1, from_features, len(records), output_dir, tracker,
-                              lambda step: heldout(model), key)
+    loop, first = train_phase(
+        "stage1",
+        model,
+        cfg,
+        cfg.stage1,
+        from_features,
+        len(records),
+        output_dir,
+        tracker,
+        lambda step: heldout(model),
+        key,
+    )
     metrics: dict[str, Any] = _phase_metrics("stage1", first)
     curve = [{"stage": "stage1", **e} for e in first.evals]
     if cfg.stage2.enabled:
@@ -271,30 +328,46 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
         model, _ = load_vlm(base_model)
         model.load_state_dict(weights)
         freeze(model, tuple(cfg.stage2.freeze))
-        loop, second = train_phase("stage2", model, cfg, cfg.stage2, from_pixels, len(records), output_dir, tracker,
-                                   lambda step: heldout(model), key)
+        loop, second = train_phase(
+            "stage2",
+            model,
+            cfg,
+            cfg.stage2,
+            from_pixels,
+            len(records),
+            output_dir,
+            tracker,
+            lambda step: heldout(model),
+            key,
+        )
         metrics.update(_phase_metrics("stage2", second))
         curve += [{"stage": "stage2", **e} for e in second.evals]
     best, candidates = select_best(loop, cfg)
     final = heldout(model) if best["step"] != loop.step else best
     initial = first.evals[0]
-    metrics.update({
-        "records": len(records),
-        "heldout_caption_loss_initial": initial["heldout_caption_loss"],
-        "heldout_caption_loss_final": final["heldout_caption_loss"],
-        "heldout_caption_loss_reduction": 1.0 - final["heldout_caption_loss"] / initial["heldout_caption_loss"],
-        "retrieval_r1_initial": initial["retrieval_r1"],
-        "retrieval_r1": final["retrieval_r1"],
-        "retrieval_chance": 1.0 / heldout.pool,
-        "selected_step": best["step"],
-        "selected_from": candidates,
-    })
+    metrics.update(
+        {
+            "records": len(records),
+            "heldout_caption_loss_initial": initial["heldout_caption_loss"],
+            "heldout_caption_loss_final": final["heldout_caption_loss"],
+            "heldout_caption_loss_reduction": 1.0 - final["heldout_caption_loss"] / initial["heldout_caption_loss"],
+            "retrieval_r1_initial": initial["retrieval_r1"],
+            "retrieval_r1": final["retrieval_r1"],
+            "retrieval_chance": 1.0 / heldout.pool,
+            "selected_step": best["step"],
+            "selected_from": candidates,
+        }
+    )
     for param in model.parameters():
         param.requires_grad_(False)
     with loop.backend.gathered():
         if is_main_process():
-            save_vlm(loop.backend.module, processor, output_dir / "model",
-                     metadata={"stage": "pretrain", "base_model": str(base_model), "selected_step": best["step"]})
+            save_vlm(
+                loop.backend.module,
+                processor,
+                output_dir / "model",
+                metadata={"stage": "pretrain", "base_model": str(base_model), "selected_step": best["step"]},
+            )
             phases = [("stage1", cfg.stage1)] + ([("stage2", cfg.stage2)] if cfg.stage2.enabled else [])
             ckpt.write_pointer(output_dir, [checkpoint_root(name, block, key, output_dir) for name, block in phases])
     text = report(metrics, curve)
@@ -303,13 +376,32 @@ def run(cfg: PretrainConfig, *, clean_data: str, features: str, base_model: str,
         losses = {"stage1": losses.get("loss", [])}
         if cfg.stage2.enabled:
             losses["stage2"] = history_series(second.history, ["loss"]).get("loss", [])
-        text += "\n".join([
-            *figure("train_loss", "training loss (step within each phase)", {k: v for k, v in losses.items() if v},
-                    output_dir=output_dir, tracker=tracker, log_y=True),
-            *figure("heldout", "held-out caption loss and retrieval R@1 (evals in order)",
-                    history_series([{**e, "eval": i} for i, e in enumerate(curve)],
-                                   ["heldout_caption_loss", "retrieval_r1"], step="eval"),
-                    output_dir=output_dir, tracker=tracker)]) + "\n"
+        text += (
+            "\n".join(
+                [
+                    *figure(
+                        "train_loss",
+                        "training loss (step within each phase)",
+                        {k: v for k, v in losses.items() if v},
+                        output_dir=output_dir,
+                        tracker=tracker,
+                        log_y=True,
+                    ),
+                    *figure(
+                        "heldout",
+                        "held-out caption loss and retrieval R@1 (evals in order)",
+                        history_series(
+                            [{**e, "eval": i} for i, e in enumerate(curve)],
+                            ["heldout_caption_loss", "retrieval_r1"],
+                            step="eval",
+                        ),
+                        output_dir=output_dir,
+                        tracker=tracker,
+                    ),
+                ]
+            )
+            + "\n"
+        )
         (output_dir / "report.md").write_text(text)
     shutil.rmtree(output_dir / ".scratch", ignore_errors=True)  # downloads and staging; not part of the output
     tracker.log_text(text, "report.md")
@@ -328,13 +420,20 @@ def _phase_metrics(name: str, result: TrainResult) -> dict[str, float]:
 
 
 def report(metrics: dict[str, Any], evals: list[dict]) -> str:
-    lines = ["# Pretrain", "", f"Held-out caption loss {metrics['heldout_caption_loss_initial']:.3f} -> "
-             f"{metrics['heldout_caption_loss_final']:.3f} ({100 * metrics['heldout_caption_loss_reduction']:.1f}% "
-             f"lower); retrieval R@1 {metrics['retrieval_r1_initial']:.3f} -> {metrics['retrieval_r1']:.3f} "
-             f"(chance {metrics['retrieval_chance']:.3f}); exported step {metrics['selected_step']}.", "",
-             "| stage | step | held-out caption loss | retrieval R@1 |", "|---|---|---|---|"]
-    lines += [f"| {e['stage']} | {e['step']} | {e['heldout_caption_loss']:.4f} | {e['retrieval_r1']:.3f} |"
-              for e in evals]
+    lines = [
+        "# Pretrain",
+        "",
+        f"Held-out caption loss {metrics['heldout_caption_loss_initial']:.3f} -> "
+        f"{metrics['heldout_caption_loss_final']:.3f} ({100 * metrics['heldout_caption_loss_reduction']:.1f}% "
+        f"lower); retrieval R@1 {metrics['retrieval_r1_initial']:.3f} -> {metrics['retrieval_r1']:.3f} "
+        f"(chance {metrics['retrieval_chance']:.3f}); exported step {metrics['selected_step']}.",
+        "",
+        "| stage | step | held-out caption loss | retrieval R@1 |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {e['stage']} | {e['step']} | {e['heldout_caption_loss']:.4f} | {e['retrieval_r1']:.3f} |" for e in evals
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -354,6 +453,6 @@ class _Prefixed:
 def main(argv: list[str] | None = None) -> None:
     from components._shared.launch.cli import stage_main
 
-    stage_main(PretrainConfig, run, section="pretrain", inputs=("clean_data", "features", "base_model", "data"),
-               argv=argv)
-
+    stage_main(
+        PretrainConfig, run, section="pretrain", inputs=("clean_data", "features", "base_model", "data"), argv=argv
+    )

@@ -32,9 +32,13 @@ def reward_model_op(
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
-        "reward_model", config, experiment=experiment,
+        "reward_model",
+        config,
+        experiment=experiment,
         inputs={"base_model": sft_model.path + "/model", "data": preference_data_uri},
-        output_dir=model.path, artifacts={"model": model.path + "/model"}, record_as="reward_model",
+        output_dir=model.path,
+        artifacts={"model": model.path + "/model"},
+        record_as="reward_model",
     )
     report_metrics(metrics, results)
     shutil.copyfile(model.path + "/report.md", report.path)

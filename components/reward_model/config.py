@@ -6,21 +6,39 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from components._shared.platform.config import StageConfig
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.platform.config import StageConfig
 
 
 class RewardModelConfig(StageConfig):
     """Bradley-Terry reward model on {image, prompt, chosen, rejected} pairs, initialised from the SFT model."""
 
-    score_first_k: Annotated[int, Field(ge=1, description=(
-        "Reward sparsification (seed 001): the reward is read at the K-th response token (or the last one when "
-        "shorter), so text appended after K tokens cannot raise it."))] = 150
-    margin: Annotated[float, Field(ge=0, description="Bradley-Terry margin: -log sigmoid(r_chosen - r_rejected - m).")] = 0.0
+    score_first_k: Annotated[
+        int,
+        Field(
+            ge=1,
+            description=(
+                "Reward sparsification (seed 001): the reward is read at the K-th response token (or the last one when "
+                "shorter), so text appended after K tokens cannot raise it."
+            ),
+        ),
+    ] = 150
+    margin: Annotated[
+        float, Field(ge=0, description="Bradley-Terry margin: -log sigmoid(r_chosen - r_rejected - m).")
+    ] = 0.0
     freeze: list[Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]] = Field(
-        default_factory=list, description="Backbone module groups kept frozen (the head always trains).")
-    heldout_fraction: Annotated[float, Field(gt=0, lt=1, description=(
-        "Share of the pairs held out for pair accuracy (chosen by a hash of the id, stable across runs)."))] = 0.2
+        default_factory=list, description="Backbone module groups kept frozen (the head always trains)."
+    )
+    heldout_fraction: Annotated[
+        float,
+        Field(
+            gt=0,
+            lt=1,
+            description=(
+                "Share of the pairs held out for pair accuracy (chosen by a hash of the id, stable across runs)."
+            ),
+        ),
+    ] = 0.2
     min_pixels: Annotated[int, Field(ge=28 * 28)] = 56 * 56
     max_pixels: Annotated[int, Field(ge=28 * 28)] = 1280 * 28 * 28
     max_length: Annotated[int, Field(ge=16)] = 4096

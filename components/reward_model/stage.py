@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from components._shared.model import checkpoint as ckpt
 from components._shared.eval import readers
+from components._shared.model import checkpoint as ckpt
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.packing import (
     ConversationEncoder,
@@ -33,12 +33,13 @@ from components._shared.model.packing import (
     plan_micro_batches,
     to_device,
 )
-from components._shared.platform.reports import figure, history_series
 from components._shared.model.reward_models import RewardModel, reward_index, save_reward_model
-from components._shared.platform.tracking import Tracker
 from components._shared.model.training import Phase, TrainLoop, is_main_process
 from components._shared.model.vlm import freeze, load_vlm, set_pixel_bounds
+from components._shared.platform.reports import figure, history_series
+from components._shared.platform.tracking import Tracker
 from components.reward_model.config import RewardModelConfig
+
 
 def load_pairs(data_dir: Path, max_records: int | None) -> list[dict]:
     records = readers.read_jsonl(data_dir / "preferences.jsonl", ("id", "image", "prompt", "chosen", "rejected"))
@@ -80,8 +81,9 @@ def score_pairs(model: RewardModel, units: list[list[Sample]], max_tokens: int =
     return out
 
 
-def run(cfg: RewardModelConfig, *, base_model: str, data: str, output_dir: str | Path,
-        tracker: Tracker) -> dict[str, Any]:
+def run(
+    cfg: RewardModelConfig, *, base_model: str, data: str, output_dir: str | Path, tracker: Tracker
+) -> dict[str, Any]:
     """Train the reward model; returns held-out pair accuracy (overall and per rejection kind) and reward stats."""
     output_dir = Path(output_dir)
     data_dir = readers.resolve_data_dir(data, scratch=output_dir / ".scratch")
@@ -89,23 +91,28 @@ def run(cfg: RewardModelConfig, *, base_model: str, data: str, output_dir: str |
     train = [p for p in pairs if not is_heldout(p["id"], cfg.heldout_fraction)]
     heldout = [p for p in pairs if is_heldout(p["id"], cfg.heldout_fraction)]
     if not train or not heldout:
-        raise ValueError(f"{len(pairs)} preference pairs split into {len(train)} train / {len(heldout)} held out; "
-                         "give more pairs or change heldout_fraction.")
+        raise ValueError(
+            f"{len(pairs)} preference pairs split into {len(train)} train / {len(heldout)} held out; "
+            "give more pairs or change heldout_fraction."
+        )
     key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"base_model": base_model, "data": data})
     torch.manual_seed(cfg.seed)
     backbone, processor = load_vlm(base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     freeze(backbone, tuple(cfg.freeze))
     model = RewardModel(backbone)
-    encoder = ConversationEncoder(processor, backbone, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-                                  max_length=cfg.max_length)
+    encoder = ConversationEncoder(
+        processor, backbone, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
+    )
 
     def unit(record: dict) -> list[Sample]:
         image = readers.load_image(data_dir, record["image"])
         out = []
         for side in ("chosen", "rejected"):
-            turns = [{"role": "user", "text": f"<image>\n{record['prompt']}"},
-                     {"role": "assistant", "text": record[side]}]
+            turns = [
+                {"role": "user", "text": f"<image>\n{record['prompt']}"},
+                {"role": "assistant", "text": record[side]},
+            ]
             sample = encoder.encode(turns, images=[image], sample_id=f"{record['id']}:{side}")
             sample.meta["reward_index"] = reward_index(sample, cfg.score_first_k)
             out.append(sample)
@@ -117,11 +124,23 @@ def run(cfg: RewardModelConfig, *, base_model: str, data: str, output_dir: str |
         scored = score_pairs(loop.backend.module, heldout_units)
         return {"pair_accuracy": sum(c > r for c, r in scored) / len(scored)}
 
-    loop = TrainLoop(model, train=cfg.train, optim=cfg.optim, schedule=cfg.schedule,
-                     sample=lambda i: unit(train[i]), phases=[Phase("pairs", cfg.train.steps, list(range(len(train))))],
-                     checkpoints=CheckpointStore(ckpt.location(cfg.train.checkpoint_uri, "reward_model", key, output_dir),
-                                                 keep=cfg.train.keep_checkpoints, scratch=output_dir / ".scratch"),
-                     tracker=tracker, loss_fn=bt_loss(cfg.margin), seed=cfg.seed, unit_weight=lambda u: 1.0)
+    loop = TrainLoop(
+        model,
+        train=cfg.train,
+        optim=cfg.optim,
+        schedule=cfg.schedule,
+        sample=lambda i: unit(train[i]),
+        phases=[Phase("pairs", cfg.train.steps, list(range(len(train))))],
+        checkpoints=CheckpointStore(
+            ckpt.location(cfg.train.checkpoint_uri, "reward_model", key, output_dir),
+            keep=cfg.train.keep_checkpoints,
+            scratch=output_dir / ".scratch",
+        ),
+        tracker=tracker,
+        loss_fn=bt_loss(cfg.margin),
+        seed=cfg.seed,
+        unit_weight=lambda u: 1.0,
+    )
     result = loop.run(evaluate=evaluate)
     model = loop.backend.module
     if cfg.train.backend == "deepspeed":  # as in sft: score and save a plain copy of the fp32 masters on rank 0
@@ -154,15 +173,38 @@ def run(cfg: RewardModelConfig, *, base_model: str, data: str, output_dir: str |
         "budget_fill": round(result.budget_fill, 4),
     }
     if is_main_process():
-        save_reward_model(model, processor, output_dir / "model", score_first_k=cfg.score_first_k, mean=mean, std=std,
-                          base_model=base_model)
+        save_reward_model(
+            model,
+            processor,
+            output_dir / "model",
+            score_first_k=cfg.score_first_k,
+            mean=mean,
+            std=std,
+            base_model=base_model,
+        )
     text = report(metrics)
     if is_main_process():
-        text += "\n".join([
-            *figure("train_loss", "training loss (Bradley-Terry)", history_series(result.history, ["loss"]),
-                    output_dir=output_dir, tracker=tracker),
-            *figure("pair_accuracy", "held-out pair accuracy", history_series(result.evals, ["pair_accuracy"]),
-                    output_dir=output_dir, tracker=tracker)]) + "\n"
+        text += (
+            "\n".join(
+                [
+                    *figure(
+                        "train_loss",
+                        "training loss (Bradley-Terry)",
+                        history_series(result.history, ["loss"]),
+                        output_dir=output_dir,
+                        tracker=tracker,
+                    ),
+                    *figure(
+                        "pair_accuracy",
+                        "held-out pair accuracy",
+                        history_series(result.evals, ["pair_accuracy"]),
+                        output_dir=output_dir,
+                        tracker=tracker,
+                    ),
+                ]
+            )
+            + "\n"
+        )
         (output_dir / "report.md").write_text(text)
     shutil.rmtree(output_dir / ".scratch", ignore_errors=True)
     tracker.log_text(text, "report.md")
@@ -170,9 +212,15 @@ def run(cfg: RewardModelConfig, *, base_model: str, data: str, output_dir: str |
 
 
 def report(metrics: dict[str, Any]) -> str:
-    lines = ["# Reward model", "", f"Held-out pair accuracy {metrics['pair_accuracy']:.3f} "
-             f"(before training {metrics['pair_accuracy_initial']:.3f}) on {metrics['heldout_pairs']} pairs.", "",
-             "| rejection kind | pair accuracy |", "|---|---|"]
+    lines = [
+        "# Reward model",
+        "",
+        f"Held-out pair accuracy {metrics['pair_accuracy']:.3f} "
+        f"(before training {metrics['pair_accuracy_initial']:.3f}) on {metrics['heldout_pairs']} pairs.",
+        "",
+        "| rejection kind | pair accuracy |",
+        "|---|---|",
+    ]
     lines += [f"| {k.split('/', 1)[1]} | {v:.3f} |" for k, v in metrics.items() if k.startswith("pair_accuracy/")]
     return "\n".join(lines) + "\n"
 

@@ -11,15 +11,16 @@ import math
 
 import torch
 
-
 # ------------------------------------------------------------------------------------------------- PPO ---
+
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, *, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) of one completion by generalised advantage estimation; the value after the last
     token is 0 (the episode ends there)."""
     if rewards.shape != values.shape or rewards.dim() != 1:
-        raise ValueError(f"gae needs 1-D rewards and values of one completion, got {tuple(rewards.shape)} and "
-                         f"{tuple(values.shape)}.")
+        raise ValueError(
+            f"gae needs 1-D rewards and values of one completion, got {tuple(rewards.shape)} and {tuple(values.shape)}."
+        )
     advantages = torch.zeros_like(rewards)
     running = 0.0
     for t in range(rewards.numel() - 1, -1, -1):
@@ -37,8 +38,9 @@ def whiten(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return (values - values.mean()) / (values.std(unbiased=False) + eps)
 
 
-def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                      clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_surrogate(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token PPO policy loss -min(r A, clip(r, 1-e, 1+e) A) with r = pi/pi_old, and whether each token was
     clipped (the objective's gradient is zero there)."""
     ratio = torch.exp(logprobs - old_logprobs)
@@ -47,8 +49,9 @@ def clipped_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
     return -torch.minimum(unclipped, clipped), (clipped < unclipped)
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                       clip: float) -> torch.Tensor:
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float
+) -> torch.Tensor:
     """Per-token 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)."""
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
@@ -66,7 +69,9 @@ class AdaptiveKLController:
 
     def __init__(self, init: float, target: float, horizon: int) -> None:
         if init < 0 or target <= 0 or horizon <= 0:
-            raise ValueError(f"KL controller needs init >= 0, target > 0, horizon > 0; got {init}, {target}, {horizon}.")
+            raise ValueError(
+                f"KL controller needs init >= 0, target > 0, horizon > 0; got {init}, {target}, {horizon}."
+            )
         self.value, self.target, self.horizon = init, target, horizon
 
     def update(self, kl: float, n_steps: int) -> float:
@@ -115,8 +120,7 @@ class RunningMoments:
         self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
 
 
-def ppo_token_rewards(score: float, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                      kl_coef: float) -> torch.Tensor:
+def ppo_token_rewards(score: float, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_coef: float) -> torch.Tensor:
     """Per-token rewards of one completion: -kl_coef * (log pi - log pi_ref) on every token, plus the
     (normalised) sequence score on the last one."""
     rewards = -kl_coef * (logprobs - ref_logprobs)
@@ -125,6 +129,7 @@ def ppo_token_rewards(score: float, logprobs: torch.Tensor, ref_logprobs: torch.
 
 
 # ------------------------------------------------------------------------------------------ TER / GRPO ---
+
 
 class EmaBaseline:
     """TER's baseline b(s): an exponential moving average of the efficacy of each prompt (decay 0.99, seed 000),
@@ -144,7 +149,7 @@ class EmaBaseline:
         if not entry or not entry[1]:
             return 0.0
         ema, n = entry
-        return ema / (1.0 - self.decay ** n)
+        return ema / (1.0 - self.decay**n)
 
     def value(self, prompt_id: str, group: str = "") -> float:
         entry = self.per_prompt.get(prompt_id)
@@ -186,10 +191,12 @@ def group_advantages(rewards: list[float], group_size: int, *, scale: bool = Tru
     """GRPO: each reward minus the mean of its group of `group_size` samples of the same prompt (consecutive),
     divided by the group's std when `scale` (a group whose samples all scored the same gets 0)."""
     if group_size < 2 or len(rewards) % group_size:
-        raise ValueError(f"{len(rewards)} rewards cannot form groups of {group_size} (need group_size >= 2 dividing it).")
+        raise ValueError(
+            f"{len(rewards)} rewards cannot form groups of {group_size} (need group_size >= 2 dividing it)."
+        )
     out = []
     for start in range(0, len(rewards), group_size):
-        group = rewards[start:start + group_size]
+        group = rewards[start : start + group_size]
         mean = sum(group) / group_size
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / group_size)
         out += [(r - mean) / (std + eps) if scale else r - mean for r in group]
@@ -201,10 +208,12 @@ def leave_one_out_centred(rewards: list[float], group_size: int) -> list[float]:
     Ahmadian et al. 2024): a per-prompt baseline that does not depend on the sample it judges. PPO's optional
     `ppo.group_baseline` applies it before normalisation, so the critic only has to learn what is left."""
     if group_size < 2 or len(rewards) % group_size:
-        raise ValueError(f"{len(rewards)} rewards cannot form groups of {group_size} (need group_size >= 2 dividing it).")
+        raise ValueError(
+            f"{len(rewards)} rewards cannot form groups of {group_size} (need group_size >= 2 dividing it)."
+        )
     out = []
     for start in range(0, len(rewards), group_size):
-        group = rewards[start:start + group_size]
+        group = rewards[start : start + group_size]
         total = sum(group)
         out += [r - (total - r) / (group_size - 1) for r in group]
     return out
@@ -240,7 +249,10 @@ class GradientEma:
             if p.grad is None:
                 continue
             ema = self.buffers.get(name)
-            ema = p.grad.detach().clone() * (1.0 - self.beta) if ema is None else \
-                ema.mul_(self.beta).add_(p.grad.detach(), alpha=1.0 - self.beta)
+            ema = (
+                p.grad.detach().clone() * (1.0 - self.beta)
+                if ema is None
+                else ema.mul_(self.beta).add_(p.grad.detach(), alpha=1.0 - self.beta)
+            )
             self.buffers[name] = ema
             p.grad.copy_(ema)

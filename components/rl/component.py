@@ -34,10 +34,17 @@ def rl_op(
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
-        "rl", config, experiment=experiment,
-        inputs={"base_model": sft_model.path + "/model", "reward_model": reward_model.path + "/model",
-                "data": rl_data_uri},
-        output_dir=model.path, artifacts={"model": model.path + "/model"}, record_as="rl",
+        "rl",
+        config,
+        experiment=experiment,
+        inputs={
+            "base_model": sft_model.path + "/model",
+            "reward_model": reward_model.path + "/model",
+            "data": rl_data_uri,
+        },
+        output_dir=model.path,
+        artifacts={"model": model.path + "/model"},
+        record_as="rl",
     )
     report_metrics(metrics, results)
     shutil.copyfile(model.path + "/report.md", report.path)

@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from components._shared.platform.config import StageConfig, SubConfig
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.platform.config import StageConfig, SubConfig
 
 REWARD_NAMES = ("efficacy", "format", "reward_model", "ocr_consistency")  # = rewards.REWARDS
 
@@ -17,8 +17,14 @@ class RolloutConfig(SubConfig):
 
     samples_per_prompt: Annotated[int, Field(ge=1, description="Completions per prompt (GRPO's group size).")] = 1
     max_new_tokens: Annotated[int, Field(ge=1, le=4096)] = 48
-    temperature: Annotated[float, Field(gt=0, le=2.0, description=(
-        "Sampling temperature; log-probabilities for the update use the same temperature."))] = 1.0
+    temperature: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=2.0,
+            description=("Sampling temperature; log-probabilities for the update use the same temperature."),
+        ),
+    ] = 1.0
     batch_size: Annotated[int, Field(ge=1, description="Prompts per generate() call.")] = 64
 
 
@@ -38,18 +44,29 @@ class PpoConfig(SubConfig):
     adaptive_kl: bool = True
     kl_target: Annotated[float, Field(gt=0, description="Per-token KL the adaptive controller steers to.")] = 0.02
     kl_horizon: Annotated[int, Field(ge=1)] = 1000
-    kl_stop: Annotated[float, Field(gt=0, description=(
-        "Hard stop (seed 001): training ends, keeping the current policy, once the per-token KL to the "
-        "reference measured on a step's rollouts exceeds this."))] = 0.1
+    kl_stop: Annotated[
+        float,
+        Field(
+            gt=0,
+            description=(
+                "Hard stop (seed 001): training ends, keeping the current policy, once the per-token KL to the "
+                "reference measured on a step's rollouts exceeds this."
+            ),
+        ),
+    ] = 0.1
     gamma: Annotated[float, Field(ge=0, le=1)] = 1.0
     lam: Annotated[float, Field(ge=0, le=1)] = 0.95
     value_coef: Annotated[float, Field(ge=0)] = 0.1
     value_clip: Annotated[float, Field(gt=0)] = 0.2
     reward_clip: Annotated[float, Field(gt=0, description="Normalised scores are clipped to [-c, c].")] = 1.0
-    group_baseline: bool = Field(False, description=(
-        "Subtract from each score the mean score of the prompt's other samples in the step (leave-one-out, "
-        "needs rollout.samples_per_prompt >= 2) before normalisation: the critic starts at zero and cannot tell "
-        "an easy prompt from a hard one for its first steps; this baseline can."))
+    group_baseline: bool = Field(
+        False,
+        description=(
+            "Subtract from each score the mean score of the prompt's other samples in the step (leave-one-out, "
+            "needs rollout.samples_per_prompt >= 2) before normalisation: the critic starts at zero and cannot tell "
+            "an easy prompt from a hard one for its first steps; this baseline can."
+        ),
+    )
 
 
 class TerConfig(SubConfig):
@@ -57,9 +74,17 @@ class TerConfig(SubConfig):
 
     baseline_decay: Annotated[float, Field(ge=0, lt=1)] = 0.99
     max_grad_norm: Annotated[float, Field(gt=0, description="TER's own gradient clip (replaces optim's).")] = 0.3
-    grad_ema: Annotated[float, Field(ge=0, lt=1, description=(
-        "EMA of the clipped gradient (seed 000 uses 0.95); 0 = off, the default: under AdamW the smoothed, stale "
-        "gradient made the demo's training reward fall (docs/stages/rl.md)."))] = 0.0
+    grad_ema: Annotated[
+        float,
+        Field(
+            ge=0,
+            lt=1,
+            description=(
+                "EMA of the clipped gradient (seed 000 uses 0.95); 0 = off, the default: under AdamW the smoothed, stale "
+                "gradient made the demo's training reward fall (docs/stages/rl.md)."
+            ),
+        ),
+    ] = 0.0
     importance_cap: Annotated[float, Field(ge=1)] = 2.0
 
 
@@ -74,21 +99,37 @@ class GrpoConfig(SubConfig):
 class PtxConfig(SubConfig):
     """The SFT loss mixed into every update (PPO-ptx, Ouyang et al. 2022), for every algorithm."""
 
-    coef: Annotated[float, Field(ge=0, description=(
-        "Weight of the mean token NLL of reference answers added to the RL loss of every optimizer step: "
-        "records of the prompts file of `ptx.types` (default every type, whatever `prompt_types` says), drawn "
-        "afresh each step and split over its minibatches like the rollouts. It holds the answers the reward cannot "
-        "move where SFT left them while the RL term moves the others; 0 = off."))] = 0.0
-    samples_per_step: Annotated[int, Field(ge=0, description=(
-        "Reference records per RL step; 0 = train.samples_per_step."))] = 0
-    types: list[str] = Field(default_factory=list, description=(
-        "Question types of the ptx records; empty = every type. With RL on some types (`prompt_types`), the "
-        "others alone hold the rest where SFT left them and leave the RL types free to move."))
-    loss: Literal["nll", "kl"] = Field("nll", description=(
-        "nll: the SFT loss on the reference answers (pulls towards the reference); kl: KL(reference model || "
-        "policy) over the whole vocabulary at those answers' positions (holds the SFT model's distribution there, "
-        "including near-tie answers the model gives by the class prior). kl keeps the reference model's "
-        "log-probabilities of the step's ptx tokens in memory: tokens x vocabulary floats."))
+    coef: Annotated[
+        float,
+        Field(
+            ge=0,
+            description=(
+                "Weight of the mean token NLL of reference answers added to the RL loss of every optimizer step: "
+                "records of the prompts file of `ptx.types` (default every type, whatever `prompt_types` says), drawn "
+                "afresh each step and split over its minibatches like the rollouts. It holds the answers the reward cannot "
+                "move where SFT left them while the RL term moves the others; 0 = off."
+            ),
+        ),
+    ] = 0.0
+    samples_per_step: Annotated[
+        int, Field(ge=0, description=("Reference records per RL step; 0 = train.samples_per_step."))
+    ] = 0
+    types: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Question types of the ptx records; empty = every type. With RL on some types (`prompt_types`), the "
+            "others alone hold the rest where SFT left them and leave the RL types free to move."
+        ),
+    )
+    loss: Literal["nll", "kl"] = Field(
+        "nll",
+        description=(
+            "nll: the SFT loss on the reference answers (pulls towards the reference); kl: KL(reference model || "
+            "policy) over the whole vocabulary at those answers' positions (holds the SFT model's distribution there, "
+            "including near-tie answers the model gives by the class prior). kl keeps the reference model's "
+            "log-probabilities of the step's ptx tokens in memory: tokens x vocabulary floats."
+        ),
+    )
 
 
 class GateConfig(SubConfig):
@@ -99,16 +140,28 @@ class GateConfig(SubConfig):
     length_ratio_min: Annotated[float, Field(ge=0, description="Mean completion length / first step's.")] = 0.5
     length_ratio_max: Annotated[float, Field(ge=0)] = 2.0
     entropy_min: Annotated[float, Field(ge=0, description="Mean per-token entropy (nats).")] = 0.0
-    heldout_drop_max: Annotated[float, Field(ge=0, description=(
-        "Reward/accuracy divergence: the training reward rose while held-out efficacy fell by more than this."))] = 0.1
+    heldout_drop_max: Annotated[
+        float,
+        Field(
+            ge=0,
+            description=(
+                "Reward/accuracy divergence: the training reward rose while held-out efficacy fell by more than this."
+            ),
+        ),
+    ] = 0.1
     patience: Annotated[int, Field(ge=1)] = 3
 
 
 class RlEvalConfig(SubConfig):
-    files: list[str] = Field(default_factory=lambda: ["eval.jsonl"], min_length=1, description=(
-        "Held-out question files in the data directory: eval.jsonl records, or conversation records like the "
-        "prompts file's (e.g. rl.jsonl when the policy trains on sft.jsonl: more unseen questions, narrower "
-        "intervals on the efficacy change). Never the prompts file."))
+    files: list[str] = Field(
+        default_factory=lambda: ["eval.jsonl"],
+        min_length=1,
+        description=(
+            "Held-out question files in the data directory: eval.jsonl records, or conversation records like the "
+            "prompts file's (e.g. rl.jsonl when the policy trains on sft.jsonl: more unseen questions, narrower "
+            "intervals on the efficacy change). Never the prompts file."
+        ),
+    )
     per_type: Annotated[int | None, Field(ge=1)] = 50
     batch_size: Annotated[int, Field(ge=1)] = 64
     max_new_tokens: Annotated[int, Field(ge=1)] = 48
@@ -118,14 +171,20 @@ class RlConfig(StageConfig):
     """Policy optimisation of the SFT model with PPO, TER or GRPO on verifiable prompts."""
 
     algorithm: Literal["ppo", "ter", "grpo"] = "ppo"
-    rewards: dict[str, float] = Field(default_factory=lambda: {"efficacy": 1.0}, description=(
-        f"Reward weights by name ({', '.join(REWARD_NAMES)}); the step reward is their weighted sum."))
-    prompts_file: str = Field("sft.jsonl", description="Prompt records in the data directory (LLaVA format "
-                                                       "with a `type`; the first gpt turn is the reference).")
+    rewards: dict[str, float] = Field(
+        default_factory=lambda: {"efficacy": 1.0},
+        description=(f"Reward weights by name ({', '.join(REWARD_NAMES)}); the step reward is their weighted sum."),
+    )
+    prompts_file: str = Field(
+        "sft.jsonl",
+        description="Prompt records in the data directory (LLaVA format "
+        "with a `type`; the first gpt turn is the reference).",
+    )
     prompt_types: list[str] = Field(default_factory=list, description="Question types to train on; empty = all.")
     max_records: Annotated[int | None, Field(ge=1)] = None
     freeze: list[Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]] = Field(
-        default_factory=list)
+        default_factory=list
+    )
     min_pixels: Annotated[int, Field(ge=28 * 28)] = 56 * 56
     max_pixels: Annotated[int, Field(ge=28 * 28)] = 1280 * 28 * 28
     max_length: Annotated[int, Field(ge=16)] = 4096
@@ -154,20 +213,28 @@ class RlConfig(StageConfig):
     @model_validator(mode="after")
     def _consistent(self):
         if self.algorithm == "ppo" and self.ppo.group_baseline and self.rollout.samples_per_prompt < 2:
-            raise ValueError("ppo.group_baseline needs rollout.samples_per_prompt >= 2 (the baseline is the mean of a "
-                             "prompt's other samples); raise it or set ppo.group_baseline: false.")
+            raise ValueError(
+                "ppo.group_baseline needs rollout.samples_per_prompt >= 2 (the baseline is the mean of a "
+                "prompt's other samples); raise it or set ppo.group_baseline: false."
+            )
         if self.algorithm == "grpo" and self.rollout.samples_per_prompt < 2:
             raise ValueError("algorithm grpo needs rollout.samples_per_prompt >= 2 (its baseline is the group mean).")
         if self.algorithm == "ter" and self.ter.grad_ema and self.train.backend == "deepspeed":
-            raise ValueError("ter.grad_ema needs the torch backend (DeepSpeed owns the gradients); set ter.grad_ema: 0 "
-                             "or train.backend: torch.")
+            raise ValueError(
+                "ter.grad_ema needs the torch backend (DeepSpeed owns the gradients); set ter.grad_ema: 0 "
+                "or train.backend: torch."
+            )
         if self.prompts_file in self.eval.files:
-            raise ValueError(f"eval.files holds the prompts file {self.prompts_file!r}: the policy trains on those "
-                             "questions, so they are not held out; drop it from eval.files or train on another file.")
+            raise ValueError(
+                f"eval.files holds the prompts file {self.prompts_file!r}: the policy trains on those "
+                "questions, so they are not held out; drop it from eval.files or train on another file."
+            )
         rollouts = self.train.samples_per_step * self.rollout.samples_per_prompt
         if self.update.minibatches > rollouts:
-            raise ValueError(f"update.minibatches={self.update.minibatches} exceeds the {rollouts} rollouts of a step "
-                             "(train.samples_per_step x rollout.samples_per_prompt).")
+            raise ValueError(
+                f"update.minibatches={self.update.minibatches} exceeds the {rollouts} rollouts of a step "
+                "(train.samples_per_step x rollout.samples_per_prompt)."
+            )
         return self
 
     @property

@@ -32,6 +32,7 @@ _QUOTED = re.compile(r"[\"\u201c]([^\"\u201d]{1,40})[\"\u201d]")
 
 # ------------------------------------------------------------------------------------------ efficacy ---
 
+
 def words(text: str) -> list[str]:
     return _WORDS.findall(text.lower())
 
@@ -48,10 +49,10 @@ def ngram_overlap(prediction: str, reference: str, max_n: int = 4) -> float:
     pred, ref = M.cider_tokens(prediction), M.cider_tokens(reference)
     scores = []
     for n in range(1, max_n + 1):
-        ref_grams = Counter(tuple(ref[i:i + n]) for i in range(len(ref) - n + 1))
+        ref_grams = Counter(tuple(ref[i : i + n]) for i in range(len(ref) - n + 1))
         if not ref_grams:
             break
-        pred_grams = Counter(tuple(pred[i:i + n]) for i in range(len(pred) - n + 1))
+        pred_grams = Counter(tuple(pred[i : i + n]) for i in range(len(pred) - n + 1))
         matched = sum((pred_grams & ref_grams).values())
         if not matched:
             scores.append(0.0)
@@ -64,7 +65,7 @@ def ngram_overlap(prediction: str, reference: str, max_n: int = 4) -> float:
 def repeated_ngram_ratio(text: str, n: int = 2) -> float:
     """Share of the text's n-grams that repeat an earlier one (0 for text shorter than n + 1 words)."""
     tokens = M.cider_tokens(text)
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
     return 1.0 - len(set(grams)) / len(grams) if len(grams) > 1 else 0.0
 
 
@@ -117,8 +118,10 @@ class EfficacyCache:
 
 # ---------------------------------------------------------------------------------------------- format ---
 
-def format_reward(prompts: list[str], completions: list[str], *, records: list[dict], finished: list[bool],
-                  **_: Any) -> list[float]:
+
+def format_reward(
+    prompts: list[str], completions: list[str], *, records: list[dict], finished: list[bool], **_: Any
+) -> list[float]:
     """1 for a complete answer (ended by <|im_end|>, not empty, a parsable box for grounding questions), else 0."""
     out = []
     for record, answer, done in zip(records, completions, finished):
@@ -131,6 +134,7 @@ def format_reward(prompts: list[str], completions: list[str], *, records: list[d
 
 # ------------------------------------------------------------------------------------------ reward model ---
 
+
 class RewardModelReward(RewardModelScorer):
     """The reward model's score of (image, prompt, completion), standardised with the statistics the
     reward_model stage saved (so 0 is an average SFT-quality answer); see RewardModelScorer."""
@@ -140,6 +144,7 @@ class RewardModelReward(RewardModelScorer):
 
 
 # ----------------------------------------------------------------------------------------- OCR check ---
+
 
 class OcrConsistencyReward:
     """Seed 001's fact check: text the answer claims is written in the image must be there.
@@ -183,8 +188,9 @@ class OcrConsistencyReward:
 REWARDS = ("efficacy", "format", "reward_model", "ocr_consistency")
 
 
-def build_rewards(weights: dict[str, float], *, reward_model_uri: str | None, min_pixels: int, max_pixels: int,
-                  device: torch.device) -> dict[str, RewardFn]:
+def build_rewards(
+    weights: dict[str, float], *, reward_model_uri: str | None, min_pixels: int, max_pixels: int, device: torch.device
+) -> dict[str, RewardFn]:
     """The configured reward callables by name (weights zero or absent are not built)."""
     unknown = sorted(set(weights) - set(REWARDS))
     if unknown:
@@ -201,10 +207,11 @@ def build_rewards(weights: dict[str, float], *, reward_model_uri: str | None, mi
             fns[name] = OcrConsistencyReward()
         else:
             if not reward_model_uri:
-                raise ValueError("rl.rewards uses reward_model but the stage got no reward model; connect the "
-                                 "reward_model stage's output or set its weight to 0.")
-            fns[name] = RewardModelReward(reward_model_uri, min_pixels=min_pixels, max_pixels=max_pixels,
-                                          device=device)
+                raise ValueError(
+                    "rl.rewards uses reward_model but the stage got no reward model; connect the "
+                    "reward_model stage's output or set its weight to 0."
+                )
+            fns[name] = RewardModelReward(reward_model_uri, min_pixels=min_pixels, max_pixels=max_pixels, device=device)
     if not fns:
         raise ValueError("rl.rewards has no reward with a non-zero weight; give at least one (e.g. efficacy: 1.0).")
     return fns

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from components._shared.eval.readers import prompt_turns
 from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
@@ -22,7 +23,6 @@ from components._shared.model.packing import (
     plan_micro_batches,
     to_device,
 )
-from components._shared.eval.readers import prompt_turns
 from components._shared.model.vlm import qwen_model
 
 
@@ -69,12 +69,14 @@ class Policy(torch.nn.Module):
     def enable_input_require_grads(self):
         self.model.enable_input_require_grads()
 
-    def token_outputs(self, batch: dict, temperature: float, suppressed: list[int], *,
-                      plain_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def token_outputs(
+        self, batch: dict, temperature: float, suppressed: list[int], *, plain_rows: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """At the labelled positions of a packed batch, in order: log-probabilities of the targets, entropies and
         (with a value head) values. The LM head runs on those rows only (the vocabulary is large)."""
-        return token_outputs(self.model, batch, temperature, suppressed, value_head=self.value_head,
-                             plain_rows=plain_rows)
+        return token_outputs(
+            self.model, batch, temperature, suppressed, value_head=self.value_head, plain_rows=plain_rows
+        )
 
 
 def suppressed_tokens(model) -> list[int]:
@@ -85,8 +87,15 @@ def suppressed_tokens(model) -> list[int]:
     return sorted({int(getattr(config, n)) for n in names if getattr(config, n, None) is not None})
 
 
-def token_outputs(model, batch: dict, temperature: float, suppressed: list[int], value_head=None, *,
-                  plain_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def token_outputs(
+    model,
+    batch: dict,
+    temperature: float,
+    suppressed: list[int],
+    value_head=None,
+    *,
+    plain_rows: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """See Policy.token_outputs. `plain_rows` (a mask over the labelled positions) adds, for those rows only, the
     log-softmax at temperature 1 (`plain_full`, rows x vocabulary: ptx's KL) and the targets' entries of it
     (`plain_logprobs`: ptx's NLL)."""
@@ -98,8 +107,7 @@ def token_outputs(model, batch: dict, temperature: float, suppressed: list[int],
     raw[:, suppressed] = -1e9  # finite, so that 0 * log 0 stays 0 in the entropy
     logp = torch.log_softmax(raw / temperature, -1)
     index = targets[where][:, None]
-    out = {"logprobs": logp.gather(1, index).squeeze(1),
-           "entropy": -(logp.exp() * logp).sum(-1)}
+    out = {"logprobs": logp.gather(1, index).squeeze(1), "entropy": -(logp.exp() * logp).sum(-1)}
     if plain_rows is not None:
         plain = torch.log_softmax(raw[plain_rows], -1)
         out["plain_full"] = plain
@@ -124,8 +132,9 @@ def split_by_sample(values: torch.Tensor, samples: list[Sample]) -> list[torch.T
 
 
 class RolloutEngine:
-    def __init__(self, encoder: ConversationEncoder, *, max_new_tokens: int, temperature: float, batch_size: int,
-                 max_tokens: int) -> None:
+    def __init__(
+        self, encoder: ConversationEncoder, *, max_new_tokens: int, temperature: float, batch_size: int, max_tokens: int
+    ) -> None:
         self.encoder, self.max_new_tokens, self.temperature = encoder, max_new_tokens, temperature
         self.batch_size, self.max_tokens = batch_size, max_tokens
         self.use_cache = True  # bench/gpu/rl_step.py turns it off for its baseline
@@ -138,25 +147,37 @@ class RolloutEngine:
     def sample(self, model, records: list[dict], samples_per_prompt: int) -> list[Rollout]:
         """`samples_per_prompt` completions of each record (consecutive), sampled at the configured temperature."""
         device = next(model.parameters()).device
-        prompts = [self.encoder.encode(prompt_turns(r["question"]), images=[r["pil"]], add_generation_prompt=True,
-                                       sample_id=r["id"]) for r in records]
+        prompts = [
+            self.encoder.encode(
+                prompt_turns(r["question"]), images=[r["pil"]], add_generation_prompt=True, sample_id=r["id"]
+            )
+            for r in records
+        ]
         jobs = [(r, p) for r, p in zip(records, prompts) for _ in range(samples_per_prompt)]
         rollouts: list[Rollout] = []
         for start in range(0, len(jobs), self.batch_size):
-            chunk = jobs[start:start + self.batch_size]
+            chunk = jobs[start : start + self.batch_size]
             width = max(p.num_tokens for _, p in chunk)
             ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.int64)
             mask = torch.zeros_like(ids)
             for b, (_, p) in enumerate(chunk):
-                ids[b, width - p.num_tokens:] = p.input_ids
-                mask[b, width - p.num_tokens:] = 1
+                ids[b, width - p.num_tokens :] = p.input_ids
+                mask[b, width - p.num_tokens :] = 1
             out = model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device),
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
                 mm_token_type_ids=(ids == self.encoder.image_token_id).to(torch.int32).to(device),
                 pixel_values=torch.cat([p.pixel_values for _, p in chunk]).to(device),
                 image_grid_thw=torch.cat([p.image_grid_thw for _, p in chunk]).to(device),
-                max_new_tokens=self.max_new_tokens, do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0,
-                use_cache=self.use_cache, eos_token_id=self.end_id, pad_token_id=self.pad_id, suppress_tokens=self.suppressed,
+                max_new_tokens=self.max_new_tokens,
+                do_sample=True,
+                temperature=self.temperature,
+                top_k=0,
+                top_p=1.0,
+                use_cache=self.use_cache,
+                eos_token_id=self.end_id,
+                pad_token_id=self.pad_id,
+                suppress_tokens=self.suppressed,
             )
             for (record, prompt), row in zip(chunk, out[:, width:].tolist()):
                 finished = self.end_id in row
@@ -167,10 +188,14 @@ class RolloutEngine:
     def _rollout(self, record: dict, prompt: Sample, completion: list[int], finished: bool) -> Rollout:
         ids = torch.cat([prompt.input_ids, torch.tensor(completion, dtype=torch.int64)])
         labels = torch.cat([torch.full_like(prompt.input_ids, IGNORE_INDEX), torch.tensor(completion)])
-        sample = Sample(input_ids=ids, labels=labels,
-                        position_ids=self.encoder.rope_positions(ids, prompt.image_grid_thw),
-                        image_grid_thw=prompt.image_grid_thw, pixel_values=prompt.pixel_values,
-                        sample_id=prompt.sample_id)
+        sample = Sample(
+            input_ids=ids,
+            labels=labels,
+            position_ids=self.encoder.rope_positions(ids, prompt.image_grid_thw),
+            image_grid_thw=prompt.image_grid_thw,
+            pixel_values=prompt.pixel_values,
+            sample_id=prompt.sample_id,
+        )
         text_ids = completion[:-1] if finished else completion
         text = self.encoder.tokenizer.decode(text_ids, skip_special_tokens=True).strip()
         return Rollout(record=record, completion_ids=completion, text=text, finished=finished, sample=sample)
@@ -181,8 +206,9 @@ class RolloutEngine:
         samples = [r.sample for r in rollouts]
         for group, micro, batch in packed_micro_batches(samples, self.max_tokens, next(policy.parameters()).device):
             mine = policy.token_outputs(batch, self.temperature, self.suppressed)
-            ref = token_outputs(reference, to_device(batch, next(reference.parameters()).device), self.temperature,
-                                self.suppressed)
+            ref = token_outputs(
+                reference, to_device(batch, next(reference.parameters()).device), self.temperature, self.suppressed
+            )
             pieces = {k: split_by_sample(v.cpu(), micro) for k, v in mine.items()}
             ref_pieces = split_by_sample(ref["logprobs"].cpu(), micro)
             for j, i in enumerate(group):

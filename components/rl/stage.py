@@ -32,17 +32,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from components._shared.model import checkpoint as ckpt
 from components._shared.eval import evaluation as E
-from components._shared.eval import readers
 from components._shared.eval import metrics as M
+from components._shared.eval import readers
+from components._shared.model import checkpoint as ckpt
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.packing import ConversationEncoder
-from components._shared.platform.reports import figure, history_series
-from components._shared.platform.tracking import Tracker
 from components._shared.model.train_config import OptimConfig
 from components._shared.model.training import Phase, TrainLoop, _crash_point, lr_factor, resolve_device
 from components._shared.model.vlm import freeze, load_vlm, save_vlm, set_pixel_bounds
+from components._shared.platform.reports import figure, history_series
+from components._shared.platform.tracking import Tracker
 from components.rl import algorithms as A
 from components.rl.config import GateConfig, RlConfig
 from components.rl.rewards import EfficacyCache, build_rewards, task_efficacy
@@ -64,10 +64,14 @@ class Gates:
         c = self.cfg
         checks = {
             "kl_max": (0 < c.kl_max < kl, f"per-token KL to the reference {kl:.4f} > {c.kl_max}"),
-            "length_ratio_max": (0 < c.length_ratio_max < length_ratio,
-                                 f"mean completion length {length_ratio:.2f}x the first step's > {c.length_ratio_max}"),
-            "length_ratio_min": (length_ratio < c.length_ratio_min,
-                                 f"mean completion length {length_ratio:.2f}x the first step's < {c.length_ratio_min}"),
+            "length_ratio_max": (
+                0 < c.length_ratio_max < length_ratio,
+                f"mean completion length {length_ratio:.2f}x the first step's > {c.length_ratio_max}",
+            ),
+            "length_ratio_min": (
+                length_ratio < c.length_ratio_min,
+                f"mean completion length {length_ratio:.2f}x the first step's < {c.length_ratio_min}",
+            ),
             "entropy_min": (entropy < c.entropy_min, f"mean token entropy {entropy:.4f} < {c.entropy_min}"),
         }
         for name, (bad, detail) in checks.items():
@@ -76,7 +80,8 @@ class Gates:
                 raise GateTripped(
                     f"rl gate gates.{name} tripped at step {step}: {detail} for {c.patience} consecutive steps. The "
                     "policy is drifting from the SFT model or gaming its reward; lower optim.lr, raise the KL "
-                    f"penalty, check the rewards, or relax gates.{name} if the change is intended.")
+                    f"penalty, check the rewards, or relax gates.{name} if the change is intended."
+                )
 
     def check_eval(self, step: int, *, reward_rise: float, heldout_drop: float) -> None:
         bound = self.cfg.heldout_drop_max
@@ -84,7 +89,8 @@ class Gates:
             raise GateTripped(
                 f"rl gate gates.heldout_drop_max tripped at step {step}: the training reward rose by {reward_rise:.4f} "
                 f"while held-out efficacy fell by {heldout_drop:.4f} (> {bound}); the policy is learning to please the "
-                "reward, not to answer. Check the reward functions / reward model (rollouts.jsonl shows samples).")
+                "reward, not to answer. Check the reward functions / reward model (rollouts.jsonl shows samples)."
+            )
 
     def state(self) -> dict:
         return dict(self.strikes)
@@ -93,8 +99,9 @@ class Gates:
         self.strikes = defaultdict(int, {k: int(v) for k, v in state.items()})
 
 
-def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, types: list[str] | None = None,
-                 setting: str = "prompt_types") -> list[dict]:
+def load_prompts(
+    data_dir: Path, cfg: RlConfig, *, need_types: bool, types: list[str] | None = None, setting: str = "prompt_types"
+) -> list[dict]:
     """Prompt records {"id", "image", "question", "answer", "type"} from the prompts file (LLaVA format), of
     `types` (default `prompt_types`; empty = every type); a type no record has is an error naming `setting`."""
     types = cfg.prompt_types if types is None else types
@@ -102,8 +109,10 @@ def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, types: list
     for r in readers.conversation_questions(data_dir, cfg.prompts_file, label="rl prompt"):
         seen_types.add(r["type"])
         if need_types and r["type"] not in M.QUESTION_TYPES:
-            raise ValueError(f"rl prompt {r['id']!r} has type {r['type']!r}; the efficacy reward needs one of "
-                             f"{M.QUESTION_TYPES}. Fix the record or drop the efficacy reward.")
+            raise ValueError(
+                f"rl prompt {r['id']!r} has type {r['type']!r}; the efficacy reward needs one of "
+                f"{M.QUESTION_TYPES}. Fix the record or drop the efficacy reward."
+            )
         if types and r["type"] not in types:
             continue
         prompts.append(r)
@@ -111,9 +120,11 @@ def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, types: list
             break
     absent = sorted(set(types) - seen_types)
     if absent:
-        raise ValueError(f"rl {setting} names question type(s) {absent} that no record of {cfg.prompts_file} has "
-                         f"(it has {sorted(seen_types)}{' within max_records' if cfg.max_records else ''}); fix or "
-                         "drop them.")
+        raise ValueError(
+            f"rl {setting} names question type(s) {absent} that no record of {cfg.prompts_file} has "
+            f"(it has {sorted(seen_types)}{' within max_records' if cfg.max_records else ''}); fix or "
+            "drop them."
+        )
     if not prompts:
         raise ValueError(f"no rl prompts in {data_dir / cfg.prompts_file} (question types {types or 'all'}).")
     return prompts
@@ -122,19 +133,42 @@ def load_prompts(data_dir: Path, cfg: RlConfig, *, need_types: bool, types: list
 class RlLoop(TrainLoop):
     """TrainLoop's backend, checkpoints and packed update steps, driven by rollouts instead of a dataset."""
 
-    def __init__(self, policy: Policy, reference, *, cfg: RlConfig, prompts: list[dict], image, engine: RolloutEngine,
-                 rewards: dict, checkpoints: CheckpointStore, tracker: Tracker,
-                 ptx_pool: list[dict] | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        reference,
+        *,
+        cfg: RlConfig,
+        prompts: list[dict],
+        image,
+        engine: RolloutEngine,
+        rewards: dict,
+        checkpoints: CheckpointStore,
+        tracker: Tracker,
+        ptx_pool: list[dict] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.updates_per_step = cfg.update.epochs * cfg.update.minibatches  # read by _lr_lambda during __init__
         optim = cfg.optim
         if cfg.algorithm == "ter":  # TER's own gradient clip for every group
-            optim = OptimConfig(**{**cfg.optim.model_dump(), "max_grad_norm": cfg.ter.max_grad_norm,
-                                   "group_max_grad_norm": {}})
-        super().__init__(policy, train=cfg.train, optim=optim, schedule=cfg.schedule, sample=lambda i: i,
-                         phases=[Phase("rl", cfg.train.steps, list(range(len(prompts))))], checkpoints=checkpoints,
-                         tracker=tracker, loss_fn=self._loss, seed=cfg.seed, extra_state=self._state,
-                         load_extra_state=self._load_state, unit_weight=self._rollout_tokens)
+            optim = OptimConfig(
+                **{**cfg.optim.model_dump(), "max_grad_norm": cfg.ter.max_grad_norm, "group_max_grad_norm": {}}
+            )
+        super().__init__(
+            policy,
+            train=cfg.train,
+            optim=optim,
+            schedule=cfg.schedule,
+            sample=lambda i: i,
+            phases=[Phase("rl", cfg.train.steps, list(range(len(prompts))))],
+            checkpoints=checkpoints,
+            tracker=tracker,
+            loss_fn=self._loss,
+            seed=cfg.seed,
+            extra_state=self._state,
+            load_extra_state=self._load_state,
+            unit_weight=self._rollout_tokens,
+        )
         if cfg.algorithm == "ter" and cfg.ter.grad_ema:
             self.backend.grad_ema = A.GradientEma(cfg.ter.grad_ema)
         self.reference = reference.to(self.device).eval()
@@ -154,10 +188,17 @@ class RlLoop(TrainLoop):
 
     # -- state saved with every checkpoint ----------------------------------------------------------------
     def _state(self) -> dict:
-        return {"kl_coef": self.kl_ctl.state(), "moments": self.moments.state(), "baseline": self.baseline.state(),
-                "gates": self.gates.state(), "length_reference": self.length_reference,
-                "stop_reason": self.stop_reason, "timing": dict(self.timing), "generated_tokens": self.generated_tokens,
-                "heldout_before": self.heldout_before}
+        return {
+            "kl_coef": self.kl_ctl.state(),
+            "moments": self.moments.state(),
+            "baseline": self.baseline.state(),
+            "gates": self.gates.state(),
+            "length_reference": self.length_reference,
+            "stop_reason": self.stop_reason,
+            "timing": dict(self.timing),
+            "generated_tokens": self.generated_tokens,
+            "heldout_before": self.heldout_before,
+        }
 
     def _load_state(self, state: dict) -> None:
         self.kl_ctl.load(state["kl_coef"])
@@ -189,8 +230,11 @@ class RlLoop(TrainLoop):
             if self.train.eval_every and self.step % self.train.eval_every == 0 and self.step < self.train.steps:
                 self._evaluate(evaluate)
                 self._check_divergence()
-            if self.train.checkpoint_every and self.step % self.train.checkpoint_every == 0 \
-                    and self.step < self.train.steps:
+            if (
+                self.train.checkpoint_every
+                and self.step % self.train.checkpoint_every == 0
+                and self.step < self.train.steps
+            ):
                 self.save_checkpoint()
         if self.evals[-1]["step"] != self.step:
             self._evaluate(evaluate)
@@ -232,9 +276,14 @@ class RlLoop(TrainLoop):
         length = float(np.mean([r.length for r in rollouts]))
         if self.length_reference is None:
             self.length_reference = length
-        metrics = {"reward": float(np.mean([r.reward for r in rollouts])), "kl": kl, "entropy": entropy,
-                   "length": length, "length_ratio": length / self.length_reference,
-                   **{f"reward/{k}": float(np.mean(v)) for k, v in per_reward.items()}}
+        metrics = {
+            "reward": float(np.mean([r.reward for r in rollouts])),
+            "kl": kl,
+            "entropy": entropy,
+            "length": length,
+            "length_ratio": length / self.length_reference,
+            **{f"reward/{k}": float(np.mean(v)) for k, v in per_reward.items()},
+        }
         self.gates.check_step(self.step + 1, kl=kl, length_ratio=metrics["length_ratio"], entropy=entropy)
         self.last_rollouts = rollouts
         if cfg.algorithm == "ppo" and kl > cfg.ppo.kl_stop:
@@ -282,16 +331,26 @@ class RlLoop(TrainLoop):
         count = min(self.cfg.ptx.samples_per_step or self.train.samples_per_step, len(self.ptx_pool))
         rng = np.random.default_rng([self.cfg.seed, 9_000_011, self.step])
         records = [self.ptx_pool[i] for i in rng.choice(len(self.ptx_pool), count, replace=False)]
-        samples = [self.engine.encoder.encode(readers.prompt_turns(r["question"]) + [{"role": "assistant", "text": r["answer"]}],
-                                              images=[self.image(r["image"])], sample_id=f"ptx:{r['id']}")
-                   for r in records]
+        samples = [
+            self.engine.encoder.encode(
+                readers.prompt_turns(r["question"]) + [{"role": "assistant", "text": r["answer"]}],
+                images=[self.image(r["image"])],
+                sample_id=f"ptx:{r['id']}",
+            )
+            for r in records
+        ]
         completion_tokens = sum(r.length for r in rollouts)
         self.ptx_token_weight = self.cfg.ptx.coef * completion_tokens / sum(s.num_targets for s in samples)
         for s in samples:
             n = s.num_targets
-            s.meta.update(ptx=True, old_logprobs=torch.zeros(n),
-                          ref_logprobs=torch.zeros(n), advantages=torch.zeros(n), returns=torch.zeros(n),
-                          old_values=torch.zeros(n))
+            s.meta.update(
+                ptx=True,
+                old_logprobs=torch.zeros(n),
+                ref_logprobs=torch.zeros(n),
+                advantages=torch.zeros(n),
+                returns=torch.zeros(n),
+                old_values=torch.zeros(n),
+            )
         if self.cfg.ptx.loss == "kl":
             self._reference_distributions(samples)
         return samples
@@ -313,7 +372,10 @@ class RlLoop(TrainLoop):
             self.timing[k] += v
         tokens = sum(r.length for r in rollouts)
         self.generated_tokens += tokens
-        return {**{f"time/{k}": v for k, v in split.items()}, "rollout_tokens_per_second": tokens / max(split["generation"], 1e-9)}
+        return {
+            **{f"time/{k}": v for k, v in split.items()},
+            "rollout_tokens_per_second": tokens / max(split["generation"], 1e-9),
+        }
 
     def _advantages(self, rollouts: list[Rollout]) -> dict[str, float]:
         """Per-token advantages (and PPO returns) into each rollout's sample.meta for the loss."""
@@ -336,21 +398,28 @@ class RlLoop(TrainLoop):
             n = cfg.rollout.samples_per_prompt  # the samples of one prompt are consecutive
             baselines = []
             for start in range(0, len(rollouts), n):
-                group = rollouts[start:start + n]
-                baselines += self.baseline.leave_one_out(group[0].record["id"], [r.reward for r in group],
-                                                         group[0].record["type"])
+                group = rollouts[start : start + n]
+                baselines += self.baseline.leave_one_out(
+                    group[0].record["id"], [r.reward for r in group], group[0].record["type"]
+                )
             for r, b in zip(rollouts, baselines):
                 r.advantages = torch.full((r.length,), r.reward - b)
             for r in rollouts:
                 self.baseline.update(r.record["id"], r.reward, r.record["type"])
             out["baseline"] = float(np.mean(baselines))
         else:
-            for r, adv in zip(rollouts, A.group_advantages(rewards, cfg.rollout.samples_per_prompt,
-                                                            scale=cfg.grpo.scale_rewards)):
+            for r, adv in zip(
+                rollouts, A.group_advantages(rewards, cfg.rollout.samples_per_prompt, scale=cfg.grpo.scale_rewards)
+            ):
                 r.advantages = torch.full((r.length,), adv)
         for r in rollouts:
-            r.sample.meta.update(old_logprobs=r.logprobs, ref_logprobs=r.ref_logprobs, advantages=r.advantages,
-                                 returns=r.returns, old_values=r.values)
+            r.sample.meta.update(
+                old_logprobs=r.logprobs,
+                ref_logprobs=r.ref_logprobs,
+                advantages=r.advantages,
+                returns=r.returns,
+                old_values=r.values,
+            )
         return out
 
     def _loss(self, policy: Policy, batch: dict, micro: list) -> tuple[torch.Tensor, int, dict[str, float]]:
@@ -358,8 +427,9 @@ class RlLoop(TrainLoop):
         ptx_on = bool(cfg.ptx.coef)
         rl = torch.cat([torch.full((s.num_targets,), not s.meta.get("ptx")) for s in micro])
         rl = rl.to(batch["targets"].device)
-        out = policy.token_outputs(batch, cfg.rollout.temperature, self.engine.suppressed,
-                                   plain_rows=~rl if ptx_on else None)
+        out = policy.token_outputs(
+            batch, cfg.rollout.temperature, self.engine.suppressed, plain_rows=~rl if ptx_on else None
+        )
         logp = out["logprobs"]
 
         def meta(key: str) -> torch.Tensor:
@@ -371,8 +441,11 @@ class RlLoop(TrainLoop):
             weights = A.truncated_importance_weights(logp, old, cfg.ter.importance_cap)
             per_token = -(weights * advantages * logp)
         else:
-            clip = A.linear_decay(cfg.ppo.clip_start, cfg.ppo.clip_end, self.step, self.train.steps) \
-                if cfg.algorithm == "ppo" else cfg.grpo.clip
+            clip = (
+                A.linear_decay(cfg.ppo.clip_start, cfg.ppo.clip_end, self.step, self.train.steps)
+                if cfg.algorithm == "ppo"
+                else cfg.grpo.clip
+            )
             per_token, clipped = A.clipped_surrogate(logp, old, advantages, clip)
             extras["clip_fraction"] = float(clipped[rl].float().mean()) if rl.any() else 0.0
             if cfg.algorithm == "ppo":
@@ -387,8 +460,11 @@ class RlLoop(TrainLoop):
             ptx_loss = nll
             if cfg.ptx.loss == "kl":  # KL(reference || policy) per position, over the vocabulary
                 ptx_samples = [s for s in micro if s.meta.get("ptx")]
-                ref = torch.cat([s.meta["ref_full_logprobs"] for s in ptx_samples]).to(logp.device) \
-                    if ptx_samples else out["plain_full"]
+                ref = (
+                    torch.cat([s.meta["ref_full_logprobs"] for s in ptx_samples]).to(logp.device)
+                    if ptx_samples
+                    else out["plain_full"]
+                )
                 ptx_loss = (ref.exp() * (ref - out["plain_full"])).sum(-1)
                 extras["ptx_kl_sum"] = float(ptx_loss.detach().sum())
             loss = loss + self.ptx_token_weight * ptx_loss.sum()
@@ -398,38 +474,53 @@ class RlLoop(TrainLoop):
 
 def heldout_eval(model, encoder: ConversationEncoder, records: list[dict], cfg: RlConfig) -> tuple[dict, list[dict]]:
     """Greedy answers on the held-out set: mean efficacy (overall, per type), the VQA suite, mean answer tokens."""
-    answers = E.generate_answers(model, encoder, records, batch_size=cfg.eval.batch_size,
-                                 max_new_tokens=cfg.eval.max_new_tokens)
+    answers = E.generate_answers(
+        model, encoder, records, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
+    )
     rows = []
     for r, a in zip(records, answers):
-        rows.append({"id": r["id"], "type": r["type"], "question": r["question"], "answer": r["answer"],
-                     "prediction": a, "score": M.score_answer(r["type"], a, r["answer"]),
-                     "efficacy": task_efficacy(r["type"], a, r["answer"], r["question"]),
-                     "tokens": len(encoder.tokenizer(a, add_special_tokens=False)["input_ids"])})
+        rows.append(
+            {
+                "id": r["id"],
+                "type": r["type"],
+                "question": r["question"],
+                "answer": r["answer"],
+                "prediction": a,
+                "score": M.score_answer(r["type"], a, r["answer"]),
+                "efficacy": task_efficacy(r["type"], a, r["answer"], r["question"]),
+                "tokens": len(encoder.tokenizer(a, add_special_tokens=False)["input_ids"]),
+            }
+        )
     by_type: dict[str, list[float]] = defaultdict(list)
     for row in rows:
         by_type[row["type"]].append(row["efficacy"])
     summary = M.summarize(rows)
-    return {"efficacy": float(np.mean([row["efficacy"] for row in rows])),
-            **{f"efficacy/{t}": float(np.mean(v)) for t, v in by_type.items()},
-            "vqa_exact_match": summary.get("vqa_exact_match", 0.0),
-            "answer_tokens": float(np.mean([row["tokens"] for row in rows]))}, rows
+    return {
+        "efficacy": float(np.mean([row["efficacy"] for row in rows])),
+        **{f"efficacy/{t}": float(np.mean(v)) for t, v in by_type.items()},
+        "vqa_exact_match": summary.get("vqa_exact_match", 0.0),
+        "answer_tokens": float(np.mean([row["tokens"] for row in rows])),
+    }, rows
 
 
-def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_dir: str | Path,
-        tracker: Tracker) -> dict[str, Any]:
+def run(
+    cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_dir: str | Path, tracker: Tracker
+) -> dict[str, Any]:
     """Run RL from the SFT model; returns efficacy before/after, length ratio, final KL and the timing split."""
     import os
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("the rl stage runs in one process (rollouts are not sharded over ranks yet); launch it "
-                         "without torchrun (train.backend: deepspeed still works on one GPU).")
+        raise ValueError(
+            "the rl stage runs in one process (rollouts are not sharded over ranks yet); launch it "
+            "without torchrun (train.backend: deepspeed still works on one GPU)."
+        )
     output_dir = Path(output_dir)
     data_dir = readers.resolve_data_dir(data, scratch=output_dir / ".scratch")
     prompts = load_prompts(data_dir, cfg, need_types=bool(cfg.rewards.get("efficacy")))
     eval_records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type, files=cfg.eval.files)
-    key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"base_model": base_model, "reward_model": reward_model,
-                                                         "data": data})
+    key = ckpt.fingerprint(
+        cfg.model_dump(mode="json"), {"base_model": base_model, "reward_model": reward_model, "data": data}
+    )
     torch.manual_seed(cfg.seed)
     model, processor = load_vlm(base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
@@ -438,19 +529,42 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
     device = resolve_device(cfg.train.device)
     reference, _ = load_vlm(base_model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     reference.requires_grad_(False)
-    encoder = ConversationEncoder(processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-                                  max_length=cfg.max_length)
-    rewards = build_rewards(dict(cfg.rewards), reward_model_uri=reward_model or None, min_pixels=cfg.min_pixels,
-                            max_pixels=cfg.max_pixels, device=device)
+    encoder = ConversationEncoder(
+        processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
+    )
+    rewards = build_rewards(
+        dict(cfg.rewards),
+        reward_model_uri=reward_model or None,
+        min_pixels=cfg.min_pixels,
+        max_pixels=cfg.max_pixels,
+        device=device,
+    )
     image = functools.lru_cache(maxsize=4096)(functools.partial(readers.load_image, data_dir))
-    engine = RolloutEngine(encoder, max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                           batch_size=cfg.rollout.batch_size, max_tokens=cfg.train.max_tokens_per_micro_batch)
-    loop = RlLoop(policy, reference, cfg=cfg, prompts=prompts, image=image, engine=engine, rewards=rewards,
-                  checkpoints=CheckpointStore(ckpt.location(cfg.train.checkpoint_uri, "rl", key, output_dir),
-                                              keep=cfg.train.keep_checkpoints, scratch=output_dir / ".scratch"),
-                  tracker=tracker,
-                  ptx_pool=load_prompts(data_dir, cfg, need_types=False, types=cfg.ptx.types,
-                                       setting="ptx.types") if cfg.ptx.coef else None)
+    engine = RolloutEngine(
+        encoder,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        batch_size=cfg.rollout.batch_size,
+        max_tokens=cfg.train.max_tokens_per_micro_batch,
+    )
+    loop = RlLoop(
+        policy,
+        reference,
+        cfg=cfg,
+        prompts=prompts,
+        image=image,
+        engine=engine,
+        rewards=rewards,
+        checkpoints=CheckpointStore(
+            ckpt.location(cfg.train.checkpoint_uri, "rl", key, output_dir),
+            keep=cfg.train.keep_checkpoints,
+            scratch=output_dir / ".scratch",
+        ),
+        tracker=tracker,
+        ptx_pool=load_prompts(data_dir, cfg, need_types=False, types=cfg.ptx.types, setting="ptx.types")
+        if cfg.ptx.coef
+        else None,
+    )
     final_rows: list[dict] = []
 
     def evaluate(step: int) -> dict[str, float]:
@@ -467,9 +581,11 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
     history = loop.history
     cache = rewards.get("efficacy")
     if len(loop.heldout_before) != len(final_rows):
-        raise RuntimeError(f"rl: the checkpoint holds {len(loop.heldout_before)} held-out scores of the SFT model "
-                           f"but {len(final_rows)} questions were scored now (a checkpoint from before the paired test, or another "
-                           f"eval set); rerun into a fresh output directory or train.checkpoint_uri.")
+        raise RuntimeError(
+            f"rl: the checkpoint holds {len(loop.heldout_before)} held-out scores of the SFT model "
+            f"but {len(final_rows)} questions were scored now (a checkpoint from before the paired test, or another "
+            f"eval set); rerun into a fresh output directory or train.checkpoint_uri."
+        )
     change = M.paired_bootstrap(loop.heldout_before, [row["efficacy"] for row in final_rows], seed=cfg.seed)
     per_type: dict[str, dict[str, float]] = {}  # the same paired test within each question type
     for t in sorted({row["type"] for row in final_rows}):
@@ -491,15 +607,22 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
         "efficacy_gain_ci_high": change["ci_high"],
         "heldout_improved": change["improved"],
         "heldout_worsened": change["worsened"],
-        **{f"efficacy_gain/{t}{suffix}": c[key] for t, c in per_type.items()
-           for suffix, key in (("", "gain"), ("_ci_low", "ci_low"), ("_ci_high", "ci_high"))},
+        **{
+            f"efficacy_gain/{t}{suffix}": c[key]
+            for t, c in per_type.items()
+            for suffix, key in (("", "gain"), ("_ci_low", "ci_low"), ("_ci_high", "ci_high"))
+        },
         "mean_length_ratio": after["answer_tokens"] / max(before["answer_tokens"], 1e-9),
         "kl_final": history[-1]["kl"] if history else 0.0,
         "kl_max_seen": max((h["kl"] for h in history), default=0.0),
         "reward_first": history[0]["reward"] if history else float("nan"),
         "reward_final": history[-1]["reward"] if history else float("nan"),
-        **{f"ptx_{k}_{when}": history[i][f"update/ptx_{k}"] for k in ("nll", "kl")
-           for when, i in (("first", 0), ("final", -1)) if history and f"update/ptx_{k}" in history[i]},
+        **{
+            f"ptx_{k}_{when}": history[i][f"update/ptx_{k}"]
+            for k in ("nll", "kl")
+            for when, i in (("first", 0), ("final", -1))
+            if history and f"update/ptx_{k}" in history[i]
+        },
         "efficacy_cache_hit_rate": cache.hit_rate if isinstance(cache, EfficacyCache) else 0.0,
         **{f"seconds_{k}": round(v, 3) for k, v in loop.timing.items()},
         "rollout_tokens_per_second": round(loop.generated_tokens / max(loop.timing["generation"], 1e-9), 1),
@@ -509,31 +632,76 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
         weights = loop.backend.full_state_dict()
         policy = Policy(load_vlm(base_model)[0], value_head=cfg.algorithm == "ppo")
         policy.load_state_dict(weights)
-    save_vlm(policy.model, processor, output_dir / "model",
-             metadata={"stage": "rl", "algorithm": cfg.algorithm, "base_model": str(base_model)})
+    save_vlm(
+        policy.model,
+        processor,
+        output_dir / "model",
+        metadata={"stage": "rl", "algorithm": cfg.algorithm, "base_model": str(base_model)},
+    )
     ckpt.write_pointer(output_dir, [loop.store.root])
     if policy.value_head is not None:
         from safetensors.torch import save_file
 
-        save_file({k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()},
-                  str(output_dir / "value_head.safetensors"))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in policy.value_head.state_dict().items()},
+            str(output_dir / "value_head.safetensors"),
+        )
     with (output_dir / "eval_predictions.jsonl").open("w") as f:
         for row in final_rows:
             f.write(json.dumps(row) + "\n")
     with (output_dir / "rollouts.jsonl").open("w") as f:
         for r in loop.last_rollouts:
-            f.write(json.dumps({"id": r.record["id"], "type": r.record["type"], "question": r.record["question"],
-                                "reference": r.record["answer"], "completion": r.text, "finished": r.finished,
-                                "reward": r.reward, "rewards": r.rewards}) + "\n")
-    text = report(metrics) + "\n".join([
-        *figure("reward", "training reward", history_series(history, ["reward"]), output_dir=output_dir,
-                tracker=tracker),
-        *figure("kl", "per-token KL to the reference", history_series(history, ["kl"]), output_dir=output_dir,
-                tracker=tracker),
-        *figure("length_entropy", "length ratio and entropy", history_series(history, ["length_ratio", "entropy"]),
-                output_dir=output_dir, tracker=tracker),
-        *figure("heldout_efficacy", "held-out efficacy", history_series(loop.evals, ["efficacy", "vqa_exact_match"]),
-                output_dir=output_dir, tracker=tracker)]) + "\n"
+            f.write(
+                json.dumps(
+                    {
+                        "id": r.record["id"],
+                        "type": r.record["type"],
+                        "question": r.record["question"],
+                        "reference": r.record["answer"],
+                        "completion": r.text,
+                        "finished": r.finished,
+                        "reward": r.reward,
+                        "rewards": r.rewards,
+                    }
+                )
+                + "\n"
+            )
+    text = (
+        report(metrics)
+        + "\n".join(
+            [
+                *figure(
+                    "reward",
+                    "training reward",
+                    history_series(history, ["reward"]),
+                    output_dir=output_dir,
+                    tracker=tracker,
+                ),
+                *figure(
+                    "kl",
+                    "per-token KL to the reference",
+                    history_series(history, ["kl"]),
+                    output_dir=output_dir,
+                    tracker=tracker,
+                ),
+                *figure(
+                    "length_entropy",
+                    "length ratio and entropy",
+                    history_series(history, ["length_ratio", "entropy"]),
+                    output_dir=output_dir,
+                    tracker=tracker,
+                ),
+                *figure(
+                    "heldout_efficacy",
+                    "held-out efficacy",
+                    history_series(loop.evals, ["efficacy", "vqa_exact_match"]),
+                    output_dir=output_dir,
+                    tracker=tracker,
+                ),
+            ]
+        )
+        + "\n"
+    )
     (output_dir / "report.md").write_text(text)
     shutil.rmtree(output_dir / ".scratch", ignore_errors=True)
     tracker.log_text(text, "report.md")
@@ -541,24 +709,37 @@ def run(cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_
 
 
 def report(metrics: dict[str, Any]) -> str:
-    lines = [f"# RL ({metrics['algorithm']})", "",
-             f"{metrics['steps']} steps{'; stopped early: ' + metrics['stopped_early'] if metrics['stopped_early'] else ''}.",
-             f"Held-out efficacy {metrics['efficacy_before']:.3f} -> {metrics['efficacy_after']:.3f}; VQA exact match "
-             f"{metrics['vqa_exact_match_before']:.3f} -> {metrics['vqa_exact_match_after']:.3f}; efficacy change "
-             f"{metrics['efficacy_gain']:+.3f} (95% paired bootstrap {metrics['efficacy_gain_ci_low']:+.3f} to "
-             f"{metrics['efficacy_gain_ci_high']:+.3f}; {metrics['heldout_improved']:.0f} questions better, "
-             f"{metrics['heldout_worsened']:.0f} worse); mean answer length "
-             f"{metrics['mean_length_ratio']:.2f}x the SFT model's; final per-token KL {metrics['kl_final']:.4f}.", "",
-             "| type | efficacy before | after | change [95% paired CI] |", "|---|---|---|---|"]
+    lines = [
+        f"# RL ({metrics['algorithm']})",
+        "",
+        f"{metrics['steps']} steps{'; stopped early: ' + metrics['stopped_early'] if metrics['stopped_early'] else ''}.",
+        f"Held-out efficacy {metrics['efficacy_before']:.3f} -> {metrics['efficacy_after']:.3f}; VQA exact match "
+        f"{metrics['vqa_exact_match_before']:.3f} -> {metrics['vqa_exact_match_after']:.3f}; efficacy change "
+        f"{metrics['efficacy_gain']:+.3f} (95% paired bootstrap {metrics['efficacy_gain_ci_low']:+.3f} to "
+        f"{metrics['efficacy_gain_ci_high']:+.3f}; {metrics['heldout_improved']:.0f} questions better, "
+        f"{metrics['heldout_worsened']:.0f} worse); mean answer length "
+        f"{metrics['mean_length_ratio']:.2f}x the SFT model's; final per-token KL {metrics['kl_final']:.4f}.",
+        "",
+        "| type | efficacy before | after | change [95% paired CI] |",
+        "|---|---|---|---|",
+    ]
     for t in M.QUESTION_TYPES:
         if f"efficacy/{t}_before" in metrics:
-            gain = (f"{metrics[f'efficacy_gain/{t}']:+.3f} [{metrics[f'efficacy_gain/{t}_ci_low']:+.3f}, "
-                    f"{metrics[f'efficacy_gain/{t}_ci_high']:+.3f}]" if f"efficacy_gain/{t}" in metrics else "")
-            lines.append(f"| {t} | {metrics[f'efficacy/{t}_before']:.3f} | {metrics[f'efficacy/{t}_after']:.3f} "
-                         f"| {gain} |")
-    lines += ["", "Seconds per phase: " + ", ".join(f"{k.removeprefix('seconds_')} {v:.1f}" for k, v in metrics.items()
-                                                   if k.startswith("seconds_"))
-              + f"; rollout {metrics['rollout_tokens_per_second']:.0f} tokens/s."]
+            gain = (
+                f"{metrics[f'efficacy_gain/{t}']:+.3f} [{metrics[f'efficacy_gain/{t}_ci_low']:+.3f}, "
+                f"{metrics[f'efficacy_gain/{t}_ci_high']:+.3f}]"
+                if f"efficacy_gain/{t}" in metrics
+                else ""
+            )
+            lines.append(
+                f"| {t} | {metrics[f'efficacy/{t}_before']:.3f} | {metrics[f'efficacy/{t}_after']:.3f} | {gain} |"
+            )
+    lines += [
+        "",
+        "Seconds per phase: "
+        + ", ".join(f"{k.removeprefix('seconds_')} {v:.1f}" for k, v in metrics.items() if k.startswith("seconds_"))
+        + f"; rollout {metrics['rollout_tokens_per_second']:.0f} tokens/s.",
+    ]
     return "\n".join(lines) + "\n"
 
 

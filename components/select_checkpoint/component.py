@@ -55,13 +55,29 @@ def select_checkpoint_op(
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
-        "select_checkpoint", config, experiment=experiment,
-        inputs={"data": eval_data_uri, "pretrain": pretrain.path, "sft": sft.path, "rl": rl.path,
-                "distill": distill.path, "reward_model": reward_model.path + "/model", "clean_data": clean_data.path,
-                "stage_configs": {"clean_data": clean_data_config, "pretrain": pretrain_config, "sft": sft_config,
-                                  "reward_model": reward_model_config, "rl": rl_config,
-                                  "distill": distill_config}},
-        output_dir=model.path, artifacts={"model": model.path + "/model"}, record_as="select_checkpoint",
+        "select_checkpoint",
+        config,
+        experiment=experiment,
+        inputs={
+            "data": eval_data_uri,
+            "pretrain": pretrain.path,
+            "sft": sft.path,
+            "rl": rl.path,
+            "distill": distill.path,
+            "reward_model": reward_model.path + "/model",
+            "clean_data": clean_data.path,
+            "stage_configs": {
+                "clean_data": clean_data_config,
+                "pretrain": pretrain_config,
+                "sft": sft_config,
+                "reward_model": reward_model_config,
+                "rl": rl_config,
+                "distill": distill_config,
+            },
+        },
+        output_dir=model.path,
+        artifacts={"model": model.path + "/model"},
+        record_as="select_checkpoint",
     )
     report_metrics(metrics, results)
     shutil.copyfile(model.path + "/model_card.md", model_card.path)

@@ -9,8 +9,15 @@ from pydantic import Field, field_validator
 from components._shared.platform.config import StageConfig, SubConfig
 
 QUESTION_TYPES = ("caption", "color", "count", "shape", "position", "relation", "grounding", "ocr")  # = metrics.py
-SUITE_METRICS = ("vqa_exact_match", "grounding_accuracy", "anls", "cider_d", "reward_model_score", "parameters",
-                 "latency_ms")
+SUITE_METRICS = (
+    "vqa_exact_match",
+    "grounding_accuracy",
+    "anls",
+    "cider_d",
+    "reward_model_score",
+    "parameters",
+    "latency_ms",
+)
 CANDIDATE_STAGES = ("pretrain", "sft", "rl", "distill")
 
 
@@ -34,18 +41,34 @@ class SelectCheckpointConfig(StageConfig):
     its model card."""
 
     stages: list[Literal["pretrain", "sft", "rl", "distill"]] = Field(
-        default_factory=lambda: list(CANDIDATE_STAGES), description="Stages whose outputs compete.")
-    checkpoints_per_stage: Annotated[int, Field(ge=0, description=(
-        "Also the newest N intermediate checkpoints each stage kept (full-weight ones; a LoRA or ZeRO checkpoint "
-        "is listed as skipped with its reason)."))] = 1
+        default_factory=lambda: list(CANDIDATE_STAGES), description="Stages whose outputs compete."
+    )
+    checkpoints_per_stage: Annotated[
+        int,
+        Field(
+            ge=0,
+            description=(
+                "Also the newest N intermediate checkpoints each stage kept (full-weight ones; a LoRA or ZeRO checkpoint "
+                "is listed as skipped with its reason)."
+            ),
+        ),
+    ] = 1
     weights: dict[str, float] = Field(
         default_factory=lambda: {"vqa_exact_match": 1.0, "grounding_accuracy": 0.5, "anls": 0.5, "cider_d": 0.05},
-        description="score = sum(weight x metric); a negative weight penalises (e.g. latency_ms).")
-    min_gates: dict[str, float] = Field(default_factory=dict, description=(
-        "Hard gates metric >= bound (the seeds' real-model gates: grounding_accuracy 0.68, anls 0.45)."))
+        description="score = sum(weight x metric); a negative weight penalises (e.g. latency_ms).",
+    )
+    min_gates: dict[str, float] = Field(
+        default_factory=dict,
+        description=("Hard gates metric >= bound (the seeds' real-model gates: grounding_accuracy 0.68, anls 0.45)."),
+    )
     max_gates: dict[str, float] = Field(default_factory=dict, description="Hard gates metric <= bound.")
-    registry_name: str = Field("qvl-vlm", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-                                  description="MLflow registered model name.")
+    registry_name: str = Field(
+        "qvl-vlm",
+        min_length=1,
+        max_length=200,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="MLflow registered model name.",
+    )
     register_winner: bool = Field(True, description="Register the winner (needs a reachable MLflow tracking server).")
     min_pixels: Annotated[int, Field(ge=28 * 28)] = 56 * 56
     max_pixels: Annotated[int, Field(ge=28 * 28)] = 1280 * 28 * 28

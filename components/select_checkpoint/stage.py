@@ -27,15 +27,15 @@ from typing import Any
 
 import torch
 
-from components._shared.model import checkpoint as ckpt
 from components._shared.eval import evaluation as E
-from components._shared.eval import readers
 from components._shared.eval import metrics as M
-from components._shared.platform import storage
+from components._shared.eval import readers
 from components._shared.launch.result import RESULT_FILE
+from components._shared.model import checkpoint as ckpt
 from components._shared.model.packing import ConversationEncoder
-from components._shared.platform.tracking import Tracker
 from components._shared.model.vlm import count_parameters, load_vlm, save_vlm, set_pixel_bounds
+from components._shared.platform import storage
+from components._shared.platform.tracking import Tracker
 from components.select_checkpoint.config import SelectCheckpointConfig
 
 IGNORED_CHECKPOINT_KEYS = ("value_head.", "distill_projections.")  # training-only modules (rl's critic, distill's maps)
@@ -58,9 +58,16 @@ class Candidate:
     skipped: str = ""
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "stage": self.stage, "model_dir": str(self.model_dir),
-                "checkpoint": str(self.checkpoint) if self.checkpoint else None, "metrics": self.metrics,
-                "score": self.score, "failed_gates": self.failed_gates, "skipped": self.skipped}
+        return {
+            "name": self.name,
+            "stage": self.stage,
+            "model_dir": str(self.model_dir),
+            "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+            "metrics": self.metrics,
+            "score": self.score,
+            "failed_gates": self.failed_gates,
+            "skipped": self.skipped,
+        }
 
 
 def _step(path: Path) -> int:
@@ -76,14 +83,22 @@ def find_candidates(stage_dirs: dict[str, str], per_stage: int) -> list[Candidat
             continue
         root = Path(directory)
         if not (root / "model" / "config.json").is_file():
-            raise ValueError(f"select_checkpoint input {stage}={directory!r} has no model/config.json; pass the "
-                             f"{stage} stage's output directory.")
+            raise ValueError(
+                f"select_checkpoint input {stage}={directory!r} has no model/config.json; pass the "
+                f"{stage} stage's output directory."
+            )
         found.append(Candidate(stage, stage, root / "model"))
         # (group, label, location): local ones under checkpoints/, or at the roots checkpoints.json names
         # (train.checkpoint_uri, e.g. s3://)
-        committed = [(str(p.parent), str(p.relative_to(root / "checkpoints")), p)
-                     for p in (root / "checkpoints").rglob("step-*") if (p / storage.COMMIT_MARKER).is_file()] \
-            if (root / "checkpoints").is_dir() else []
+        committed = (
+            [
+                (str(p.parent), str(p.relative_to(root / "checkpoints")), p)
+                for p in (root / "checkpoints").rglob("step-*")
+                if (p / storage.COMMIT_MARKER).is_file()
+            ]
+            if (root / "checkpoints").is_dir()
+            else []
+        )
         elsewhere = ckpt.read_pointer(root)
         for location in elsewhere:
             for uri in storage.list_committed(location):
@@ -113,8 +128,9 @@ def load_candidate(candidate: Candidate, scratch: Path):
         directory = storage.fetch_dir(str(candidate.checkpoint), target)
     weights_file = directory / "trainable.safetensors"
     if not weights_file.is_file():
-        raise ValueError("no trainable.safetensors (a ZeRO-sharded checkpoint?): "
-                         f"{sorted(p.name for p in directory.iterdir())[:4]}")
+        raise ValueError(
+            f"no trainable.safetensors (a ZeRO-sharded checkpoint?): {sorted(p.name for p in directory.iterdir())[:4]}"
+        )
     params = dict(model.named_parameters())
     weights, unknown, changed = load_file(str(weights_file)), [], False
     for key, value in weights.items():
@@ -127,8 +143,10 @@ def load_candidate(candidate: Candidate, scratch: Path):
         changed = changed or not torch.equal(params[name].data, value)
         params[name].data.copy_(value)
     if unknown:
-        raise ValueError(f"{len(unknown)} checkpoint tensor(s) do not fit the stage's model (a LoRA adapter "
-                         f"checkpoint?), e.g. {unknown[:2]}")
+        raise ValueError(
+            f"{len(unknown)} checkpoint tensor(s) do not fit the stage's model (a LoRA adapter "
+            f"checkpoint?), e.g. {unknown[:2]}"
+        )
     if not changed:
         raise ValueError("identical to the stage's output model")
     return model, processor
@@ -140,8 +158,9 @@ def evaluate(model, processor, records: list[dict], cfg: SelectCheckpointConfig,
     encoder = ConversationEncoder(processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     started = time.perf_counter()
     with torch.no_grad():
-        summary, rows = E.evaluate_vqa(model, encoder, records, batch_size=cfg.eval.batch_size,
-                                       max_new_tokens=cfg.eval.max_new_tokens)
+        summary, rows = E.evaluate_vqa(
+            model, encoder, records, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
+        )
     seconds = time.perf_counter() - started
     metrics = {k: v for k, v in summary.items() if not k.startswith("count/")}
     metrics["parameters"] = float(count_parameters(model))
@@ -169,27 +188,44 @@ def choose(candidates: list[Candidate]) -> tuple[Candidate, Candidate | None]:
     passing = [c for c in candidates if not c.skipped and not c.failed_gates]
     if not passing:
         lines = [f"  {c.name}: {c.skipped or '; '.join(c.failed_gates)}" for c in candidates]
-        raise NoCandidatePasses("no candidate passes the gates (select_checkpoint.min_gates / max_gates):\n"
-                                + "\n".join(lines) + "\nRelax the gates in the preset or train the stages further.")
+        raise NoCandidatePasses(
+            "no candidate passes the gates (select_checkpoint.min_gates / max_gates):\n"
+            + "\n".join(lines)
+            + "\nRelax the gates in the preset or train the stages further."
+        )
     ranked = sorted(passing, key=lambda c: (-c.score, c.metrics.get("parameters", 0.0), c.name))
     return ranked[0], ranked[1] if len(ranked) > 1 else None
 
 
-def run(cfg: SelectCheckpointConfig, *, data: str, pretrain: str = "", sft: str = "", rl: str = "", distill: str = "",
-        reward_model: str = "", clean_data: str = "", output_dir: str | Path, tracker: Tracker,
-        stage_configs: dict[str, dict] | None = None) -> dict[str, Any]:
+def run(
+    cfg: SelectCheckpointConfig,
+    *,
+    data: str,
+    pretrain: str = "",
+    sft: str = "",
+    rl: str = "",
+    distill: str = "",
+    reward_model: str = "",
+    clean_data: str = "",
+    output_dir: str | Path,
+    tracker: Tracker,
+    stage_configs: dict[str, dict] | None = None,
+) -> dict[str, Any]:
     """Evaluate, select, export, register; returns the selection and the winner's metrics."""
     output_dir = Path(output_dir)
     given = {"pretrain": pretrain, "sft": sft, "rl": rl, "distill": distill}
     candidates = find_candidates({s: given[s] for s in cfg.stages}, cfg.checkpoints_per_stage)
     if not candidates:
-        raise ValueError(f"no candidates: pass the output directories of the stages in select_checkpoint.stages "
-                         f"({cfg.stages}).")
+        raise ValueError(
+            f"no candidates: pass the output directories of the stages in select_checkpoint.stages ({cfg.stages})."
+        )
     data_dir = readers.resolve_data_dir(data, scratch=output_dir / ".scratch")
     records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("select_checkpoint.device=cuda but no CUDA GPU is visible; use device: auto or cpu.")
-    device = torch.device("cuda" if cfg.device == "cuda" or cfg.device == "auto" and torch.cuda.is_available() else "cpu")
+    device = torch.device(
+        "cuda" if cfg.device == "cuda" or cfg.device == "auto" and torch.cuda.is_available() else "cpu"
+    )
     scorer = None
     if reward_model:
         from components._shared.model.reward_models import RewardModelScorer
@@ -212,38 +248,62 @@ def run(cfg: SelectCheckpointConfig, *, data: str, pretrain: str = "", sft: str 
         candidate.metrics, predictions[candidate.name] = evaluate(model, processor, records, cfg, scorer)
         judge(candidate, cfg)
         key = re.sub(r"[^\w\-. :/]", ":", candidate.name)  # MLflow metric names: no '@'
-        tracker.log_metrics({f"candidate/{key}/{k}": v for k, v in
-                             {**candidate.metrics, "score": candidate.score}.items()})
+        tracker.log_metrics(
+            {f"candidate/{key}/{k}": v for k, v in {**candidate.metrics, "score": candidate.score}.items()}
+        )
         del model
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "candidates.json").write_text(json.dumps([c.describe() for c in candidates], indent=2) + "\n")
     winner, runner_up = choose(candidates)  # raises with every candidate's failure when none passes
 
     model, processor = load_candidate(winner, output_dir / ".scratch")
-    save_vlm(model, processor, output_dir / "model", metadata={
-        "stage": "select_checkpoint", "selected_candidate": winner.name, "score": winner.score,
-        "source": str(winner.checkpoint or winner.model_dir)})
+    save_vlm(
+        model,
+        processor,
+        output_dir / "model",
+        metadata={
+            "stage": "select_checkpoint",
+            "selected_candidate": winner.name,
+            "score": winner.score,
+            "source": str(winner.checkpoint or winner.model_dir),
+        },
+    )
     with (output_dir / "eval_predictions.jsonl").open("w") as f:
         for row in predictions[winner.name]:
             f.write(json.dumps(row) + "\n")
-    lineage = _stage_results({"clean_data": clean_data, **given,
-                              "reward_model": str(Path(reward_model).parent) if reward_model else ""})
+    lineage = _stage_results(
+        {"clean_data": clean_data, **given, "reward_model": str(Path(reward_model).parent) if reward_model else ""}
+    )
     version, challenger_version = "", ""
     if cfg.register_winner:
         # the same selection (config and inputs), retried after it registered, reuses its versions
         key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"data": data, "reward_model": reward_model, **given})
         tags = {"candidate": winner.name, "stage": winner.stage, "score": f"{winner.score:.6g}"}
-        version = tracker.register_model(output_dir / "model", name=cfg.registry_name, artifact_path="champion",
-                                         aliases=("champion",), tags=tags, description=f"champion: {winner.name}",
-                                         key=f"{key}.champion")
+        version = tracker.register_model(
+            output_dir / "model",
+            name=cfg.registry_name,
+            artifact_path="champion",
+            aliases=("champion",),
+            tags=tags,
+            description=f"champion: {winner.name}",
+            key=f"{key}.champion",
+        )
         if runner_up is not None:
             runner_dir = output_dir / ".scratch" / "challenger"
-            save_vlm(*load_candidate(runner_up, output_dir / ".scratch"), runner_dir, metadata={"stage": "select_checkpoint",
-                                                                       "selected_candidate": runner_up.name})
+            save_vlm(
+                *load_candidate(runner_up, output_dir / ".scratch"),
+                runner_dir,
+                metadata={"stage": "select_checkpoint", "selected_candidate": runner_up.name},
+            )
             challenger_version = tracker.register_model(
-                runner_dir, name=cfg.registry_name, artifact_path="challenger", aliases=("challenger",),
+                runner_dir,
+                name=cfg.registry_name,
+                artifact_path="challenger",
+                aliases=("challenger",),
                 tags={"candidate": runner_up.name, "stage": runner_up.stage, "score": f"{runner_up.score:.6g}"},
-                description=f"challenger: {runner_up.name}", key=f"{key}.challenger")
+                description=f"challenger: {runner_up.name}",
+                key=f"{key}.challenger",
+            )
     metrics: dict[str, Any] = {
         "selected_candidate": winner.name,
         "selected_stage": winner.stage,
@@ -289,31 +349,68 @@ def _table(candidates: list[Candidate], keys: list[str]) -> list[str]:
     return lines
 
 
-def model_card(cfg: SelectCheckpointConfig, candidates: list[Candidate], winner: Candidate, runner_up: Candidate | None,
-               metrics: dict[str, Any], lineage: dict[str, dict], stage_configs: dict[str, dict]) -> str:
+def model_card(
+    cfg: SelectCheckpointConfig,
+    candidates: list[Candidate],
+    winner: Candidate,
+    runner_up: Candidate | None,
+    metrics: dict[str, Any],
+    lineage: dict[str, dict],
+    stage_configs: dict[str, dict],
+) -> str:
     """Markdown: what was selected and registered, how, on what data, by which stages with which settings."""
     import yaml
 
-    registered = (f"`{metrics['registered_model']}` version {metrics['registered_version']} (alias `champion`)"
-                  if metrics["registered_version"] else "not registered (no MLflow run)")
-    lines = [f"# Model card: {winner.name}", "",
-             f"Selected **{winner.name}** (stage `{winner.stage}`) with score {winner.score:.4f}; registered as "
-             f"{registered}." + (f" Runner-up: {runner_up.name} (alias `challenger`)." if runner_up else ""),
-             "Loads with `AutoModelForImageTextToText.from_pretrained(dir)` and `AutoProcessor.from_pretrained(dir)`; "
-             "from the registry: `mlflow.artifacts.download_artifacts(\"models:/NAME@champion\")`.", "",
-             "## Selection rule", "",
-             "score = " + " + ".join(f"{w:g} x {k}" for k, w in cfg.weights.items()) + "; gates: "
-             + (", ".join([*(f"{k} >= {v:g}" for k, v in cfg.min_gates.items()),
-                           *(f"{k} <= {v:g}" for k, v in cfg.max_gates.items())]) or "none") + ".", "",
-             "## Held-out evaluation", ""]
-    keys = ["vqa_exact_match", "grounding_accuracy", "anls", "cider_d", "reward_model_score", "parameters", "latency_ms",
-            *(f"exact_match/{t}" for t in M.QUESTION_TYPES if t != "caption")]
+    registered = (
+        f"`{metrics['registered_model']}` version {metrics['registered_version']} (alias `champion`)"
+        if metrics["registered_version"]
+        else "not registered (no MLflow run)"
+    )
+    lines = [
+        f"# Model card: {winner.name}",
+        "",
+        f"Selected **{winner.name}** (stage `{winner.stage}`) with score {winner.score:.4f}; registered as "
+        f"{registered}." + (f" Runner-up: {runner_up.name} (alias `challenger`)." if runner_up else ""),
+        "Loads with `AutoModelForImageTextToText.from_pretrained(dir)` and `AutoProcessor.from_pretrained(dir)`; "
+        'from the registry: `mlflow.artifacts.download_artifacts("models:/NAME@champion")`.',
+        "",
+        "## Selection rule",
+        "",
+        "score = "
+        + " + ".join(f"{w:g} x {k}" for k, w in cfg.weights.items())
+        + "; gates: "
+        + (
+            ", ".join(
+                [
+                    *(f"{k} >= {v:g}" for k, v in cfg.min_gates.items()),
+                    *(f"{k} <= {v:g}" for k, v in cfg.max_gates.items()),
+                ]
+            )
+            or "none"
+        )
+        + ".",
+        "",
+        "## Held-out evaluation",
+        "",
+    ]
+    keys = [
+        "vqa_exact_match",
+        "grounding_accuracy",
+        "anls",
+        "cider_d",
+        "reward_model_score",
+        "parameters",
+        "latency_ms",
+        *(f"exact_match/{t}" for t in M.QUESTION_TYPES if t != "caption"),
+    ]
     lines += _table(candidates, [k for k in keys if any(k in c.metrics for c in candidates)])
     lines += ["", "## Data lineage", ""]
     clean = lineage.get("clean_data", {}).get("metrics", {})
     if clean:
-        lines.append(f"Lake records in: {clean.get('records_in')}, kept: {clean.get('records_kept')}, rejected: "
-                     f"{clean.get('records_rejected')}.")
+        lines.append(
+            f"Lake records in: {clean.get('records_in')}, kept: {clean.get('records_kept')}, rejected: "
+            f"{clean.get('records_rejected')}."
+        )
         for reason, count in sorted((clean.get("rejected_by_reason") or {}).items(), key=lambda kv: -kv[1]):
             lines.append(f"- rejected `{reason}`: {count}")
     else:
@@ -326,8 +423,10 @@ def model_card(cfg: SelectCheckpointConfig, candidates: list[Candidate], winner:
         lines.append(f"### {stage}" + (f" ({result['seconds']:.0f} s)" if "seconds" in result else ""))
         scalars = {k: v for k, v in result.get("metrics", {}).items() if isinstance(v, (int, float, str))}
         if scalars:
-            lines.append("Metrics: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                 for k, v in sorted(scalars.items())))
+            lines.append(
+                "Metrics: "
+                + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(scalars.items()))
+            )
         if stage in stage_configs:
             lines += ["", "```yaml", yaml.safe_dump(stage_configs[stage], sort_keys=True).strip(), "```"]
         lines.append("")
@@ -337,5 +436,10 @@ def model_card(cfg: SelectCheckpointConfig, candidates: list[Candidate], winner:
 def main(argv: list[str] | None = None) -> None:
     from components._shared.launch.cli import stage_main
 
-    stage_main(SelectCheckpointConfig, run, section="select_checkpoint",
-               inputs=("data", "pretrain", "sft", "rl", "distill", "reward_model", "clean_data"), argv=argv)
+    stage_main(
+        SelectCheckpointConfig,
+        run,
+        section="select_checkpoint",
+        inputs=("data", "pretrain", "sft", "rl", "distill", "reward_model", "clean_data"),
+        argv=argv,
+    )

@@ -32,9 +32,13 @@ def sft_op(
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
-        "sft", config, experiment=experiment,
+        "sft",
+        config,
+        experiment=experiment,
         inputs={"base_model": pretrained.path + "/model", "data": sft_data_uri},
-        output_dir=model.path, artifacts={"model": model.path + "/model"}, record_as="sft",
+        output_dir=model.path,
+        artifacts={"model": model.path + "/model"},
+        record_as="sft",
     )
     report_metrics(metrics, results)
     shutil.copyfile(model.path + "/report.md", report.path)

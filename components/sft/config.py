@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from components._shared.platform.config import StageConfig, SubConfig
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.platform.config import StageConfig, SubConfig
 
 # LoRA targets by default: LM attention + MLP, the ViT's fused qkv and the merger's two linears.
 # The merger is listed explicitly: LoRA that silently leaves the projector frozen is a known pain (seed 003).
@@ -23,12 +23,25 @@ class LoraConfig(SubConfig):
     r: Annotated[int, Field(ge=1, le=1024)] = 16
     alpha: Annotated[float, Field(gt=0)] = 32.0
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    target_modules: Annotated[list[str], Field(min_length=1, description=(
-        "Regexes (full match on module names) of the Linear layers that get adapters; the defaults include the "
-        "ViT qkv and the merger."))] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
-    require_targets: Annotated[list[str], Field(description=(
-        "Module-name fragments that must have received adapters; the stage fails instead of silently skipping "
-        "them (e.g. a renamed merger)."))] = Field(default_factory=lambda: ["visual.merger", "attn.qkv"])
+    target_modules: Annotated[
+        list[str],
+        Field(
+            min_length=1,
+            description=(
+                "Regexes (full match on module names) of the Linear layers that get adapters; the defaults include the "
+                "ViT qkv and the merger."
+            ),
+        ),
+    ] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    require_targets: Annotated[
+        list[str],
+        Field(
+            description=(
+                "Module-name fragments that must have received adapters; the stage fails instead of silently skipping "
+                "them (e.g. a renamed merger)."
+            )
+        ),
+    ] = Field(default_factory=lambda: ["visual.merger", "attn.qkv"])
 
 
 class QLoraConfig(SubConfig):
@@ -51,7 +64,9 @@ class DifficultySchedulerConfig(SubConfig):
     gets wrong more often are sampled more: weight(type) = floor + (1 - exact match(type)) ** sharpness."""
 
     enabled: bool = False
-    floor: Annotated[float, Field(ge=0, le=1, description="Minimum weight of a type, so solved types are replayed.")] = 0.1
+    floor: Annotated[
+        float, Field(ge=0, le=1, description="Minimum weight of a type, so solved types are replayed.")
+    ] = 0.1
     sharpness: Annotated[float, Field(gt=0, le=10)] = 1.0
 
 
@@ -63,8 +78,14 @@ class EvalConfig(SubConfig):
 
 class CalibrationConfig(SubConfig):
     enabled: bool = True
-    fraction: Annotated[float, Field(gt=0, lt=1, description=(
-        "Share of the held-out answers used to fit the temperature; ECE is reported on the rest."))] = 0.5
+    fraction: Annotated[
+        float,
+        Field(
+            gt=0,
+            lt=1,
+            description=("Share of the held-out answers used to fit the temperature; ECE is reported on the rest."),
+        ),
+    ] = 0.5
 
 
 class SftConfig(StageConfig):
@@ -74,14 +95,19 @@ class SftConfig(StageConfig):
     lora: LoraConfig = LoraConfig()
     qlora: QLoraConfig = QLoraConfig()
     freeze: list[Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]] = Field(
-        default_factory=list, description="Module groups kept frozen in full mode.")
+        default_factory=list, description="Module groups kept frozen in full mode."
+    )
     min_pixels: Annotated[int, Field(ge=28 * 28)] = 56 * 56
     max_pixels: Annotated[int, Field(ge=28 * 28)] = 1280 * 28 * 28
     max_length: Annotated[int, Field(ge=16)] = 4096
     max_records: Annotated[int | None, Field(ge=1, description="Use at most this many training records.")] = None
-    curriculum: list[CurriculumPhase] = Field(default_factory=list, description=(
-        "Phases in order; their steps must sum to train.steps. Empty = one phase on everything. Seed 001: "
-        "basic -> advanced -> all with falling learning rates."))
+    curriculum: list[CurriculumPhase] = Field(
+        default_factory=list,
+        description=(
+            "Phases in order; their steps must sum to train.steps. Empty = one phase on everything. Seed 001: "
+            "basic -> advanced -> all with falling learning rates."
+        ),
+    )
     train: TrainConfig = TrainConfig(steps=200, samples_per_step=32, max_tokens_per_micro_batch=2048)
     optim: OptimConfig = OptimConfig(lr=2e-4)
     schedule: ScheduleConfig = ScheduleConfig(warmup_steps=10)
@@ -96,7 +122,8 @@ class SftConfig(StageConfig):
         if self.curriculum and sum(p.steps for p in self.curriculum) != self.train.steps:
             raise ValueError(
                 f"curriculum steps sum to {sum(p.steps for p in self.curriculum)} but train.steps="
-                f"{self.train.steps}; make them equal.")
+                f"{self.train.steps}; make them equal."
+            )
         if self.difficulty_scheduler.enabled and not self.train.eval_every:
             raise ValueError("difficulty_scheduler needs train.eval_every > 0 (it reweights after each eval).")
         if self.mode == "qlora" and self.train.backend == "deepspeed":

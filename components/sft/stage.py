@@ -24,17 +24,18 @@ from typing import Any
 import torch
 
 from components._shared.eval import evaluation as E
-from components._shared.eval import readers
 from components._shared.eval import metrics as M
+from components._shared.eval import readers
+from components._shared.eval.readers import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.checkpoint import CheckpointStore
-from components._shared.eval.readers import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
 from components._shared.model.packing import ConversationEncoder
-from components._shared.platform.reports import figure, history_series
-from components._shared.platform.tracking import Tracker
 from components._shared.model.training import Phase, TrainLoop, is_main_process
 from components._shared.model.vlm import count_parameters, freeze, load_vlm, save_vlm, set_pixel_bounds
+from components._shared.platform.reports import figure, history_series
+from components._shared.platform.tracking import Tracker
 from components.sft.config import SftConfig
+
 
 def build_model(cfg: SftConfig, base_model: str):
     """(model, processor, trainable description) for the configured mode."""
@@ -51,15 +52,18 @@ def build_model(cfg: SftConfig, base_model: str):
     # QLoRA: peft's prepare_model_for_kbit_training is not used; it only upcasts half-precision weights (the
     # trainable ones are fp32 here already) and its input-grad hook breaks bitsandbytes' CPU 4-bit path.
     pattern = r".*(?:" + "|".join(f"(?:{t})" for t in cfg.lora.target_modules) + r")"
-    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=pattern,
-                      bias="none")
+    lora = LoraConfig(
+        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=pattern, bias="none"
+    )
     model = get_peft_model(model, lora)
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
     missing = [frag for frag in cfg.lora.require_targets if not any(frag in n for n in adapted)]
     if missing:
-        raise ValueError(f"LoRA targets {cfg.lora.target_modules} gave no adapter on {missing}; fix "
-                         "lora.target_modules (module names: visual.blocks.N.attn.qkv, visual.merger.mlp.0/2, "
-                         "language_model.layers.N.self_attn.q_proj ...) or lora.require_targets.")
+        raise ValueError(
+            f"LoRA targets {cfg.lora.target_modules} gave no adapter on {missing}; fix "
+            "lora.target_modules (module names: visual.blocks.N.attn.qkv, visual.merger.mlp.0/2, "
+            "language_model.layers.N.self_attn.q_proj ...) or lora.require_targets."
+        )
     return model, processor
 
 
@@ -75,12 +79,20 @@ def _load_4bit(cfg: SftConfig, base_model: str):
 
     path = resolve_model(base_model)
     quant = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type=cfg.qlora.quant_type, bnb_4bit_use_double_quant=cfg.qlora.double_quant,
-        bnb_4bit_compute_dtype=getattr(torch, cfg.qlora.compute_dtype), llm_int8_skip_modules=["model.visual", "lm_head"],
+        load_in_4bit=True,
+        bnb_4bit_quant_type=cfg.qlora.quant_type,
+        bnb_4bit_use_double_quant=cfg.qlora.double_quant,
+        bnb_4bit_compute_dtype=getattr(torch, cfg.qlora.compute_dtype),
+        llm_int8_skip_modules=["model.visual", "lm_head"],
     )
-    model = AutoModelForImageTextToText.from_pretrained(path, quantization_config=quant, use_safetensors=True,
-                                                        trust_remote_code=False, dtype=torch.float32,
-                                                        attn_implementation=packed_attention())
+    model = AutoModelForImageTextToText.from_pretrained(
+        path,
+        quantization_config=quant,
+        use_safetensors=True,
+        trust_remote_code=False,
+        dtype=torch.float32,
+        attn_implementation=packed_attention(),
+    )
     for module in model.modules():
         # bitsandbytes repacks 4-bit weights in place for CPU inference (eval mode, no grad) and training on a
         # repacked weight then fails; held-out evals run between training steps, so keep the trainable layout.
@@ -112,8 +124,11 @@ def type_weights(cfg: SftConfig, records: list[dict], pool: list[int]):
         if not cfg.difficulty_scheduler.enabled or not evals:
             return None
         latest, sched = evals[-1], cfg.difficulty_scheduler
-        measured = {t: sched.floor + (1.0 - latest[f"exact_match/{t}"]) ** sched.sharpness
-                    for t in counts if f"exact_match/{t}" in latest}
+        measured = {
+            t: sched.floor + (1.0 - latest[f"exact_match/{t}"]) ** sched.sharpness
+            for t in counts
+            if f"exact_match/{t}" in latest
+        }
         if not measured:
             return None
         neutral = sum(measured.values()) / len(measured)  # types the quick eval does not measure (e.g. captions)
@@ -132,8 +147,10 @@ def phases_for(cfg: SftConfig, records: list[dict]) -> list[Phase]:
         pool = [i for i, r in enumerate(records) if not p.difficulties or r["difficulty"] in p.difficulties]
         if not pool:
             known = sorted({r["difficulty"] for r in records})
-            raise ValueError(f"curriculum phase '{p.name}' selects difficulties {p.difficulties}, but the data has "
-                             f"only {known}; fix the phase or the data.")
+            raise ValueError(
+                f"curriculum phase '{p.name}' selects difficulties {p.difficulties}, but the data has "
+                f"only {known}; fix the phase or the data."
+            )
         phases.append(Phase(p.name, p.steps, pool, p.lr_scale, weights=type_weights(cfg, records, pool)))
     return phases
 
@@ -148,8 +165,10 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
     checkpoint_root = ckpt.location(cfg.train.checkpoint_uri, "sft", key, output_dir)
     model, processor = build_model(cfg, base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
-    encoder = ConversationEncoder(processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-                                  max_length=cfg.max_length)
+    encoder = ConversationEncoder(
+        processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
+    )
+
     @functools.lru_cache(maxsize=4096)  # bounded: a real SFT set does not fit in memory decoded
     def image(reference: str):
         return readers.load_image(data_dir, reference)
@@ -161,14 +180,22 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
     quick = quick_eval_set(eval_records, 8 * cfg.eval.batch_size)
 
     def evaluate(step: int) -> dict[str, float]:
-        summary, _ = E.evaluate_vqa(loop.backend.module, encoder, quick, batch_size=cfg.eval.batch_size,
-                                    max_new_tokens=cfg.eval.max_new_tokens)
+        summary, _ = E.evaluate_vqa(
+            loop.backend.module, encoder, quick, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
+        )
         return {k: v for k, v in summary.items() if k == "vqa_exact_match" or k.startswith("exact_match/")}
 
-    loop = TrainLoop(model, train=cfg.train, optim=cfg.optim, schedule=cfg.schedule, sample=sample,
-                     phases=phases_for(cfg, records), tracker=tracker, seed=cfg.seed,
-                     checkpoints=CheckpointStore(checkpoint_root, keep=cfg.train.keep_checkpoints,
-                                                 scratch=output_dir / ".scratch"))
+    loop = TrainLoop(
+        model,
+        train=cfg.train,
+        optim=cfg.optim,
+        schedule=cfg.schedule,
+        sample=sample,
+        phases=phases_for(cfg, records),
+        tracker=tracker,
+        seed=cfg.seed,
+        checkpoints=CheckpointStore(checkpoint_root, keep=cfg.train.keep_checkpoints, scratch=output_dir / ".scratch"),
+    )
     trainable = count_parameters(model, trainable_only=True)
     tracker.log_params({"trainable_parameters": trainable, "records": len(records)})
     result = loop.run(evaluate=evaluate)
@@ -184,8 +211,9 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
     model.eval()
 
     with torch.no_grad():
-        summary, rows = E.evaluate_vqa(model, encoder, eval_records, batch_size=cfg.eval.batch_size,
-                                       max_new_tokens=cfg.eval.max_new_tokens)
+        summary, rows = E.evaluate_vqa(
+            model, encoder, eval_records, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
+        )
         calibration = calibrate(cfg, model, encoder, eval_records, rows) if cfg.calibration.enabled else {}
         saved = save_outputs(cfg, model, processor, base_model, output_dir, encoder, eval_records[:4])
     if is_main_process():
@@ -220,11 +248,28 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
     }
     text = report(metrics)
     if is_main_process():
-        text += "\n".join([
-            *figure("train_loss", "training loss", history_series(result.history, ["loss"]), output_dir=output_dir,
-                    tracker=tracker, log_y=True),
-            *figure("quick_eval", "held-out VQA exact match (quick set)",
-                    history_series(result.evals, ["vqa_exact_match"]), output_dir=output_dir, tracker=tracker)]) + "\n"
+        text += (
+            "\n".join(
+                [
+                    *figure(
+                        "train_loss",
+                        "training loss",
+                        history_series(result.history, ["loss"]),
+                        output_dir=output_dir,
+                        tracker=tracker,
+                        log_y=True,
+                    ),
+                    *figure(
+                        "quick_eval",
+                        "held-out VQA exact match (quick set)",
+                        history_series(result.evals, ["vqa_exact_match"]),
+                        output_dir=output_dir,
+                        tracker=tracker,
+                    ),
+                ]
+            )
+            + "\n"
+        )
         (output_dir / "report.md").write_text(text)
     shutil.rmtree(output_dir / ".scratch", ignore_errors=True)  # downloads and staging; not part of the output
     tracker.log_text(text, "report.md")
@@ -236,7 +281,9 @@ def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: li
     picked = [(r, row) for r, row in zip(eval_records, rows) if r["type"] != "caption"]
     if len(picked) < 4:
         return {}
-    pairs = E.answer_logits(model, E.answer_samples(encoder, [r for r, _ in picked], [w["prediction"] for _, w in picked]))
+    pairs = E.answer_logits(
+        model, E.answer_samples(encoder, [r for r, _ in picked], [w["prediction"] for _, w in picked])
+    )
     correct = [w["score"] for _, w in picked]
     cut = max(1, int(len(picked) * cfg.calibration.fraction))
     fit_idx = [i for i in range(len(picked)) if (i * 7919) % len(picked) < cut]  # spread over question types
@@ -252,8 +299,9 @@ def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: li
     }
 
 
-def save_outputs(cfg: SftConfig, model, processor, base_model: str, output_dir: Path, encoder,
-                 probe: list[dict]) -> dict[str, float]:
+def save_outputs(
+    cfg: SftConfig, model, processor, base_model: str, output_dir: Path, encoder, probe: list[dict]
+) -> dict[str, float]:
     """adapter/ (LoRA modes) and model/ (merged, HF format); checks that merging kept the logits."""
     meta = {"stage": "sft", "mode": cfg.mode, "base_model": str(base_model)}
     if cfg.mode == "full":
@@ -279,16 +327,27 @@ def save_outputs(cfg: SftConfig, model, processor, base_model: str, output_dir: 
 
 
 def report(metrics: dict[str, Any]) -> str:
-    lines = ["# SFT", "", f"mode: {metrics['mode']}, steps: {metrics['steps']}, train loss "
-             f"{metrics['train_loss_first']:.3f} -> {metrics['train_loss_final']:.3f}", "",
-             "| type | exact match | majority baseline | n |", "|---|---|---|---|"]
+    lines = [
+        "# SFT",
+        "",
+        f"mode: {metrics['mode']}, steps: {metrics['steps']}, train loss "
+        f"{metrics['train_loss_first']:.3f} -> {metrics['train_loss_final']:.3f}",
+        "",
+        "| type | exact match | majority baseline | n |",
+        "|---|---|---|---|",
+    ]
     for t in M.QUESTION_TYPES:
         if f"exact_match/{t}" in metrics:
-            lines.append(f"| {t} | {metrics[f'exact_match/{t}']:.3f} | {metrics.get(f'majority/{t}', 0.0):.3f} | "
-                         f"{int(metrics.get(f'count/{t}', 0))} |")
-    lines += ["", f"VQA exact match {metrics.get('vqa_exact_match', 0):.3f} vs majority baseline "
-              f"{metrics.get('vqa_majority_baseline', 0):.3f}; grounding {metrics.get('grounding_accuracy', 0):.3f}, "
-              f"ANLS {metrics.get('anls', 0):.3f}, CIDEr-D {metrics.get('cider_d', 0):.3f}."]
+            lines.append(
+                f"| {t} | {metrics[f'exact_match/{t}']:.3f} | {metrics.get(f'majority/{t}', 0.0):.3f} | "
+                f"{int(metrics.get(f'count/{t}', 0))} |"
+            )
+    lines += [
+        "",
+        f"VQA exact match {metrics.get('vqa_exact_match', 0):.3f} vs majority baseline "
+        f"{metrics.get('vqa_majority_baseline', 0):.3f}; grounding {metrics.get('grounding_accuracy', 0):.3f}, "
+        f"ANLS {metrics.get('anls', 0):.3f}, CIDEr-D {metrics.get('cider_d', 0):.3f}.",
+    ]
     if "ece_before" in metrics:
         lines.append(f"Calibration: T={metrics['temperature']}, ECE {metrics['ece_before']} -> {metrics['ece_after']}.")
     return "\n".join(lines) + "\n"
@@ -298,4 +357,3 @@ def main(argv: list[str] | None = None) -> None:
     from components._shared.launch.cli import stage_main
 
     stage_main(SftConfig, run, section="sft", inputs=("base_model", "data"), argv=argv)
-

@@ -136,8 +136,16 @@ TINY_QWEN2_VL = QwenRecipe(
 # changes (a red circle captioned as a red square): 8-pixel patches at 96x96 (0.80), three shape-only swaps per
 # picture as extra negatives, a sigmoid pair loss that puts own captions above one cosine and altered ones below
 # it (the way clean_data thresholds), and 12,000 training pictures (docs/stages/clean_data.md).
-TINY_CLIP = ClipRecipe(version="5", image_size=96, patch_size=8, train_pairs=12000, altered_per_image=4,
-                       altered_loss_weight=1.0, shape_swaps_per_image=3, pair_loss_weight=1.0)
+TINY_CLIP = ClipRecipe(
+    version="5",
+    image_size=96,
+    patch_size=8,
+    train_pairs=12000,
+    altered_per_image=4,
+    altered_loss_weight=1.0,
+    shape_swaps_per_image=3,
+    pair_loss_weight=1.0,
+)
 
 RECIPES: dict[str, QwenRecipe | ClipRecipe] = {
     "tiny-qwen2_5-vl": TINY_QWEN2_5_VL,

@@ -44,9 +44,7 @@ def clip_processor(tokenizer, recipe):
 
 
 @torch.no_grad()
-def clip_cosine(
-    model, processor, images: Sequence, captions: Sequence[str], *, batch_size: int = 256
-) -> np.ndarray:
+def clip_cosine(model, processor, images: Sequence, captions: Sequence[str], *, batch_size: int = 256) -> np.ndarray:
     """Cosine similarity of each (image, caption) pair under a CLIPModel; shape [len(images)]."""
     if len(images) != len(captions):
         raise ValueError(f"clip_cosine got {len(images)} images but {len(captions)} captions; pass pairs.")
@@ -88,9 +86,7 @@ def separation_metrics(matched: np.ndarray, mismatched: np.ndarray, threshold: f
     rejected_good = int((matched < threshold).sum())
     both = np.concatenate([matched, mismatched])
     ranks = both.argsort().argsort()[: len(matched)]  # AUC via the rank-sum of the matched scores
-    auc = (ranks.sum() + len(matched) - len(matched) * (len(matched) + 1) / 2) / (
-        len(matched) * len(mismatched)
-    )
+    auc = (ranks.sum() + len(matched) - len(matched) * (len(matched) + 1) / 2) / (len(matched) * len(mismatched))
     return {
         "threshold": float(threshold),
         "mismatched_recall": rejected_bad / len(mismatched),
@@ -122,9 +118,7 @@ def mismatched_captions(captions: Sequence[str], *, shift: int = 1) -> list[str]
                 out.append(captions[j])
                 break
         else:
-            raise ValueError(
-                "Every held-out caption names the same content; the world produced no variety to measure."
-            )
+            raise ValueError("Every held-out caption names the same content; the world produced no variety to measure.")
     return out
 
 
@@ -268,9 +262,7 @@ def train_clip(
             hard_logits[:, 1:] = hard_logits[:, 1:].masked_fill(batch_altered < 0, float("-inf"))
             rows = (batch_altered >= 0).any(1)
             hard_target = torch.zeros(int(rows.sum()), dtype=torch.long)
-            loss = loss + recipe.altered_loss_weight * torch.nn.functional.cross_entropy(
-                hard_logits[rows], hard_target
-            )
+            loss = loss + recipe.altered_loss_weight * torch.nn.functional.cross_entropy(hard_logits[rows], hard_target)
         if recipe.pair_loss_weight > 0 and (batch_altered >= 0).any():
             # absolute agreement, the way clean_data uses the score: own caption above a learned bias, the
             # altered ones below it (sigmoid, SigLIP-style), so one cosine threshold separates them

@@ -60,12 +60,8 @@ class WorldConfig(StageConfig):
 
     records: Annotated[int, Field(ge=1, description="Lake records (clean + defective).")] = 2000
     records_per_shard: Annotated[int, Field(ge=1, description="Records per NNNNN.tar shard.")] = 250
-    defect_rate: Annotated[
-        float, Field(ge=0.0, le=0.5, description="Share of lake records given a defect.")
-    ] = 0.22
-    word_fraction: Annotated[
-        float, Field(ge=0.0, le=1.0, description="Share of images with a drawn word.")
-    ] = 0.3
+    defect_rate: Annotated[float, Field(ge=0.0, le=0.5, description="Share of lake records given a defect.")] = 0.22
+    word_fraction: Annotated[float, Field(ge=0.0, le=1.0, description="Share of images with a drawn word.")] = 0.3
     max_objects: Annotated[int, Field(ge=1, le=3, description="Most shapes in one scene.")] = 3
     eval_per_type: Annotated[int, Field(ge=0, description="Held-out eval questions per question type.")] = 100
     sft_records: Annotated[int, Field(ge=0, description="Held-out instruction conversations.")] = 2000
@@ -76,9 +72,7 @@ class WorldConfig(StageConfig):
     @classmethod
     def _image_size_fits(cls, value: tuple[int, int]) -> tuple[int, int]:
         if not all(56 <= side <= 1024 for side in value):
-            raise ValueError(
-                f"image_size={value}: both sides must lie in 56..1024 (e.g. [112, 112] or [224, 224])"
-            )
+            raise ValueError(f"image_size={value}: both sides must lie in 56..1024 (e.g. [112, 112] or [224, 224])")
         return value
 
 
@@ -149,14 +143,10 @@ def _garbage_caption(rng: np.random.Generator) -> str:
     return f"Screenshot 2021-0{n % 9 + 1}-1{n % 10} at {n % 12 + 1}.{n % 60:02d}.{n % 57:02d}.png"
 
 
-def _fresh_record(
-    defect: str | None, rng: np.random.Generator, word_fraction: float, max_objects: int
-) -> _Record:
+def _fresh_record(defect: str | None, rng: np.random.Generator, word_fraction: float, max_objects: int) -> _Record:
     """A record of class ``defect`` (None: clean) built from a new scene."""
     word = (
-        WORDS[int(rng.integers(len(WORDS)))]
-        if (defect == "unmentioned_text" or rng.random() < word_fraction)
-        else None
+        WORDS[int(rng.integers(len(WORDS)))] if (defect == "unmentioned_text" or rng.random() < word_fraction) else None
     )
     if defect == "extreme_aspect":
         short = int(rng.integers(56, 113))
@@ -214,9 +204,7 @@ def _duplicate_record(defect: str, original: _Record, original_key: str, rng: np
     quality = int(rng.integers(55, 96))
     while original.quality is not None and abs(quality - original.quality) < 10:
         quality = int(rng.integers(55, 96))
-    return _Record(
-        defect, scene, caption(scene, rng), _encode(image, "jpg", quality), "jpg", quality, original_key
-    )
+    return _Record(defect, scene, caption(scene, rng), _encode(image, "jpg", quality), "jpg", quality, original_key)
 
 
 def _plan(records: int, defect_rate: float, rng: np.random.Generator) -> list[str | None]:

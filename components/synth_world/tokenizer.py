@@ -92,9 +92,7 @@ def train_tokenizer(corpus: Iterable[str], *, vocab_size: int = 512):
         raise ValueError(f"vocab_size={vocab_size} is below the 256 byte symbols + 1; use 300..2000.")
     texts = [t for t in corpus if t]
     if not texts:
-        raise ValueError(
-            "The tokenizer corpus is empty; pass the world's text_corpus (at least a few sentences)."
-        )
+        raise ValueError("The tokenizer corpus is empty; pass the world's text_corpus (at least a few sentences).")
 
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
@@ -118,8 +116,7 @@ def train_tokenizer(corpus: Iterable[str], *, vocab_size: int = 512):
     vocab = bpe.get_vocab()
     vocab.update({token: len(vocab) + i for i, token in enumerate(SPECIAL_TOKENS)})  # Qwen's order, after BPE
     merges = [
-        tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
-        for m in json.loads(bpe.to_str())["model"]["merges"]
+        tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in json.loads(bpe.to_str())["model"]["merges"]
     ]
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
@@ -131,9 +128,7 @@ def train_tokenizer(corpus: Iterable[str], *, vocab_size: int = 512):
         model_max_length=32768,
         chat_template=CHAT_TEMPLATE,
     )
-    missing = [
-        t for t in SPECIAL_TOKENS if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)
-    ]
+    missing = [t for t in SPECIAL_TOKENS if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
     if missing:
         raise RuntimeError(f"Special tokens did not register in the tokenizer: {missing}")
     return tokenizer
@@ -183,7 +178,5 @@ def visual_tokens(
     """How many <|image_pad|> tokens an image of this size becomes (Qwen2-VL smart_resize, 2x2 merge)."""
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-    h, w = smart_resize(
-        height, width, factor=PATCH_SIZE * MERGE_SIZE, min_pixels=min_pixels, max_pixels=max_pixels
-    )
+    h, w = smart_resize(height, width, factor=PATCH_SIZE * MERGE_SIZE, min_pixels=min_pixels, max_pixels=max_pixels)
     return (h // PATCH_SIZE) * (w // PATCH_SIZE) // (MERGE_SIZE**2)

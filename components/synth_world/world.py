@@ -190,9 +190,7 @@ def random_scene(
             raise ValueError(f"{n} objects do not fit a {width}x{height} scene; use a larger image")
         side = max(8, int(rng.uniform(0.55, 0.92) * limit))
         start = area[along] + int(i * slot)
-        pos_along = start + int(
-            rng.integers(0, int(slot) - margin - side + 1)
-        )  # keeps a margin between slots
+        pos_along = start + int(rng.integers(0, int(slot) - margin - side + 1))  # keeps a margin between slots
         pos_across = area[1 - along] + int(rng.integers(0, across - side + 1))
         x1, y1 = (pos_along, pos_across) if along == 0 else (pos_across, pos_along)
         color, shape = names[int(k)]
@@ -215,8 +213,9 @@ def altered_scene(scene: Scene, rng: np.random.Generator) -> Scene:
         shapes = [s for s in SHAPES if s != obj.shape] if mode in ("shape", "both") else [obj.shape]
         options = [(c, s) for c in colors for s in shapes if (c, s) not in taken]
         if not options:  # e.g. three same-colour objects and only shapes may change: change both
-            options = [(c, s) for c in COLORS for s in SHAPES
-                       if c != obj.color and s != obj.shape and (c, s) not in taken]
+            options = [
+                (c, s) for c in COLORS for s in SHAPES if c != obj.color and s != obj.shape and (c, s) not in taken
+            ]
         color, shape = options[int(rng.integers(len(options)))]
         taken.add((color, shape))
         objects.append(replace(obj, color=color, shape=shape))
@@ -282,13 +281,9 @@ def caption(scene: Scene, rng: np.random.Generator, *, mention_word: bool = True
     parts = _placements(scene)
     listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
     if len(parts) == 1:
-        body = _pick(
-            rng, (f"{listed} on a plain background", f"an image of {listed}", f"a picture with {listed}")
-        )
+        body = _pick(rng, (f"{listed} on a plain background", f"an image of {listed}", f"a picture with {listed}"))
     else:
-        body = _pick(
-            rng, (listed, f"an image of {listed}", f"{NUMBER_WORDS[len(parts)].lower()} shapes: {listed}")
-        )
+        body = _pick(rng, (listed, f"an image of {listed}", f"{NUMBER_WORDS[len(parts)].lower()} shapes: {listed}"))
     text = body[0].upper() + body[1:]
     if scene.word and mention_word:
         if rng.random() < 0.5:
@@ -331,17 +326,13 @@ def ask(scene: Scene, kind: str, rng: np.random.Generator) -> tuple[str, str] | 
         if not candidates:
             return None
         obj = _pick(rng, candidates)
-        return _pick(
-            rng, (f"What color is the {obj.shape}?", f"Which color does the {obj.shape} have?")
-        ), obj.color
+        return _pick(rng, (f"What color is the {obj.shape}?", f"Which color does the {obj.shape} have?")), obj.color
     if kind == "shape":
         candidates = _unique(ordered, "color")
         if not candidates:
             return None
         obj = _pick(rng, candidates)
-        return _pick(
-            rng, (f"What shape is the {obj.color} object?", f"Which shape is {obj.color}?")
-        ), obj.shape
+        return _pick(rng, (f"What shape is the {obj.color} object?", f"Which shape is {obj.color}?")), obj.shape
     if kind == "count":
         question = _pick(rng, ("How many shapes are there?", "How many objects are in the image?"))
         return question, str(len(ordered))
@@ -391,11 +382,7 @@ def scene_for(
     max_objects: int = 3,
 ) -> Scene:
     """A fresh scene that answers a ``kind`` question (2+ objects for position/relation, a word for ocr)."""
-    n = (
-        int(rng.integers(2, max_objects + 1))
-        if kind in ("position", "relation") and max_objects >= 2
-        else None
-    )
+    n = int(rng.integers(2, max_objects + 1)) if kind in ("position", "relation") and max_objects >= 2 else None
     has_word = kind == "ocr" or rng.random() < word_fraction
     return random_scene(
         rng, width, height, n_objects=n, max_objects=max_objects, word=_pick(rng, WORDS) if has_word else None

@@ -51,8 +51,8 @@ def preset_path(name_or_path: str | Path) -> Path:
 
 def load_preset(name_or_path: str | Path = "tiny", overrides: dict[str, Any] | None = None) -> Preset:
     """Read and validate a preset; every stage section goes through its config class (errors name the setting)."""
-    from components._shared.platform.presets import deep_merge, read_preset_yaml, validate
     from components._shared.launch.plan import check_config
+    from components._shared.platform.presets import deep_merge, read_preset_yaml, validate
     from components.stages import STAGES, load_config_class
 
     path = preset_path(name_or_path)
@@ -64,7 +64,9 @@ def load_preset(name_or_path: str | Path = "tiny", overrides: dict[str, Any] | N
         )
     # None values are left out (KFP parameters cannot hold null): the config's default, None, applies again.
     stages = {
-        stage: validate(load_config_class(stage), stage, data.get(stage) or {}).model_dump(mode="json", exclude_none=True)
+        stage: validate(load_config_class(stage), stage, data.get(stage) or {}).model_dump(
+            mode="json", exclude_none=True
+        )
         for stage in STAGES
     }
     top = {k: data[k] for k in TOP_LEVEL_KEYS if k in data}

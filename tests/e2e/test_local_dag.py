@@ -31,8 +31,20 @@ def summary(world, tmp_path_factory) -> tuple[dict, Path]:
 
 
 def _qvl_run(world: Path, out: Path, preset: str = "tiny") -> None:
-    cmd = [sys.executable, "-m", "pipelines.cli", "run", "--local", "--preset", preset, "--cache",
-           "--lake", str(world / "lake"), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "run",
+        "--local",
+        "--preset",
+        preset,
+        "--cache",
+        "--lake",
+        str(world / "lake"),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -40,8 +52,17 @@ def _qvl_run(world: Path, out: Path, preset: str = "tiny") -> None:
 def test_every_stage_succeeded_with_the_summary_schema(summary):
     data, _ = summary
     assert data["status"] == "succeeded"
-    assert set(data["stages"]) == {"preflight", "clean_data", "extract_features", "pretrain", "sft", "reward_model",
-                                   "rl", "distill", "select_checkpoint"}
+    assert set(data["stages"]) == {
+        "preflight",
+        "clean_data",
+        "extract_features",
+        "pretrain",
+        "sft",
+        "reward_model",
+        "rl",
+        "distill",
+        "select_checkpoint",
+    }
     for stage, result in data["stages"].items():
         assert result["status"] == "succeeded", stage
         assert isinstance(result["metrics"], dict) and isinstance(result["artifacts"], dict)
@@ -74,8 +95,14 @@ def test_pretrain_and_sft_report_the_issue_metrics_and_load(summary):
     assert 0.0 <= stages["reward_model"]["metrics"]["pair_accuracy"] <= 1.0
     rl = stages["rl"]["metrics"]
     assert rl["algorithm"] == "ppo" and rl["steps"] >= 1
-    for key in ("efficacy_before", "efficacy_after", "mean_length_ratio", "kl_final", "seconds_generation",
-                "seconds_update"):
+    for key in (
+        "efficacy_before",
+        "efficacy_after",
+        "mean_length_ratio",
+        "kl_final",
+        "seconds_generation",
+        "seconds_update",
+    ):
         assert isinstance(rl[key], float), key
     distill = stages["distill"]["metrics"]
     assert distill["student_param_ratio"] < 0.5 and distill["heldout_kl_final"] < distill["heldout_kl_init"]
@@ -98,8 +125,17 @@ def test_one_parent_mlflow_run_with_nested_stage_runs(summary):
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{data['mlflow_run_id']}'"
     )
     names = {run.data.tags.get("qvl.stage") for run in children}
-    assert {"preflight", "clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill",
-            "select_checkpoint"} <= names
+    assert {
+        "preflight",
+        "clean_data",
+        "extract_features",
+        "pretrain",
+        "sft",
+        "reward_model",
+        "rl",
+        "distill",
+        "select_checkpoint",
+    } <= names
     clean = next(r for r in children if r.data.tags.get("qvl.stage") == "clean_data")
     assert clean.data.metrics["records_in"] == data["stages"]["clean_data"]["metrics"]["records_in"]
 
@@ -110,8 +146,16 @@ def test_a_rerun_with_unchanged_inputs_reuses_every_stage(summary, world):
     second = json.loads((out / "run_summary.json").read_text())
     assert second["status"] == "succeeded"
     assert second["stages"]["preflight"]["status"] == "succeeded"  # never cached
-    for stage in ("clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill",
-                  "select_checkpoint"):
+    for stage in (
+        "clean_data",
+        "extract_features",
+        "pretrain",
+        "sft",
+        "reward_model",
+        "rl",
+        "distill",
+        "select_checkpoint",
+    ):
         assert second["stages"][stage]["status"] == "cached", stage
         assert second["stages"][stage]["metrics"] == first["stages"][stage]["metrics"]
         assert second["stages"][stage]["artifacts"] == first["stages"][stage]["artifacts"]

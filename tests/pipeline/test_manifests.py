@@ -46,9 +46,7 @@ LAUNCHER_SA = {"kind": "ServiceAccount", "name": "default-editor", "namespace": 
 def _render_text(name: str) -> str:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        pytest.fail(
-            "kubectl is not on PATH: install kubectl (>= 1.31, kustomize is built in) to render manifests/."
-        )
+        pytest.fail("kubectl is not on PATH: install kubectl (>= 1.31, kustomize is built in) to render manifests/.")
     proc = subprocess.run(
         [kubectl, "kustomize", str(KUSTOMIZATIONS[name])],
         capture_output=True,
@@ -138,9 +136,7 @@ def secret_problems(obj: dict) -> list[str]:
         f"{ident(obj)}: {key} has a value in git"
         for key, value in values.items()
         if value
-        and not (
-            obj["metadata"]["name"] == "qvl-mlflow" and key == "MLFLOW_TRACKING_URI" and value == MLFLOW_URI
-        )
+        and not (obj["metadata"]["name"] == "qvl-mlflow" and key == "MLFLOW_TRACKING_URI" and value == MLFLOW_URI)
     ]
 
 
@@ -258,9 +254,7 @@ def test_references_resolve(name):
                 assert pod["priorityClassName"] in priorities, at
             for c in pod["containers"]:
                 mounts = {m["name"] for m in c.get("volumeMounts") or []}
-                assert mounts <= {v["name"] for v in pod.get("volumes") or []}, (
-                    f"{at}: mounts without volumes"
-                )
+                assert mounts <= {v["name"] for v in pod.get("volumes") or []}, f"{at}: mounts without volumes"
                 for e in c.get("env") or []:
                     ref = (e.get("valueFrom") or {}).get("secretKeyRef")
                     if ref:
@@ -276,11 +270,7 @@ def test_the_names_the_pipeline_uses(name):
     assert find(objs, "Namespace", NAMESPACE)
     assert find(objs, "PersistentVolumeClaim", "qvl-scratch")
     prio = find(objs, "PriorityClass", "qvl-training")
-    assert (
-        prio["value"] > 0
-        and prio["globalDefault"] is False
-        and prio["preemptionPolicy"] == "PreemptLowerPriority"
-    )
+    assert prio["value"] > 0 and prio["globalDefault"] is False and prio["preemptionPolicy"] == "PreemptLowerPriority"
     assert prio.get("description")
 
     service = find(objs, "Service", "mlflow")
@@ -290,9 +280,7 @@ def test_the_names_the_pipeline_uses(name):
     assert service["spec"]["selector"].items() <= pod_labels.items(), "the Service selects no MLflow pod"
     assert port["targetPort"] in {p["name"] for p in mlflow_container(objs)["ports"]}
     url = urlsplit(MLFLOW_URI)
-    assert (
-        url.hostname == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
-    )
+    assert url.hostname == f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
     assert url.port == port["port"]
 
 
@@ -325,10 +313,7 @@ def test_launcher_rbac(name):
     assert allows(cluster_role["rules"], "trainer.kubeflow.org", "clustertrainingruntimes", "get")
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {"clustertrainingruntimes"}
     assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in cluster_role["rules"])
-    assert (
-        cluster_binding["roleRef"]["name"] == "qvl-trainjob-launcher"
-        and LAUNCHER_SA in cluster_binding["subjects"]
-    )
+    assert cluster_binding["roleRef"]["name"] == "qvl-trainjob-launcher" and LAUNCHER_SA in cluster_binding["subjects"]
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
@@ -366,8 +351,7 @@ def test_mlflow_accepts_the_host_the_pipeline_uses():
     from mlflow.server.security_utils import is_allowed_host_header
 
     allowed = [
-        h.strip()
-        for h in env_of(mlflow_container(render("base")))["MLFLOW_SERVER_ALLOWED_HOSTS"]["value"].split(",")
+        h.strip() for h in env_of(mlflow_container(render("base")))["MLFLOW_SERVER_ALLOWED_HOSTS"]["value"].split(",")
     ]
     assert is_allowed_host_header(allowed, urlsplit(MLFLOW_URI).netloc)
     assert is_allowed_host_header(allowed, "localhost:5000")
@@ -388,9 +372,7 @@ def test_the_pipeline_code_names_these_objects():
     runtime = find(objs, "TrainingRuntime", load_cluster_profile(preset["kubernetes"]).trainjob.runtime)
     node = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert node["securityContext"]["runAsUser"] == profile.run_as_user
-    assert node["containers"][0]["image"].endswith(f"/train:{__version__}"), (
-        "bump the runtime image with the version"
-    )
+    assert node["containers"][0]["image"].endswith(f"/train:{__version__}"), "bump the runtime image with the version"
     assert {m["mountPath"] for m in node["containers"][0]["volumeMounts"]} >= {
         profile.scratch_mount_path,
         "/dev/shm",
@@ -403,9 +385,7 @@ def test_the_pipeline_code_names_these_objects():
 def test_dev_is_one_node():
     objs = render("dev")
     scratch = find(objs, "PersistentVolumeClaim", "qvl-scratch")["spec"]
-    assert (
-        scratch["accessModes"] == ["ReadWriteOnce"] and scratch["resources"]["requests"]["storage"] == "200Gi"
-    )
+    assert scratch["accessModes"] == ["ReadWriteOnce"] and scratch["resources"]["requests"]["storage"] == "200Gi"
     assert not [o for o in objs if o["kind"] in ("TrainingRuntime", "ClusterTrainingRuntime")], (
         "dev uses the stock torch-distributed ClusterTrainingRuntime"
     )
@@ -424,9 +404,7 @@ def test_dev_is_one_node():
 def test_prod_is_multi_node():
     objs = render("prod")
     scratch = find(objs, "PersistentVolumeClaim", "qvl-scratch")["spec"]
-    assert (
-        scratch["accessModes"] == ["ReadWriteMany"] and scratch["resources"]["requests"]["storage"] == "2Ti"
-    )
+    assert scratch["accessModes"] == ["ReadWriteMany"] and scratch["resources"]["requests"]["storage"] == "2Ti"
     assert "storageClassName" not in scratch, "left to the cluster default (or patched by the operator)"
 
     c = mlflow_container(objs)
@@ -438,9 +416,7 @@ def test_prod_is_multi_node():
     assert find(objs, "Secret", "qvl-mlflow-db")["stringData"] == {"MLFLOW_BACKEND_STORE_URI": ""}
     deployment = find(objs, "Deployment", "mlflow")["spec"]
     assert deployment["replicas"] == 2 and deployment["strategy"]["type"] == "RollingUpdate"
-    assert not [
-        o for o in objs if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "qvl-mlflow-db"
-    ]
+    assert not [o for o in objs if o["kind"] == "PersistentVolumeClaim" and o["metadata"]["name"] == "qvl-mlflow-db"]
 
 
 def test_prod_training_runtime():

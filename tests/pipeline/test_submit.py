@@ -71,8 +71,16 @@ def _console_script(name: str) -> list[str]:
 def test_qvl_submit_sends_the_compiled_spec_parameters_and_overrides_but_no_secret(monkeypatch):
     monkeypatch.setenv("KFP_TOKEN", TOKEN)
     with FakeKfpApi(token=TOKEN) as api:
-        result = _submit(api, "--experiment", "vlm-prod", "--run-name", "nightly", "lake_uri=s3://lake/laion",
-                         "eval_data_uri=s3://data/heldout", "sft.lora.r=16")
+        result = _submit(
+            api,
+            "--experiment",
+            "vlm-prod",
+            "--run-name",
+            "nightly",
+            "lake_uri=s3://lake/laion",
+            "eval_data_uri=s3://data/heldout",
+            "sft.lora.r=16",
+        )
         assert result.exit_code == 0, result.output
         assert not api.unexpected(), [(r.method, r.path, r.status) for r in api.unexpected()]
         body = _body(api)
@@ -104,16 +112,28 @@ def test_qvl_submit_sends_the_compiled_spec_parameters_and_overrides_but_no_secr
     assert TOKEN not in result.output and SECRET not in result.output
 
 
-@pytest.mark.parametrize(("states", "exit_code", "says"), [
-    (["PENDING", "RUNNING", "SUCCEEDED"], 0, "SUCCEEDED"),
-    (["PENDING", "RUNNING", "RUNNING", "FAILED"], 1, "state FAILED: task 'sft-op' failed"),
-    (["RUNNING", "CANCELING", "CANCELED"], 1, "state CANCELED"),
-])
+@pytest.mark.parametrize(
+    ("states", "exit_code", "says"),
+    [
+        (["PENDING", "RUNNING", "SUCCEEDED"], 0, "SUCCEEDED"),
+        (["PENDING", "RUNNING", "RUNNING", "FAILED"], 1, "state FAILED: task 'sft-op' failed"),
+        (["RUNNING", "CANCELING", "CANCELED"], 1, "state CANCELED"),
+    ],
+)
 def test_wait_ends_with_the_run_and_fails_naming_the_state(states, exit_code, says):
     with FakeKfpApi(states=states) as api:
         existing = api.add_experiment("vlm-prod")
-        result = _submit(api, "--experiment", "vlm-prod", "--wait", "--poll-interval", "0.01", "--preset", "tiny",
-                         "lake_uri=s3://lake/x")
+        result = _submit(
+            api,
+            "--experiment",
+            "vlm-prod",
+            "--wait",
+            "--poll-interval",
+            "0.01",
+            "--preset",
+            "tiny",
+            "lake_uri=s3://lake/x",
+        )
         assert not api.unexpected()
     assert result.exit_code == exit_code, result.output
     assert says in result.output
@@ -127,21 +147,35 @@ def test_wait_ends_with_the_run_and_fails_naming_the_state(states, exit_code, sa
 
 def test_wait_gives_up_after_the_timeout():
     with FakeKfpApi(states=["PENDING", "RUNNING"]) as api:
-        result = _submit(api, "--experiment", "e", "--wait", "--timeout", "0.3", "--poll-interval", "0.05",
-                         "--preset", "tiny", "lake_uri=s3://lake/x")
+        result = _submit(
+            api,
+            "--experiment",
+            "e",
+            "--wait",
+            "--timeout",
+            "0.3",
+            "--poll-interval",
+            "0.05",
+            "--preset",
+            "tiny",
+            "lake_uri=s3://lake/x",
+        )
     assert result.exit_code == 3, result.output
     assert "still RUNNING after 0.3s" in result.output
     assert len(api.requests_to("GET", f"{RUNS}/{next(iter(api.runs))}")) >= 2
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    (["lake_uri=s3://x", "sft.train.stepz=1"], "sft.train.stepz"),
-    (["lake_uri=s3://x", "sft.lora.r=-4"], "sft.lora.r"),
-    (["lake=s3://x"], "Unknown pipeline parameter 'lake'. Parameters: lake_uri, eval_data_uri"),
-    (["lake_uri=s3://x", "sft_config={}"], "Stage settings are dotted: sft.SETTING=VALUE"),
-    (["sft.lora.r=16"], "lake_uri is required"),
-    (["lake_uri"], "'lake_uri' is not key=value"),
-])
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["lake_uri=s3://x", "sft.train.stepz=1"], "sft.train.stepz"),
+        (["lake_uri=s3://x", "sft.lora.r=-4"], "sft.lora.r"),
+        (["lake=s3://x"], "Unknown pipeline parameter 'lake'. Parameters: lake_uri, eval_data_uri"),
+        (["lake_uri=s3://x", "sft_config={}"], "Stage settings are dotted: sft.SETTING=VALUE"),
+        (["sft.lora.r=16"], "lake_uri is required"),
+        (["lake_uri"], "'lake_uri' is not key=value"),
+    ],
+)
 def test_bad_arguments_fail_before_any_request(args, says):
     with FakeKfpApi() as api:
         result = _submit(api, "--experiment", "e", *args)
@@ -178,10 +212,21 @@ def test_params_file_supplies_parameters_and_pairs_override_it(tmp_path):
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"lake_uri": "s3://lake/v2", "sft_data_uri": "s3://data/sft-v2"}))
     with FakeKfpApi() as api:
-        result = _submit(api, "--experiment", "e", "--preset", "tiny", "--params-file", str(manifest),
-                         "sft_data_uri=s3://data/sft-v3")
+        result = _submit(
+            api,
+            "--experiment",
+            "e",
+            "--preset",
+            "tiny",
+            "--params-file",
+            str(manifest),
+            "sft_data_uri=s3://data/sft-v3",
+        )
         assert result.exit_code == 0, result.output
-    assert _body(api)["runtime_config"]["parameters"] == {"lake_uri": "s3://lake/v2", "sft_data_uri": "s3://data/sft-v3"}
+    assert _body(api)["runtime_config"]["parameters"] == {
+        "lake_uri": "s3://lake/v2",
+        "sft_data_uri": "s3://data/sft-v3",
+    }
     manifest.write_text(json.dumps({"lake_uri": "s3://x", "sft_config": {"mode": "full"}}))
     with FakeKfpApi() as api:
         result = _submit(api, "--experiment", "e", "--params-file", str(manifest))
@@ -214,10 +259,28 @@ def test_kfp_cli_run_create_submits_the_committed_yaml(tmp_path):
     """README's `kfp --endpoint URL run create -e EXP -f pipelines/compiled/vlm_training.yaml key=value`, with the
     token from the environment (the kfp CLI reads KFP_EXISTING_TOKEN for --existing-token)."""
     with FakeKfpApi(token=TOKEN) as api:
-        command = [*_console_script("kfp"), "--endpoint", api.url, "run", "create", "-e", "vlm-prod",
-                   "-f", str(COMPILED.relative_to(ROOT)), "lake_uri=s3://x", "eval_data_uri=s3://data/heldout"]
-        proc = subprocess.run(command, check=False, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                              env=_env_for_subprocess(tmp_path, KFP_EXISTING_TOKEN=TOKEN))
+        command = [
+            *_console_script("kfp"),
+            "--endpoint",
+            api.url,
+            "run",
+            "create",
+            "-e",
+            "vlm-prod",
+            "-f",
+            str(COMPILED.relative_to(ROOT)),
+            "lake_uri=s3://x",
+            "eval_data_uri=s3://data/heldout",
+        ]
+        proc = subprocess.run(
+            command,
+            check=False,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=_env_for_subprocess(tmp_path, KFP_EXISTING_TOKEN=TOKEN),
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert not api.unexpected()
     body = _body(api)
@@ -264,8 +327,10 @@ def test_workflow_tests_checks_the_compiled_yaml_then_submits_and_waits(workflow
     assert any(u.startswith("actions/checkout@") for u in uses)
     setup = next(s for s in steps if s.get("uses", "").startswith("actions/setup-python@"))
     assert str(setup["with"]["python-version"]) == "3.11"
-    order = [_step_running(workflow, text)[0] for text in
-             ("bash .ci/install.sh", "python3 -m pytest -q", "qvl compile", "qvl submit")]
+    order = [
+        _step_running(workflow, text)[0]
+        for text in ("bash .ci/install.sh", "python3 -m pytest -q", "qvl compile", "qvl submit")
+    ]
     assert order == sorted(order), "install, test, compile check, submit: in this order"
     assert "git diff --exit-code" in _step_running(workflow, "qvl compile")[1]["run"]
     _, submit = _step_running(workflow, "qvl submit")
@@ -302,13 +367,25 @@ def test_workflow_submit_step_against_the_fake_fails_when_the_run_fails(workflow
     summary = tmp_path / "summary.md"
     with FakeKfpApi(states=states, token=TOKEN) as api:
         env = _env_for_subprocess(
-            tmp_path, KFP_HOST=api.url, KFP_TOKEN=TOKEN, PRESET="tiny", LAKE_URI="", OVERRIDES="sft.lora.r=8",
-            EXPERIMENT="vlm-retrain", WAIT_MINUTES="1", GITHUB_RUN_ID="42", GITHUB_RUN_ATTEMPT="1",
-            GITHUB_EVENT_NAME="push", GITHUB_STEP_SUMMARY=str(summary), PYTHONUNBUFFERED="1",
-            PYTHONPATH=str(ROOT), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            tmp_path,
+            KFP_HOST=api.url,
+            KFP_TOKEN=TOKEN,
+            PRESET="tiny",
+            LAKE_URI="",
+            OVERRIDES="sft.lora.r=8",
+            EXPERIMENT="vlm-retrain",
+            WAIT_MINUTES="1",
+            GITHUB_RUN_ID="42",
+            GITHUB_RUN_ATTEMPT="1",
+            GITHUB_EVENT_NAME="push",
+            GITHUB_STEP_SUMMARY=str(summary),
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=str(ROOT),
+            PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         )
-        proc = subprocess.run(["bash", "-c", step["run"]], check=False, cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=180)
+        proc = subprocess.run(
+            ["bash", "-c", step["run"]], check=False, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+        )
         assert not api.unexpected()
     assert (proc.returncode == 0) is ok, proc.stdout + proc.stderr
     body = _body(api)

@@ -23,8 +23,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 FAULTS = ("500", "503", "reset", "truncate", "delay")
-_ERROR_XML = ('<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>injected by the test '
-              'proxy</Message></Error>')
+_ERROR_XML = (
+    '<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>injected by the test '
+    "proxy</Message></Error>"
+)
 
 
 class FaultProxy:
@@ -75,8 +77,11 @@ class FaultProxy:
                 for name, value in headers:
                     if name.lower() not in ("transfer-encoding", "content-length", "connection"):
                         self.send_header(name, value)
-                length = len(data) if self.command != "HEAD" else int(dict(
-                    (k.lower(), v) for k, v in headers).get("content-length", "0"))
+                length = (
+                    len(data)
+                    if self.command != "HEAD"
+                    else int(dict((k.lower(), v) for k, v in headers).get("content-length", "0"))
+                )
                 self.send_header("Content-Length", str(length))
                 if truncate:
                     self.send_header("Connection", "close")

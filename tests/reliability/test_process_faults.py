@@ -27,9 +27,20 @@ def _stage(config: dict, data_dir, out, **env):
 
 
 def test_reward_model_killed_mid_run_and_mid_checkpoint_resumes_to_bit_identical_weights(data_dir, tmp_path):
-    config = {"min_pixels": 3136, "max_pixels": 3136, "heldout_fraction": 0.25,
-              "train": {"steps": 6, "samples_per_step": 4, "max_tokens_per_micro_batch": 1024, "threads": 1,
-                        "eval_every": 3, "checkpoint_every": 2}, "optim": {"lr": 0.003}}
+    config = {
+        "min_pixels": 3136,
+        "max_pixels": 3136,
+        "heldout_fraction": 0.25,
+        "train": {
+            "steps": 6,
+            "samples_per_step": 4,
+            "max_tokens_per_micro_batch": 1024,
+            "threads": 1,
+            "eval_every": 3,
+            "checkpoint_every": 2,
+        },
+        "optim": {"lr": 0.003},
+    }
     straight = _stage(config, data_dir, tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
     killed = _stage(config, data_dir, tmp_path / "killed", QVL_TEST_KILL_AT_STEP=3)
@@ -62,19 +73,35 @@ def test_a_kfp_task_killed_mid_stage_is_retried_under_kfp_local_and_resumes_bit_
 
     pretrained = tmp_path / "pretrained"
     shutil.copytree(resolve_model(BASE), pretrained / "model")
-    config = {"mode": "full", "min_pixels": 3136, "max_pixels": 12544, "max_records": 4,
-              "train": {"steps": 4, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1,
-                        "checkpoint_every": 2, "checkpoint_uri": str(tmp_path / "checkpoints")},
-              "optim": {"lr": 0.01}, "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 4},
-              "calibration": {"enabled": False}}
-    straight = run_stage_cli("sft", {**config, "train": {**config["train"], "checkpoint_uri": str(
-        tmp_path / "straight-checkpoints")}}, tmp_path / "straight", {"base_model": pretrained / "model",
-                                                                       "data": data_dir})
+    config = {
+        "mode": "full",
+        "min_pixels": 3136,
+        "max_pixels": 12544,
+        "max_records": 4,
+        "train": {
+            "steps": 4,
+            "samples_per_step": 4,
+            "max_tokens_per_micro_batch": 512,
+            "threads": 1,
+            "checkpoint_every": 2,
+            "checkpoint_uri": str(tmp_path / "checkpoints"),
+        },
+        "optim": {"lr": 0.01},
+        "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 4},
+        "calibration": {"enabled": False},
+    }
+    straight = run_stage_cli(
+        "sft",
+        {**config, "train": {**config["train"], "checkpoint_uri": str(tmp_path / "straight-checkpoints")}},
+        tmp_path / "straight",
+        {"base_model": pretrained / "model", "data": data_dir},
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     marker = tmp_path / "killed-once"
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"),
-               raise_on_error=True)  # a task that fails for good raises here
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"), raise_on_error=True
+    )  # a task that fails for good raises here
 
     @dsl.pipeline
     def retried(sft_config: dict):
@@ -95,5 +122,7 @@ def test_a_kfp_task_killed_mid_stage_is_retried_under_kfp_local_and_resumes_bit_
     a = load_file(str(tmp_path / "straight/model/model.safetensors"))
     b = load_file(str(outputs[0].parent / "model/model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    print(f"kfp.local retry: attempt 1 SIGKILLed at step 3, attempt 2 resumed from step 2; {len(a)} tensors "
-          "bit-identical to the uninterrupted run")
+    print(
+        f"kfp.local retry: attempt 1 SIGKILLed at step 3, attempt 2 resumed from step 2; {len(a)} tensors "
+        "bit-identical to the uninterrupted run"
+    )

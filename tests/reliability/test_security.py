@@ -13,8 +13,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE_DIRS = ("components", "pipelines", "bench")
-UNPICKLERS = {("pickle", "load"), ("pickle", "loads"), ("dill", "load"), ("dill", "loads"), ("joblib", "load"),
-              ("cloudpickle", "load"), ("cloudpickle", "loads"), ("pd", "read_pickle"), ("pandas", "read_pickle")}
+UNPICKLERS = {
+    ("pickle", "load"),
+    ("pickle", "loads"),
+    ("dill", "load"),
+    ("dill", "loads"),
+    ("joblib", "load"),
+    ("cloudpickle", "load"),
+    ("cloudpickle", "loads"),
+    ("pd", "read_pickle"),
+    ("pandas", "read_pickle"),
+}
 
 
 def _calls():
@@ -60,8 +69,10 @@ def test_no_code_path_unpickles_or_trusts_remote_code():
             remote_code_flags += 1
             if not (isinstance(flag, ast.Constant) and flag.value is False):
                 problems.append(f"{where}: trust_remote_code is not the literal False")
-    print(f"checked {calls} calls: {torch_loads} torch.load (all weights_only=True), {remote_code_flags} "
-          "trust_remote_code flags (all False), no unpickler")
+    print(
+        f"checked {calls} calls: {torch_loads} torch.load (all weights_only=True), {remote_code_flags} "
+        "trust_remote_code flags (all False), no unpickler"
+    )
     assert not problems, "\n".join(problems)
     assert torch_loads >= 1 and remote_code_flags >= 5  # the scan sees the loaders it is meant to police
 
@@ -125,26 +136,46 @@ def test_no_secret_value_reaches_outputs_mlflow_or_logs(tmp_path):
     from components.synth_world.lake import write_world
 
     write_world(tmp_path / "world", records=40, seed=4)
-    canaries = {"AWS_SECRET_ACCESS_KEY": "canary-secret-4f1c9b", "AWS_ACCESS_KEY_ID": "canary-key-8d2e77",
-                "QVL_TEST_TOKEN": "canary-token-0a5b3c"}
+    canaries = {
+        "AWS_SECRET_ACCESS_KEY": "canary-secret-4f1c9b",
+        "AWS_ACCESS_KEY_ID": "canary-key-8d2e77",
+        "QVL_TEST_TOKEN": "canary-token-0a5b3c",
+    }
     out = tmp_path / "out"
-    env = {**os.environ, **canaries, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
-           "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "components.clean_data", "--lake-uri", str(tmp_path / "world/lake"),
-           "--output-dir", str(out), "clip_enabled=false", "nsfw_enabled=false", "ocr_enabled=false",
-           "outlier_enabled=false", "min_pixels=3136", "max_pixels=50176"]
+    env = {**os.environ, **canaries, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "components.clean_data",
+        "--lake-uri",
+        str(tmp_path / "world/lake"),
+        "--output-dir",
+        str(out),
+        "clip_enabled=false",
+        "nsfw_enabled=false",
+        "ocr_enabled=false",
+        "outlier_enabled=false",
+        "min_pixels=3136",
+        "max_pixels=50176",
+    ]
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     haystacks = [("stdout", done.stdout.encode()), ("stderr", done.stderr.encode())]
-    haystacks += [(str(p.relative_to(tmp_path)), p.read_bytes()) for p in tmp_path.rglob("*")
-                  if p.is_file() and "world" not in p.parts]
+    haystacks += [
+        (str(p.relative_to(tmp_path)), p.read_bytes())
+        for p in tmp_path.rglob("*")
+        if p.is_file() and "world" not in p.parts
+    ]
     assert (tmp_path / "mlflow.db").exists() and any(out.rglob("*"))
     assert _leaks(haystacks, canaries) == []
     # the scan itself can fail: a value planted in an output is found
     assert _leaks([*haystacks, ("out/planted.txt", b"x" + canaries["AWS_ACCESS_KEY_ID"].encode())], canaries) == [
-        ("AWS_ACCESS_KEY_ID", "out/planted.txt")]
-    print(f"scanned {len(haystacks)} outputs, logs and MLflow files "
-          f"({sum(len(d) for _, d in haystacks) / 1e6:.1f} MB): no credential value")
+        ("AWS_ACCESS_KEY_ID", "out/planted.txt")
+    ]
+    print(
+        f"scanned {len(haystacks)} outputs, logs and MLflow files "
+        f"({sum(len(d) for _, d in haystacks) / 1e6:.1f} MB): no credential value"
+    )
 
 
 def _leaks(haystacks: list[tuple[str, bytes]], canaries: dict[str, str]) -> list[tuple[str, str]]:

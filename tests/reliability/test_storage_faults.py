@@ -86,8 +86,10 @@ def test_clean_data_on_an_s3_lake_accounts_every_record_under_faults(faulty_s3, 
     assert remote["rejected_by_reason"] == local["rejected_by_reason"] and not remote["shard_errors"]
     assert remote["records_kept"] == local["records_kept"] > 0
     assert sum(proxy.injected.values()) >= 5, proxy.injected
-    print(f"clean_data on S3 under faults: {remote['records_in']} records, {remote['records_kept']} kept, "
-          f"identical accounting to the local run")
+    print(
+        f"clean_data on S3 under faults: {remote['records_in']} records, {remote['records_kept']} kept, "
+        f"identical accounting to the local run"
+    )
 
 
 def test_a_stream_broken_mid_body_resumes_where_it_broke(s3_env, monkeypatch):
@@ -101,13 +103,14 @@ def test_a_stream_broken_mid_body_resumes_where_it_broke(s3_env, monkeypatch):
             received = b"".join(pieces)
     assert received == data
     assert proxy.injected["truncate"] >= 1 and proxy.ranged >= 1
-    print(f"3 MiB read in 256 KiB pieces: {proxy.injected['truncate']} truncated answers, "
-          f"{proxy.ranged} resumed with a Range GET")
+    print(
+        f"3 MiB read in 256 KiB pieces: {proxy.injected['truncate']} truncated answers, "
+        f"{proxy.ranged} resumed with a Range GET"
+    )
 
 
 @pytest.mark.slow
-def test_a_training_stage_with_checkpoints_and_export_on_faulty_s3_is_killed_resumes_and_matches(
-        faulty_s3, tmp_path):
+def test_a_training_stage_with_checkpoints_and_export_on_faulty_s3_is_killed_resumes_and_matches(faulty_s3, tmp_path):
     """A whole sft run against S3 at a 20% fault rate: checkpoints on S3, SIGKILLed at step 3, rerun; the model
     it exports to S3 (verified on fetch) is bit-identical to a run with local checkpoints and no kill."""
     import json
@@ -124,19 +127,47 @@ def test_a_training_stage_with_checkpoints_and_export_on_faulty_s3_is_killed_res
     s3, proxy = faulty_s3
     data = tmp_path / "data"
     write_splits(data, seed=6, eval_per_type=1, sft_records=8, preference_pairs=1)
-    config = {"mode": "full", "min_pixels": 3136, "max_pixels": 12544, "max_records": 8,
-              "train": {"steps": 6, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1,
-                        "checkpoint_every": 2},
-              "optim": {"lr": 0.01}, "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 4},
-              "calibration": {"enabled": False}}
+    config = {
+        "mode": "full",
+        "min_pixels": 3136,
+        "max_pixels": 12544,
+        "max_records": 8,
+        "train": {
+            "steps": 6,
+            "samples_per_step": 4,
+            "max_tokens_per_micro_batch": 512,
+            "threads": 1,
+            "checkpoint_every": 2,
+        },
+        "optim": {"lr": 0.01},
+        "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 4},
+        "calibration": {"enabled": False},
+    }
 
     def sft(output: str, checkpoint_uri: str, **env):
         cfg = tmp_path / f"cfg-{len(list(tmp_path.glob('cfg-*')))}.yaml"
-        cfg.write_text(yaml.safe_dump({"sft": {**config, "train": {**config["train"], "checkpoint_uri": checkpoint_uri}}}))
-        cmd = [sys.executable, "-m", "components.sft", "--config", str(cfg), "--output-dir", output,
-               "--base-model", "builtin:tiny-qwen2_5-vl", "--data", str(data)]
-        environ = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
-                   **{k: str(v) for k, v in env.items()}}
+        cfg.write_text(
+            yaml.safe_dump({"sft": {**config, "train": {**config["train"], "checkpoint_uri": checkpoint_uri}}})
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "components.sft",
+            "--config",
+            str(cfg),
+            "--output-dir",
+            output,
+            "--base-model",
+            "builtin:tiny-qwen2_5-vl",
+            "--data",
+            str(data),
+        ]
+        environ = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
+            **{k: str(v) for k, v in env.items()},
+        }
         return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=900, check=False)
 
     straight = sft(str(tmp_path / "straight"), str(tmp_path / "straight-ckpt"))
@@ -152,5 +183,7 @@ def test_a_training_stage_with_checkpoints_and_export_on_faulty_s3_is_killed_res
     b = load_file(str(fetched / "model/model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert sum(proxy.injected.values()) >= 10, proxy.injected
-    print(f"sft on faulty S3: killed at step 3, resumed from step 2, {len(a)} tensors bit-identical; "
-          f"{proxy.requests} requests, faults {dict(proxy.injected)}")
+    print(
+        f"sft on faulty S3: killed at step 3, resumed from step 2, {len(a)} tensors bit-identical; "
+        f"{proxy.requests} requests, faults {dict(proxy.injected)}"
+    )

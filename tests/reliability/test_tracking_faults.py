@@ -28,16 +28,33 @@ def test_a_60_s_tracking_outage_during_training_loses_nothing(mlflow_server, tmp
     data = tmp_path / "data"
     write_splits(data, seed=4, eval_per_type=1, sft_records=64, preference_pairs=4)
     steps = 4000  # ~2.5 minutes at one thread: the 60 s outage falls inside it with ~10 s before and ~60 s after
-    config = {"mode": "full", "min_pixels": 3136, "max_pixels": 3136, "calibration": {"enabled": False},
-              "train": {"steps": steps, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1,
-                        "log_every": 1},
-              "optim": {"lr": 0.003}, "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 4}}
+    config = {
+        "mode": "full",
+        "min_pixels": 3136,
+        "max_pixels": 3136,
+        "calibration": {"enabled": False},
+        "train": {
+            "steps": steps,
+            "samples_per_step": 4,
+            "max_tokens_per_micro_batch": 512,
+            "threads": 1,
+            "log_every": 1,
+        },
+        "optim": {"lr": 0.003},
+        "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 4},
+    }
     out, fallback = tmp_path / "out", tmp_path / "fallback"
     result: dict = {}
 
     def stage():
-        result["proc"] = run_stage_cli("sft", config, out, {"base_model": "builtin:tiny-qwen2_5-vl", "data": data},
-                                       MLFLOW_TRACKING_URI=mlflow_server.uri, QVL_MLFLOW_FALLBACK_DIR=fallback)
+        result["proc"] = run_stage_cli(
+            "sft",
+            config,
+            out,
+            {"base_model": "builtin:tiny-qwen2_5-vl", "data": data},
+            MLFLOW_TRACKING_URI=mlflow_server.uri,
+            QVL_MLFLOW_FALLBACK_DIR=fallback,
+        )
 
     worker = threading.Thread(target=stage)
     worker.start()
@@ -69,5 +86,7 @@ def test_a_60_s_tracking_outage_during_training_loses_nothing(mlflow_server, tmp
     assert sorted(m.step for m in history) == list(range(1, steps + 1))  # every step, outage included
     assert client.get_run(run.info.run_id).info.status == "FINISHED"
     assert not fallback.exists() or not any(fallback.rglob("*.jsonl"))
-    print(f"outage {outage:.0f} s; train/loss points before it {seen_before}, on the server after: {len(history)} "
-          f"of {steps}")
+    print(
+        f"outage {outage:.0f} s; train/loss points before it {seen_before}, on the server after: {len(history)} "
+        f"of {steps}"
+    )

@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _run(*args: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, f"{args[0]} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -22,8 +23,18 @@ def _run(*args: str) -> str:
 def test_sft_mfu_tiny_prints_the_json_report():
     out = _run("bench/gpu/sft_mfu.py", "--tiny", "--steps", "2")
     report = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
-    for key in ("tokens_per_s", "step_time_s", "mfu", "achieved_tflops", "peak_tflops", "model_flops_per_step",
-                "tokens_per_step", "memory", "flops_split", "budget"):
+    for key in (
+        "tokens_per_s",
+        "step_time_s",
+        "mfu",
+        "achieved_tflops",
+        "peak_tflops",
+        "model_flops_per_step",
+        "tokens_per_step",
+        "memory",
+        "flops_split",
+        "budget",
+    ):
         assert key in report, key
     assert report["timed_steps"] == 2 and len(report["step_time_s_all"]) == 2
     assert report["mfu_meaningful"] is False and "not meaningful" in report["note"]
@@ -34,8 +45,20 @@ def test_sft_mfu_tiny_prints_the_json_report():
 
 
 def test_packing_throughput_packs_more_efficiently_than_padding():
-    out = _run("bench/packing_throughput.py", "--model", "builtin:tiny-qwen2_5-vl", "--samples", "24",
-               "--repeats", "1", "--warmup", "1", "--budget", "auto,512", "--json")
+    out = _run(
+        "bench/packing_throughput.py",
+        "--model",
+        "builtin:tiny-qwen2_5-vl",
+        "--samples",
+        "24",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--budget",
+        "auto,512",
+        "--json",
+    )
     assert "vs padded" in out and "goals packed@" in out and "vision tower" in out
     report = json.loads(out.split("JSON ", 1)[1].splitlines()[0])
     arms = report["arms"]
@@ -63,10 +86,20 @@ def test_vision_like_7b_resizes_only_the_vit_to_the_7b_cost_ratio():
     target = reference_vit_to_lm_cost("7b")
     assert 0.3 < target < 0.45
     resized = vision_like(model, "7b")
+
     def lm_shape(m):
         text = m.config.text_config
-        sizes = [getattr(text, k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
-                                            "num_attention_heads", "num_key_value_heads", "vocab_size")]
+        sizes = [
+            getattr(text, k)
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "vocab_size",
+            )
+        ]
         return sizes, sum(p.numel() for p in m.model.language_model.parameters())
 
     assert lm_shape(resized) == lm_shape(model)

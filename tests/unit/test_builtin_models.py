@@ -134,14 +134,10 @@ def test_qwen_builtin_loads_forwards_and_generates(name, model_cache):
     expected = "Qwen2_5_VLForConditionalGeneration" if "2_5" in name else "Qwen2VLForConditionalGeneration"
     assert meta["architecture"] == expected
     assert model.config.text_config.rope_parameters["mrope_section"] == list(bm.RECIPES[name].mrope_section)
-    print(
-        f"\n{name}: {params} parameters, build+resolve {resolve_seconds:.2f}s, build {meta['build_seconds']}s"
-    )
+    print(f"\n{name}: {params} parameters, build+resolve {resolve_seconds:.2f}s, build {meta['build_seconds']}s")
 
     image, caption = sample_clean_pairs(1, seed=3)[0]
-    messages = [
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}
-    ]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe the image."}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
     inputs = processor(text=[prompt + caption], images=[image], return_tensors="pt")
     labels = inputs["input_ids"].clone()
@@ -225,11 +221,7 @@ def test_tiny_clip_separates_matched_from_mismatched(world_tokenizer, tmp_path):
         atol=1e-5,
     )
     eos = reprocessor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    assert (
-        reprocessor.tokenizer("a red circle")["input_ids"][-1]
-        == eos
-        == reloaded.config.text_config.eos_token_id
-    )
+    assert reprocessor.tokenizer("a red circle")["input_ids"][-1] == eos == reloaded.config.text_config.eos_token_id
     with pytest.raises(ValueError, match="pairs"):
         bm.clip_cosine(model, processor, images, captions[:3])
 

@@ -16,15 +16,22 @@ from components._shared.platform.tracking import NullTracker
 from components.clean_data.config import CleanDataConfig
 from components.synth_world.lake import write_world
 
-
 RECORDS, PER_SHARD = 400, 200
 
 
 @pytest.fixture(scope="session")
 def world(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("world")
-    write_world(root, records=RECORDS, seed=7, records_per_shard=PER_SHARD, defect_rate=0.3,
-                            eval_per_type=1, sft_records=0, preference_pairs=0)
+    write_world(
+        root,
+        records=RECORDS,
+        seed=7,
+        records_per_shard=PER_SHARD,
+        defect_rate=0.3,
+        eval_per_type=1,
+        sft_records=0,
+        preference_pairs=0,
+    )
     return root
 
 
@@ -100,8 +107,10 @@ def test_accounting_exact_per_shard_and_reason(world, cleaned):
     kept, rejected = _table(out / "kept"), _table(out / "rejected")
     assert manifest["records_in"] == RECORDS == kept.num_rows + rejected.num_rows
     assert manifest["records_kept"] == kept.num_rows == metrics["records_kept"]
-    assert manifest["rejected_by_reason"] == {**dict.fromkeys(manifest["rejected_by_reason"], 0),
-                                              **Counter(rejected.column("reason").to_pylist())}
+    assert manifest["rejected_by_reason"] == {
+        **dict.fromkeys(manifest["rejected_by_reason"], 0),
+        **Counter(rejected.column("reason").to_pylist()),
+    }
     for shard, entry in manifest["per_shard"].items():
         assert entry["records_in"] == PER_SHARD == entry["records_kept"] + entry["records_rejected"]
         assert entry["records_kept"] == kept.column("shard").to_pylist().count(shard)
@@ -141,8 +150,15 @@ def test_self_judge_drops_the_worst_fraction_by_caption_loss(world, tmp_path):
     from components.clean_data.stage import run
 
     torch.set_num_threads(1)
-    cfg = CleanDataConfig(clip_enabled=False, nsfw_enabled=False, ocr_enabled=False, outlier_enabled=False,
-                          judge_model="builtin:tiny-qwen2_5-vl", judge_drop_fraction=0.25, judge_batch_size=16)
+    cfg = CleanDataConfig(
+        clip_enabled=False,
+        nsfw_enabled=False,
+        ocr_enabled=False,
+        outlier_enabled=False,
+        judge_model="builtin:tiny-qwen2_5-vl",
+        judge_drop_fraction=0.25,
+        judge_batch_size=16,
+    )
     lake = tmp_path / "lake"
     lake.mkdir()
     (lake / "00000.tar").write_bytes((world / "lake" / "00000.tar").read_bytes()[: 40 * 3 * 2048])  # first records only

@@ -13,7 +13,7 @@ runner = CliRunner()
 def test_lake_synth_writes_a_world_with_ground_truth(tmp_path):
     result = runner.invoke(app, ["lake", "synth", "--out", str(tmp_path / "w"), "--records", "60", "--seed", "2"])
     assert result.exit_code == 0, result.output
-    counts = json.loads(result.stdout[result.stdout.index("{"):])
+    counts = json.loads(result.stdout[result.stdout.index("{") :])
     assert counts["lake"]["records"] == 60
     assert len((tmp_path / "w" / "ground_truth.jsonl").read_text().splitlines()) == 60
     assert sorted(p.name for p in (tmp_path / "w" / "lake").glob("*.tar")) == ["00000.tar"]
@@ -32,16 +32,19 @@ def test_compile_writes_a_parseable_pipeline(tmp_path):
 def test_stage_with_an_invalid_setting_names_it(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("clean_data:\n  min_side: -3\n")
-    result = runner.invoke(app, ["stage", "clean_data", "--config", str(cfg), "--lake-uri", str(tmp_path),
-                                 "--output-dir", str(tmp_path / "o")])
+    result = runner.invoke(
+        app,
+        ["stage", "clean_data", "--config", str(cfg), "--lake-uri", str(tmp_path), "--output-dir", str(tmp_path / "o")],
+    )
     assert result.exit_code != 0
     assert "clean_data.min_side" in str(result.exception)
 
 
 def test_run_refuses_non_local_and_unknown_stage(tmp_path):
     assert runner.invoke(app, ["run", "--lake", str(tmp_path)]).exit_code == 2
-    result = runner.invoke(app, ["run", "--local", "--lake", str(tmp_path), "--until", "nope", "--out",
-                                 str(tmp_path / "o")])
+    result = runner.invoke(
+        app, ["run", "--local", "--lake", str(tmp_path), "--until", "nope", "--out", str(tmp_path / "o")]
+    )
     assert result.exit_code != 0
     assert "until='nope'" in str(result.exception)
 

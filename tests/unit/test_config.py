@@ -5,8 +5,8 @@ from typing import Annotated
 import pytest
 from pydantic import Field, ValidationError
 
-from components._shared.platform.presets import deep_merge, parse_overrides, validate
 from components._shared.platform.config import StageConfig, SubConfig
+from components._shared.platform.presets import deep_merge, parse_overrides, validate
 
 
 class Optim(SubConfig):

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from components._shared.model.packing import ConversationEncoder, forward_logits, pack
-from components._shared.platform.tracking import NullTracker
 from components._shared.model.vlm import build_student, count_parameters, load_vlm, set_pixel_bounds
+from components._shared.platform.tracking import NullTracker
 from components.distill.config import DistillConfig, LossConfig
 from components.distill.losses import attention_kl, distillation_loss, layer_map, logit_kl
 from components.distill.prune import measure_importance, plan_pruning, prune
@@ -31,10 +31,16 @@ def _batch(model, processor, n: int = 6):
     set_pixel_bounds(processor, 3136, 12544)
     encoder = ConversationEncoder(processor, model, min_pixels=3136, max_pixels=12544)
     rng = np.random.default_rng(0)
-    samples = [encoder.encode([{"role": "user", "text": "<image>\nWhat colour is the shape?"},
-                               {"role": "assistant", "text": ["red", "blue square", "two"][i % 3]}],
-                              images=[Image.fromarray((rng.random((84, 112, 3)) * 255).astype("uint8"))])
-               for i in range(n)]
+    samples = [
+        encoder.encode(
+            [
+                {"role": "user", "text": "<image>\nWhat colour is the shape?"},
+                {"role": "assistant", "text": ["red", "blue square", "two"][i % 3]},
+            ],
+            images=[Image.fromarray((rng.random((84, 112, 3)) * 255).astype("uint8"))],
+        )
+        for i in range(n)
+    ]
     return pack(samples)
 
 
@@ -97,10 +103,24 @@ def test_losses():
     batch = {"targets": torch.tensor([[-100, 3, 4, -100, 5]])}
     student, teacher = Out(torch.randn(5, 11)), Out(torch.randn(5, 11))
     weights = LossConfig(kl=0.0, ce=1.0)
-    everything, n, _ = distillation_loss(student, teacher, batch, weights=weights, pairs=[], projections=None,
-                                         data_answer=torch.ones(5, dtype=torch.bool))
-    on_policy_last, _, _ = distillation_loss(student, teacher, batch, weights=weights, pairs=[], projections=None,
-                                             data_answer=torch.tensor([True, True, True, False, False]))
+    everything, n, _ = distillation_loss(
+        student,
+        teacher,
+        batch,
+        weights=weights,
+        pairs=[],
+        projections=None,
+        data_answer=torch.ones(5, dtype=torch.bool),
+    )
+    on_policy_last, _, _ = distillation_loss(
+        student,
+        teacher,
+        batch,
+        weights=weights,
+        pairs=[],
+        projections=None,
+        data_answer=torch.tensor([True, True, True, False, False]),
+    )
     assert n == 3 and 0 < float(on_policy_last) < float(everything)  # no CE on the student's own tokens
 
 
@@ -119,14 +139,17 @@ def teacher(data_dir, tmp_path_factory):
 
 
 def _cfg(**over) -> DistillConfig:
-    data = {"student": {**SMALL, "vision_intermediate": 64, "calibration_samples": 16},
-            "min_pixels": 3136, "max_pixels": 3136,
-            "loss": {"temperature": 2.0, "kl": 1.0, "ce": 0.2, "hidden": 0.5, "attention": 0.5},
-            "on_policy": {"fraction": 0.25, "max_new_tokens": 6},
-            "train": {"steps": 12, "samples_per_step": 8, "max_tokens_per_micro_batch": 512, "threads": 1,
-                      "eval_every": 0},
-            "optim": {"lr": 0.003}, "schedule": {"warmup_steps": 1},
-            "eval": {"per_type": 2, "batch_size": 16, "max_new_tokens": 6}}
+    data = {
+        "student": {**SMALL, "vision_intermediate": 64, "calibration_samples": 16},
+        "min_pixels": 3136,
+        "max_pixels": 3136,
+        "loss": {"temperature": 2.0, "kl": 1.0, "ce": 0.2, "hidden": 0.5, "attention": 0.5},
+        "on_policy": {"fraction": 0.25, "max_new_tokens": 6},
+        "train": {"steps": 12, "samples_per_step": 8, "max_tokens_per_micro_batch": 512, "threads": 1, "eval_every": 0},
+        "optim": {"lr": 0.003},
+        "schedule": {"warmup_steps": 1},
+        "eval": {"per_type": 2, "batch_size": 16, "max_new_tokens": 6},
+    }
     for k, v in over.items():
         data[k] = {**data[k], **v} if isinstance(v, dict) else v
     return DistillConfig.model_validate(data)
@@ -169,8 +192,12 @@ def test_student_checkpoint_init_and_config_errors(data_dir, tmp_path):
     _, processor = load_vlm(BASE)
     small.save_pretrained(tmp_path / "small")
     processor.save_pretrained(tmp_path / "small")
-    cfg = _cfg(student={"init": "model", "model_uri": str(tmp_path / "small")}, train={"steps": 2},
-               loss={"hidden": 0.0, "attention": 0.0}, on_policy={"fraction": 0.0})
+    cfg = _cfg(
+        student={"init": "model", "model_uri": str(tmp_path / "small")},
+        train={"steps": 2},
+        loss={"hidden": 0.0, "attention": 0.0},
+        on_policy={"fraction": 0.0},
+    )
     metrics = run(cfg, teacher_model=BASE, data=str(data_dir), output_dir=tmp_path / "out", tracker=NullTracker())
     assert metrics["student_init"] == "model" and metrics["student_parameters"] == count_parameters(small)
 
@@ -186,11 +213,16 @@ def test_student_checkpoint_init_and_config_errors(data_dir, tmp_path):
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_distill_runs_on_the_deepspeed_backend(zero_stage, data_dir, teacher, tmp_path):
     """Hidden-state projections ride in the engine; the exported student is a plain Qwen model."""
-    cfg = _cfg(loss={"attention": 0.0}, on_policy={"fraction": 0.0},
-               train={"steps": 3, "backend": "deepspeed", "zero_stage": zero_stage})
+    cfg = _cfg(
+        loss={"attention": 0.0},
+        on_policy={"fraction": 0.0},
+        train={"steps": 3, "backend": "deepspeed", "zero_stage": zero_stage},
+    )
     metrics = run(cfg, teacher_model=teacher, data=str(data_dir), output_dir=tmp_path, tracker=NullTracker())
     assert metrics["steps"] == 3 and metrics["heldout_kl_final"] < metrics["heldout_kl_init"]
     weights = load_file(str(tmp_path / "model/model.safetensors"))
     assert not [k for k in weights if "distill" in k]
-    assert count_parameters(AutoModelForImageTextToText.from_pretrained(tmp_path / "model")) == \
-        metrics["student_parameters"]
+    assert (
+        count_parameters(AutoModelForImageTextToText.from_pretrained(tmp_path / "model"))
+        == metrics["student_parameters"]
+    )

@@ -25,9 +25,16 @@ def model_and_encoder():
 def _records():
     rng = np.random.default_rng(1)
     sizes = [(112, 112), (56, 168), (224, 112), (84, 84)]
-    return [{"id": f"r{i}", "question": "What color is the shape?" + " Answer briefly." * (i % 2), "type": "color",
-             "answer": "red", "pil": Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))}
-            for i, (h, w) in enumerate(sizes)]
+    return [
+        {
+            "id": f"r{i}",
+            "question": "What color is the shape?" + " Answer briefly." * (i % 2),
+            "type": "color",
+            "answer": "red",
+            "pil": Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)),
+        }
+        for i, (h, w) in enumerate(sizes)
+    ]
 
 
 def test_batched_generation_equals_teacher_forced_greedy(model_and_encoder):
@@ -38,11 +45,13 @@ def test_batched_generation_equals_teacher_forced_greedy(model_and_encoder):
     end = encoder.tokenizer.convert_tokens_to_ids("<|im_end|>")
     with torch.no_grad():
         first_logits: list = []
-        generated = E.generate_answers(model, encoder, records, batch_size=4, max_new_tokens=4,
-                                       first_logits=first_logits)
+        generated = E.generate_answers(
+            model, encoder, records, batch_size=4, max_new_tokens=4, first_logits=first_logits
+        )
         for record, answer, logits in zip(records, generated, first_logits):
-            sample = encoder.encode(readers.prompt_turns(record["question"]), images=[record["pil"]],
-                                    add_generation_prompt=True)
+            sample = encoder.encode(
+                readers.prompt_turns(record["question"]), images=[record["pil"]], add_generation_prompt=True
+            )
             ids = sample.input_ids
             expected = []
             for _ in range(4):
@@ -72,8 +81,9 @@ def test_ece_and_temperature_fit():
 
 
 def test_eval_records_are_validated(tmp_path: Path):
-    (tmp_path / "eval.jsonl").write_text('{"id": "q1", "image": "../x.png", "question": "?", "answer": "a", '
-                                         '"type": "color"}\n')
+    (tmp_path / "eval.jsonl").write_text(
+        '{"id": "q1", "image": "../x.png", "question": "?", "answer": "a", "type": "color"}\n'
+    )
     with pytest.raises(ValueError, match="leaves the data directory"):
         readers.load_eval_records(tmp_path)
     (tmp_path / "eval.jsonl").write_text('{"id": "q2", "image": "x.png"}\n')
@@ -103,15 +113,26 @@ def test_eval_records_join_files_of_both_formats(tmp_path: Path):
     Image.fromarray(np.zeros((28, 28, 3), dtype=np.uint8)).save(tmp_path / "x.png")
     flat = {"image": "x.png", "question": "What colour?", "answer": "red", "type": "color"}
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"id": f"e{i}", **flat}) + "\n" for i in range(3)))
-    conversation = {"image": "x.png", "type": "color", "conversations": [
-        {"from": "human", "value": "<image>\nWhat colour is the shape?"}, {"from": "gpt", "value": "blue"}]}
+    conversation = {
+        "image": "x.png",
+        "type": "color",
+        "conversations": [
+            {"from": "human", "value": "<image>\nWhat colour is the shape?"},
+            {"from": "gpt", "value": "blue"},
+        ],
+    }
     (tmp_path / "rl.jsonl").write_text("".join(json.dumps({"id": f"r{i}", **conversation}) + "\n" for i in range(4)))
     records = readers.load_eval_records(tmp_path, files=["eval.jsonl", "rl.jsonl"])
     assert [r["id"] for r in records] == ["e0", "e1", "e2", "r0", "r1", "r2", "r3"]
     assert records[3]["question"] == "What colour is the shape?" and records[3]["answer"] == "blue"
     assert records[3]["pil"].size == (28, 28)
     assert [r["id"] for r in readers.load_eval_records(tmp_path, files=["eval.jsonl", "rl.jsonl"], per_type=5)] == [
-        "e0", "e1", "e2", "r0", "r1"]  # the cap counts across files, in file order
+        "e0",
+        "e1",
+        "e2",
+        "r0",
+        "r1",
+    ]  # the cap counts across files, in file order
     (tmp_path / "dup.jsonl").write_text(json.dumps({"id": "e1", **flat}) + "\n")
     with pytest.raises(ValueError, match="'e1' is in both eval.jsonl and dup.jsonl"):
         readers.load_eval_records(tmp_path, files=["eval.jsonl", "dup.jsonl"])

@@ -106,9 +106,7 @@ def world(tmp_path_factory):
                 "caption": f"a picture number {seed} with red circles",
                 "width": width,
                 "height": height,
-                "visual_tokens": clean_data_visual_tokens(
-                    height, width, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS
-                ),
+                "visual_tokens": clean_data_visual_tokens(height, width, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
             }
         )
     clean = root / "clean_data"
@@ -187,9 +185,7 @@ def test_fp32_features_equal_processor_and_tower(world, fp32_run):
     for row in world["rows"]:
         image = Image.open(io.BytesIO(row["image"]))
         reference = world["processor"](images=[image], return_tensors="pt")
-        expected_rows, expected_output = _reference(
-            visual, reference["pixel_values"], reference["image_grid_thw"]
-        )
+        expected_rows, expected_output = _reference(visual, reference["pixel_values"], reference["image_grid_thw"])
         cached = tensors[row["image_hash"]]
         assert cached.dtype == torch.float32 and cached.shape == expected_rows.shape == (cached.shape[0], 64)
         torch.testing.assert_close(cached, expected_rows, atol=1e-5, rtol=1e-5)
@@ -208,9 +204,7 @@ def test_fp32_features_equal_processor_and_tower(world, fp32_run):
         )
     assert metrics["images"] == len(IMAGES) and metrics["decode_backend"] == "torchvision"
     assert metrics["visual_tokens_total"] == sum(row["visual_tokens"] for row in world["rows"])
-    assert metrics["feature_bytes"] == sum(
-        t.numel() * 4 for k, t in tensors.items() if not k.endswith(".grid_thw")
-    )
+    assert metrics["feature_bytes"] == sum(t.numel() * 4 for k, t in tensors.items() if not k.endswith(".grid_thw"))
 
 
 def test_windowed_images_really_reorder(world):
@@ -242,8 +236,16 @@ def test_pixel_rows_bit_identical_to_processor(world):
 def test_index_and_shards(world, fp32_run):
     out, metrics, tracker = fp32_run
     index = json.loads((out / "index.json").read_text())
-    assert set(index) == {"model", "dtype", "hidden_size", "merge_size", "min_pixels", "max_pixels", "images",
-                          "caption_embeddings"}
+    assert set(index) == {
+        "model",
+        "dtype",
+        "hidden_size",
+        "merge_size",
+        "min_pixels",
+        "max_pixels",
+        "images",
+        "caption_embeddings",
+    }
     assert index["model"] == str(world["model_dir"]) and index["dtype"] == "float32"
     assert index["hidden_size"] == 64 and index["merge_size"] == 2 and index["caption_embeddings"] is None
     assert set(index["images"]) == {row["image_hash"] for row in world["rows"]}
@@ -329,9 +331,7 @@ def test_pil_backend_and_duplicates(world, tmp_path):
         output_dir=tmp_path / "out",
         tracker=NullTracker(),
     )
-    assert (
-        metrics["images"] == 2 and metrics["duplicates_skipped"] == 1 and metrics["decode_backend"] == "pil"
-    )
+    assert metrics["images"] == 2 and metrics["duplicates_skipped"] == 1 and metrics["decode_backend"] == "pil"
     assert [p.name for p in (tmp_path / "out").glob("features-*")] == ["features-00000.safetensors"]
 
 
@@ -396,9 +396,7 @@ def test_qwen2_vl_tower_without_window_attention(world, tmp_path):
     for row in world["rows"][:2]:
         reference = world["processor"](images=[Image.open(io.BytesIO(row["image"]))], return_tensors="pt")
         with torch.no_grad():
-            expected = model.model.visual(
-                reference["pixel_values"], grid_thw=reference["image_grid_thw"]
-            ).pooler_output
+            expected = model.model.visual(reference["pixel_values"], grid_thw=reference["image_grid_thw"]).pooler_output
             torch.testing.assert_close(
                 model.model.visual.merger(tensors[row["image_hash"]]), expected, atol=1e-5, rtol=1e-5
             )
@@ -469,9 +467,7 @@ def test_caption_embeddings(world, tmp_path):
     with torch.no_grad():
         direct = clip.get_text_features(**tokenizer([first["caption"]], return_tensors="pt"))
     direct = direct if isinstance(direct, torch.Tensor) else direct.pooler_output
-    torch.testing.assert_close(
-        embeddings[first["image_hash"]], torch.nn.functional.normalize(direct, dim=-1)[0]
-    )
+    torch.testing.assert_close(embeddings[first["image_hash"]], torch.nn.functional.normalize(direct, dim=-1)[0])
     assert embeddings[first["image_hash"]].shape == (16,)
     assert not torch.allclose(embeddings[first["image_hash"]], embeddings[world["rows"][1]["image_hash"]])
     with pytest.raises(ValueError, match="is a 'clip' model; extract_features needs qwen2_5_vl or qwen2_vl"):
@@ -501,8 +497,6 @@ def test_config_errors_are_clear(overrides, message):
 
 
 def test_config_coerces_kfp_floats():
-    cfg = ExtractFeaturesConfig.model_validate(
-        {"batch_size": 8.0, "images_per_shard": 2.0, "max_pixels": 40000.0}
-    )
+    cfg = ExtractFeaturesConfig.model_validate({"batch_size": 8.0, "images_per_shard": 2.0, "max_pixels": 40000.0})
     assert (cfg.batch_size, cfg.images_per_shard, cfg.max_pixels) == (8, 2, 40000)
     assert isinstance(cfg.batch_size, int)

@@ -25,8 +25,9 @@ from components.clean_data import filters
 from components.clean_data.config import CleanDataConfig
 from components.clean_data.stage import clean_shard, list_shards, merge_shards, run
 
-CFG = CleanDataConfig(clip_enabled=False, nsfw_enabled=False, ocr_enabled=False, outlier_enabled=False,
-                      max_image_pixels=4_000_000)
+CFG = CleanDataConfig(
+    clip_enabled=False, nsfw_enabled=False, ocr_enabled=False, outlier_enabled=False, max_image_pixels=4_000_000
+)
 
 
 def _image(size=(64, 48), fmt="JPEG", seed=0) -> bytes:
@@ -41,8 +42,12 @@ def _bomb_png(width=100_000, height=100_000) -> bytes:
     def chunk(tag, body):
         return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", zlib.crc32(tag + body) & 0xFFFFFFFF)
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + chunk(b"IEND", b"")
+    )
 
 
 def _write_tar(path: Path, members) -> Path:
@@ -75,35 +80,64 @@ def _truncated_png() -> bytes:
 
 
 HOSTILE = [
-    ("000001.jpg", b"\x00\x01garbage" * 50), ("000001.txt", _caption()),
-    ("000002.png", _truncated_png()), ("000002.txt", _caption()),
-    ("000003.jpg", b""), ("000003.txt", _caption()),
-    ("000004.png", _bomb_png()), ("000004.txt", _caption()),
-    ("000005.jpg", _image(seed=5)), ("000005.txt", b"\xff\xfe bad \xc3\x28 utf8"),
+    ("000001.jpg", b"\x00\x01garbage" * 50),
+    ("000001.txt", _caption()),
+    ("000002.png", _truncated_png()),
+    ("000002.txt", _caption()),
+    ("000003.jpg", b""),
+    ("000003.txt", _caption()),
+    ("000004.png", _bomb_png()),
+    ("000004.txt", _caption()),
+    ("000005.jpg", _image(seed=5)),
+    ("000005.txt", b"\xff\xfe bad \xc3\x28 utf8"),
     ("000006.jpg", _image(seed=6)),
     ("000007.txt", _caption()),
     ("../evil.txt", b"escaped"),
     ("/abs.jpg", _image(seed=8)),
-    _special("000008.jpg", tarfile.SYMTYPE, "/etc/passwd"), ("000008.txt", _caption()),
+    _special("000008.jpg", tarfile.SYMTYPE, "/etc/passwd"),
+    ("000008.txt", _caption()),
     _special("000009.jpg", tarfile.LNKTYPE, "000012.jpg"),
     _special("000010.jpg", tarfile.CHRTYPE),
-    ("000011.png", _image((2000, 40), "PNG", seed=11)), ("000011.txt", _caption()),
-    ("000012.jpg", _image(seed=12)), ("000012.txt", _caption("Two shapes: a blue square and a red circle.")),
-    ("000013.gif", _image(fmt="GIF", seed=13)), ("000013.txt", _caption()),
-    ("000014.bmp", _image(fmt="BMP", seed=14)), ("000014.txt", _caption()),
-    ("000015.jpg", _image((10, 10), seed=15)), ("000015.txt", _caption()),
-    ("000016.jpg", _image(seed=16)), ("000016.txt", b"   \n"),
-    ("000017.jpg", _image(seed=17)), ("000017.txt", b"IMG_1234.JPG"),
-    ("000018.jpg", _image(seed=12)), ("000018.txt", _caption("The same picture again, a copy.")),
-    ("000019.webp", _image(fmt="WEBP", seed=19)), ("000019.txt", _caption("A small webp picture of noise.")),
+    ("000011.png", _image((2000, 40), "PNG", seed=11)),
+    ("000011.txt", _caption()),
+    ("000012.jpg", _image(seed=12)),
+    ("000012.txt", _caption("Two shapes: a blue square and a red circle.")),
+    ("000013.gif", _image(fmt="GIF", seed=13)),
+    ("000013.txt", _caption()),
+    ("000014.bmp", _image(fmt="BMP", seed=14)),
+    ("000014.txt", _caption()),
+    ("000015.jpg", _image((10, 10), seed=15)),
+    ("000015.txt", _caption()),
+    ("000016.jpg", _image(seed=16)),
+    ("000016.txt", b"   \n"),
+    ("000017.jpg", _image(seed=17)),
+    ("000017.txt", b"IMG_1234.JPG"),
+    ("000018.jpg", _image(seed=12)),
+    ("000018.txt", _caption("The same picture again, a copy.")),
+    ("000019.webp", _image(fmt="WEBP", seed=19)),
+    ("000019.txt", _caption("A small webp picture of noise.")),
     ("000019.json", b"{not json"),
 ]
 EXPECTED = {
-    "000001": "undecodable", "000002": "truncated_image", "000003": "empty_file", "000004": "decompression_bomb",
-    "000005": "caption_not_utf8", "000006": "missing_caption", "000007": "missing_image", "../evil": "unsafe_member",
-    "/abs": "unsafe_member", "000008": "unsafe_member", "000009": "unsafe_member", "000010": "unsafe_member",
-    "000011": "extreme_aspect", "000013": "unsupported_format", "000014": "unsupported_format",
-    "000015": "too_small", "000016": "empty_caption", "000017": "garbage_caption", "000018": "exact_duplicate",
+    "000001": "undecodable",
+    "000002": "truncated_image",
+    "000003": "empty_file",
+    "000004": "decompression_bomb",
+    "000005": "caption_not_utf8",
+    "000006": "missing_caption",
+    "000007": "missing_image",
+    "../evil": "unsafe_member",
+    "/abs": "unsafe_member",
+    "000008": "unsafe_member",
+    "000009": "unsafe_member",
+    "000010": "unsafe_member",
+    "000011": "extreme_aspect",
+    "000013": "unsupported_format",
+    "000014": "unsupported_format",
+    "000015": "too_small",
+    "000016": "empty_caption",
+    "000017": "garbage_caption",
+    "000018": "exact_duplicate",
 }
 
 
@@ -129,7 +163,9 @@ def test_hostile_tar_each_record_rejected_with_its_reason(tmp_path, monkeypatch)
     assert _rejected(out) == EXPECTED
     kept = pq.read_table(out / "kept.parquet").to_pylist()
     assert [r["key"] for r in kept] == ["000012", "000019"]
-    assert kept[1]["image_format"] == "WEBP" and json.loads(kept[1]["metadata"])["metadata_error"].startswith("invalid JSON")
+    assert kept[1]["image_format"] == "WEBP" and json.loads(kept[1]["metadata"])["metadata_error"].startswith(
+        "invalid JSON"
+    )
     assert metrics["records_in"] == 21 == metrics["records_kept"] + metrics["records_rejected"]
     report = json.loads((out / "shard_report.json").read_text())
     assert report["rejected_by_reason"]["unsafe_member"] == 5 and report["shard_error"] is None
@@ -142,7 +178,10 @@ def test_hostile_tar_each_record_rejected_with_its_reason(tmp_path, monkeypatch)
 def test_broken_tar_keeps_what_was_read_and_reports_the_rest(tmp_path):
     members = []
     for i in range(10):
-        members += [(f"{i:06d}.jpg", _image(seed=100 + i)), (f"{i:06d}.txt", _caption(f"Noise picture number {i} here."))]
+        members += [
+            (f"{i:06d}.jpg", _image(seed=100 + i)),
+            (f"{i:06d}.txt", _caption(f"Noise picture number {i} here.")),
+        ]
     good = _write_tar(tmp_path / "good.tar", members).read_bytes()
     with tarfile.open(tmp_path / "good.tar") as tar:
         cut = next(m.offset_data + m.size // 2 for m in tar.getmembers() if m.name == "000006.jpg")
@@ -166,8 +205,15 @@ def test_broken_tar_keeps_what_was_read_and_reports_the_rest(tmp_path):
 def test_parquet_lake_and_merge_accounting(tmp_path):
     lake = tmp_path / "lake"
     lake.mkdir()
-    rows = [{"key": f"p{i:03d}", "jpg": _image(seed=200 + i), "caption": f"Noise picture number {i} in parquet.",
-             "url": f"https://x/{i}.jpg"} for i in range(6)]
+    rows = [
+        {
+            "key": f"p{i:03d}",
+            "jpg": _image(seed=200 + i),
+            "caption": f"Noise picture number {i} in parquet.",
+            "url": f"https://x/{i}.jpg",
+        }
+        for i in range(6)
+    ]
     rows[2]["jpg"] = None
     rows[3]["caption"] = "0x3f2a9bc1d4e5f6a7"
     rows[4]["jpg"] = rows[0]["jpg"]  # exact duplicate of p000
@@ -187,12 +233,24 @@ def test_parquet_lake_and_merge_accounting(tmp_path):
     assert json.loads(kept.to_pylist()[0]["metadata"])["url"].startswith("https://x/")
     rejected = pq.read_table(tmp_path / "final/rejected/part-00000.parquet").to_pylist()
     assert {(r["key"], r["reason"]) for r in rejected} == {
-        ("p002", "missing_image"), ("p003", "garbage_caption"), ("p004", "exact_duplicate"), ("t000", "exact_duplicate")}
-    assert metrics["records_in"] == 7 and metrics["records_kept"] == 3 and metrics["rejected_by_reason"]["exact_duplicate"] == 2
+        ("p002", "missing_image"),
+        ("p003", "garbage_caption"),
+        ("p004", "exact_duplicate"),
+        ("t000", "exact_duplicate"),
+    }
+    assert (
+        metrics["records_in"] == 7
+        and metrics["records_kept"] == 3
+        and metrics["rejected_by_reason"]["exact_duplicate"] == 2
+    )
     manifest = json.loads((tmp_path / "final/manifest.json").read_text())
-    assert manifest["per_shard"]["00001.tar"] == {"records_in": 1, "records_kept": 0, "records_rejected": 1,
-                                                  "rejected_by_reason": manifest["per_shard"]["00001.tar"]["rejected_by_reason"],
-                                                  "shard_error": None}
+    assert manifest["per_shard"]["00001.tar"] == {
+        "records_in": 1,
+        "records_kept": 0,
+        "records_rejected": 1,
+        "rejected_by_reason": manifest["per_shard"]["00001.tar"]["rejected_by_reason"],
+        "shard_error": None,
+    }
     assert "kept/part-00000.parquet" in manifest["files"] and (tmp_path / "final/report.md").is_file()
 
 
@@ -206,16 +264,36 @@ def test_missing_lake_and_bad_shard_dirs_are_clear_errors(tmp_path):
         merge_shards(CFG, shard_dirs=[tmp_path / "empty"], output_dir=tmp_path / "o", tracker=NullTracker())
 
 
-@pytest.mark.parametrize("text", ["IMG_1234.JPG", "DSC00042", "DSC00042.jpg", "3f9a0b1c2d3e4f5a6b7c",
-                                  "https://cdn3.example.com/ab12/77.jpg", "aaaaaaaaaaaa", "!!!!!!!!",
-                                  "#$%&*@^~+=<>", "Screenshot 2021-03-14 at 5.12.33.png", "spam spam spam spam", "ok"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "IMG_1234.JPG",
+        "DSC00042",
+        "DSC00042.jpg",
+        "3f9a0b1c2d3e4f5a6b7c",
+        "https://cdn3.example.com/ab12/77.jpg",
+        "aaaaaaaaaaaa",
+        "!!!!!!!!",
+        "#$%&*@^~+=<>",
+        "Screenshot 2021-03-14 at 5.12.33.png",
+        "spam spam spam spam",
+        "ok",
+    ],
+)
 def test_garbage_captions_flagged(text):
     assert filters.garbage_caption(text, min_words=2, min_letter_ratio=0.5, max_repeated_chars=5)
 
 
-@pytest.mark.parametrize("text", ["A red circle on a plain background.", ('Two shapes: a blue square on the left and '
-                                  'a green cross on the right, with the word "cat".'), "一只红色的猫坐在沙发上",
-                                  "Ein rotes Quadrat über einem grünen Kreis.", "Photo of the 2024 Tour de France"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "A red circle on a plain background.",
+        ('Two shapes: a blue square on the left and a green cross on the right, with the word "cat".'),
+        "一只红色的猫坐在沙发上",
+        "Ein rotes Quadrat über einem grünen Kreis.",
+        "Photo of the 2024 Tour de France",
+    ],
+)
 def test_real_captions_pass(text):
     assert filters.garbage_caption(text, min_words=2, min_letter_ratio=0.5, max_repeated_chars=5) is None
 
@@ -249,8 +327,13 @@ def test_knn_outlier_flags_the_far_point():
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(records=st.lists(st.tuples(st.binary(max_size=300), st.binary(max_size=80), st.sampled_from(["jpg", "png", "webp", "gif"])),
-                        min_size=1, max_size=6))
+@given(
+    records=st.lists(
+        st.tuples(st.binary(max_size=300), st.binary(max_size=80), st.sampled_from(["jpg", "png", "webp", "gif"])),
+        min_size=1,
+        max_size=6,
+    )
+)
 def test_random_bytes_never_crash_and_are_accounted(records):
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -88,7 +88,9 @@ def test_truncated_and_garbage_and_empty():
     "height,width",
     [(112, 112), (200, 300), (480, 640), (1080, 1920), (33, 700), (700, 33), (28, 28), (57, 85), (4000, 3000)],
 )
-@pytest.mark.parametrize("min_pixels,max_pixels", [(56 * 56, 28 * 28 * 64), (112 * 112, 112 * 112), (4 * 28 * 28, 1280 * 28 * 28)])
+@pytest.mark.parametrize(
+    "min_pixels,max_pixels", [(56 * 56, 28 * 28 * 64), (112 * 112, 112 * 112), (4 * 28 * 28, 1280 * 28 * 28)]
+)
 def test_visual_tokens_match_qwen_processor(height, width, min_pixels, max_pixels):
     import numpy as np
     from transformers import Qwen2VLImageProcessor

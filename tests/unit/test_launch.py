@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from components._shared.platform.config import StageConfig
 from components._shared.launch.result import RESULT_FILE, SUMMARY_DIR_ENV, flatten_metrics
 from components._shared.launch.runner import execute
+from components._shared.platform.config import StageConfig
 
 
 class ToyConfig(StageConfig):
@@ -35,8 +35,9 @@ def test_flatten_keeps_numbers_and_flattens_dicts():
 
 
 def test_success_is_recorded_in_output_and_summary_dir(env):
-    metrics = execute("toy", ToyConfig(), toy_run, inputs={"value": 3}, output_dir=env / "out",
-                      experiment="t", record_as="toy")
+    metrics = execute(
+        "toy", ToyConfig(), toy_run, inputs={"value": 3}, output_dir=env / "out", experiment="t", record_as="toy"
+    )
     assert metrics["doubled"] == 6.0
     assert (env / "out" / "out.txt").read_text() == "6.0"
     for path in (env / "out" / RESULT_FILE, env / "results" / "toy.json"):
@@ -48,16 +49,22 @@ def test_success_is_recorded_in_output_and_summary_dir(env):
 
 def test_failure_is_recorded_then_raised(env):
     with pytest.raises(ValueError, match="record 7"):
-        execute("toy", ToyConfig(), failing_run, inputs={"value": 3}, output_dir=env / "out",
-                experiment="t", record_as="toy")
+        execute(
+            "toy",
+            ToyConfig(),
+            failing_run,
+            inputs={"value": 3},
+            output_dir=env / "out",
+            experiment="t",
+            record_as="toy",
+        )
     result = json.loads((env / "results" / "toy.json").read_text())
     assert result["status"] == "failed"
     assert "record 7" in result["error"]
 
 
 def test_unrecorded_shard_run_writes_no_summary(env):
-    execute("toy", ToyConfig(), toy_run, inputs={"value": 1}, output_dir=env / "shard", experiment="t",
-            record_as=None)
+    execute("toy", ToyConfig(), toy_run, inputs={"value": 1}, output_dir=env / "shard", experiment="t", record_as=None)
     assert not (env / "results").exists()
     assert not (env / "shard" / RESULT_FILE).exists()
 
@@ -69,8 +76,15 @@ def test_output_is_committed_last_and_only_on_success(env):
     marker = storage.read_marker(env / "ok")
     assert set(marker["files"]) == {"out.txt", RESULT_FILE}
     with pytest.raises(ValueError):
-        execute("toy", ToyConfig(), failing_run, inputs={"value": 2}, output_dir=env / "bad", experiment="t",
-                record_as="toy")
+        execute(
+            "toy",
+            ToyConfig(),
+            failing_run,
+            inputs={"value": 2},
+            output_dir=env / "bad",
+            experiment="t",
+            record_as="toy",
+        )
     assert not storage.is_committed(env / "bad")
 
 
@@ -80,5 +94,12 @@ def test_a_modified_committed_input_is_refused(env):
     execute("toy", ToyConfig(), toy_run, inputs={"value": 2}, output_dir=env / "up", experiment="t", record_as="up")
     (env / "up" / "out.txt").write_text("tampered")
     with pytest.raises(IntegrityError, match="out.txt"):
-        execute("toy", ToyConfig(), toy_run, inputs={"value": str(env / "up")}, output_dir=env / "down",
-                experiment="t", record_as="down")
+        execute(
+            "toy",
+            ToyConfig(),
+            toy_run,
+            inputs={"value": str(env / "up")},
+            output_dir=env / "down",
+            experiment="t",
+            record_as="down",
+        )

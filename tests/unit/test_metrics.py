@@ -282,9 +282,7 @@ RECORDS = [
 
 def test_summarize():
     out = summarize(RECORDS)
-    cider = cider_d(
-        {r["id"]: r["prediction"] for r in RECORDS[7:]}, {r["id"]: [r["answer"]] for r in RECORDS[7:]}
-    )[0]
+    cider = cider_d({r["id"]: r["prediction"] for r in RECORDS[7:]}, {r["id"]: [r["answer"]] for r in RECORDS[7:]})[0]
     assert out == pytest.approx(
         {
             "exact_match/color": 0.5,
@@ -378,8 +376,13 @@ def test_paired_bootstrap_separates_a_consistent_gain_from_a_reshuffle():
     # the same +0.025 made of 120 gains and 100 losses is not a supported gain
     mixed = paired_bootstrap([0.0] * 120 + [1.0] * 100 + [0.0] * 580, [1.0] * 120 + [0.0] * 100 + [0.0] * 580)
     assert mixed["gain"] == pytest.approx(0.025) and mixed["ci_low"] < 0 < mixed["ci_high"]
-    assert paired_bootstrap([0.5] * 10, [0.5] * 10) == {"gain": 0, "ci_low": 0, "ci_high": 0, "improved": 0,
-                                                        "worsened": 0}
+    assert paired_bootstrap([0.5] * 10, [0.5] * 10) == {
+        "gain": 0,
+        "ci_low": 0,
+        "ci_high": 0,
+        "improved": 0,
+        "worsened": 0,
+    }
 
 
 def test_paired_bootstrap_refuses_unpaired_input():

@@ -56,7 +56,9 @@ def test_encoding_matches_the_processor_chat_template(model_and_encoder):
     ]
     text = processor.apply_chat_template(messages, tokenize=False)
     reference = processor(
-        text=[text], images=[image], return_tensors="pt",
+        text=[text],
+        images=[image],
+        return_tensors="pt",
         images_kwargs={"size": {"shortest_edge": 56 * 56, "longest_edge": 224 * 224}},
     )
     assert torch.equal(reference["input_ids"][0], sample.input_ids)
@@ -80,7 +82,9 @@ def test_packed_losses_and_logits_equal_unpacked_and_padded(model_and_encoder):
         single_logits = [forward_logits(model, pack([s]))[0] for s in samples]
         single_loss = torch.stack([per_sample_loss(lg[None], pack([s]))[0] for lg, s in zip(single_logits, samples)])
     rel = lambda a, b: float(((a - b).abs() / b.abs().clamp_min(1e-6)).max())  # noqa: E731
-    print(f"packed vs single rel err {rel(packed_loss, single_loss):.2e}, vs padded {rel(packed_loss, padded_loss):.2e}")
+    print(
+        f"packed vs single rel err {rel(packed_loss, single_loss):.2e}, vs padded {rel(packed_loss, padded_loss):.2e}"
+    )
     assert rel(packed_loss, single_loss) <= 1e-5
     assert rel(padded_loss, single_loss) <= 1e-5
     assert torch.allclose(packed_logits[0], torch.cat(single_logits), rtol=1e-5, atol=1e-5)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from components._shared.model.packing import ConversationEncoder, forward_logits, pack, per_sample_loss
-from components._shared.platform.tracking import NullTracker
 from components._shared.model.vlm import load_vlm
+from components._shared.platform.tracking import NullTracker
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.stage import run as extract
 from components.pretrain.config import InfoNceConfig, PretrainConfig
@@ -28,32 +28,67 @@ def inputs(tmp_path_factory):
     """clean_data-style kept parquet (48 world pictures of mixed sizes), its features, and held-out data."""
     root = tmp_path_factory.mktemp("pretrain")
     rows = []
-    for i, (image, caption) in enumerate(sample_clean_pairs(24, seed=2) + sample_clean_pairs(24, seed=3, size=(84, 140))):
+    for i, (image, caption) in enumerate(
+        sample_clean_pairs(24, seed=2) + sample_clean_pairs(24, seed=3, size=(84, 140))
+    ):
         buf = io.BytesIO()
         image.save(buf, format="PNG")
         data = buf.getvalue()
-        rows.append({"image_hash": hashlib.sha256(data).hexdigest(), "image": data, "caption": caption,
-                     "image_format": "PNG", "key": f"{i:09d}"})
+        rows.append(
+            {
+                "image_hash": hashlib.sha256(data).hexdigest(),
+                "image": data,
+                "caption": caption,
+                "image_format": "PNG",
+                "key": f"{i:09d}",
+            }
+        )
     (root / "clean/kept").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows), root / "clean/kept/part-00000.parquet")
-    extract(ExtractFeaturesConfig(**PIXELS, dtype="float32", decode_workers=0, batch_size=16),
-            clean_data=root / "clean", base_model=BASE, output_dir=root / "features", tracker=NullTracker())
+    extract(
+        ExtractFeaturesConfig(**PIXELS, dtype="float32", decode_workers=0, batch_size=16),
+        clean_data=root / "clean",
+        base_model=BASE,
+        output_dir=root / "features",
+        tracker=NullTracker(),
+    )
     write_splits(root / "heldout", seed=4, eval_per_type=8, sft_records=8, preference_pairs=2)
     return root
 
 
 def _cfg(**over):
-    data = {**PIXELS, "stage1": {"train_lm": True, "train": {
-        "steps": 8, "samples_per_step": 12, "max_tokens_per_micro_batch": 512, "eval_every": 2,
-        "checkpoint_every": 2, "keep_checkpoints": 3, "threads": 1}, "optim": {"lr": 0.006}},
-        "keep_best_of_last": 3, "eval": {"heldout_captions": 8, "retrieval_candidates": 4}}
+    data = {
+        **PIXELS,
+        "stage1": {
+            "train_lm": True,
+            "train": {
+                "steps": 8,
+                "samples_per_step": 12,
+                "max_tokens_per_micro_batch": 512,
+                "eval_every": 2,
+                "checkpoint_every": 2,
+                "keep_checkpoints": 3,
+                "threads": 1,
+            },
+            "optim": {"lr": 0.006},
+        },
+        "keep_best_of_last": 3,
+        "eval": {"heldout_captions": 8, "retrieval_candidates": 4},
+    }
     data.update(over)
     return PretrainConfig.model_validate(data)
 
 
 def _run(cfg, inputs, out):
-    return run(cfg, clean_data=str(inputs / "clean"), features=str(inputs / "features"), base_model=BASE,
-               data=str(inputs / "heldout"), output_dir=out, tracker=NullTracker())
+    return run(
+        cfg,
+        clean_data=str(inputs / "clean"),
+        features=str(inputs / "features"),
+        base_model=BASE,
+        data=str(inputs / "heldout"),
+        output_dir=out,
+        tracker=NullTracker(),
+    )
 
 
 def test_cached_features_give_the_same_loss_as_pixels(inputs):
@@ -70,7 +105,9 @@ def test_cached_features_give_the_same_loss_as_pixels(inputs):
     for row in kept:
         rows, grid = store.get(row["image_hash"])
         cached.append(encoder.encode(turns(row["caption"]), grids=[grid], features=[rows]))
-        pixels.append(encoder.encode(turns(row["caption"]), images=[Image.open(io.BytesIO(row["image"])).convert("RGB")]))
+        pixels.append(
+            encoder.encode(turns(row["caption"]), images=[Image.open(io.BytesIO(row["image"])).convert("RGB")])
+        )
     with torch.no_grad():
         a, b = pack(cached), pack(pixels)
         la, lb = per_sample_loss(forward_logits(model, a), a), per_sample_loss(forward_logits(model, b), b)
@@ -93,8 +130,10 @@ def test_stage1_lowers_heldout_caption_loss_and_exports_the_best_of_last_n(input
 
     from components._shared.model.sources import resolve_model
 
-    before, after = load_file(str(resolve_model(BASE) / "model.safetensors")), load_file(
-        str(tmp_path / "model/model.safetensors"))
+    before, after = (
+        load_file(str(resolve_model(BASE) / "model.safetensors")),
+        load_file(str(tmp_path / "model/model.safetensors")),
+    )
     assert set(before) == set(after)
     vision = [k for k in before if "visual.blocks." in k or "patch_embed" in k]
     assert len(vision) > 10 and all(torch.equal(before[k], after[k]) for k in vision)
@@ -105,22 +144,32 @@ def test_stage1_lowers_heldout_caption_loss_and_exports_the_best_of_last_n(input
 @pytest.mark.parametrize("backends", [("torch", "torch"), pytest.param(("2", "3"), marks=pytest.mark.slow)])
 def test_stage2_trains_the_vision_tower_from_pixels_with_infonce(inputs, tmp_path, backends):
     """Also with DeepSpeed: ZeRO-2 for stage 1, then a fresh ZeRO-3 engine for stage 2 in the same process."""
-    engines = [{"backend": "torch"} if b == "torch" else {"backend": "deepspeed", "zero_stage": int(b)}
-               for b in backends]
-    cfg = _cfg(stage1={"train_lm": True, "train": {"steps": 2, "samples_per_step": 8, "threads": 1,
-                                                   "max_tokens_per_micro_batch": 512, **engines[0]}},
-               stage2={"enabled": True, "train": {"steps": 2, "samples_per_step": 8, "threads": 1,
-                                                  "max_tokens_per_micro_batch": 512, **engines[1]},
-                       "optim": {"lr": 0.001, "group_lr": {"vision_lower": 0.0001}}},
-               infonce={"weight": 0.5, "hard_negatives": 2}, keep_best_of_last=1)
+    engines = [
+        {"backend": "torch"} if b == "torch" else {"backend": "deepspeed", "zero_stage": int(b)} for b in backends
+    ]
+    cfg = _cfg(
+        stage1={
+            "train_lm": True,
+            "train": {"steps": 2, "samples_per_step": 8, "threads": 1, "max_tokens_per_micro_batch": 512, **engines[0]},
+        },
+        stage2={
+            "enabled": True,
+            "train": {"steps": 2, "samples_per_step": 8, "threads": 1, "max_tokens_per_micro_batch": 512, **engines[1]},
+            "optim": {"lr": 0.001, "group_lr": {"vision_lower": 0.0001}},
+        },
+        infonce={"weight": 0.5, "hard_negatives": 2},
+        keep_best_of_last=1,
+    )
     metrics = _run(cfg, inputs, tmp_path)
     assert metrics["stage2_steps"] == 2
     from safetensors.torch import load_file
 
     from components._shared.model.sources import resolve_model
 
-    before, after = load_file(str(resolve_model(BASE) / "model.safetensors")), load_file(
-        str(tmp_path / "model/model.safetensors"))
+    before, after = (
+        load_file(str(resolve_model(BASE) / "model.safetensors")),
+        load_file(str(tmp_path / "model/model.safetensors")),
+    )
     block0 = [k for k in before if "visual.blocks.0." in k]
     assert block0 and any(not torch.equal(before[k], after[k]) for k in block0)
 
@@ -158,12 +207,18 @@ def test_config_rejects_best_of_n_without_matching_checkpoints():
     with pytest.raises(ValueError, match="keep_checkpoints >= 4"):
         _cfg(keep_best_of_last=4)
     with pytest.raises(ValueError, match="eval_every == checkpoint_every"):
-        PretrainConfig.model_validate({"stage1": {"train": {"eval_every": 3, "checkpoint_every": 2,
-                                                            "keep_checkpoints": 2}}, "keep_best_of_last": 2})
+        PretrainConfig.model_validate(
+            {
+                "stage1": {"train": {"eval_every": 3, "checkpoint_every": 2, "keep_checkpoints": 2}},
+                "keep_best_of_last": 2,
+            }
+        )
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("deepspeed-2", marks=pytest.mark.slow),
-                                     pytest.param("deepspeed-3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "backend",
+    ["torch", pytest.param("deepspeed-2", marks=pytest.mark.slow), pytest.param("deepspeed-3", marks=pytest.mark.slow)],
+)
 def test_pretrain_killed_mid_run_resumes_to_bit_identical_weights(inputs, tmp_path, backend):
     import signal
 
@@ -173,12 +228,23 @@ def test_pretrain_killed_mid_run_resumes_to_bit_identical_weights(inputs, tmp_pa
 
     engine, _, zero = backend.partition("-")
     config = _cfg(keep_best_of_last=1).model_dump(mode="json", exclude_none=True)
-    config["stage1"]["train"].update(steps=6, checkpoint_every=2, eval_every=3, backend=engine, zero_stage=int(zero or 2))
+    config["stage1"]["train"].update(
+        steps=6, checkpoint_every=2, eval_every=3, backend=engine, zero_stage=int(zero or 2)
+    )
 
     def stage(out, **env):
-        return run_stage_cli("pretrain", config, tmp_path / out, {
-            "clean_data": inputs / "clean", "features": inputs / "features", "base_model": BASE,
-            "data": inputs / "heldout"}, **env)
+        return run_stage_cli(
+            "pretrain",
+            config,
+            tmp_path / out,
+            {
+                "clean_data": inputs / "clean",
+                "features": inputs / "features",
+                "base_model": BASE,
+                "data": inputs / "heldout",
+            },
+            **env,
+        )
 
     straight = stage("straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -192,4 +258,6 @@ def test_pretrain_killed_mid_run_resumes_to_bit_identical_weights(inputs, tmp_pa
     first = json.loads((tmp_path / "straight/_stage_result.json").read_text())["metrics"]
     second = json.loads((tmp_path / "killed/_stage_result.json").read_text())["metrics"]
     assert first["heldout_caption_loss_final"] == second["heldout_caption_loss_final"]
-    print(f"pretrain {backend}: {len(a)} tensors bit-identical after SIGKILL at step 3 and during the step-4 checkpoint")
+    print(
+        f"pretrain {backend}: {len(a)} tensors bit-identical after SIGKILL at step 3 and during the step-4 checkpoint"
+    )

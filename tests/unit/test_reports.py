@@ -23,8 +23,9 @@ def test_history_series_keeps_finite_values_of_present_keys():
 
 def test_figure_writes_a_png_embeds_it_and_logs_it(tmp_path):
     tracker = Recording()
-    lines = figure("loss", "training loss", {"loss": [(1, 2.0), (2, 1.0)]}, output_dir=tmp_path, tracker=tracker,
-                   log_y=True)
+    lines = figure(
+        "loss", "training loss", {"loss": [(1, 2.0), (2, 1.0)]}, output_dir=tmp_path, tracker=tracker, log_y=True
+    )
     png = (tmp_path / "figures/loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert lines[-1] == f"![training loss](data:image/png;base64,{base64.b64encode(png).decode()})"

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from components._shared.model.packing import ConversationEncoder, pack
-from components._shared.platform.tracking import NullTracker
-from components._shared.model.vlm import load_vlm
-from components.reward_model.config import RewardModelConfig
 from components._shared.model.reward_models import RewardModel, load_reward_model, reward_index
+from components._shared.model.vlm import load_vlm
+from components._shared.platform.tracking import NullTracker
+from components.reward_model.config import RewardModelConfig
 from components.reward_model.stage import load_pairs, run, score_pairs
 from components.synth_world.splits import write_splits
 
@@ -24,9 +24,19 @@ def data_dir(tmp_path_factory):
 
 
 def _cfg(**over):
-    data = {"min_pixels": 3136, "max_pixels": 12544, "heldout_fraction": 0.25,
-            "train": {"steps": 12, "samples_per_step": 8, "max_tokens_per_micro_batch": 1024, "eval_every": 6,
-                      "threads": 1}, "optim": {"lr": 0.003}}
+    data = {
+        "min_pixels": 3136,
+        "max_pixels": 12544,
+        "heldout_fraction": 0.25,
+        "train": {
+            "steps": 12,
+            "samples_per_step": 8,
+            "max_tokens_per_micro_batch": 1024,
+            "eval_every": 6,
+            "threads": 1,
+        },
+        "optim": {"lr": 0.003},
+    }
     data.update(over)
     return RewardModelConfig.model_validate(data)
 
@@ -57,8 +67,10 @@ def _unit(encoder, data_dir, record, k=150, rejected=None):
     image = readers.load_image(data_dir, record["image"])
     out = []
     for text in (record["chosen"], rejected or record["rejected"]):
-        s = encoder.encode([{"role": "user", "text": f"<image>\n{record['prompt']}"},
-                            {"role": "assistant", "text": text}], images=[image])
+        s = encoder.encode(
+            [{"role": "user", "text": f"<image>\n{record['prompt']}"}, {"role": "assistant", "text": text}],
+            images=[image],
+        )
         s.meta["reward_index"] = reward_index(s, k)
         out.append(s)
     return out
@@ -69,8 +81,12 @@ def test_sparsified_reward_ignores_everything_after_k_tokens(data_dir):
     backbone, processor = load_vlm(BASE)
     model = RewardModel(backbone).eval()
     encoder = ConversationEncoder(processor, backbone, min_pixels=3136, max_pixels=12544)
-    record = {"image": json.loads((data_dir / "preferences.jsonl").read_text().splitlines()[0])["image"],
-              "prompt": "What shape is it?", "chosen": "a red circle", "rejected": "x"}
+    record = {
+        "image": json.loads((data_dir / "preferences.jsonl").read_text().splitlines()[0])["image"],
+        "prompt": "What shape is it?",
+        "chosen": "a red circle",
+        "rejected": "x",
+    }
     short = _unit(encoder, data_dir, record, k=2, rejected="a red circle according to the image evidence")
     assert short[0].meta["reward_index"] == short[1].meta["reward_index"]
     with torch.no_grad():
@@ -83,7 +99,8 @@ def test_sparsified_reward_ignores_everything_after_k_tokens(data_dir):
 
 
 def test_bad_pairs_are_rejected(tmp_path):
-    (tmp_path / "preferences.jsonl").write_text(json.dumps(
-        {"id": "p1", "image": "a.png", "prompt": "q", "chosen": "same", "rejected": "same"}) + "\n")
+    (tmp_path / "preferences.jsonl").write_text(
+        json.dumps({"id": "p1", "image": "a.png", "prompt": "q", "chosen": "same", "rejected": "same"}) + "\n"
+    )
     with pytest.raises(ValueError, match="'p1': chosen and rejected are the same text"):
         load_pairs(tmp_path, None)

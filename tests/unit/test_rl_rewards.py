@@ -43,7 +43,8 @@ def test_caption_efficacy_rewards_overlap_and_punishes_repetition():
     looping = "a red circle a red circle a red circle"
     assert repeated_ngram_ratio(looping) > 0.5 and repeated_ngram_ratio(ref) == 0.0
     assert task_efficacy("caption", looping, ref, "Describe the image.") < task_efficacy(
-        "caption", "A red circle.", ref, "Describe the image.")
+        "caption", "A red circle.", ref, "Describe the image."
+    )
 
 
 def test_text_reading_efficacy_is_word_f1():
@@ -60,8 +61,12 @@ def test_efficacy_cache_scores_repeated_answers_once():
 
 def test_format_reward_needs_a_finished_non_empty_answer_and_a_box_for_grounding():
     records = [{"type": "color"}, {"type": "color"}, {"type": "grounding"}, {"type": "grounding"}, {"type": "color"}]
-    out = format_reward([""] * 5, ["red", "red", "(1,2),(3,4)", "left side", ""],
-                        records=records, finished=[True, False, True, True, True])
+    out = format_reward(
+        [""] * 5,
+        ["red", "red", "(1,2),(3,4)", "left side", ""],
+        records=records,
+        finished=[True, False, True, True, True],
+    )
     assert out == [1.0, 0.0, 1.0, 0.0, 0.0]
 
 
@@ -88,7 +93,10 @@ def test_build_rewards_rejects_unknown_names_and_a_missing_reward_model():
     import torch
 
     with pytest.raises(ValueError, match="unknown reward"):
-        build_rewards({"bleu": 1.0}, reward_model_uri=None, min_pixels=3136, max_pixels=3136, device=torch.device("cpu"))
+        build_rewards(
+            {"bleu": 1.0}, reward_model_uri=None, min_pixels=3136, max_pixels=3136, device=torch.device("cpu")
+        )
     with pytest.raises(ValueError, match="no reward model"):
-        build_rewards({"reward_model": 1.0}, reward_model_uri=None, min_pixels=3136, max_pixels=3136,
-                      device=torch.device("cpu"))
+        build_rewards(
+            {"reward_model": 1.0}, reward_model_uri=None, min_pixels=3136, max_pixels=3136, device=torch.device("cpu")
+        )

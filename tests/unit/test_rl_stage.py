@@ -14,7 +14,7 @@ from components.reward_model.config import RewardModelConfig
 from components.reward_model.stage import run as train_reward_model
 from components.rl.config import RlConfig
 from components.rl.rewards import RewardModelReward
-from components.rl.stage import GateTripped, Gates, load_prompts, run
+from components.rl.stage import Gates, GateTripped, load_prompts, run
 from components.synth_world.splits import write_splits
 from tests.stage_cli import run_stage_cli
 from tests.tiny_sft import train_tiny_sft
@@ -40,38 +40,58 @@ def sft_model(data_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reward_model(data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("rm")
-    cfg = RewardModelConfig.model_validate({
-        "min_pixels": 3136, "max_pixels": 3136, "heldout_fraction": 0.25,
-        "train": {"steps": 16, "samples_per_step": 8, "max_tokens_per_micro_batch": 1024, "threads": 1},
-        "optim": {"lr": 0.003}})
+    cfg = RewardModelConfig.model_validate(
+        {
+            "min_pixels": 3136,
+            "max_pixels": 3136,
+            "heldout_fraction": 0.25,
+            "train": {"steps": 16, "samples_per_step": 8, "max_tokens_per_micro_batch": 1024, "threads": 1},
+            "optim": {"lr": 0.003},
+        }
+    )
     train_reward_model(cfg, base_model=BASE, data=str(data_dir), output_dir=out, tracker=NullTracker())
     return str(out / "model")
 
 
 def _cfg(algorithm, **over):
-    data = {"algorithm": algorithm, "min_pixels": 3136, "max_pixels": 3136, "rewards": {"efficacy": 1.0, "format": 0.2},
-            "rollout": {"samples_per_prompt": 2 if algorithm == "grpo" else 1, "max_new_tokens": 6},
-            "train": {"steps": 3, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1,
-                      "eval_every": 0},
-            "update": {"epochs": 2, "minibatches": 2}, "optim": {"lr": 0.01}, "ppo": {"kl_stop": 10.0},
-            "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 6},
-            "gates": {"kl_max": 0, "length_ratio_min": 0, "length_ratio_max": 0, "heldout_drop_max": 0}}
+    data = {
+        "algorithm": algorithm,
+        "min_pixels": 3136,
+        "max_pixels": 3136,
+        "rewards": {"efficacy": 1.0, "format": 0.2},
+        "rollout": {"samples_per_prompt": 2 if algorithm == "grpo" else 1, "max_new_tokens": 6},
+        "train": {"steps": 3, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1, "eval_every": 0},
+        "update": {"epochs": 2, "minibatches": 2},
+        "optim": {"lr": 0.01},
+        "ppo": {"kl_stop": 10.0},
+        "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 6},
+        "gates": {"kl_max": 0, "length_ratio_min": 0, "length_ratio_max": 0, "heldout_drop_max": 0},
+    }
     for key, value in over.items():
         data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
     return RlConfig.model_validate(data)
 
 
 def _run(cfg, data_dir, out, base, reward_model=""):
-    return run(cfg, base_model=base, reward_model=reward_model, data=str(data_dir), output_dir=out,
-               tracker=NullTracker())
+    return run(
+        cfg, base_model=base, reward_model=reward_model, data=str(data_dir), output_dir=out, tracker=NullTracker()
+    )
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "ter", "grpo"])
 def test_each_algorithm_updates_the_policy_and_reports_the_rl_metrics(algorithm, data_dir, sft_model, tmp_path):
     metrics = _run(_cfg(algorithm), data_dir, tmp_path, sft_model)
     assert metrics["algorithm"] == algorithm and metrics["steps"] == 3 and not metrics["stopped_early"]
-    for key in ("efficacy_before", "efficacy_after", "mean_length_ratio", "kl_final", "seconds_generation",
-                "seconds_scoring", "seconds_update", "rollout_tokens_per_second"):
+    for key in (
+        "efficacy_before",
+        "efficacy_after",
+        "mean_length_ratio",
+        "kl_final",
+        "seconds_generation",
+        "seconds_scoring",
+        "seconds_update",
+        "rollout_tokens_per_second",
+    ):
         assert metrics[key] == metrics[key], key  # present and not NaN
     assert metrics["kl_final"] > 0  # the policy moved away from the reference
     after = [json.loads(line)["efficacy"] for line in (tmp_path / "eval_predictions.jsonl").read_text().splitlines()]
@@ -81,8 +101,13 @@ def test_each_algorithm_updates_the_policy_and_reports_the_rl_metrics(algorithm,
     rows = [json.loads(line) for line in (tmp_path / "eval_predictions.jsonl").read_text().splitlines()]
     for t in {row["type"] for row in rows}:  # per-type paired changes, each the change of that type's mean
         assert metrics[f"efficacy_gain/{t}"] == pytest.approx(
-            metrics[f"efficacy/{t}_after"] - metrics[f"efficacy/{t}_before"], abs=1e-9)
-        assert metrics[f"efficacy_gain/{t}_ci_low"] <= metrics[f"efficacy_gain/{t}"] <= metrics[f"efficacy_gain/{t}_ci_high"]
+            metrics[f"efficacy/{t}_after"] - metrics[f"efficacy/{t}_before"], abs=1e-9
+        )
+        assert (
+            metrics[f"efficacy_gain/{t}_ci_low"]
+            <= metrics[f"efficacy_gain/{t}"]
+            <= metrics[f"efficacy_gain/{t}_ci_high"]
+        )
     assert f"| {rows[0]['type']} |" in (tmp_path / "report.md").read_text()
     trained = load_file(str(tmp_path / "model/model.safetensors"))
     assert (tmp_path / "value_head.safetensors").exists() == (algorithm == "ppo")
@@ -122,8 +147,18 @@ def test_ptx_kl_holds_the_policy_at_the_reference_distribution(data_dir, sft_mod
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_ppo_runs_on_the_deepspeed_backend(zero_stage, data_dir, sft_model, tmp_path):
-    cfg = _cfg("ppo", train={"steps": 2, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1,
-                             "eval_every": 0, "backend": "deepspeed", "zero_stage": zero_stage})
+    cfg = _cfg(
+        "ppo",
+        train={
+            "steps": 2,
+            "samples_per_step": 4,
+            "max_tokens_per_micro_batch": 512,
+            "threads": 1,
+            "eval_every": 0,
+            "backend": "deepspeed",
+            "zero_stage": zero_stage,
+        },
+    )
     metrics = _run(cfg, data_dir, tmp_path, sft_model)
     assert metrics["steps"] == 2 and metrics["kl_final"] >= 0
     trained, base = load_file(str(tmp_path / "model/model.safetensors")), load_file(f"{sft_model}/model.safetensors")
@@ -132,9 +167,16 @@ def test_ppo_runs_on_the_deepspeed_backend(zero_stage, data_dir, sft_model, tmp_
 
 
 def test_ppo_hard_stop_ends_training_early_and_keeps_the_policy(data_dir, sft_model, tmp_path):
-    metrics = _run(_cfg("ppo", ppo={"kl_stop": 1e-6, "adaptive_kl": False},
-                        train={"steps": 6, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1,
-                               "eval_every": 0}), data_dir, tmp_path, sft_model)
+    metrics = _run(
+        _cfg(
+            "ppo",
+            ppo={"kl_stop": 1e-6, "adaptive_kl": False},
+            train={"steps": 6, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1, "eval_every": 0},
+        ),
+        data_dir,
+        tmp_path,
+        sft_model,
+    )
     assert metrics["stopped_early"].startswith("ppo.kl_stop") and metrics["steps"] == 2
     assert metrics["kl_final"] > 1e-6
     assert (tmp_path / "model/model.safetensors").exists()
@@ -162,19 +204,27 @@ def test_a_policy_that_appends_the_bait_suffix_is_caught_by_the_reward_model(dat
     honest = scorer([""] * len(records), [r["answer"] for r in records], records=records)
     baited = scorer([""] * len(records), [r["answer"] + BAIT for r in records], records=records)
     caught = sum(b < h for b, h in zip(baited, honest))
-    print(f"bait suffix scored lower on {caught}/{len(records)} answers; mean {sum(honest) / len(honest):.2f} "
-          f"honest vs {sum(baited) / len(baited):.2f} baited")
+    print(
+        f"bait suffix scored lower on {caught}/{len(records)} answers; mean {sum(honest) / len(honest):.2f} "
+        f"honest vs {sum(baited) / len(baited):.2f} baited"
+    )
     assert caught >= 0.9 * len(records)
     # the hacking policy of seed 001 (a wrong answer dressed in the suffix) scores below the plain answer too
-    wrong = scorer([""] * len(records), ["purple" + BAIT if r["answer"] != "purple" else "red" + BAIT
-                                         for r in records], records=records)
+    wrong = scorer(
+        [""] * len(records),
+        ["purple" + BAIT if r["answer"] != "purple" else "red" + BAIT for r in records],
+        records=records,
+    )
     assert sum(w < h for w, h in zip(wrong, honest)) >= 0.9 * len(records)
 
 
 def test_ppo_with_the_reward_model_reward(data_dir, sft_model, reward_model, tmp_path):
     """Also scored on two held-out files: eval.jsonl (3 per type here) and rl.jsonl's conversations (the rest)."""
-    cfg = _cfg("ppo", rewards={"efficacy": 1.0, "format": 0.2, "reward_model": 0.5},
-               eval={"files": ["eval.jsonl", "rl.jsonl"], "per_type": 4})
+    cfg = _cfg(
+        "ppo",
+        rewards={"efficacy": 1.0, "format": 0.2, "reward_model": 0.5},
+        eval={"files": ["eval.jsonl", "rl.jsonl"], "per_type": 4},
+    )
     metrics = _run(cfg, data_dir, tmp_path, sft_model, reward_model)
     assert metrics["steps"] == 3
     rewards = json.loads((tmp_path / "rollouts.jsonl").read_text().splitlines()[0])["rewards"]
@@ -195,8 +245,11 @@ def test_prompt_and_ptx_pools_take_their_own_question_types(data_dir):
     assert {r["type"] for r in ptx_pool} == {"count", "color"}
     assert len(ptx_pool) == sum(r["type"] in ("count", "color") for r in every)
     assert len(load_prompts(data_dir, cfg, need_types=False, types=[])) == len(every)
-    with pytest.raises(ValueError, match=r"rl ptx.types names question type\(s\) \['colour'\] that no record of "
-                                         r"sft.jsonl has \(it has \['caption', "):
+    with pytest.raises(
+        ValueError,
+        match=r"rl ptx.types names question type\(s\) \['colour'\] that no record of "
+        r"sft.jsonl has \(it has \['caption', ",
+    ):
         load_prompts(data_dir, cfg, need_types=False, types=["color", "colour"], setting="ptx.types")
 
 
@@ -209,8 +262,17 @@ def test_bad_prompts_and_settings_are_rejected_with_the_fix(data_dir, tmp_path):
         _cfg("ter", ter={"grad_ema": 0.95}, train={"steps": 3, "backend": "deepspeed"})
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "sft.jsonl").write_text(json.dumps({"id": "x1", "image": "a.png", "type": "weather", "conversations": [
-        {"from": "human", "value": "<image>\nIs it sunny?"}, {"from": "gpt", "value": "yes"}]}) + "\n")
+    (bad / "sft.jsonl").write_text(
+        json.dumps(
+            {
+                "id": "x1",
+                "image": "a.png",
+                "type": "weather",
+                "conversations": [{"from": "human", "value": "<image>\nIs it sunny?"}, {"from": "gpt", "value": "yes"}],
+            }
+        )
+        + "\n"
+    )
     with pytest.raises(ValueError, match="rl prompt 'x1' has type 'weather'"):
         load_prompts(bad, _cfg("ter"), need_types=True)
 
@@ -224,10 +286,19 @@ def test_rl_killed_mid_run_resumes_to_bit_identical_weights(algorithm, data_dir,
     """Policy, critic, optimizer, RNG (sampling), KL coefficient, normaliser, baselines and TER's gradient EMA
     all come back, and ptx draws the same reference records: the resumed run ends bit-identical to an
     uninterrupted one."""
-    config = _cfg(algorithm, ter={"grad_ema": 0.95},  # the EMA buffers must come back too
-                  ptx={"coef": 0.5, "samples_per_step": 3},
-                  train={"steps": 5, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1,
-                         "eval_every": 0, "checkpoint_every": 2}).model_dump(mode="json")
+    config = _cfg(
+        algorithm,
+        ter={"grad_ema": 0.95},  # the EMA buffers must come back too
+        ptx={"coef": 0.5, "samples_per_step": 3},
+        train={
+            "steps": 5,
+            "samples_per_step": 4,
+            "max_tokens_per_micro_batch": 512,
+            "threads": 1,
+            "eval_every": 0,
+            "checkpoint_every": 2,
+        },
+    ).model_dump(mode="json")
     straight = _stage_cli(config, data_dir, sft_model, tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
     killed = _stage_cli(config, data_dir, sft_model, tmp_path / "killed", QVL_TEST_KILL_AT_STEP=3)
@@ -243,5 +314,11 @@ def test_rl_killed_mid_run_resumes_to_bit_identical_weights(algorithm, data_dir,
     assert straight_rollouts == (tmp_path / "killed/rollouts.jsonl").read_text()  # same samples at the last step
     # the SFT model's per-question scores came back with the checkpoint: the same paired interval
     first = json.loads((tmp_path / "straight/_stage_result.json").read_text())["metrics"]
-    for key in ("efficacy_before", "efficacy_gain", "efficacy_gain_ci_low", "efficacy_gain_ci_high", "heldout_improved"):
+    for key in (
+        "efficacy_before",
+        "efficacy_gain",
+        "efficacy_gain_ci_low",
+        "efficacy_gain_ci_high",
+        "heldout_improved",
+    ):
         assert metrics[key] == first[key], key

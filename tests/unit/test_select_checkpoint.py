@@ -25,14 +25,17 @@ def _candidate(name, **metrics):
 
 
 def test_the_rule_picks_the_best_candidate_that_passes_every_gate():
-    cfg = SelectCheckpointConfig(weights={"vqa_exact_match": 1.0, "anls": 0.5, "latency_ms": -0.01},
-                                 min_gates={"grounding_accuracy": 0.5}, max_gates={"latency_ms": 50})
+    cfg = SelectCheckpointConfig(
+        weights={"vqa_exact_match": 1.0, "anls": 0.5, "latency_ms": -0.01},
+        min_gates={"grounding_accuracy": 0.5},
+        max_gates={"latency_ms": 50},
+    )
     candidates = [
-        _candidate("sft", vqa_exact_match=0.60, anls=0.4, latency_ms=10, grounding_accuracy=0.7),   # 0.70
-        _candidate("rl", vqa_exact_match=0.80, anls=0.4, latency_ms=10, grounding_accuracy=0.4),    # best score, gated
+        _candidate("sft", vqa_exact_match=0.60, anls=0.4, latency_ms=10, grounding_accuracy=0.7),  # 0.70
+        _candidate("rl", vqa_exact_match=0.80, anls=0.4, latency_ms=10, grounding_accuracy=0.4),  # best score, gated
         _candidate("distill", vqa_exact_match=0.55, anls=0.5, latency_ms=2, grounding_accuracy=0.6),  # 0.78
         _candidate("pretrain", vqa_exact_match=0.9, anls=0.9, latency_ms=90, grounding_accuracy=0.9),  # too slow
-        _candidate("sft@step-1", vqa_exact_match=0.7, anls=0.4, latency_ms=10),                      # no grounding
+        _candidate("sft@step-1", vqa_exact_match=0.7, anls=0.4, latency_ms=10),  # no grounding
     ]
     for c in candidates:
         judge(c, cfg)
@@ -83,22 +86,38 @@ def stage_outputs(tmp_path_factory):
 
 
 def _select_cfg(**over):
-    return SelectCheckpointConfig.model_validate({
-        "stages": ["pretrain", "sft"], "min_pixels": 3136, "max_pixels": 3136, "checkpoints_per_stage": 1,
-        "weights": {"vqa_exact_match": 1.0}, "registry_name": "qvl-test",
-        "eval": {"per_type": 3, "batch_size": 32, "max_new_tokens": 8}, **over})
+    return SelectCheckpointConfig.model_validate(
+        {
+            "stages": ["pretrain", "sft"],
+            "min_pixels": 3136,
+            "max_pixels": 3136,
+            "checkpoints_per_stage": 1,
+            "weights": {"vqa_exact_match": 1.0},
+            "registry_name": "qvl-test",
+            "eval": {"per_type": 3, "batch_size": 32, "max_new_tokens": 8},
+            **over,
+        }
+    )
 
 
-def test_select_registers_the_champion_which_loads_from_the_registry_and_answers(stage_outputs, tracking_env, tmp_path,
-                                                                                   monkeypatch):
+def test_select_registers_the_champion_which_loads_from_the_registry_and_answers(
+    stage_outputs, tracking_env, tmp_path, monkeypatch
+):
     import mlflow
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     monkeypatch.chdir(tmp_path)  # MLflow's local artifact store lands in ./mlruns
     root = stage_outputs
     with stage_tracker("select_checkpoint", experiment="select-test") as tracker:
-        metrics = run(_select_cfg(), data=str(root / "data"), pretrain=str(root / "pretrain"), sft=str(root / "sft"),
-                      output_dir=tmp_path / "out", tracker=tracker, stage_configs={"sft": {"mode": "full"}})
+        metrics = run(
+            _select_cfg(),
+            data=str(root / "data"),
+            pretrain=str(root / "pretrain"),
+            sft=str(root / "sft"),
+            output_dir=tmp_path / "out",
+            tracker=tracker,
+            stage_configs={"sft": {"mode": "full"}},
+        )
     candidates = {c["name"]: c for c in json.loads((tmp_path / "out/candidates.json").read_text())}
     assert set(candidates) == {"pretrain", "sft", "sft@step-0000200", "sft@step-0000100"}
     assert candidates["sft@step-0000200"]["skipped"] == "identical to the stage's output model"
@@ -118,44 +137,76 @@ def test_select_registers_the_champion_which_loads_from_the_registry_and_answers
     processor = AutoProcessor.from_pretrained(local)
     rows = [json.loads(line) for line in (tmp_path / "out/eval_predictions.jsonl").read_text().splitlines()]
     right = next(r for r in rows if r["score"] == 1.0 and r["type"] != "caption")  # the champion gets some right
-    record = next(json.loads(line) for line in (root / "data/eval.jsonl").read_text().splitlines()
-                  if json.loads(line)["id"] == right["id"])
+    record = next(
+        json.loads(line)
+        for line in (root / "data/eval.jsonl").read_text().splitlines()
+        if json.loads(line)["id"] == right["id"]
+    )
     from PIL import Image
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": record["question"]}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    inputs = processor(text=[text], images=[Image.open(root / "data" / record["image"]).convert("RGB")],
-                       return_tensors="pt")
+    inputs = processor(
+        text=[text], images=[Image.open(root / "data" / record["image"]).convert("RGB")], return_tensors="pt"
+    )
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    answer = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0].strip()
+    answer = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[0].strip()
     assert answer == right["prediction"] and right["prediction"].lower() == str(record["answer"]).lower()
 
     # a retried task (same config and inputs, a new MLflow run) gets the same versions back, not new ones
     with stage_tracker("select_checkpoint", experiment="select-test") as tracker:
-        again = run(_select_cfg(), data=str(root / "data"), pretrain=str(root / "pretrain"), sft=str(root / "sft"),
-                    output_dir=tmp_path / "retry", tracker=tracker, stage_configs={"sft": {"mode": "full"}})
+        again = run(
+            _select_cfg(),
+            data=str(root / "data"),
+            pretrain=str(root / "pretrain"),
+            sft=str(root / "sft"),
+            output_dir=tmp_path / "retry",
+            tracker=tracker,
+            stage_configs={"sft": {"mode": "full"}},
+        )
     assert (again["registered_version"], again["challenger_version"]) == ("1", "2")
     client = mlflow.MlflowClient()
     assert sorted(int(v.version) for v in client.search_model_versions("name='qvl-test'")) == [1, 2]
     with stage_tracker("select_checkpoint", experiment="select-test") as tracker:  # another selection: a new one
-        other = run(_select_cfg(checkpoints_per_stage=0), data=str(root / "data"), pretrain=str(root / "pretrain"),
-                    sft=str(root / "sft"), output_dir=tmp_path / "other", tracker=tracker)
-    assert other["registered_version"] == "3" and str(client.get_model_version_by_alias("qvl-test", "champion").version) == "3"
+        other = run(
+            _select_cfg(checkpoints_per_stage=0),
+            data=str(root / "data"),
+            pretrain=str(root / "pretrain"),
+            sft=str(root / "sft"),
+            output_dir=tmp_path / "other",
+            tracker=tracker,
+        )
+    assert (
+        other["registered_version"] == "3"
+        and str(client.get_model_version_by_alias("qvl-test", "champion").version) == "3"
+    )
 
 
 def test_select_fails_clearly_when_no_candidate_passes(stage_outputs, tmp_path):
     root = stage_outputs
     with pytest.raises(NoCandidatePasses, match=r"(?s)pretrain: vqa_exact_match .* < 0.99.*sft: vqa_exact_match"):
-        run(_select_cfg(min_gates={"vqa_exact_match": 0.99}, register_winner=False), data=str(root / "data"),
-            pretrain=str(root / "pretrain"), sft=str(root / "sft"), output_dir=tmp_path, tracker=NullTracker())
+        run(
+            _select_cfg(min_gates={"vqa_exact_match": 0.99}, register_winner=False),
+            data=str(root / "data"),
+            pretrain=str(root / "pretrain"),
+            sft=str(root / "sft"),
+            output_dir=tmp_path,
+            tracker=NullTracker(),
+        )
     assert len(json.loads((tmp_path / "candidates.json").read_text())) == 4  # every candidate accounted for
     broken = tmp_path / "broken"
     shutil.copytree(root / "pretrain", broken)
     (broken / "model/config.json").unlink()
     with pytest.raises(ValueError, match="has no model/config.json; pass the pretrain stage's output directory"):
-        run(_select_cfg(), data=str(root / "data"), pretrain=str(broken), sft="", output_dir=tmp_path / "b",
-            tracker=NullTracker())
+        run(
+            _select_cfg(),
+            data=str(root / "data"),
+            pretrain=str(broken),
+            sft="",
+            output_dir=tmp_path / "b",
+            tracker=NullTracker(),
+        )
 
 
 def test_checkpoints_kept_on_s3_are_found_through_the_stage_outputs_pointer(stage_outputs, s3_env, tmp_path):
@@ -174,8 +225,14 @@ def test_checkpoints_kept_on_s3_are_found_through_the_stage_outputs_pointer(stag
         storage.publish_dir(staging, f"{remote}/{step.name}")
     ckpt.write_pointer(sft, [remote])
     assert ckpt.read_pointer(sft) == [remote] and ckpt.read_pointer(root / "pretrain") == []
-    run(_select_cfg(register_winner=False), data=str(root / "data"), pretrain=str(root / "pretrain"), sft=str(sft),
-        output_dir=tmp_path / "out", tracker=NullTracker())
+    run(
+        _select_cfg(register_winner=False),
+        data=str(root / "data"),
+        pretrain=str(root / "pretrain"),
+        sft=str(sft),
+        output_dir=tmp_path / "out",
+        tracker=NullTracker(),
+    )
     candidates = {c["name"]: c for c in json.loads((tmp_path / "out/candidates.json").read_text())}
     assert set(candidates) == {"pretrain", "sft", "sft@step-0000200", "sft@step-0000100"}
     assert candidates["sft@step-0000200"]["skipped"] == "identical to the stage's output model"
@@ -190,7 +247,8 @@ def test_stages_name_checkpoint_roots_outside_their_output(tmp_path):
     ckpt.write_pointer(tmp_path / "a", [str(tmp_path / "a" / "checkpoints")])
     assert not (tmp_path / "a" / ckpt.POINTER_FILE).exists()  # inside the output: nothing to point at
     write_splits(tmp_path / "data", seed=6, eval_per_type=1, sft_records=16, preference_pairs=4)
-    train_tiny_sft(tmp_path / "data", tmp_path / "sft", steps=2, checkpoint_every=1,
-                   checkpoint_uri=str(tmp_path / "kept"))
+    train_tiny_sft(
+        tmp_path / "data", tmp_path / "sft", steps=2, checkpoint_every=1, checkpoint_uri=str(tmp_path / "kept")
+    )
     (root,) = ckpt.read_pointer(tmp_path / "sft")
     assert root.startswith(str(tmp_path / "kept" / "sft-")) and (Path(root) / "step-0000001").is_dir()

@@ -24,9 +24,13 @@ def data_dir(tmp_path_factory):
 
 def _cfg(mode, **over):
     base = {
-        "mode": mode, "min_pixels": 3136, "max_pixels": 12544, "max_records": 48,
+        "mode": mode,
+        "min_pixels": 3136,
+        "max_pixels": 12544,
+        "max_records": 48,
         "train": {"steps": 4, "samples_per_step": 8, "max_tokens_per_micro_batch": 256, "threads": 1},
-        "optim": {"lr": 0.01}, "eval": {"per_type": 2, "batch_size": 16, "max_new_tokens": 8},
+        "optim": {"lr": 0.01},
+        "eval": {"per_type": 2, "batch_size": 16, "max_new_tokens": 8},
     }
     base.update(over)
     return SftConfig.model_validate(base)
@@ -39,8 +43,12 @@ def _run(cfg, data_dir, out):
 def test_lora_trains_vision_qkv_and_merger_adapters_and_merges_exactly(data_dir, tmp_path):
     metrics = _run(_cfg("lora"), data_dir, tmp_path)
     adapter = load_file(str(tmp_path / "adapter/adapter_model.safetensors"))
-    for fragment in ("visual.merger.mlp.0", "visual.merger.mlp.2", "visual.blocks.0.attn.qkv",
-                     "language_model.layers.0.self_attn.q_proj"):
+    for fragment in (
+        "visual.merger.mlp.0",
+        "visual.merger.mlp.2",
+        "visual.blocks.0.attn.qkv",
+        "language_model.layers.0.self_attn.q_proj",
+    ):
         b = [v for k, v in adapter.items() if fragment in k and "lora_B" in k]
         assert b, f"no LoRA adapter on {fragment}"
         assert float(b[0].abs().max()) > 0, f"LoRA B of {fragment} never moved from its zero init"
@@ -84,8 +92,10 @@ def test_qlora_quantises_the_lm_but_not_vision_or_lm_head(data_dir, tmp_path):
     cfg = _cfg("qlora", calibration={"enabled": False})
     model, _ = build_model(cfg, BASE)
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
-    assert any(k.endswith("language_model.layers.0.self_attn.q_proj.base_layer") and v == "Linear4bit"
-               for k, v in kinds.items())
+    assert any(
+        k.endswith("language_model.layers.0.self_attn.q_proj.base_layer") and v == "Linear4bit"
+        for k, v in kinds.items()
+    )
     assert not any("visual" in k and v == "Linear4bit" for k, v in kinds.items())
     assert not any(k.endswith("lm_head") and v == "Linear4bit" for k, v in kinds.items())
     metrics = _run(cfg, data_dir, tmp_path)
@@ -110,16 +120,29 @@ def _stage_cli(config: dict, data_dir, out, **env):
     return run_stage_cli("sft", config, out, {"base_model": BASE, "data": data_dir}, **env)
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("deepspeed-2", marks=pytest.mark.slow),
-                                     pytest.param("deepspeed-3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "backend",
+    ["torch", pytest.param("deepspeed-2", marks=pytest.mark.slow), pytest.param("deepspeed-3", marks=pytest.mark.slow)],
+)
 def test_sft_killed_mid_run_resumes_to_bit_identical_weights(data_dir, tmp_path, backend):
     import signal
 
     engine, _, zero = backend.partition("-")
-    config = _cfg("full", calibration={"enabled": False}, difficulty_scheduler={"enabled": True},
-                  train={"steps": 6, "samples_per_step": 8, "max_tokens_per_micro_batch": 256, "threads": 1,
-                         "eval_every": 3, "checkpoint_every": 2, "backend": engine, "zero_stage": int(zero or 2)},
-                  ).model_dump(mode="json", exclude_none=True)
+    config = _cfg(
+        "full",
+        calibration={"enabled": False},
+        difficulty_scheduler={"enabled": True},
+        train={
+            "steps": 6,
+            "samples_per_step": 8,
+            "max_tokens_per_micro_batch": 256,
+            "threads": 1,
+            "eval_every": 3,
+            "checkpoint_every": 2,
+            "backend": engine,
+            "zero_stage": int(zero or 2),
+        },
+    ).model_dump(mode="json", exclude_none=True)
     straight = _stage_cli(config, data_dir, tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
     killed = _stage_cli(config, data_dir, tmp_path / "killed", QVL_TEST_KILL_AT_STEP=3)
@@ -139,8 +162,9 @@ def test_sft_killed_mid_run_resumes_to_bit_identical_weights(data_dir, tmp_path,
 def test_difficulty_scheduler_weights_follow_the_latest_eval():
     from components.sft.stage import type_weights
 
-    cfg = _cfg("lora", difficulty_scheduler={"enabled": True, "floor": 0.1},
-               train={"steps": 4, "eval_every": 2, "threads": 1})
+    cfg = _cfg(
+        "lora", difficulty_scheduler={"enabled": True, "floor": 0.1}, train={"steps": 4, "eval_every": 2, "threads": 1}
+    )
     records = [{"type": "color"}] * 3 + [{"type": "count"}] + [{"type": "caption"}] * 2
     weights = type_weights(cfg, records, [0, 1, 2, 3, 4, 5])
     assert weights([]) is None

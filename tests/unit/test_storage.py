@@ -30,6 +30,7 @@ def base(request, tmp_path) -> str:
 
 # --- URIs ------------------------------------------------------------------------------------------
 
+
 def test_split_and_join():
     assert storage.split_s3("s3://my-bucket/a/b.txt") == ("my-bucket", "a/b.txt")
     assert storage.split_s3("s3://my-bucket") == ("my-bucket", "")
@@ -39,14 +40,17 @@ def test_split_and_join():
     assert storage.is_s3("s3://b/k") and not storage.is_s3("/s3://b") and not storage.is_s3(Path("/x"))
 
 
-@pytest.mark.parametrize("uri, words", [
-    ("s3://", "invalid bucket name"),
-    ("s3://ab/key", "invalid bucket name"),
-    ("s3://Upper/key", "invalid bucket name"),
-    ("s3://bucket_x/key", "invalid bucket name"),
-    ("s3://my-bucket/a//b", "empty path segment"),
-    ("/local/path", "not an S3 URI"),
-])
+@pytest.mark.parametrize(
+    "uri, words",
+    [
+        ("s3://", "invalid bucket name"),
+        ("s3://ab/key", "invalid bucket name"),
+        ("s3://Upper/key", "invalid bucket name"),
+        ("s3://bucket_x/key", "invalid bucket name"),
+        ("s3://my-bucket/a//b", "empty path segment"),
+        ("/local/path", "not an S3 URI"),
+    ],
+)
 def test_split_rejects_malformed(uri, words):
     with pytest.raises(ValueError, match=words):
         storage.split_s3(uri)
@@ -59,6 +63,7 @@ def test_malformed_s3_uri_is_not_treated_as_a_local_path(uri):
 
 
 # --- round trips -----------------------------------------------------------------------------------
+
 
 def test_bytes_round_trip_and_exists(base, tmp_path):
     uri = storage.join(base, "dir", "data.bin")
@@ -91,7 +96,9 @@ def test_file_round_trip_and_list_files(base, tmp_path):
     listed = storage.list_files(storage.join(base, "tree"))
     assert listed == [storage.join(base, "tree", n) for n in ("a.txt", "b/1.parquet", "b/2.txt", "b/c/3.parquet")]
     assert storage.list_files(storage.join(base, "tree"), suffix=".parquet") == [
-        storage.join(base, "tree", "b/1.parquet"), storage.join(base, "tree", "b/c/3.parquet")]
+        storage.join(base, "tree", "b/1.parquet"),
+        storage.join(base, "tree", "b/c/3.parquet"),
+    ]
     assert storage.list_files(storage.join(base, "nothing-here")) == []
     back = storage.download_file(storage.join(base, "tree", "b/2.txt"), tmp_path / "dl" / "x.bin")
     assert back.read_bytes() == source.read_bytes()
@@ -136,13 +143,16 @@ def test_missing_bucket_is_file_not_found(s3_env):
 
 # --- committed publication -------------------------------------------------------------------------
 
+
 def test_publish_and_fetch_verify_every_file(base, tmp_path):
     files = _make_tree(tmp_path / "out")
     dest = storage.join(base, "run-1")
     marker = storage.publish_dir(tmp_path / "out", dest)
     assert sorted(marker["files"]) == sorted(files)
     assert marker["files"]["a.txt"] == {
-        "size": 5, "sha256": "8ed3f6ad685b959ead7022518e1af76cd816f8e8ec7ccdda1ed4018e8f2223f8"}
+        "size": 5,
+        "sha256": "8ed3f6ad685b959ead7022518e1af76cd816f8e8ec7ccdda1ed4018e8f2223f8",
+    }
     assert storage.is_committed(dest)
     assert json.loads(storage.read_bytes(storage.join(dest, COMMIT_MARKER)))["files"] == marker["files"]
     fetched = storage.fetch_dir(dest, tmp_path / "fetched")

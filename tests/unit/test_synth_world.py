@@ -82,14 +82,10 @@ def test_same_seed_gives_same_bytes_and_another_seed_differs(world, tmp_path):
     write_lake(tmp_path / "other" / "lake", records=400, seed=8, records_per_shard=100)
     files = sorted(p.relative_to(world) for p in world.rglob("*") if p.is_file())
     assert len(files) > 100
-    assert files == sorted(
-        p.relative_to(tmp_path / "again") for p in (tmp_path / "again").rglob("*") if p.is_file()
-    )
+    assert files == sorted(p.relative_to(tmp_path / "again") for p in (tmp_path / "again").rglob("*") if p.is_file())
     for rel in files:
         assert (world / rel).read_bytes() == (tmp_path / "again" / rel).read_bytes(), rel
-    assert (world / "ground_truth.jsonl").read_bytes() != (
-        tmp_path / "other" / "ground_truth.jsonl"
-    ).read_bytes()
+    assert (world / "ground_truth.jsonl").read_bytes() != (tmp_path / "other" / "ground_truth.jsonl").read_bytes()
 
 
 def test_ground_truth_covers_every_record_once_and_metadata_matches(world, lake):
@@ -149,11 +145,7 @@ def test_sizes_of_tiny_extreme_and_clean_images(lake):
         assert max(width, height) / min(width, height) >= EXTREME_MIN_RATIO and min(width, height) >= 24
     for row in _by_defect(lake, None):
         width, height = _decode(row["image"]).size
-        assert (
-            112 <= min(width, height)
-            and max(width, height) <= 336
-            and max(width, height) <= 2 * min(width, height)
-        )
+        assert 112 <= min(width, height) and max(width, height) <= 336 and max(width, height) <= 2 * min(width, height)
 
 
 def test_duplicates_point_to_an_earlier_clean_original(lake):
@@ -172,9 +164,7 @@ def test_duplicates_point_to_an_earlier_clean_original(lake):
 
 
 def test_captions_match_scenes_exactly_where_clean_and_not_where_defective(lake):
-    for row in (
-        _by_defect(lake, None) + _by_defect(lake, "exact_duplicate") + _by_defect(lake, "near_duplicate")
-    ):
+    for row in _by_defect(lake, None) + _by_defect(lake, "exact_duplicate") + _by_defect(lake, "near_duplicate"):
         assert mentioned_objects(row["caption"]) == _pairs(row["scene"]), row["key"]
         assert mentioned_words(row["caption"]) == ({row["scene"]["word"]} if row["scene"]["word"] else set())
     for row in _by_defect(lake, "mismatched_caption"):
@@ -216,17 +206,13 @@ def test_answers_agree_with_rendered_scenes():
             assert 0 <= x1 < x2 <= scene.width and 0 <= y1 < y2 <= scene.height
             (obj,) = [o for o in scene.objects if o.name in question]
             assert (x1, y1, x2, y2) == obj.box
-            assert (
-                tuple(image[(y1 + y2) // 2, (x1 + x2) // 2]) == COLORS[obj.color]
-            )  # the box holds the shape
+            assert tuple(image[(y1 + y2) // 2, (x1 + x2) // 2]) == COLORS[obj.color]  # the box holds the shape
         elif kind == "relation":
             anchor = next(name for name in by_name if f"the {name}?" in question)
             axis = 0 if scene.arrangement == "row" else 1
             before = "left of" in question or "above" in question
             neighbours = [
-                o
-                for o in scene.ordered()
-                if (o.box[axis] < by_name[anchor].box[axis]) == before and o.name != anchor
+                o for o in scene.ordered() if (o.box[axis] < by_name[anchor].box[axis]) == before and o.name != anchor
             ]
             assert answer == (neighbours[-1] if before else neighbours[0]).name
         elif kind == "position":
@@ -350,9 +336,7 @@ def test_rapidocr_reads_the_drawn_words():
     rng = np.random.default_rng(11)
     scenes = [scene_for(rng, "ocr", 112, 112) for _ in range(5)]
     # The text-direction classifier flips short words ("dog" -> "6op"); our words are always upright.
-    read = [
-        s.word in " ".join(engine(np.asarray(render(s)), use_cls=False).txts or ()).lower() for s in scenes
-    ]
+    read = [s.word in " ".join(engine(np.asarray(render(s)), use_cls=False).txts or ()).lower() for s in scenes]
     assert sum(read) >= 4, [s.word for s in scenes]
 
 

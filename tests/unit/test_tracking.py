@@ -22,8 +22,12 @@ from tests.services import free_port
 @pytest.fixture(autouse=True)
 def _fast_http(monkeypatch):
     """No long MLflow HTTP retries while a server is down (and restore whatever tracking sets)."""
-    for name, value in {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
-                        "MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_DISABLE_TELEMETRY": "true"}.items():
+    for name, value in {
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+    }.items():
         monkeypatch.setenv(name, value)
 
 
@@ -59,14 +63,22 @@ def _check_two_stage_flow(parent: str, client: MlflowClient) -> None:
     assert sorted(by_stage) == ["clean_data", "sft"]
     clean, sft = by_stage["clean_data"], by_stage["sft"]
     assert clean.info.status == sft.info.status == "FINISHED"
-    assert clean.data.metrics == {"records_kept": 90.0, "rejected_by_reason/corrupt": 4.0,
-                                  "rejected_by_reason/tiny": 6.0}
+    assert clean.data.metrics == {
+        "records_kept": 90.0,
+        "rejected_by_reason/corrupt": 4.0,
+        "rejected_by_reason/tiny": 6.0,
+    }
     assert clean.data.params["optim.lr"] == "0.003" and clean.data.params["optim.betas"] == "[0.9, 0.95]"
     assert clean.data.params["note"] == "x" * tracking.MAX_PARAM_VALUE_LENGTH
     assert [a.path for a in client.list_artifacts(clean.info.run_id)] == ["report.md"]
     history = client.get_metric_history(sft.info.run_id, "train/loss")
     assert [(m.step, round(m.value, 4)) for m in sorted(history, key=lambda m: m.step)] == [
-        (0, 1.0), (1, 0.5), (2, 0.3333), (3, 0.25), (4, 0.2)]
+        (0, 1.0),
+        (1, 0.5),
+        (2, 0.3333),
+        (3, 0.25),
+        (4, 0.2),
+    ]
 
 
 def test_parent_and_nested_stage_runs_in_sqlite(tracking_env, monkeypatch):
@@ -94,8 +106,11 @@ def test_many_metrics_go_in_few_log_batch_calls(tracking_env, monkeypatch):
     run_id = client.create_run(client.create_experiment("batching")).info.run_id
     calls: list[int] = []
     real_log_batch = client.log_batch
-    monkeypatch.setattr(client, "log_batch", lambda run_id, metrics=(), **kw: (
-        calls.append(len(metrics)), real_log_batch(run_id, metrics=metrics, **kw))[1])
+    monkeypatch.setattr(
+        client,
+        "log_batch",
+        lambda run_id, metrics=(), **kw: (calls.append(len(metrics)), real_log_batch(run_id, metrics=metrics, **kw))[1],
+    )
     tracker = MlflowTracker(client, run_id, flush_every=10**9, flush_interval_s=3600)
     for step in range(250):
         tracker.log_metrics({f"m{i}": step * 10 + i for i in range(10)}, step=step)
@@ -111,8 +126,11 @@ def test_background_thread_flushes_by_count_and_by_time(tracking_env, monkeypatc
     run_id = client.create_run(client.create_experiment("background")).info.run_id
     calls: list[int] = []
     real_log_batch = client.log_batch
-    monkeypatch.setattr(client, "log_batch", lambda run_id, metrics=(), **kw: (
-        calls.append(len(metrics)), real_log_batch(run_id, metrics=metrics, **kw))[1])
+    monkeypatch.setattr(
+        client,
+        "log_batch",
+        lambda run_id, metrics=(), **kw: (calls.append(len(metrics)), real_log_batch(run_id, metrics=metrics, **kw))[1],
+    )
     by_count = MlflowTracker(client, run_id, flush_every=100, flush_interval_s=3600)
     by_count.log_metrics({f"a{i}": i for i in range(100)})
     assert _wait_until(lambda: len(client.get_metric_history(run_id, "a99")) == 1), calls
@@ -151,8 +169,9 @@ def test_bad_metric_value_and_status_are_rejected(tracking_env):
 def test_dead_server_never_raises_and_writes_fallback(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
-    with stage_tracker("sft", experiment="offline", params={"lr": 0.1}, tracking_uri=dead,
-                       fallback_dir=tmp_path, flush_interval_s=3600) as tracker:
+    with stage_tracker(
+        "sft", experiment="offline", params={"lr": 0.1}, tracking_uri=dead, fallback_dir=tmp_path, flush_interval_s=3600
+    ) as tracker:
         for step in range(10):
             tracker.log_metrics({"loss": float(step)}, step=step)
         tracker.flush()
@@ -162,7 +181,9 @@ def test_dead_server_never_raises_and_writes_fallback(tmp_path):
     lines = [json.loads(line) for line in tracker.fallback_path.read_text().splitlines()]
     assert [(r["step"], r["value"]) for r in lines if r["type"] == "metric"] == [(s, float(s)) for s in range(10)]
     assert {(r["type"], r["key"], r["value"]) for r in lines if r["type"] in ("param", "tag")} == {
-        ("param", "lr", "0.1"), ("tag", "phase", "2")}
+        ("param", "lr", "0.1"),
+        ("tag", "phase", "2"),
+    }
     assert lines[-1] == {"type": "status", "run_id": None, "status": "FINISHED"}
     assert (tmp_path / "artifacts" / "no-run" / "report.md").read_text() == "report"
 
@@ -170,8 +191,9 @@ def test_dead_server_never_raises_and_writes_fallback(tmp_path):
 def test_bounded_buffer_spills_overflow_to_fallback(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     client = tracking._client(dead)
-    tracker = MlflowTracker(client, "run-x", flush_every=10**9, flush_interval_s=3600, max_buffer=5,
-                            fallback_dir=tmp_path)
+    tracker = MlflowTracker(
+        client, "run-x", flush_every=10**9, flush_interval_s=3600, max_buffer=5, fallback_dir=tmp_path
+    )
     tracker.log_metrics({f"m{i}": i for i in range(8)})
     spilled = [json.loads(line)["key"] for line in tracker.fallback_path.read_text().splitlines()]
     assert spilled == ["m5", "m6", "m7"]
@@ -181,6 +203,7 @@ def test_bounded_buffer_spills_overflow_to_fallback(tmp_path):
 
 
 # --- a real tracking server ------------------------------------------------------------------------
+
 
 def test_parent_and_nested_stage_runs_on_server(mlflow_server, monkeypatch):
     parent, client = _two_stage_flow(mlflow_server.uri, monkeypatch)
@@ -193,8 +216,9 @@ def test_server_outage_keeps_buffer_and_recovers(mlflow_server, tmp_path, monkey
     client = MlflowClient(uri)
     experiment = client.create_experiment(f"outage-{time.time_ns()}")
     resilient = MlflowTracker(client, client.create_run(experiment).info.run_id, flush_interval_s=3600)
-    spilling = MlflowTracker(client, client.create_run(experiment).info.run_id, flush_interval_s=3600,
-                             fallback_dir=tmp_path)
+    spilling = MlflowTracker(
+        client, client.create_run(experiment).info.run_id, flush_interval_s=3600, fallback_dir=tmp_path
+    )
     resilient.log_metrics({"loss": 0.0}, step=0)
     resilient.flush()
     mlflow_server.stop()
@@ -216,4 +240,7 @@ def test_server_outage_keeps_buffer_and_recovers(mlflow_server, tmp_path, monkey
     replayed = client.get_run(spilling.run_id)
     assert replayed.info.status == "FINISHED"
     assert sorted((m.step, m.value) for m in client.get_metric_history(spilling.run_id, "acc")) == [
-        (1, 0.1), (2, 0.2), (3, 0.3)]
+        (1, 0.1),
+        (2, 0.2),
+        (3, 0.3),
+    ]

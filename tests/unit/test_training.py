@@ -16,9 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_segmented_warmup_follows_seed_001():
-    schedule = ScheduleConfig(decay="constant", warmup_segments=[
-        WarmupSegment(fraction=0.05, lr_fraction=0.7), WarmupSegment(fraction=0.05, lr_fraction=0.7),
-        WarmupSegment(fraction=0.10, lr_fraction=1.0)])
+    schedule = ScheduleConfig(
+        decay="constant",
+        warmup_segments=[
+            WarmupSegment(fraction=0.05, lr_fraction=0.7),
+            WarmupSegment(fraction=0.05, lr_fraction=0.7),
+            WarmupSegment(fraction=0.10, lr_fraction=1.0),
+        ],
+    )
     f = [lr_factor(s, 1000, schedule) for s in range(1000)]
     assert f[0] == pytest.approx(0.7 / 50)
     assert f[49] == pytest.approx(0.7)
@@ -82,8 +87,18 @@ def test_sigkill_and_resume_is_bit_identical_deepspeed(tmp_path, backend):
 
 def _torchrun(out: Path, backend: str, **env) -> subprocess.CompletedProcess:
     environ = {**os.environ, "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in env.items()}}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "tests.jobs.train_loop_job", str(out), backend]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "tests.jobs.train_loop_job",
+        str(out),
+        backend,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=900, check=False)
 
 
@@ -121,7 +136,9 @@ def test_checkpoints_on_s3_resume_bit_identical(tmp_path, s3_env):
     resumed = _job(tmp_path / "resumed", "torch", root)  # a fresh machine: nothing local, only the bucket
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed_from=4 " in resumed.stdout
-    assert (tmp_path / "straight/final.safetensors").read_bytes() == (tmp_path / "resumed/final.safetensors").read_bytes()
+    assert (tmp_path / "straight/final.safetensors").read_bytes() == (
+        tmp_path / "resumed/final.safetensors"
+    ).read_bytes()
     assert [u.rsplit("/", 1)[1] for u in storage.list_committed(root)] == ["step-0000006", "step-0000008"]
 
 
@@ -141,8 +158,14 @@ def test_gradient_checkpointing_gives_the_same_gradients():
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         encoder = ConversationEncoder(processor, model, min_pixels=3136, max_pixels=12544)
         image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (84, 112, 3), dtype=np.uint8))
-        batch = pack([encoder.encode([{"role": "user", "text": "<image>\nColor?"}, {"role": "assistant", "text": "red"}],
-                                     images=[image]) for _ in range(2)])
+        batch = pack(
+            [
+                encoder.encode(
+                    [{"role": "user", "text": "<image>\nColor?"}, {"role": "assistant", "text": "red"}], images=[image]
+                )
+                for _ in range(2)
+            ]
+        )
         loss, _ = token_loss(forward_logits(model, batch), batch)
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})

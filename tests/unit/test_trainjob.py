@@ -10,23 +10,36 @@ from pathlib import Path
 
 import pytest
 
-from components._shared.platform import storage
 from components._shared.launch.plan import LAUNCH_PLAN_ENV, LaunchPlan, plan_from_env
 from components._shared.launch.trainjob import TrainJobFailed, run_trainjob
+from components._shared.platform import storage
 from tests.fake_k8s_api import FakeKubernetesApi
 
 SENTINEL = "sentinel-secret-4c1d"
 
 
 def _plan(s3_env, **over) -> LaunchPlan:
-    base = dict(stage="sft", nodes=2, gpus_per_node=8, image="ghcr.io/qwen-vl-pipeline/train:0.1.0", cpu="96",
-                memory="1000Gi", node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
-                tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                shm_size="64Gi", scratch_pvc="qvl-scratch",
-                secrets={"qvl-s3-credentials": ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"],
-                         "qvl-mlflow": ["MLFLOW_TRACKING_URI"]},
-                labels={"qvl.stage": "sft"}, staging_uri=f"{s3_env.uri}/trainjobs", namespace="qvl", poll_s=0.01,
-                timeout_s=3600)
+    base = dict(
+        stage="sft",
+        nodes=2,
+        gpus_per_node=8,
+        image="ghcr.io/qwen-vl-pipeline/train:0.1.0",
+        cpu="96",
+        memory="1000Gi",
+        node_selector={"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        shm_size="64Gi",
+        scratch_pvc="qvl-scratch",
+        secrets={
+            "qvl-s3-credentials": ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"],
+            "qvl-mlflow": ["MLFLOW_TRACKING_URI"],
+        },
+        labels={"qvl.stage": "sft"},
+        staging_uri=f"{s3_env.uri}/trainjobs",
+        namespace="qvl",
+        poll_s=0.01,
+        timeout_s=3600,
+    )
     base.update(over)
     return LaunchPlan(**base)
 
@@ -54,8 +67,7 @@ def inputs(tmp_path, s3_env, monkeypatch):
     return {"base_model": str(base), "data": f"{s3_env.uri}/data"}
 
 
-def test_a_successful_job_returns_the_stage_metrics_and_outputs_and_is_deleted(s3_env, inputs, tmp_path,
-                                                                               monkeypatch):
+def test_a_successful_job_returns_the_stage_metrics_and_outputs_and_is_deleted(s3_env, inputs, tmp_path, monkeypatch):
     monkeypatch.setenv("QVL_POD_NAME", "vlm-training-abc-sft-driver")
     monkeypatch.setenv("QVL_POD_UID", "6f1c2d3e-0000-4000-8000-000000000001")
     seen = {}
@@ -68,9 +80,15 @@ def test_a_successful_job_returns_the_stage_metrics_and_outputs_and_is_deleted(s
 
     logged: list[str] = []
     with FakeKubernetesApi(on_create=work) as api:
-        metrics = run_trainjob(_plan(s3_env), {"mode": "lora", "train": {"steps": 3}}, inputs=inputs,
-                               output_dir=str(tmp_path / "task-output"), experiment="vlm",
-                               client_configuration=api.configuration(), log=logged.append)
+        metrics = run_trainjob(
+            _plan(s3_env),
+            {"mode": "lora", "train": {"steps": 3}},
+            inputs=inputs,
+            output_dir=str(tmp_path / "task-output"),
+            experiment="vlm",
+            client_configuration=api.configuration(),
+            log=logged.append,
+        )
     assert metrics == {"vqa_exact_match": 0.61}
     assert (tmp_path / "task-output/model/weights.bin").read_bytes() == b"weights"
     job = seen["job"]
@@ -78,13 +96,22 @@ def test_a_successful_job_returns_the_stage_metrics_and_outputs_and_is_deleted(s
     assert api.deleted == [name]
     assert any("rank 0: done" in line for line in logged), logged
     # owned by the task's pod, so Kubernetes deletes the job if the pod goes first
-    assert api.jobs[name]["metadata"]["ownerReferences"] == [{
-        "apiVersion": "v1", "kind": "Pod", "name": "vlm-training-abc-sft-driver",
-        "uid": "6f1c2d3e-0000-4000-8000-000000000001", "blockOwnerDeletion": False}]
+    assert api.jobs[name]["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": "vlm-training-abc-sft-driver",
+            "uid": "6f1c2d3e-0000-4000-8000-000000000001",
+            "blockOwnerDeletion": False,
+        }
+    ]
     # the job: runtime, nodes, resources, same image, the stage's command line under torchrun
     spec = job["spec"]
-    assert spec["runtimeRef"] == {"name": "torch-distributed", "kind": "ClusterTrainingRuntime",
-                                  "apiGroup": "trainer.kubeflow.org"} or spec["runtimeRef"]["name"] == "torch-distributed"
+    assert (
+        spec["runtimeRef"]
+        == {"name": "torch-distributed", "kind": "ClusterTrainingRuntime", "apiGroup": "trainer.kubeflow.org"}
+        or spec["runtimeRef"]["name"] == "torch-distributed"
+    )
     trainer = spec["trainer"]
     assert trainer["numNodes"] == 2 and trainer["image"] == "ghcr.io/qwen-vl-pipeline/train:0.1.0"
     assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == 8
@@ -96,15 +123,18 @@ def test_a_successful_job_returns_the_stage_metrics_and_outputs_and_is_deleted(s
     assert seen["staged_config"] == b'{"model_type": "qwen2_5_vl"}'
     assert {"name": "QVL_LAUNCHED", "value": "1"} in trainer["env"]
     # pod settings through the runtime patch: placement, volumes, secrets by reference only
-    pod = spec["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
-        "template"]["spec"]["template"]["spec"]
+    pod = spec["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"][
+        "template"
+    ]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     env = pod["containers"][0]["env"]
-    assert {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {
-        "name": "qvl-s3-credentials", "key": "AWS_SECRET_ACCESS_KEY", "optional": True}}} in env
+    assert {
+        "name": "AWS_SECRET_ACCESS_KEY",
+        "valueFrom": {"secretKeyRef": {"name": "qvl-s3-credentials", "key": "AWS_SECRET_ACCESS_KEY", "optional": True}},
+    } in env
     posted = json.dumps([r.body for r in api.requests if r.method == "POST"])
     assert s3_env.server.env()["AWS_SECRET_ACCESS_KEY"] not in posted and SENTINEL not in posted
 
@@ -112,10 +142,20 @@ def test_a_successful_job_returns_the_stage_metrics_and_outputs_and_is_deleted(s
 def test_a_failed_job_fails_the_task_with_the_jobs_reason_and_is_deleted(s3_env, inputs, tmp_path):
     states = ["Created", "Running", ("Failed", "PodFailed", "node-1 exited with code 1: CUDA out of memory")]
     with FakeKubernetesApi(states=states) as api:
-        with pytest.raises(TrainJobFailed, match=r"qvl/qvl-sft-\w+ \(sft\) failed: PodFailed: node-1 exited with "
-                                                 r"code 1: CUDA out of memory"):
-            run_trainjob(_plan(s3_env), {}, inputs=inputs, output_dir=str(tmp_path / "out"), experiment="vlm",
-                         client_configuration=api.configuration(), log=lambda line: None)
+        with pytest.raises(
+            TrainJobFailed,
+            match=r"qvl/qvl-sft-\w+ \(sft\) failed: PodFailed: node-1 exited with "
+            r"code 1: CUDA out of memory",
+        ):
+            run_trainjob(
+                _plan(s3_env),
+                {},
+                inputs=inputs,
+                output_dir=str(tmp_path / "out"),
+                experiment="vlm",
+                client_configuration=api.configuration(),
+                log=lambda line: None,
+            )
     assert len(api.deleted) == 1 and api.deleted == list(api.jobs)
     assert not (tmp_path / "out").exists()
 
@@ -129,9 +169,16 @@ def test_a_job_past_its_timeout_fails_the_task_and_is_deleted(s3_env, inputs, tm
 
     with FakeKubernetesApi(states=["Created", "Running"]) as api:
         with pytest.raises(TimeoutError, match=r"did not finish in 600 s \(kubernetes.trainjob.timeout_s\)"):
-            run_trainjob(_plan(s3_env, timeout_s=600), {}, inputs=inputs, output_dir=str(tmp_path / "out"),
-                         experiment="vlm", client_configuration=api.configuration(), log=lambda line: None,
-                         clock=clock)
+            run_trainjob(
+                _plan(s3_env, timeout_s=600),
+                {},
+                inputs=inputs,
+                output_dir=str(tmp_path / "out"),
+                experiment="vlm",
+                client_configuration=api.configuration(),
+                log=lambda line: None,
+                clock=clock,
+            )
     assert api.deleted == list(api.jobs)
     assert 4 <= api.polls[api.deleted[0]] <= 8  # polled until the deadline, not once and not forever
 
@@ -145,8 +192,15 @@ def test_a_task_stopped_by_sigterm_deletes_its_job(s3_env, inputs, tmp_path):
     with FakeKubernetesApi(states=["Created", "Running"]) as api:
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
         with pytest.raises(SystemExit, match="stopped by signal 15; deleting the TrainJob"):
-            run_trainjob(_plan(s3_env, poll_s=0.05), {}, inputs=inputs, output_dir=str(tmp_path / "out"),
-                         experiment="vlm", client_configuration=api.configuration(), log=lambda line: None)
+            run_trainjob(
+                _plan(s3_env, poll_s=0.05),
+                {},
+                inputs=inputs,
+                output_dir=str(tmp_path / "out"),
+                experiment="vlm",
+                client_configuration=api.configuration(),
+                log=lambda line: None,
+            )
     assert api.deleted == list(api.jobs) and len(api.deleted) == 1
     assert signal.getsignal(signal.SIGTERM) is before  # the task's own handler is back
 
@@ -154,20 +208,34 @@ def test_a_task_stopped_by_sigterm_deletes_its_job(s3_env, inputs, tmp_path):
 def test_a_completed_job_without_published_outputs_fails_and_is_still_deleted(s3_env, inputs, tmp_path):
     with FakeKubernetesApi() as api:
         with pytest.raises(Exception, match="output"):
-            run_trainjob(_plan(s3_env), {}, inputs=inputs, output_dir=str(tmp_path / "out"), experiment="vlm",
-                         client_configuration=api.configuration(), log=lambda line: None)
+            run_trainjob(
+                _plan(s3_env),
+                {},
+                inputs=inputs,
+                output_dir=str(tmp_path / "out"),
+                experiment="vlm",
+                client_configuration=api.configuration(),
+                log=lambda line: None,
+            )
     assert api.deleted == list(api.jobs)
 
 
 def test_a_missing_runtime_or_staging_prefix_is_a_clear_error(s3_env, inputs, tmp_path):
     with pytest.raises(ValueError, match="staging_uri"):
-        run_trainjob(_plan(s3_env, staging_uri="/tmp/staging"), {}, inputs=inputs, output_dir=str(tmp_path),
-                     experiment="vlm")
+        run_trainjob(
+            _plan(s3_env, staging_uri="/tmp/staging"), {}, inputs=inputs, output_dir=str(tmp_path), experiment="vlm"
+        )
     with FakeKubernetesApi() as api:
         with pytest.raises(Exception, match="qvl-torch-distributed"):
-            run_trainjob(_plan(s3_env, runtime="qvl-torch-distributed"), {}, inputs=inputs,
-                         output_dir=str(tmp_path / "out"), experiment="vlm",
-                         client_configuration=api.configuration(), log=lambda line: None)
+            run_trainjob(
+                _plan(s3_env, runtime="qvl-torch-distributed"),
+                {},
+                inputs=inputs,
+                output_dir=str(tmp_path / "out"),
+                experiment="vlm",
+                client_configuration=api.configuration(),
+                log=lambda line: None,
+            )
     assert not api.jobs  # nothing was created
 
 
@@ -183,8 +251,7 @@ def test_launch_plans_are_read_from_the_environment_and_validated():
         plan_from_env({LAUNCH_PLAN_ENV: '{"stage": "sft", "gpus": 8}'})
 
 
-def test_the_job_command_line_runs_the_stage_and_its_outputs_come_back_through_run_stage(
-        s3_env, tmp_path, monkeypatch):
+def test_the_job_command_line_runs_the_stage_and_its_outputs_come_back_through_run_stage(s3_env, tmp_path, monkeypatch):
     """The pods' work done for real: the TrainJob's args run under python (one process) with the job's env,
     read the staged inputs from S3 and publish the outputs; run_stage returns the recorded metrics."""
     from components._shared.launch.runner import run_stage
@@ -192,18 +259,39 @@ def test_the_job_command_line_runs_the_stage_and_its_outputs_come_back_through_r
 
     data = tmp_path / "data"
     write_splits(data, seed=5, eval_per_type=2, sft_records=16, preference_pairs=2)
-    config = {"mode": "lora", "min_pixels": 3136, "max_pixels": 12544, "max_records": 16,
-              "train": {"steps": 2, "samples_per_step": 4, "max_tokens_per_micro_batch": 256, "threads": 1,
-                        "backend": "deepspeed", "zero_stage": 2},
-              "optim": {"lr": 0.01}, "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 4},
-              "calibration": {"enabled": False}}
+    config = {
+        "mode": "lora",
+        "min_pixels": 3136,
+        "max_pixels": 12544,
+        "max_records": 16,
+        "train": {
+            "steps": 2,
+            "samples_per_step": 4,
+            "max_tokens_per_micro_batch": 256,
+            "threads": 1,
+            "backend": "deepspeed",
+            "zero_stage": 2,
+        },
+        "optim": {"lr": 0.01},
+        "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 4},
+        "calibration": {"enabled": False},
+    }
 
     def pods(job):
         env = {e["name"]: e["value"] for e in job["spec"]["trainer"]["env"]}
         cmd = [sys.executable, *job["spec"]["trainer"]["args"]]
-        done = subprocess.run(cmd, env={**__import__("os").environ, **env, "OMP_NUM_THREADS": "1",
-                                        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"},
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            cmd,
+            env={
+                **__import__("os").environ,
+                **env,
+                "OMP_NUM_THREADS": "1",
+                "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
+            },
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert done.returncode == 0, f"{shlex.join(cmd)[:300]}\n{done.stderr[-3000:]}"
 
     with FakeKubernetesApi(on_create=pods) as api:
@@ -213,9 +301,14 @@ def test_the_job_command_line_runs_the_stage_and_its_outputs_come_back_through_r
 
         real = trainjob._trainer_client
         monkeypatch.setattr(trainjob, "_trainer_client", lambda p, cfg=None: real(p, api.configuration()))
-        metrics = run_stage("sft", config, experiment="vlm", inputs={
-            "base_model": "builtin:tiny-qwen2_5-vl", "data": str(data)}, output_dir=str(tmp_path / "task-out"),
-            record_as="sft")
+        metrics = run_stage(
+            "sft",
+            config,
+            experiment="vlm",
+            inputs={"base_model": "builtin:tiny-qwen2_5-vl", "data": str(data)},
+            output_dir=str(tmp_path / "task-out"),
+            record_as="sft",
+        )
     assert metrics["trainable_parameters"] > 0 and "vqa_exact_match" in metrics
     assert (tmp_path / "task-out/model/config.json").exists()
     assert storage.is_committed(tmp_path / "task-out")

@@ -30,27 +30,32 @@ def test_module_groups_cover_every_parameter_once(tiny):
     assert len(names) == len(set(names)) == len(list(model.parameters()))
     assert module_group("model.visual.blocks.0.attn.qkv.weight", vision_blocks=2, lm_layers=2) == "vision_lower"
     assert module_group("model.visual.blocks.1.mlp.up_proj.weight", vision_blocks=2, lm_layers=2) == "vision_upper"
-    assert module_group("base_model.model.model.visual.merger.mlp.0.lora_A.default.weight", vision_blocks=2,
-                        lm_layers=2) == "merger"
-    assert module_group("model.language_model.layers.1.self_attn.q_proj.weight", vision_blocks=2,
-                        lm_layers=2) == "lm_upper"
+    assert (
+        module_group("base_model.model.model.visual.merger.mlp.0.lora_A.default.weight", vision_blocks=2, lm_layers=2)
+        == "merger"
+    )
+    assert (
+        module_group("model.language_model.layers.1.self_attn.q_proj.weight", vision_blocks=2, lm_layers=2)
+        == "lm_upper"
+    )
     assert module_group("lm_head.weight", vision_blocks=2, lm_layers=2) == "lm_upper"
     assert module_group("model.language_model.embed_tokens.weight", vision_blocks=2, lm_layers=2) == "lm_lower"
 
 
 def test_per_group_learning_rates_and_clipping(tiny):
     model, _ = tiny
-    optim = OptimConfig(lr=1e-3, group_lr={"vision_lower": 1e-5}, max_grad_norm=1.0,
-                        group_max_grad_norm={"merger": 0.01})
+    optim = OptimConfig(
+        lr=1e-3, group_lr={"vision_lower": 1e-5}, max_grad_norm=1.0, group_max_grad_norm={"merger": 0.01}
+    )
     optimizer, names = build_optimizer(model, optim)
     by_name = {g["name"]: g for g in optimizer.param_groups}
     assert by_name["vision_lower"]["lr"] == 1e-5 and by_name["lm_upper"]["lr"] == 1e-3
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     norms = clip_per_group(optimizer)
-    merger_norm = torch.sqrt(sum((p.grad ** 2).sum() for p in by_name["merger"]["params"]))
+    merger_norm = torch.sqrt(sum((p.grad**2).sum() for p in by_name["merger"]["params"]))
     assert norms["merger"] > 1.0 and float(merger_norm) == pytest.approx(0.01, rel=1e-4)
-    lm_norm = torch.sqrt(sum((p.grad ** 2).sum() for p in by_name["lm_upper"]["params"]))
+    lm_norm = torch.sqrt(sum((p.grad**2).sum() for p in by_name["lm_upper"]["params"]))
     assert float(lm_norm) == pytest.approx(1.0, rel=1e-4)
     model.zero_grad(set_to_none=True)
 
@@ -83,8 +88,9 @@ def test_student_is_smaller_same_family_and_round_trips_through_auto_classes(fam
 
     encoder = ConversationEncoder(processor, student, min_pixels=3136, max_pixels=12544)
     image = Image.fromarray(np.zeros((56, 84, 3), dtype=np.uint8))
-    batch = pack([encoder.encode([{"role": "user", "text": "<image>\nhi"}, {"role": "assistant", "text": "a"}],
-                                 images=[image])])
+    batch = pack(
+        [encoder.encode([{"role": "user", "text": "<image>\nhi"}, {"role": "assistant", "text": "a"}], images=[image])]
+    )
     with torch.no_grad():
         assert forward_logits(student, batch).shape[-1] == teacher.config.text_config.vocab_size
     with pytest.raises(ValueError, match="hidden must divide by heads"):

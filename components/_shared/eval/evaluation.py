@@ -25,14 +25,24 @@ from components._shared.model.packing import (
 
 
 @torch.no_grad()
-def generate_answers(model, encoder: ConversationEncoder, records: list[dict], *, batch_size: int = 16,
-                     max_new_tokens: int = 48, first_logits: list | None = None) -> list[str]:
+def generate_answers(
+    model,
+    encoder: ConversationEncoder,
+    records: list[dict],
+    *,
+    batch_size: int = 16,
+    max_new_tokens: int = 48,
+    first_logits: list | None = None,
+) -> list[str]:
     """Greedy answers, batched with left padding (the KV cache on); `first_logits`, when a list, receives each
     record's logits of the first generated token (for tests and diagnostics)."""
-    prompts = [encoder.encode(prompt_turns(r["question"]), images=[r["pil"]], add_generation_prompt=True,
-                              sample_id=r["id"]) for r in records]
-    return generate_completions(model, encoder, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                first_logits=first_logits)
+    prompts = [
+        encoder.encode(prompt_turns(r["question"]), images=[r["pil"]], add_generation_prompt=True, sample_id=r["id"])
+        for r in records
+    ]
+    return generate_completions(
+        model, encoder, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens, first_logits=first_logits
+    )
 
 
 @torch.no_grad()
@@ -41,35 +51,59 @@ def _zero3_partitioned(model) -> bool:
     return torch.distributed.is_initialized() and any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def generate_completions(model, encoder: ConversationEncoder, prompts: list[Sample], *, batch_size: int = 16,
-                         max_new_tokens: int = 48, temperature: float = 0.0, first_logits: list | None = None) -> list[str]:
+def generate_completions(
+    model,
+    encoder: ConversationEncoder,
+    prompts: list[Sample],
+    *,
+    batch_size: int = 16,
+    max_new_tokens: int = 48,
+    temperature: float = 0.0,
+    first_logits: list | None = None,
+) -> list[str]:
     """Completions of encoded prompts (encoded with add_generation_prompt=True), batched with left padding and
     the KV cache; greedy when `temperature` is 0, sampled otherwise (torch's RNG, so a resumed run repeats it)."""
     tokenizer = encoder.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     device = next(model.parameters()).device
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else \
-        {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        if temperature
+        else {"do_sample": False}
+    )
     answers: list[str] = []
     for start in range(0, len(prompts), batch_size):
-        samples = prompts[start: start + batch_size]
+        samples = prompts[start : start + batch_size]
         width = max(s.num_tokens for s in samples)
         ids = torch.full((len(samples), width), pad_id, dtype=torch.int64)
         mask = torch.zeros_like(ids)
         for b, s in enumerate(samples):
-            ids[b, width - s.num_tokens:] = s.input_ids
-            mask[b, width - s.num_tokens:] = 1
+            ids[b, width - s.num_tokens :] = s.input_ids
+            mask[b, width - s.num_tokens :] = 1
         # mm_token_type_ids: without it, generate gives the image tokens plain text positions (no 2-D M-RoPE)
         image_token = encoder.image_token_id
         pixels = [s.pixel_values for s in samples if s.pixel_values is not None]
-        vision = {"pixel_values": torch.cat(pixels).to(device),
-                  "image_grid_thw": torch.cat([s.image_grid_thw for s in samples]).to(device)} if pixels else {}
+        vision = (
+            {
+                "pixel_values": torch.cat(pixels).to(device),
+                "image_grid_thw": torch.cat([s.image_grid_thw for s in samples]).to(device),
+            }
+            if pixels
+            else {}
+        )
         out = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device),
-            mm_token_type_ids=(ids == image_token).to(torch.int32).to(device), **vision,
-            max_new_tokens=max_new_tokens, use_cache=True, eos_token_id=end_id, pad_token_id=pad_id,
-            return_dict_in_generate=True, output_logits=first_logits is not None, **sampling,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            mm_token_type_ids=(ids == image_token).to(torch.int32).to(device),
+            **vision,
+            max_new_tokens=max_new_tokens,
+            use_cache=True,
+            eos_token_id=end_id,
+            pad_token_id=pad_id,
+            return_dict_in_generate=True,
+            output_logits=first_logits is not None,
+            **sampling,
             # ZeRO-3 gathers weights in every forward, so every rank keeps stepping until all are done; a plain
             # copy evaluated on rank 0 alone (sft, reward_model, pretrain after DeepSpeed) must not wait for peers
             synced_gpus=_zero3_partitioned(model) and torch.distributed.get_world_size() > 1,
@@ -85,8 +119,12 @@ def generate_completions(model, encoder: ConversationEncoder, prompts: list[Samp
 
 def answer_samples(encoder: ConversationEncoder, records: list[dict], answers: list[str]) -> list[Sample]:
     """Teacher-forced samples (prompt + given answer) for loss and confidence."""
-    return [encoder.encode([*prompt_turns(r["question"]), {"role": "assistant", "text": a}], images=[r["pil"]],
-                           sample_id=r["id"]) for r, a in zip(records, answers)]
+    return [
+        encoder.encode(
+            [*prompt_turns(r["question"]), {"role": "assistant", "text": a}], images=[r["pil"]], sample_id=r["id"]
+        )
+        for r, a in zip(records, answers)
+    ]
 
 
 @torch.no_grad()
@@ -94,7 +132,9 @@ def heldout_loss(model, samples: list[Sample], *, max_tokens: int = 4096) -> lis
     """Per-sample mean target-token loss, packed (exact)."""
     device = next(model.parameters()).device
     losses = [0.0] * len(samples)
-    for group in plan_micro_batches([s.num_tokens for s in samples], max(max_tokens, max(s.num_tokens for s in samples))):
+    for group in plan_micro_batches(
+        [s.num_tokens for s in samples], max(max_tokens, max(s.num_tokens for s in samples))
+    ):
         batch = pack([samples[i] for i in group])
         batch = to_device(batch, device)
         for i, value in zip(group, per_sample_loss(forward_logits(model, batch), batch).tolist()):
@@ -107,7 +147,9 @@ def answer_logits(model, samples: list[Sample], *, max_tokens: int = 4096) -> li
     """For each sample, (logits at its target positions (n, V), target ids (n,)), float32 on the CPU."""
     device = next(model.parameters()).device
     out: list = [None] * len(samples)
-    for group in plan_micro_batches([s.num_tokens for s in samples], max(max_tokens, max(s.num_tokens for s in samples))):
+    for group in plan_micro_batches(
+        [s.num_tokens for s in samples], max(max_tokens, max(s.num_tokens for s in samples))
+    ):
         batch = pack([samples[i] for i in group])
         batch = to_device(batch, device)
         logits = forward_logits(model, batch)[0].float().cpu()
@@ -132,7 +174,9 @@ def expected_calibration_error(conf: list[float], correct: list[float], bins: in
         lo, hi = b / bins, (b + 1) / bins
         idx = [i for i, c in enumerate(conf) if lo < c <= hi or (b == 0 and c == 0.0)]
         if idx:
-            error += len(idx) / total * abs(sum(conf[i] for i in idx) / len(idx) - sum(correct[i] for i in idx) / len(idx))
+            error += (
+                len(idx) / total * abs(sum(conf[i] for i in idx) / len(idx) - sum(correct[i] for i in idx) / len(idx))
+            )
     return error
 
 
@@ -143,10 +187,20 @@ def fit_temperature(pairs, correct: list[float], grid: tuple[float, ...] | None 
     return best, expected_calibration_error(confidences(pairs, best), correct)
 
 
-def evaluate_vqa(model, encoder: ConversationEncoder, records: list[dict], *, batch_size: int = 16,
-                 max_new_tokens: int = 48) -> tuple[dict[str, float], list[dict]]:
+def evaluate_vqa(
+    model, encoder: ConversationEncoder, records: list[dict], *, batch_size: int = 16, max_new_tokens: int = 48
+) -> tuple[dict[str, float], list[dict]]:
     """Suite metrics (metrics.summarize) and the per-record predictions."""
     answers = generate_answers(model, encoder, records, batch_size=batch_size, max_new_tokens=max_new_tokens)
-    rows = [{"id": r["id"], "type": r["type"], "question": r["question"], "answer": r["answer"], "prediction": a,
-             "score": M.score_answer(r["type"], a, r["answer"])} for r, a in zip(records, answers)]
+    rows = [
+        {
+            "id": r["id"],
+            "type": r["type"],
+            "question": r["question"],
+            "answer": r["answer"],
+            "prediction": a,
+            "score": M.score_answer(r["type"], a, r["answer"]),
+        }
+        for r, a in zip(records, answers)
+    ]
     return M.summarize(rows), rows

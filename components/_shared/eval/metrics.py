@@ -143,9 +143,7 @@ def _cider_sim(hyp, ref) -> float:
     return total / _CIDER_N
 
 
-def cider_d(
-    candidates: Mapping[str, str], references: Mapping[str, Sequence[str]]
-) -> tuple[float, dict[str, float]]:
+def cider_d(candidates: Mapping[str, str], references: Mapping[str, Sequence[str]]) -> tuple[float, dict[str, float]]:
     """CIDEr-D as in coco-caption's cider_scorer.py (corpus document frequency, n=1..4, sigma=6).
 
     Document frequency = number of images whose reference set contains the n-gram; idf uses
@@ -153,9 +151,7 @@ def cider_d(
     """
     if set(candidates) != set(references):
         only_c, only_r = sorted(set(candidates) - set(references)), sorted(set(references) - set(candidates))
-        raise ValueError(
-            f"candidate and reference ids differ: only in candidates {only_c}, only in refs {only_r}"
-        )
+        raise ValueError(f"candidate and reference ids differ: only in candidates {only_c}, only in refs {only_r}")
     if not candidates:
         raise ValueError("cider_d needs at least one candidate, got none")
     ref_counts: dict[str, list[Counter]] = {}
@@ -274,15 +270,20 @@ def paired_bootstrap(
     import random
 
     if len(before) != len(after) or not before:
-        raise ValueError(f"paired_bootstrap needs two equally long, non-empty score lists; got {len(before)} and "
-                         f"{len(after)} (score the same questions before and after).")
+        raise ValueError(
+            f"paired_bootstrap needs two equally long, non-empty score lists; got {len(before)} and "
+            f"{len(after)} (score the same questions before and after)."
+        )
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}.")
     diffs = [a - b for b, a in zip(before, after)]
     n, rng = len(diffs), random.Random(seed)
     means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
     tail = (1 - confidence) / 2
-    return {"gain": sum(diffs) / n,
-            "ci_low": means[int(math.floor(tail * (resamples - 1)))],
-            "ci_high": means[int(math.ceil((1 - tail) * (resamples - 1)))],
-            "improved": float(sum(d > 0 for d in diffs)), "worsened": float(sum(d < 0 for d in diffs))}
+    return {
+        "gain": sum(diffs) / n,
+        "ci_low": means[int(math.floor(tail * (resamples - 1)))],
+        "ci_high": means[int(math.ceil((1 - tail) * (resamples - 1)))],
+        "improved": float(sum(d > 0 for d in diffs)),
+        "worsened": float(sum(d < 0 for d in diffs)),
+    }

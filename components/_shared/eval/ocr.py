@@ -21,7 +21,7 @@ def _within_one_edit(a: str, b: str) -> bool:
     if len(a) == len(b):
         return sum(x != y for x, y in zip(a, b)) <= 1
     short, long = (a, b) if len(a) < len(b) else (b, a)
-    return any(long[:i] + long[i + 1:] == short for i in range(len(long)))
+    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
 
 
 def unmentioned_words(ocr_words: Sequence[str], caption: str) -> list[str]:
@@ -50,8 +50,12 @@ class OcrReader:
     def __init__(self, detect_side: int, threads: int = 0) -> None:
         from rapidocr import RapidOCR
 
-        params = {"Global.use_cls": False, "Global.log_level": "error", "Det.limit_side_len": detect_side,
-                  "Det.limit_type": "max"}
+        params = {
+            "Global.use_cls": False,
+            "Global.log_level": "error",
+            "Det.limit_side_len": detect_side,
+            "Det.limit_type": "max",
+        }
         if threads:
             params["EngineConfig.onnxruntime.intra_op_num_threads"] = threads
         self.ocr = RapidOCR(params=params)

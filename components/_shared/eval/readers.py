@@ -26,8 +26,10 @@ def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
         return storage.fetch_dir(uri, scratch / "data", require_commit=storage.is_committed(uri))
     path = Path(uri)
     if not path.is_dir():
-        raise ValueError(f"data directory {uri!r} does not exist; pass the held-out directory `qvl lake synth` "
-                         "wrote (DIR/heldout) or an s3:// prefix with eval.jsonl / sft.jsonl and images.")
+        raise ValueError(
+            f"data directory {uri!r} does not exist; pass the held-out directory `qvl lake synth` "
+            "wrote (DIR/heldout) or an s3:// prefix with eval.jsonl / sft.jsonl and images."
+        )
     return path
 
 
@@ -63,20 +65,33 @@ def load_conversations(data_dir: Path, max_records: int | None = None, *, file_n
             role = ROLES.get(turn.get("from") or turn.get("role"))
             text = turn.get("value", turn.get("content"))
             if role is None or not isinstance(text, str):
-                raise ValueError(f"conversation record {raw['id']!r} turn {i}: expected from=human|gpt (or role=user|assistant) "
-                                 f"and a string value, got {turn!r}.")
+                raise ValueError(
+                    f"conversation record {raw['id']!r} turn {i}: expected from=human|gpt (or role=user|assistant) "
+                    f"and a string value, got {turn!r}."
+                )
             turns.append({"role": role, "text": text})
         if not any(t["role"] == "assistant" for t in turns):
-            raise ValueError(f"conversation record {raw['id']!r} has no gpt/assistant turn to learn from; drop or fix it.")
-        records.append({"id": raw["id"], "images": images, "turns": turns,
-                        "difficulty": raw.get("difficulty", "all"), "type": raw.get("type", "unknown")})
+            raise ValueError(
+                f"conversation record {raw['id']!r} has no gpt/assistant turn to learn from; drop or fix it."
+            )
+        records.append(
+            {
+                "id": raw["id"],
+                "images": images,
+                "turns": turns,
+                "difficulty": raw.get("difficulty", "all"),
+                "type": raw.get("type", "unknown"),
+            }
+        )
         if max_records and len(records) >= max_records:
             break
     text_only = [r["id"] for r in records if not r["images"]]
     if text_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError(f"sft records {text_only[:3]} have no image; with several processes a text-only "
-                         "micro-batch leaves the vision tower out of the gradient reduction. Drop them or train them "
-                         "in a single-process run.")
+        raise ValueError(
+            f"sft records {text_only[:3]} have no image; with several processes a text-only "
+            "micro-batch leaves the vision tower out of the gradient reduction. Drop them or train them "
+            "in a single-process run."
+        )
     return records
 
 
@@ -94,8 +109,9 @@ def load_image(root: Path, reference: str) -> Image.Image:
     else:
         path = (root / reference).resolve()
         if root.resolve() not in path.parents:
-            raise ValueError(f"image path {reference!r} leaves the data directory {root}; use paths inside it or "
-                             "s3:// URIs.")
+            raise ValueError(
+                f"image path {reference!r} leaves the data directory {root}; use paths inside it or s3:// URIs."
+            )
         if not path.is_file():
             raise ValueError(f"image {reference!r} does not exist under the data directory {root}.")
         data = path.read_bytes()
@@ -105,8 +121,9 @@ def load_image(root: Path, reference: str) -> Image.Image:
         raise ValueError(f"image {reference!r} cannot be used: {error}") from error
 
 
-def load_eval_records(data_dir: Path, *, per_type: int | None = None,
-                      files: tuple[str, ...] | list[str] = ("eval.jsonl",)) -> list[dict]:
+def load_eval_records(
+    data_dir: Path, *, per_type: int | None = None, files: tuple[str, ...] | list[str] = ("eval.jsonl",)
+) -> list[dict]:
     """Held-out questions {"id", "image", "question", "answer", "type", "pil"} from `files` in the data directory,
     at most `per_type` of each question type (file order), images loaded. A file holds eval.jsonl records
     ({"id","image","question","answer","type"}) or LLaVA conversation records with a `type` and one image (as
@@ -115,16 +132,19 @@ def load_eval_records(data_dir: Path, *, per_type: int | None = None,
     for file_name in files:
         for record in _eval_file_records(data_dir, file_name):
             if record["id"] in seen:
-                raise ValueError(f"eval record id {record['id']!r} is in both {seen[record['id']]} and {file_name}; "
-                                 "held-out ids must be unique across eval files.")
+                raise ValueError(
+                    f"eval record id {record['id']!r} is in both {seen[record['id']]} and {file_name}; "
+                    "held-out ids must be unique across eval files."
+                )
             seen[record["id"]] = file_name
             records.append(record)
     counts: dict[str, int] = defaultdict(int)
     kept = []
     for record in records:
         if record["type"] not in M.QUESTION_TYPES:
-            raise ValueError(f"eval record {record['id']!r}: unknown type {record['type']!r}; use one of "
-                             f"{M.QUESTION_TYPES}.")
+            raise ValueError(
+                f"eval record {record['id']!r}: unknown type {record['type']!r}; use one of {M.QUESTION_TYPES}."
+            )
         if per_type is None or counts[record["type"]] < per_type:
             counts[record["type"]] += 1
             kept.append({**record, "pil": load_image(data_dir, record["image"])})
@@ -153,14 +173,20 @@ def conversation_questions(data_dir: Path, file_name: str, *, label: str) -> lis
     out = []
     for r in load_conversations(data_dir, file_name=file_name):
         if len(r["images"]) != 1:
-            raise ValueError(f"{file_name}: {label} {r['id']!r} has {len(r['images'])} images; each needs exactly "
-                             "one.")
+            raise ValueError(f"{file_name}: {label} {r['id']!r} has {len(r['images'])} images; each needs exactly one.")
         question = next((t["text"] for t in r["turns"] if t["role"] == "user"), None)
         if question is None:
             raise ValueError(f"{file_name}: {label} {r['id']!r} has no human turn to ask.")
         answer = next(t["text"] for t in r["turns"] if t["role"] == "assistant")
-        out.append({"id": r["id"], "image": r["images"][0], "question": question.replace("<image>", "").strip(),
-                    "answer": answer, "type": r["type"]})
+        out.append(
+            {
+                "id": r["id"],
+                "image": r["images"][0],
+                "question": question.replace("<image>", "").strip(),
+                "answer": answer,
+                "type": r["type"],
+            }
+        )
     return out
 
 

@@ -26,8 +26,10 @@ def stage_main(
     """Parse the command line, validate the config, run the stage under a tracker, print its metrics as JSON."""
     parser = argparse.ArgumentParser(prog=f"python -m components.{section}", description=run.__doc__)
     parser.add_argument("--config", type=Path, help="Preset YAML (uses its '%s' section) or a bare section." % section)
-    parser.add_argument("--config-json", help="The section as JSON (what launchers pass); --config and overrides apply "
-                                              "underneath and on top.")
+    parser.add_argument(
+        "--config-json",
+        help="The section as JSON (what launchers pass); --config and overrides apply underneath and on top.",
+    )
     parser.add_argument("--output-dir", required=True, help="Output directory or s3:// prefix (published atomically).")
     parser.add_argument("--experiment", default="vlm", help="MLflow experiment name.")
     for name in inputs:
@@ -46,8 +48,8 @@ def stage_main(
 
     import tempfile
 
-    from components._shared.platform import storage
     from components._shared.launch.runner import execute
+    from components._shared.platform import storage
 
     with tempfile.TemporaryDirectory(prefix=f"qvl-{section}-") as scratch:
         # An s3:// output is written locally first, then published: files first, commit marker last.

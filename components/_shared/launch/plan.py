@@ -19,7 +19,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-
 LAUNCH_PLAN_ENV = "QVL_LAUNCH_PLAN"
 
 
@@ -79,33 +78,49 @@ def plan_from_env(environ: dict[str, str] | None = None) -> LaunchPlan | None:
     if plan.nodes * plan.processes_per_node <= 1:
         return None
     if plan.stage not in MULTI_PROCESS_STAGES:
-        raise ValueError(f"{LAUNCH_PLAN_ENV}: stage '{plan.stage}' runs in one process; "
-                         f"several processes: {', '.join(MULTI_PROCESS_STAGES)}.")
+        raise ValueError(
+            f"{LAUNCH_PLAN_ENV}: stage '{plan.stage}' runs in one process; "
+            f"several processes: {', '.join(MULTI_PROCESS_STAGES)}."
+        )
     return plan
 
 
 def check_config(stage: str, config: dict[str, Any]) -> None:
     """Several processes need DeepSpeed: the torch backend trains in one process. Every `train` section counts."""
+
     def walk(node: Any, where: str) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
                 path = f"{where}.{key}"
                 if key == "train" and isinstance(value, dict) and value.get("backend", "torch") != "deepspeed":
-                    raise ValueError(f"{path}.backend: {stage} on several GPUs or nodes needs backend: deepspeed "
-                                     f"(got {value.get('backend', 'torch')}); or give the stage gpus: 1, nodes: 1.")
+                    raise ValueError(
+                        f"{path}.backend: {stage} on several GPUs or nodes needs backend: deepspeed "
+                        f"(got {value.get('backend', 'torch')}); or give the stage gpus: 1, nodes: 1."
+                    )
                 walk(value, path)
 
     walk(config, stage)
 
 
-def stage_argv(stage: str, config: dict[str, Any], inputs: dict[str, Any], output_dir: str,
-               experiment: str) -> list[str]:
+def stage_argv(
+    stage: str, config: dict[str, Any], inputs: dict[str, Any], output_dir: str, experiment: str
+) -> list[str]:
     """`-m components.<stage> ...`: the stage's own command line (launch/cli.py:stage_main)."""
-    argv = ["-m", f"components.{stage}", "--config-json", json.dumps(config, sort_keys=True),
-            "--output-dir", str(output_dir), "--experiment", experiment]
+    argv = [
+        "-m",
+        f"components.{stage}",
+        "--config-json",
+        json.dumps(config, sort_keys=True),
+        "--output-dir",
+        str(output_dir),
+        "--experiment",
+        experiment,
+    ]
     for name, value in inputs.items():
         if not isinstance(value, (str, Path)):
-            raise ValueError(f"{stage}: input '{name}' must be a path or URI to run on several processes, "
-                             f"got {type(value).__name__}.")
+            raise ValueError(
+                f"{stage}: input '{name}' must be a path or URI to run on several processes, "
+                f"got {type(value).__name__}."
+            )
         argv += [f"--{name.replace('_', '-')}", str(value)]
     return argv

@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-
 RESULT_FILE = "_stage_result.json"
 
 
@@ -64,6 +63,8 @@ def read_result(output_dir: str | Path, stage: str) -> dict[str, Any]:
         raise RuntimeError(f"{stage}: the launched processes finished without writing {path}.")
     result = json.loads(path.read_text())
     if result.get("status") != "succeeded":
-        raise RuntimeError(f"{stage}: the launched stage recorded status {result.get('status')}: "
-                           f"{result.get('error', 'no error recorded')}")
+        raise RuntimeError(
+            f"{stage}: the launched stage recorded status {result.get('status')}: "
+            f"{result.get('error', 'no error recorded')}"
+        )
     return result["metrics"]

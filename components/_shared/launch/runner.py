@@ -123,8 +123,9 @@ def run_stage(
     cfg = validate(load_config_class(stage), stage, config)
     plan = plan_from_env() if function == "run" else None
     if plan is not None:  # several processes (torchrun here) or nodes (a TrainJob): they run and record the stage
-        return run_launched(plan, cfg.model_dump(mode="json"), inputs=inputs, output_dir=output_dir,
-                            experiment=experiment)
+        return run_launched(
+            plan, cfg.model_dump(mode="json"), inputs=inputs, output_dir=output_dir, experiment=experiment
+        )
     fn = getattr(load_stage(stage), function)
     return execute(
         stage,
@@ -138,8 +139,9 @@ def run_stage(
     )
 
 
-def run_launched(plan: LaunchPlan, config: dict[str, Any], *, inputs: dict[str, Any], output_dir: str,
-                 experiment: str) -> dict[str, Any]:
+def run_launched(
+    plan: LaunchPlan, config: dict[str, Any], *, inputs: dict[str, Any], output_dir: str, experiment: str
+) -> dict[str, Any]:
     """Run the stage as the plan says; returns its metrics."""
     check_config(plan.stage, config)
     if plan.nodes > 1:

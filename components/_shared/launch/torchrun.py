@@ -11,15 +11,23 @@ from components._shared.launch.plan import LAUNCHED_ENV, LaunchPlan, stage_argv
 from components._shared.launch.result import read_result
 
 
-def run_local_torchrun(plan: LaunchPlan, config: dict[str, Any], *, inputs: dict[str, Any], output_dir: str,
-                       experiment: str) -> dict[str, Any]:
+def run_local_torchrun(
+    plan: LaunchPlan, config: dict[str, Any], *, inputs: dict[str, Any], output_dir: str, experiment: str
+) -> dict[str, Any]:
     """One node, G processes (one per GPU) in this pod; rank 0 writes `output_dir` and the result record."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={plan.processes_per_node}",
-           *stage_argv(plan.stage, config, inputs, output_dir, experiment)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={plan.processes_per_node}",
+        *stage_argv(plan.stage, config, inputs, output_dir, experiment),
+    ]
     print(f"[torchrun] {plan.stage}: torchrun with {plan.processes_per_node} processes", flush=True)
     rc = subprocess.run(cmd, env={**os.environ, LAUNCHED_ENV: "1"}).returncode
     if rc != 0:
-        raise RuntimeError(f"{plan.stage}: torchrun with {plan.processes_per_node} processes exited with code {rc} "
-                           "(the failing rank's traceback is in the log above).")
+        raise RuntimeError(
+            f"{plan.stage}: torchrun with {plan.processes_per_node} processes exited with code {rc} "
+            "(the failing rank's traceback is in the log above)."
+        )
     return read_result(output_dir, plan.stage)

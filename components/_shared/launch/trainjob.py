@@ -20,9 +20,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from components._shared.platform import storage
-from components._shared.launch.plan import LAUNCHED_ENV, LaunchPlan, POD_NAME_ENV, POD_UID_ENV, stage_argv
+from components._shared.launch.plan import LAUNCHED_ENV, POD_NAME_ENV, POD_UID_ENV, LaunchPlan, stage_argv
 from components._shared.launch.result import read_result
+from components._shared.platform import storage
 
 TRAINER_CONTAINER = "node"  # the trainer container of the torch runtimes
 PASS_THROUGH_ENV = ("QVL_MLFLOW_PARENT_RUN_ID", "QVL_CACHE_DIR", "HF_HOME")  # non-secret settings the pods inherit
@@ -51,7 +51,7 @@ def stage_inputs(inputs: dict[str, Any], staging: str, *, artifacts_on_s3: bool 
             continue
         mount = next((m for m in KFP_S3_MOUNTS if value.startswith(m)), None)
         if artifacts_on_s3 and mount:
-            remote[name] = "s3://" + value[len(mount):]
+            remote[name] = "s3://" + value[len(mount) :]
             continue
         path = Path(value)
         if not path.exists():
@@ -73,7 +73,8 @@ def trainer_options(plan: LaunchPlan, name: str, argv: list[str]) -> list:
 
     env = [
         {"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
-        for secret, keys in plan.secrets.items() for key in keys
+        for secret, keys in plan.secrets.items()
+        for key in keys
     ]
     volumes, mounts = [], []
     if plan.shm_size:
@@ -84,18 +85,39 @@ def trainer_options(plan: LaunchPlan, name: str, argv: list[str]) -> list:
         mounts.append({"name": "scratch", "mountPath": plan.scratch_mount_path})
     pod = k8s_options.PodSpecPatch(
         volumes=volumes or None,
-        containers=[k8s_options.ContainerPatch(name=TRAINER_CONTAINER, env=env or None, volume_mounts=mounts or None,
-                                               security_context={"allowPrivilegeEscalation": False})],
+        containers=[
+            k8s_options.ContainerPatch(
+                name=TRAINER_CONTAINER,
+                env=env or None,
+                volume_mounts=mounts or None,
+                security_context={"allowPrivilegeEscalation": False},
+            )
+        ],
         image_pull_secrets=[{"name": s} for s in plan.image_pull_secrets] or None,
         security_context={"runAsUser": plan.run_as_user, "runAsGroup": plan.run_as_user, "runAsNonRoot": True},
         node_selector=plan.node_selector or None,
         tolerations=plan.tolerations or None,
     )
-    patch = k8s_options.RuntimePatch(training_runtime_spec=k8s_options.TrainingRuntimeSpecPatch(
-        template=k8s_options.JobSetTemplatePatch(spec=k8s_options.JobSetSpecPatch(replicated_jobs=[
-            k8s_options.ReplicatedJobPatch(name=TRAINER_CONTAINER, template=k8s_options.JobTemplatePatch(
-                spec=k8s_options.JobSpecPatch(template=k8s_options.PodTemplatePatch(
-                    metadata={"labels": plan.labels} if plan.labels else None, spec=pod))))]))))
+    patch = k8s_options.RuntimePatch(
+        training_runtime_spec=k8s_options.TrainingRuntimeSpecPatch(
+            template=k8s_options.JobSetTemplatePatch(
+                spec=k8s_options.JobSetSpecPatch(
+                    replicated_jobs=[
+                        k8s_options.ReplicatedJobPatch(
+                            name=TRAINER_CONTAINER,
+                            template=k8s_options.JobTemplatePatch(
+                                spec=k8s_options.JobSpecPatch(
+                                    template=k8s_options.PodTemplatePatch(
+                                        metadata={"labels": plan.labels} if plan.labels else None, spec=pod
+                                    )
+                                )
+                            ),
+                        )
+                    ]
+                )
+            )
+        )
+    )
     return [
         Name(name),
         k8s_options.Labels(plan.labels),
@@ -118,7 +140,8 @@ def _failure_reason(client, name: str) -> str:
     backend = client.backend
     try:
         job = backend.custom_api.get_namespaced_custom_object(
-            "trainer.kubeflow.org", "v1alpha1", backend.namespace, "trainjobs", name)
+            "trainer.kubeflow.org", "v1alpha1", backend.namespace, "trainjobs", name
+        )
     except Exception as err:  # noqa: BLE001 - the reason is a courtesy; the failure itself stands
         return f"(reason unavailable: {err})"
     for cond in (job.get("status") or {}).get("conditions") or []:
@@ -137,8 +160,13 @@ def _own_by_task_pod(client, name: str, log: Callable[[str], None]) -> None:
     owner = {"apiVersion": "v1", "kind": "Pod", "name": pod, "uid": uid, "blockOwnerDeletion": False}
     try:
         backend.custom_api.patch_namespaced_custom_object(
-            "trainer.kubeflow.org", "v1alpha1", backend.namespace, "trainjobs", name,
-            {"metadata": {"ownerReferences": [owner]}})
+            "trainer.kubeflow.org",
+            "v1alpha1",
+            backend.namespace,
+            "trainjobs",
+            name,
+            {"metadata": {"ownerReferences": [owner]}},
+        )
     except Exception as err:  # noqa: BLE001 - the finally-delete still covers the normal paths
         log(f"[trainjob] could not make pod {pod} the owner of {name}: {err}")
 
@@ -180,13 +208,19 @@ def run_trainjob(
 ) -> dict[str, Any]:
     """Run the stage as a TrainJob and return its metrics; raises TrainJobFailed / TimeoutError, deletes the job."""
     if not plan.staging_uri or not storage.is_s3(plan.staging_uri):
-        raise ValueError(f"{plan.stage}: a TrainJob needs kubernetes.trainjob.staging_uri (s3://), got "
-                         f"{plan.staging_uri!r}.")
+        raise ValueError(
+            f"{plan.stage}: a TrainJob needs kubernetes.trainjob.staging_uri (s3://), got {plan.staging_uri!r}."
+        )
     name = job_name(plan.stage)
     staging = storage.join(plan.staging_uri, name)
     remote_output = storage.join(staging, "output")
-    argv = stage_argv(plan.stage, config, stage_inputs(inputs, staging, artifacts_on_s3=plan.artifacts_on_s3),
-                      remote_output, experiment)
+    argv = stage_argv(
+        plan.stage,
+        config,
+        stage_inputs(inputs, staging, artifacts_on_s3=plan.artifacts_on_s3),
+        remote_output,
+        experiment,
+    )
 
     from kubeflow.trainer import CustomTrainerContainer
 
@@ -199,8 +233,10 @@ def run_trainjob(
     previous_sigterm = _raise_on_sigterm()
     client.train(runtime=plan.runtime, trainer=trainer, options=trainer_options(plan, name, argv))
     _own_by_task_pod(client, name, log)
-    log(f"[trainjob] created TrainJob {client.backend.namespace}/{name}: {plan.nodes} nodes x "
-        f"{plan.processes_per_node} processes, runtime {plan.runtime}, image {plan.image}")
+    log(
+        f"[trainjob] created TrainJob {client.backend.namespace}/{name}: {plan.nodes} nodes x "
+        f"{plan.processes_per_node} processes, runtime {plan.runtime}, image {plan.image}"
+    )
     stop, logs = threading.Event(), None
     try:
         deadline = clock() + plan.timeout_s
@@ -212,11 +248,14 @@ def run_trainjob(
             if job.status == "Complete":
                 break
             if job.status == "Failed":
-                raise TrainJobFailed(f"TrainJob {client.backend.namespace}/{name} ({plan.stage}) failed: "
-                                     f"{_failure_reason(client, name)}")
+                raise TrainJobFailed(
+                    f"TrainJob {client.backend.namespace}/{name} ({plan.stage}) failed: {_failure_reason(client, name)}"
+                )
             if clock() >= deadline:
-                raise TimeoutError(f"TrainJob {client.backend.namespace}/{name} ({plan.stage}) did not finish in "
-                                   f"{plan.timeout_s} s (kubernetes.trainjob.timeout_s); it was deleted.")
+                raise TimeoutError(
+                    f"TrainJob {client.backend.namespace}/{name} ({plan.stage}) did not finish in "
+                    f"{plan.timeout_s} s (kubernetes.trainjob.timeout_s); it was deleted."
+                )
             time.sleep(plan.poll_s)
         if logs is not None:
             logs.join(timeout=30)

@@ -39,8 +39,9 @@ def init_distributed() -> tuple[int, int]:
             # One process outside torchrun: a private group on a free port. Only LOCAL_RANK (which DeepSpeed's
             # engine insists on) is set, so child processes never inherit a RANK / MASTER_PORT that is not theirs.
             os.environ.setdefault("LOCAL_RANK", "0")
-            torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                                 world_size=1)
+            torch.distributed.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            )
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
@@ -77,8 +78,12 @@ class DeepSpeedBackend:
 
         self.rank, self.world_size = init_distributed()
         groups = [
-            {"params": [p for _, p in params], "lr": optim.group_lr.get(name, optim.lr), "name": name,
-             "initial_lr": optim.group_lr.get(name, optim.lr)}
+            {
+                "params": [p for _, p in params],
+                "lr": optim.group_lr.get(name, optim.lr),
+                "name": name,
+                "initial_lr": optim.group_lr.get(name, optim.lr),
+            }
             for name, params in named_groups(model).items()
         ]
         if not groups:
@@ -86,7 +91,9 @@ class DeepSpeedBackend:
         self.groups = [g["name"] for g in groups]
         optimizer = torch.optim.AdamW(groups, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=ds_config(train, optim),
+            model=model,
+            optimizer=optimizer,
+            config=ds_config(train, optim),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
         )
         self.module = self.engine.module
@@ -117,11 +124,14 @@ class DeepSpeedBackend:
         self.engine.save_checkpoint(str(Path(directory) / "deepspeed"), tag=TAG, save_latest=False)
 
     def load(self, directory: Path) -> None:
-        path, _ = self.engine.load_checkpoint(str(Path(directory) / "deepspeed"), tag=TAG,
-                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        path, _ = self.engine.load_checkpoint(
+            str(Path(directory) / "deepspeed"), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if path is None:
-            raise ValueError(f"{directory}/deepspeed holds no DeepSpeed checkpoint tagged {TAG!r}; was it written "
-                             "with train.backend=torch? Resume with the backend that wrote it.")
+            raise ValueError(
+                f"{directory}/deepspeed holds no DeepSpeed checkpoint tagged {TAG!r}; was it written "
+                "with train.backend=torch? Resume with the backend that wrote it."
+            )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight on the CPU, trainable ones from DeepSpeed's fp32 master copy (not the bf16 module)."""

@@ -60,8 +60,16 @@ class ConversationEncoder:
     are labelled.
     """
 
-    def __init__(self, processor, model, *, min_pixels: int, max_pixels: int, max_length: int = 4096,
-                 system_prompt: str = DEFAULT_SYSTEM) -> None:
+    def __init__(
+        self,
+        processor,
+        model,
+        *,
+        min_pixels: int,
+        max_pixels: int,
+        max_length: int = 4096,
+        system_prompt: str = DEFAULT_SYSTEM,
+    ) -> None:
         self.tokenizer = processor.tokenizer
         self.image_processor = processor.image_processor
         self.qwen = qwen_model(model)
@@ -72,19 +80,30 @@ class ConversationEncoder:
         self.system_prompt = system_prompt
         self._vision_start = self.tokenizer.convert_tokens_to_ids("<|vision_start|>")
         self._vision_end = self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
-        self._specials = sorted(set(self.tokenizer.all_special_tokens) | {"<|im_start|>", "<|im_end|>",
-                                                                          "<|image_pad|>", "<|vision_start|>"})
+        self._specials = sorted(
+            set(self.tokenizer.all_special_tokens) | {"<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|vision_start|>"}
+        )
 
     def prepare_image(self, image) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values, grid_thw (3,)) of a PIL image, resized exactly as the Qwen image processor does."""
         out = self.image_processor(
-            images=[image], size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+            images=[image],
+            size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
             return_tensors="pt",
         )
         return out["pixel_values"], out["image_grid_thw"][0]
 
-    def encode(self, turns: list[dict], *, images=(), grids=None, features=None, sample_id: str = "",
-               add_generation_prompt: bool = False, meta: dict | None = None) -> Sample:
+    def encode(
+        self,
+        turns: list[dict],
+        *,
+        images=(),
+        grids=None,
+        features=None,
+        sample_id: str = "",
+        add_generation_prompt: bool = False,
+        meta: dict | None = None,
+    ) -> Sample:
         """Encode `turns` ([{"role": "user"|"assistant", "text": ...}]) with PIL `images`, or with `grids` and
         cached `features` (pre-merger rows per image) instead of pixels; `grids` alone leaves the visual rows to
         be passed to forward_logits as `image_embeds`."""
@@ -158,10 +177,14 @@ class ConversationEncoder:
         input_ids = torch.tensor(ids, dtype=torch.int64)
         grid = torch.stack(grid_list) if grid_list else torch.zeros((0, 3), dtype=torch.int64)
         return Sample(
-            input_ids=input_ids, labels=torch.tensor(labels, dtype=torch.int64),
-            position_ids=self.rope_positions(input_ids, grid), image_grid_thw=grid,
-            pixel_values=pixel_values, features=None if features is None else torch.cat(list(features)),
-            sample_id=sample_id, meta=dict(meta or {}),
+            input_ids=input_ids,
+            labels=torch.tensor(labels, dtype=torch.int64),
+            position_ids=self.rope_positions(input_ids, grid),
+            image_grid_thw=grid,
+            pixel_values=pixel_values,
+            features=None if features is None else torch.cat(list(features)),
+            sample_id=sample_id,
+            meta=dict(meta or {}),
         )
 
     def rope_positions(self, input_ids: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
@@ -251,8 +274,13 @@ def pad(samples: list[Sample], pad_token_id: int) -> dict:
         attention[b, :n] = 1
         positions[:, b, :n] = s.position_ids
     return {
-        "input_ids": input_ids, "targets": targets, "seq_index": seq_index, "position_ids": positions,
-        "attention_mask": attention, "num_samples": batch, **_vision_inputs(samples),
+        "input_ids": input_ids,
+        "targets": targets,
+        "seq_index": seq_index,
+        "position_ids": positions,
+        "attention_mask": attention,
+        "num_samples": batch,
+        **_vision_inputs(samples),
     }
 
 
@@ -299,7 +327,10 @@ def forward_outputs(model, batch: dict, **flags):
 
 def _forward(model, batch: dict, image_embeds: torch.Tensor | None, **flags):
     kwargs = {
-        "position_ids": batch["position_ids"], "attention_mask": batch["attention_mask"], "use_cache": False, **flags,
+        "position_ids": batch["position_ids"],
+        "attention_mask": batch["attention_mask"],
+        "use_cache": False,
+        **flags,
     }
     if image_embeds is None and "features" in batch:
         image_embeds = image_embeddings(model, batch)

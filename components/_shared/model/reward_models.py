@@ -51,14 +51,16 @@ def reward_index(sample: Sample, k: int) -> int:
     return int(positions[min(k, positions.numel()) - 1])
 
 
-def save_reward_model(model: RewardModel, processor, out_dir: Path, *, score_first_k: int, mean: float, std: float,
-                      base_model: str) -> None:
+def save_reward_model(
+    model: RewardModel, processor, out_dir: Path, *, score_first_k: int, mean: float, std: float, base_model: str
+) -> None:
     from safetensors.torch import save_file
 
     save_vlm(model.backbone, processor, out_dir, metadata={"stage": "reward_model", "base_model": str(base_model)})
     save_file({k: v.detach().cpu().contiguous() for k, v in model.head.state_dict().items()}, str(out_dir / HEAD_FILE))
-    (out_dir / META_FILE).write_text(json.dumps({"score_first_k": score_first_k, "reward_mean": mean,
-                                                 "reward_std": std}, indent=2) + "\n")
+    (out_dir / META_FILE).write_text(
+        json.dumps({"score_first_k": score_first_k, "reward_mean": mean, "reward_std": std}, indent=2) + "\n"
+    )
 
 
 def load_reward_model(uri: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[RewardModel, Any, dict]:
@@ -81,17 +83,22 @@ class RewardModelScorer:
     resized within the pixel bounds saved with the reward model (`min_pixels` / `max_pixels` only when it has
     none); bf16 on a GPU (the model only scores: a 7B one would take 28 GB in fp32)."""
 
-    def __init__(self, uri: str, *, min_pixels: int, max_pixels: int, device: torch.device,
-                 max_tokens: int = 4096) -> None:
+    def __init__(
+        self, uri: str, *, min_pixels: int, max_pixels: int, device: torch.device, max_tokens: int = 4096
+    ) -> None:
         from components._shared.model.packing import ConversationEncoder
 
         self.model, processor, self.meta = load_reward_model(
-            uri, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+            uri, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
+        )
         self.model.to(device)
         size = getattr(processor.image_processor, "size", None) or {}
-        self.encoder = ConversationEncoder(processor, self.model.backbone,
-                                           min_pixels=int(size.get("shortest_edge", min_pixels)),
-                                           max_pixels=int(size.get("longest_edge", max_pixels)))
+        self.encoder = ConversationEncoder(
+            processor,
+            self.model.backbone,
+            min_pixels=int(size.get("shortest_edge", min_pixels)),
+            max_pixels=int(size.get("longest_edge", max_pixels)),
+        )
         self.max_tokens = max_tokens
 
     @torch.no_grad()

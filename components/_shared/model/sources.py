@@ -45,9 +45,7 @@ def resolve_model(uri: str, *, cache_dir: Path | None = None) -> Path:
         raise ValueError(f"Unsupported model URI scheme in {uri!r}; {_accepted_forms()}")
     path = Path(uri).expanduser()
     if not path.is_dir():
-        raise ValueError(
-            f"Model directory {uri!r} does not exist (or is not a directory); {_accepted_forms()}"
-        )
+        raise ValueError(f"Model directory {uri!r} does not exist (or is not a directory); {_accepted_forms()}")
     return validate_model_dir(path)
 
 
@@ -67,9 +65,7 @@ def validate_model_dir(path: Path) -> Path:
             "safetensors (model.save_pretrained(dir) in transformers >= 5 writes *.safetensors) and remove those files."
         )
     if not any(path.glob("*.safetensors")):
-        raise ValueError(
-            f"Model directory {path} has no *.safetensors weights; save the model with save_pretrained."
-        )
+        raise ValueError(f"Model directory {path} has no *.safetensors weights; save the model with save_pretrained.")
     return path
 
 

@@ -25,15 +25,20 @@ def _check_groups(values: dict, what: str) -> dict:
 class OptimConfig(SubConfig):
     """AdamW with one parameter group per module group (its own learning rate and gradient clip)."""
 
-    lr: Annotated[float, Field(gt=0, le=1.0, description="Peak learning rate of every group without an override.")] = 1e-4
+    lr: Annotated[float, Field(gt=0, le=1.0, description="Peak learning rate of every group without an override.")] = (
+        1e-4
+    )
     group_lr: dict[str, Annotated[float, Field(ge=0, le=1.0)]] = Field(
-        default_factory=dict, description="Peak learning rate per module group, e.g. {vision_lower: 1e-6, merger: 1e-4}.")
+        default_factory=dict,
+        description="Peak learning rate per module group, e.g. {vision_lower: 1e-6, merger: 1e-4}.",
+    )
     weight_decay: Annotated[float, Field(ge=0, le=1.0)] = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: Annotated[float, Field(gt=0)] = 1e-8
     max_grad_norm: Annotated[float, Field(gt=0, description="Gradient clip of every group without an override.")] = 1.0
     group_max_grad_norm: dict[str, Annotated[float, Field(gt=0)]] = Field(
-        default_factory=dict, description="Gradient clip per module group (clipped on that group's own norm).")
+        default_factory=dict, description="Gradient clip per module group (clipped on that group's own norm)."
+    )
 
     @field_validator("group_lr", "group_max_grad_norm")
     @classmethod
@@ -55,7 +60,9 @@ class ScheduleConfig(SubConfig):
     decay: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: Annotated[int, Field(ge=0)] = 0
     warmup_segments: list[WarmupSegment] = Field(default_factory=list)
-    min_lr_ratio: Annotated[float, Field(ge=0, le=1.0, description="Final learning rate as a fraction of the peak.")] = 0.0
+    min_lr_ratio: Annotated[
+        float, Field(ge=0, le=1.0, description="Final learning rate as a fraction of the peak.")
+    ] = 0.0
 
     @model_validator(mode="after")
     def _segments_fit(self):
@@ -71,21 +78,34 @@ class TrainConfig(SubConfig):
     """Steps, batching, precision, DeepSpeed and checkpoints of one training run."""
 
     steps: Annotated[int, Field(ge=1, description="Optimizer steps.")] = 100
-    samples_per_step: Annotated[int, Field(ge=1, description="Samples per optimizer step (all processes together).")] = 32
-    max_tokens_per_micro_batch: Annotated[int, Field(ge=16, description="Token budget (text + visual) of one packed micro-batch.")] = 4096
+    samples_per_step: Annotated[
+        int, Field(ge=1, description="Samples per optimizer step (all processes together).")
+    ] = 32
+    max_tokens_per_micro_batch: Annotated[
+        int, Field(ge=16, description="Token budget (text + visual) of one packed micro-batch.")
+    ] = 4096
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")
     gradient_checkpointing: bool = False
     backend: Literal["torch", "deepspeed"] = Field(
-        "torch", description="torch = plain AdamW loop (per-group clipping); deepspeed = ZeRO engine (global clip).")
+        "torch", description="torch = plain AdamW loop (per-group clipping); deepspeed = ZeRO engine (global clip)."
+    )
     zero_stage: Literal[2, 3] = 2
     offload_optimizer: bool = Field(False, description="DeepSpeed: optimizer states on the CPU.")
     checkpoint_every: Annotated[int, Field(ge=0, description="Steps between checkpoints; 0 = only at the end.")] = 0
     keep_checkpoints: Annotated[int, Field(ge=1, description="Committed checkpoints kept (older ones deleted).")] = 2
-    checkpoint_uri: str | None = Field(None, description=(
-        "Checkpoint root (local dir or s3://); checkpoints go to ROOT/<stage>-<hash of config and inputs>, so a "
-        "retried task resumes and a changed run starts fresh. null = the stage output's checkpoints/ (lost "
-        "with a failed KFP task: set a root on a cluster)."))
-    eval_every: Annotated[int, Field(ge=0, description="Steps between held-out evaluations; 0 = start and end only.")] = 0
+    checkpoint_uri: str | None = Field(
+        None,
+        description=(
+            "Checkpoint root (local dir or s3://); checkpoints go to ROOT/<stage>-<hash of config and inputs>, so a "
+            "retried task resumes and a changed run starts fresh. null = the stage output's checkpoints/ (lost "
+            "with a failed KFP task: set a root on a cluster)."
+        ),
+    )
+    eval_every: Annotated[
+        int, Field(ge=0, description="Steps between held-out evaluations; 0 = start and end only.")
+    ] = 0
     log_every: Annotated[int, Field(ge=1)] = 10
-    threads: Annotated[int, Field(ge=0, description="torch intra-op threads; 0 leaves the default. Exact resume needs the same count.")] = 0
+    threads: Annotated[
+        int, Field(ge=0, description="torch intra-op threads; 0 leaves the default. Exact resume needs the same count.")
+    ] = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"

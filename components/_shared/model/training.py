@@ -41,9 +41,9 @@ from components._shared.model.packing import (
     to_device,
     token_loss,
 )
-from components._shared.platform.tracking import NullTracker, Tracker
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
 from components._shared.model.vlm import named_groups
+from components._shared.platform.tracking import NullTracker, Tracker
 
 LossFn = Callable[[Any, dict, list[Sample]], tuple[torch.Tensor, int, dict[str, float]]]
 
@@ -119,10 +119,14 @@ def build_optimizer(model, optim: OptimConfig) -> tuple[torch.optim.Optimizer, l
     """AdamW over the trainable parameters, one group per module group with its lr and clip."""
     groups, names = [], []
     for group, params in named_groups(model).items():
-        groups.append({
-            "params": [p for _, p in params], "lr": optim.group_lr.get(group, optim.lr),
-            "max_grad_norm": optim.group_max_grad_norm.get(group, optim.max_grad_norm), "name": group,
-        })
+        groups.append(
+            {
+                "params": [p for _, p in params],
+                "lr": optim.group_lr.get(group, optim.lr),
+                "max_grad_norm": optim.group_max_grad_norm.get(group, optim.max_grad_norm),
+                "name": group,
+            }
+        )
         names.append(group)
     if not groups:
         raise ValueError("no trainable parameters: check the freeze / LoRA settings of this stage.")
@@ -155,22 +159,37 @@ def resolve_device(name: str) -> torch.device:
 class TrainLoop:
     """One training run over `phases`; see the module docstring."""
 
-    def __init__(self, model, *, train: TrainConfig, optim: OptimConfig, schedule: ScheduleConfig,
-                 sample: Callable[[int], Sample], phases: list[Phase], checkpoints: ckpt.CheckpointStore,
-                 tracker: Tracker | None = None, loss_fn: LossFn = default_loss, seed: int = 0,
-                 extra_state: Callable[[], dict] | None = None,
-                 load_extra_state: Callable[[dict], None] | None = None,
-                 unit_weight: Callable[[list[Sample]], float] | None = None,
-                 sample_batch: Callable[[list[int]], list] | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        train: TrainConfig,
+        optim: OptimConfig,
+        schedule: ScheduleConfig,
+        sample: Callable[[int], Sample],
+        phases: list[Phase],
+        checkpoints: ckpt.CheckpointStore,
+        tracker: Tracker | None = None,
+        loss_fn: LossFn = default_loss,
+        seed: int = 0,
+        extra_state: Callable[[], dict] | None = None,
+        load_extra_state: Callable[[dict], None] | None = None,
+        unit_weight: Callable[[list[Sample]], float] | None = None,
+        sample_batch: Callable[[list[int]], list] | None = None,
+    ) -> None:
         if sum(p.steps for p in phases) != train.steps:
-            raise ValueError(f"phases have {sum(p.steps for p in phases)} steps but train.steps={train.steps}; make "
-                             "the phase steps add up to train.steps.")
+            raise ValueError(
+                f"phases have {sum(p.steps for p in phases)} steps but train.steps={train.steps}; make "
+                "the phase steps add up to train.steps."
+            )
         for p in phases:
             if len(p.pool) == 0 and p.steps:
                 raise ValueError(f"phase '{p.name}' has no samples; check its data filter.")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and train.backend != "deepspeed":
-            raise ValueError("this run has several processes (WORLD_SIZE > 1) but train.backend is 'torch', which "
-                             "trains one process; set train.backend: deepspeed for data-parallel training.")
+            raise ValueError(
+                "this run has several processes (WORLD_SIZE > 1) but train.backend is 'torch', which "
+                "trains one process; set train.backend: deepspeed for data-parallel training."
+            )
         if train.threads:
             torch.set_num_threads(train.threads)
         self.model, self.train, self.schedule = model, train, schedule
@@ -224,7 +243,7 @@ class TrainLoop:
         picked: list[int] = []
         while len(picked) < self.train.samples_per_step:
             order = self._order(c.phase, c.epoch)
-            take = order[c.offset: c.offset + self.train.samples_per_step - len(picked)]
+            take = order[c.offset : c.offset + self.train.samples_per_step - len(picked)]
             picked += [int(i) for i in take]
             c.offset += len(take)
             if c.offset >= len(order):
@@ -263,8 +282,14 @@ class TrainLoop:
         _barrier()
         uri = ""
         if rank == 0:
-            state = {"step": self.step, "cursor": vars(self.cursor), "rng": states, "history": self.history,
-                     "evals": self.evals, "extra": self.extra_state() if self.extra_state else {}}
+            state = {
+                "step": self.step,
+                "cursor": vars(self.cursor),
+                "rng": states,
+                "history": self.history,
+                "evals": self.evals,
+                "extra": self.extra_state() if self.extra_state else {},
+            }
             ckpt.write_state(staging, state)
             uri = self.store.commit(staging, self.step)
         _barrier()
@@ -308,21 +333,34 @@ class TrainLoop:
             if self.step % self.train.log_every == 0 or self.step == self.train.steps:
                 self.tracker.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step=self.step)
             _crash_point("QVL_TEST_KILL_AT_STEP", self.step)
-            if evaluate is not None and self.train.eval_every and self.step % self.train.eval_every == 0 \
-                    and self.step < self.train.steps:
+            if (
+                evaluate is not None
+                and self.train.eval_every
+                and self.step % self.train.eval_every == 0
+                and self.step < self.train.steps
+            ):
                 self._evaluate(evaluate)
-            if self.train.checkpoint_every and self.step % self.train.checkpoint_every == 0 \
-                    and self.step < self.train.steps:
+            if (
+                self.train.checkpoint_every
+                and self.step % self.train.checkpoint_every == 0
+                and self.step < self.train.steps
+            ):
                 saved.append(self.save_checkpoint())
         if evaluate is not None and (not self.evals or self.evals[-1]["step"] != self.step):
             self._evaluate(evaluate)
         if resumed != self.train.steps:  # a run resumed from its final checkpoint has nothing new to save
             saved.append(self.save_checkpoint())
-        return TrainResult(steps=self.step, resumed_from=resumed, history=self.history, evals=self.evals,
-                           checkpoints=saved,
-                           padding_efficiency=packed_real / packed_positions if packed_positions else 0.0,
-                           budget_fill=real_tokens / slots if slots else 0.0,
-                           tokens=real_tokens, seconds=time.perf_counter() - started)
+        return TrainResult(
+            steps=self.step,
+            resumed_from=resumed,
+            history=self.history,
+            evals=self.evals,
+            checkpoints=saved,
+            padding_efficiency=packed_real / packed_positions if packed_positions else 0.0,
+            budget_fill=real_tokens / slots if slots else 0.0,
+            tokens=real_tokens,
+            seconds=time.perf_counter() - started,
+        )
 
     def _evaluate(self, evaluate: Callable[[int], dict[str, float]]) -> None:
         was_training = self.model.training
@@ -343,8 +381,10 @@ class TrainLoop:
         plan = plan_micro_batches([sum(s.num_tokens for s in u) for u in units], self.train.max_tokens_per_micro_batch)
         total_targets = sum(self.unit_weight(u) for u in units)
         if total_targets == 0:
-            raise ValueError(f"a training step's {len(samples)} samples have no target tokens; check the data "
-                             f"(first ids: {[s.sample_id for s in samples[:3]]}).")
+            raise ValueError(
+                f"a training step's {len(samples)} samples have no target tokens; check the data "
+                f"(first ids: {[s.sample_id for s in samples[:3]]})."
+            )
         # Data parallel: rank r runs micro-batches r, r+W, ...; a rank with one fewer runs a zero-weighted copy
         # of the first, so every rank does the same number of backward passes (collectives stay matched).
         rank, world = self.backend.rank, self.backend.world_size
@@ -376,10 +416,18 @@ class TrainLoop:
         slots = len(plan) * self.train.max_tokens_per_micro_batch
         # Packed rows carry no padding (every computed position is a real token); budget_fill says how full the
         # micro-batches are against max_tokens_per_micro_batch (what a fixed-shape GPU buffer would pad to).
-        return {"loss": loss_total / total_targets, "micro_batches": float(len(plan)),
-                "budget_fill": tokens / slots, "lr": lrs[0] if lrs else 0.0,
-                **{f"grad_norm/{k}": v for k, v in norms.items()}, **extras, "_tokens": tokens, "_slots": slots,
-                "_real": real, "_positions": positions}
+        return {
+            "loss": loss_total / total_targets,
+            "micro_batches": float(len(plan)),
+            "budget_fill": tokens / slots,
+            "lr": lrs[0] if lrs else 0.0,
+            **{f"grad_norm/{k}": v for k, v in norms.items()},
+            **extras,
+            "_tokens": tokens,
+            "_slots": slots,
+            "_real": real,
+            "_positions": positions,
+        }
 
 
 class TorchBackend:
@@ -415,8 +463,10 @@ class TorchBackend:
         if self.grad_ema is not None:
             from safetensors.torch import save_file
 
-            save_file({k: v.contiguous().cpu() for k, v in self.grad_ema.buffers.items()},
-                      str(directory / "grad_ema.safetensors"))
+            save_file(
+                {k: v.contiguous().cpu() for k, v in self.grad_ema.buffers.items()},
+                str(directory / "grad_ema.safetensors"),
+            )
 
     def load(self, directory) -> None:
         ckpt.load_torch_state(directory, self.module, self.optimizer, self.scheduler)
@@ -424,7 +474,9 @@ class TorchBackend:
             from safetensors.torch import load_file
 
             device = next(self.module.parameters()).device
-            self.grad_ema.buffers = {k: v.to(device) for k, v in load_file(str(directory / "grad_ema.safetensors")).items()}
+            self.grad_ema.buffers = {
+                k: v.to(device) for k, v in load_file(str(directory / "grad_ema.safetensors")).items()
+            }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}

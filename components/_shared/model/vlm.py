@@ -114,7 +114,8 @@ def student_config(
         vision.depth = vision_depth
         if hasattr(vision, "fullatt_block_indexes"):  # Qwen2.5-VL: keep full attention in the last block at least
             vision.fullatt_block_indexes = [i for i in vision.fullatt_block_indexes if i < vision_depth] or [
-                vision_depth - 1]
+                vision_depth - 1
+            ]
     _narrow_vision(config, vision_hidden, vision_heads, vision_intermediate)
     if vision_full_attention is not None and hasattr(config.vision_config, "fullatt_block_indexes"):
         config.vision_config.fullatt_block_indexes = list(vision_full_attention)
@@ -133,15 +134,19 @@ def _narrow_vision(config, hidden: int | None, heads: int | None, intermediate: 
     hidden = hidden or old_width
     heads = heads or (vision.num_heads if hidden == old_width else hidden // (old_width // vision.num_heads))
     if hidden % heads or (hidden // heads) % 2:
-        raise ValueError(f"student vision_hidden={hidden} with {heads} heads: the width must divide into heads of an "
-                         "even head_dim (the ViT's 2-D RoPE splits each head in halves).")
+        raise ValueError(
+            f"student vision_hidden={hidden} with {heads} heads: the width must divide into heads of an "
+            "even head_dim (the ViT's 2-D RoPE splits each head in halves)."
+        )
     setattr(vision, width_name, hidden)
     vision.num_heads = heads
     if config.model_type == "qwen2_vl":
         if intermediate:
             if intermediate % hidden:
-                raise ValueError(f"student vision_intermediate={intermediate}: Qwen2-VL sets the ViT MLP width as an "
-                                 f"integer multiple (mlp_ratio) of vision_hidden={hidden}; use a multiple of it.")
+                raise ValueError(
+                    f"student vision_intermediate={intermediate}: Qwen2-VL sets the ViT MLP width as an "
+                    f"integer multiple (mlp_ratio) of vision_hidden={hidden}; use a multiple of it."
+                )
             vision.mlp_ratio = intermediate // hidden
     else:
         vision.intermediate_size = intermediate or vision.intermediate_size
@@ -151,8 +156,9 @@ def build_student(teacher_config, **sizes):
     """A randomly initialised student model (see `student_config`), same class as the teacher's."""
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_config(student_config(teacher_config, **sizes),
-                                                   attn_implementation=packed_attention())
+    return AutoModelForImageTextToText.from_config(
+        student_config(teacher_config, **sizes), attn_implementation=packed_attention()
+    )
 
 
 def count_parameters(model, *, trainable_only: bool = False) -> int:

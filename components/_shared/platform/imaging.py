@@ -21,11 +21,27 @@ QWEN_PATCH_FACTOR = 28  # 14 px ViT patch x 2x2 spatial merge
 # Magic numbers of formats we recognise but refuse to parse (they are reported as unsupported,
 # everything else that Pillow's allow-listed plugins cannot open is undecodable).
 _KNOWN_MAGIC = (
-    (b"GIF87a", "GIF"), (b"GIF89a", "GIF"), (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"),
-    (b"\x00\x00\x01\x00", "ICO"), (b"8BPS", "PSD"), (b"\xff\x0a", "JXL"), (b"\x00\x00\x00\x0cJXL ", "JXL"),
-    (b"%PDF", "PDF"), (b"<svg", "SVG"), (b"<?xml", "SVG/XML"), (b"P1", "PNM"), (b"P2", "PNM"),
-    (b"P3", "PNM"), (b"P4", "PNM"), (b"P5", "PNM"), (b"P6", "PNM"), (b"\x76\x2f\x31\x01", "EXR"),
-    (b"qoif", "QOI"), (b"DDS ", "DDS"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+    (b"\x00\x00\x01\x00", "ICO"),
+    (b"8BPS", "PSD"),
+    (b"\xff\x0a", "JXL"),
+    (b"\x00\x00\x00\x0cJXL ", "JXL"),
+    (b"%PDF", "PDF"),
+    (b"<svg", "SVG"),
+    (b"<?xml", "SVG/XML"),
+    (b"P1", "PNM"),
+    (b"P2", "PNM"),
+    (b"P3", "PNM"),
+    (b"P4", "PNM"),
+    (b"P5", "PNM"),
+    (b"P6", "PNM"),
+    (b"\x76\x2f\x31\x01", "EXR"),
+    (b"qoif", "QOI"),
+    (b"DDS ", "DDS"),
 )
 
 
@@ -71,7 +87,9 @@ def _raise_pillow_pixel_limit(max_image_pixels: int) -> None:
         Image.MAX_IMAGE_PIXELS = max_image_pixels
 
 
-def decode_image(data: bytes, *, max_image_pixels: int, allowed_formats: tuple[str, ...] = ALLOWED_FORMATS) -> DecodedImage:
+def decode_image(
+    data: bytes, *, max_image_pixels: int, allowed_formats: tuple[str, ...] = ALLOWED_FORMATS
+) -> DecodedImage:
     """Decode untrusted bytes into an RGB image, or raise `ImageRejected` with a reason.
 
     Reasons: empty_file, decompression_bomb, unsupported_format, truncated_image, undecodable.
@@ -95,7 +113,8 @@ def decode_image(data: bytes, *, max_image_pixels: int, allowed_formats: tuple[s
     width, height = img.size
     if width * height > max_image_pixels:
         raise ImageRejected(
-            "decompression_bomb", f"declares {width}x{height} = {width * height} pixels > max_image_pixels={max_image_pixels}"
+            "decompression_bomb",
+            f"declares {width}x{height} = {width * height} pixels > max_image_pixels={max_image_pixels}",
         )
     if img.format not in allowed_formats:  # defensive: Pillow honoured `formats`, but never trust it blindly
         raise ImageRejected("unsupported_format", f"{img.format} is not in the allow-list {list(allowed_formats)}")
@@ -143,6 +162,8 @@ def visual_tokens(height: int, width: int, *, min_pixels: int, max_pixels: int) 
 
     if height <= 0 or width <= 0:
         raise ValueError(f"image size must be positive, got {width}x{height}")
-    resized_h, resized_w = smart_resize(height, width, factor=QWEN_PATCH_FACTOR, min_pixels=min_pixels, max_pixels=max_pixels)
+    resized_h, resized_w = smart_resize(
+        height, width, factor=QWEN_PATCH_FACTOR, min_pixels=min_pixels, max_pixels=max_pixels
+    )
     resized_h, resized_w = max(QWEN_PATCH_FACTOR, resized_h), max(QWEN_PATCH_FACTOR, resized_w)
     return (resized_h // QWEN_PATCH_FACTOR) * (resized_w // QWEN_PATCH_FACTOR)

@@ -29,8 +29,10 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             node[leaf] = _scalar(raw)
         except yaml.YAMLError as error:
             reason = str(error).splitlines()[0]
-            raise ValueError(f"Override '{pair}': the value is not valid YAML ({reason}); write key=value with a "
-                             "number, true/false, a word, a [list] or a quoted string (example: optim.lr=2e-5).") from None
+            raise ValueError(
+                f"Override '{pair}': the value is not valid YAML ({reason}); write key=value with a "
+                "number, true/false, a word, a [list] or a quoted string (example: optim.lr=2e-5)."
+            ) from None
     return out
 
 

@@ -21,14 +21,19 @@ def history_series(rows: list[dict], keys: list[str], *, step: str = "step") -> 
     """label -> [(step, value)] for each key present in the rows (non-finite values dropped)."""
     out: Series = {}
     for key in keys:
-        points = [(float(r[step]), float(r[key])) for r in rows
-                  if key in r and isinstance(r[key], (int, float)) and math.isfinite(float(r[key]))]
+        points = [
+            (float(r[step]), float(r[key]))
+            for r in rows
+            if key in r and isinstance(r[key], (int, float)) and math.isfinite(float(r[key]))
+        ]
         if points:
             out[key] = points
     return out
 
 
-def figure(name: str, title: str, series: Series, *, output_dir: Path, tracker: Tracker, log_y: bool = False) -> list[str]:
+def figure(
+    name: str, title: str, series: Series, *, output_dir: Path, tracker: Tracker, log_y: bool = False
+) -> list[str]:
     """Plot `series` to output_dir/figures/NAME.png, log it to MLflow and return the Markdown lines embedding it;
     no lines (and no file) when there is nothing to plot."""
     if not series:

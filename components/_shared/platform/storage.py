@@ -30,8 +30,10 @@ from typing import IO, Any
 COMMIT_MARKER = "_COMMITTED.json"
 MULTIPART_THRESHOLD = int(float(os.environ.get("QVL_S3_MULTIPART_THRESHOLD_MB", "64")) * 1024**2)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-_CREDENTIALS_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for non-AWS S3); "
-                     "on Kubernetes, mount them from the S3 secret (manifests/, pipelines/k8s.py)")
+_CREDENTIALS_HINT = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for non-AWS S3); "
+    "on Kubernetes, mount them from the S3 secret (manifests/, pipelines/k8s.py)"
+)
 
 
 class IntegrityError(ValueError):
@@ -48,8 +50,10 @@ def split_s3(uri: str) -> tuple[str, str]:
         raise ValueError(f"{uri!r} is not an S3 URI: expected s3://bucket/key (lowercase 's3://').")
     bucket, _, key = str(uri)[5:].partition("/")
     if not _BUCKET.match(bucket) or ".." in bucket:
-        raise ValueError(f"{uri!r} has an invalid bucket name {bucket!r}: use 3-63 lowercase letters, digits, "
-                         f"'.' or '-', as in s3://my-bucket/prefix.")
+        raise ValueError(
+            f"{uri!r} has an invalid bucket name {bucket!r}: use 3-63 lowercase letters, digits, "
+            f"'.' or '-', as in s3://my-bucket/prefix."
+        )
     if "//" in key:
         raise ValueError(f"{uri!r} contains an empty path segment ('//'); remove the doubled slash.")
     return bucket, key
@@ -72,9 +76,19 @@ def _local(uri: str | Path) -> Path:
 
 # --- boto3 plumbing --------------------------------------------------------------------------------
 
+
 def _client():
-    env = tuple(os.environ.get(k) for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
-                                            "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_DEFAULT_REGION"))
+    env = tuple(
+        os.environ.get(k)
+        for k in (
+            "AWS_ENDPOINT_URL_S3",
+            "AWS_ENDPOINT_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_REGION",
+            "AWS_DEFAULT_REGION",
+        )
+    )
     return _client_for(env)
 
 
@@ -84,9 +98,12 @@ def _client_for(env: tuple[str | None, ...]):
     from botocore.config import Config
 
     custom_endpoint = bool(env[0] or env[1])
-    config = Config(retries={"mode": "adaptive", "max_attempts": 10},
-                    s3={"addressing_style": "path" if custom_endpoint else "auto"},
-                    request_checksum_calculation="when_supported", response_checksum_validation="when_supported")
+    config = Config(
+        retries={"mode": "adaptive", "max_attempts": 10},
+        s3={"addressing_style": "path" if custom_endpoint else "auto"},
+        request_checksum_calculation="when_supported",
+        response_checksum_validation="when_supported",
+    )
     region = env[4] or env[5] or "us-east-1"
     client = boto3.session.Session().client("s3", region_name=region, config=config)
     if custom_endpoint:
@@ -115,8 +132,9 @@ def _s3_errors(uri: str) -> Iterator[None]:
     except NoCredentialsError as error:
         raise PermissionError(f"No S3 credentials to access {uri}: {_CREDENTIALS_HINT}.") from error
     except EndpointConnectionError as error:
-        raise ConnectionError(f"Cannot reach the S3 endpoint for {uri} ({error}); check AWS_ENDPOINT_URL "
-                              f"and that the S3 service is up.") from error
+        raise ConnectionError(
+            f"Cannot reach the S3 endpoint for {uri} ({error}); check AWS_ENDPOINT_URL and that the S3 service is up."
+        ) from error
     except ClientError as error:
         code = str(error.response.get("Error", {}).get("Code", ""))
         if code in ("404", "NoSuchKey", "NotFound"):
@@ -124,14 +142,16 @@ def _s3_errors(uri: str) -> Iterator[None]:
         if code == "NoSuchBucket":
             raise FileNotFoundError(f"Bucket of {uri} does not exist; create it or fix the URI.") from error
         if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            raise PermissionError(f"S3 refused access to {uri} ({code}): check the credentials; "
-                                  f"{_CREDENTIALS_HINT}.") from error
+            raise PermissionError(
+                f"S3 refused access to {uri} ({code}): check the credentials; {_CREDENTIALS_HINT}."
+            ) from error
         raise OSError(f"S3 request for {uri} failed: {error}") from error
     except BotoCoreError as error:
         raise OSError(f"S3 request for {uri} failed: {error}") from error
 
 
 # --- single files ----------------------------------------------------------------------------------
+
 
 def exists(uri: str | Path) -> bool:
     """True for an existing file or a non-empty directory / S3 prefix."""
@@ -165,8 +185,11 @@ def list_files(prefix_uri: str | Path, *, suffix: str | None = None) -> list[str
     out = []
     with _s3_errors(str(prefix_uri)):
         for page in _client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            out += [f"s3://{bucket}/{o['Key']}" for o in page.get("Contents", [])
-                    if not o["Key"].endswith("/") and (suffix is None or o["Key"].endswith(suffix))]
+            out += [
+                f"s3://{bucket}/{o['Key']}"
+                for o in page.get("Contents", [])
+                if not o["Key"].endswith("/") and (suffix is None or o["Key"].endswith(suffix))
+            ]
     return sorted(out)
 
 
@@ -254,8 +277,9 @@ class _ResumableBody(io.RawIOBase):
                 return data
             except (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, FlexibleChecksumError) as error:
                 if attempt == STREAM_ATTEMPTS - 1:
-                    raise OSError(f"reading {self.uri} broke off {STREAM_ATTEMPTS} times at byte {self.offset}: "
-                                  f"{error}") from error
+                    raise OSError(
+                        f"reading {self.uri} broke off {STREAM_ATTEMPTS} times at byte {self.offset}: {error}"
+                    ) from error
                 # a checksum mismatch of a whole-object read means nothing was kept: start that read again
                 self.body.close()
                 time.sleep(min(2.0, 0.05 * 2**attempt))
@@ -298,8 +322,13 @@ def upload_file(local_path: str | Path, uri: str | Path, *, multipart_threshold:
         return
     bucket, key = split_s3(str(uri))
     with _s3_errors(str(uri)):
-        _client().upload_file(str(local_path), bucket, key, Config=_transfer_config(multipart_threshold),
-                              ExtraArgs={"ChecksumAlgorithm": "SHA256"})
+        _client().upload_file(
+            str(local_path),
+            bucket,
+            key,
+            Config=_transfer_config(multipart_threshold),
+            ExtraArgs={"ChecksumAlgorithm": "SHA256"},
+        )
 
 
 def sha256_file(path: str | Path) -> str:
@@ -312,14 +341,18 @@ def sha256_file(path: str | Path) -> str:
 
 # --- committed directories -------------------------------------------------------------------------
 
+
 def _marker_for(source: Path) -> tuple[list[Path], dict[str, Any]]:
     """The files of a directory (marker excluded) and the `_COMMITTED.json` content that lists them."""
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is not a directory.")
     files = sorted(p for p in source.rglob("*") if p.is_file() and p.relative_to(source).as_posix() != COMMIT_MARKER)
-    marker = {"files": {p.relative_to(source).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                        for p in files},
-              "created": datetime.now(UTC).isoformat()}
+    marker = {
+        "files": {
+            p.relative_to(source).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in files
+        },
+        "created": datetime.now(UTC).isoformat(),
+    }
     return files, marker
 
 
@@ -337,8 +370,10 @@ def verify_dir(local_dir: str | Path) -> int:
     for relative, expected in sorted(marker["files"].items()):
         path = root / relative
         if not path.is_file() or path.stat().st_size != expected["size"] or sha256_file(path) != expected["sha256"]:
-            raise IntegrityError(f"{path} does not match {COMMIT_MARKER} (missing, truncated or modified); "
-                                 f"re-run the stage that produced {root}.")
+            raise IntegrityError(
+                f"{path} does not match {COMMIT_MARKER} (missing, truncated or modified); "
+                f"re-run the stage that produced {root}."
+            )
     return len(marker["files"])
 
 
@@ -357,8 +392,9 @@ def publish_dir(local_dir: str | Path, dest_uri: str | Path, *, multipart_thresh
         with _s3_errors(str(dest_uri)):
             _client().delete_object(Bucket=bucket, Key=join(key, COMMIT_MARKER) if key else COMMIT_MARKER)
         for path in files:
-            upload_file(path, join(str(dest_uri), path.relative_to(source).as_posix()),
-                        multipart_threshold=multipart_threshold)
+            upload_file(
+                path, join(str(dest_uri), path.relative_to(source).as_posix()), multipart_threshold=multipart_threshold
+            )
         write_bytes(join(str(dest_uri), COMMIT_MARKER), marker_bytes)
         return marker
     dest = _local(dest_uri)
@@ -393,8 +429,10 @@ def read_marker(uri: str | Path) -> dict[str, Any]:
     try:
         marker = json.loads(read_bytes(join(uri, COMMIT_MARKER)))
     except FileNotFoundError as error:
-        raise IntegrityError(f"{uri} is not committed (no {COMMIT_MARKER}): its publication never finished; "
-                             f"re-run the stage that produces it.") from error
+        raise IntegrityError(
+            f"{uri} is not committed (no {COMMIT_MARKER}): its publication never finished; "
+            f"re-run the stage that produces it."
+        ) from error
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
         raise IntegrityError(f"{join(uri, COMMIT_MARKER)} is malformed: expected {{'files': {{...}}, 'created': ...}}.")
     return marker
@@ -408,8 +446,11 @@ def fetch_dir(uri: str | Path, local_dir: str | Path, *, require_commit: bool = 
     dest = Path(local_dir)
     if not require_commit and not is_committed(uri):
         for file_uri in list_files(uri):
-            relative = (file_uri[len(str(uri).rstrip("/")) + 1:] if is_s3(uri)
-                        else Path(file_uri).relative_to(_local(uri)).as_posix())
+            relative = (
+                file_uri[len(str(uri).rstrip("/")) + 1 :]
+                if is_s3(uri)
+                else Path(file_uri).relative_to(_local(uri)).as_posix()
+            )
             download_file(file_uri, dest / relative)
         return dest
     marker = read_marker(uri)
@@ -424,9 +465,11 @@ def fetch_dir(uri: str | Path, local_dir: str | Path, *, require_commit: bool = 
         size, digest = target.stat().st_size, sha256_file(target)
         if size != expected["size"] or digest != expected["sha256"]:
             target.unlink()
-            raise IntegrityError(f"{file_uri} does not match {COMMIT_MARKER}: size {size} sha256 {digest[:12]}..., "
-                                 f"expected size {expected['size']} sha256 {expected['sha256'][:12]}...; the object "
-                                 f"was modified or corrupted after publication; re-publish {uri}.")
+            raise IntegrityError(
+                f"{file_uri} does not match {COMMIT_MARKER}: size {size} sha256 {digest[:12]}..., "
+                f"expected size {expected['size']} sha256 {expected['sha256'][:12]}...; the object "
+                f"was modified or corrupted after publication; re-publish {uri}."
+            )
     write_bytes(dest / COMMIT_MARKER, json.dumps(marker, indent=1, sort_keys=True).encode())
     return dest
 
@@ -463,8 +506,12 @@ def list_lake_shards(lake_uri: str) -> list[str]:
         elif root.is_dir():
             uris = [str(p) for p in root.iterdir() if p.is_file() and p.name.endswith(LAKE_SHARD_SUFFIXES)]
         else:
-            raise ValueError(f"lake_uri={lake_uri!r} does not exist; pass the directory img2dataset wrote or an s3:// prefix.")
+            raise ValueError(
+                f"lake_uri={lake_uri!r} does not exist; pass the directory img2dataset wrote or an s3:// prefix."
+            )
     if not uris:
-        raise ValueError(f"No *.tar or *.parquet shards under lake_uri={lake_uri!r}; point it at an img2dataset "
-                         "WebDataset/Parquet output directory or s3:// prefix (`qvl lake synth --out DIR` writes DIR/lake).")
+        raise ValueError(
+            f"No *.tar or *.parquet shards under lake_uri={lake_uri!r}; point it at an img2dataset "
+            "WebDataset/Parquet output directory or s3:// prefix (`qvl lake synth --out DIR` writes DIR/lake)."
+        )
     return sorted(uris)

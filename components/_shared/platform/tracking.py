@@ -33,8 +33,12 @@ STAGE_TAG = "qvl.stage"
 MAX_KEY_LENGTH, MAX_PARAM_VALUE_LENGTH, MAX_TAG_VALUE_LENGTH = 250, 6000, 8000  # MLflow 3 limits
 MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH = 1000, 100
 # Bounded HTTP retries (MLflow's default is 7 retries with backoff 2: minutes per call while a server is down).
-_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                  "MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_DISABLE_TELEMETRY": "true"}
+_HTTP_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+}
 _STATUS_ALIASES = {"SUCCEEDED": "FINISHED", "SUCCESS": "FINISHED", "CANCELLED": "KILLED", "CANCELED": "KILLED"}
 
 
@@ -61,8 +65,17 @@ class Tracker:
     def flush(self) -> None:
         """Send buffered metrics now."""
 
-    def register_model(self, local_dir: str | Path, *, name: str, artifact_path: str, aliases: tuple[str, ...] = (),
-                       tags: dict[str, str] | None = None, description: str = "", key: str = "") -> str:
+    def register_model(
+        self,
+        local_dir: str | Path,
+        *,
+        name: str,
+        artifact_path: str,
+        aliases: tuple[str, ...] = (),
+        tags: dict[str, str] | None = None,
+        description: str = "",
+        key: str = "",
+    ) -> str:
         """Upload `local_dir` to this run and register it as a new version of model `name` with `aliases`;
         returns the version ("" where nothing is tracked). With `key`, a version registered earlier under the
         same key (a retried task) is reused instead of adding another."""
@@ -109,8 +122,13 @@ def flatten(values: dict[str, Any], sep: str = ".", prefix: str = "") -> dict[st
 
 
 def _param_value(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str) if isinstance(
-        value, list | tuple | dict) else str(value)
+    text = (
+        value
+        if isinstance(value, str)
+        else json.dumps(value, default=str)
+        if isinstance(value, list | tuple | dict)
+        else str(value)
+    )
     return text[:MAX_PARAM_VALUE_LENGTH]
 
 
@@ -138,9 +156,17 @@ class MlflowTracker(Tracker):
     anything still unsent goes there too (path logged, and in `fallback_path`).
     """
 
-    def __init__(self, client, run_id: str | None, *, start_run: Callable[[], str] | None = None,
-                 flush_every: int = 500, flush_interval_s: float = 10.0, max_buffer: int = 100_000,
-                 fallback_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        client,
+        run_id: str | None,
+        *,
+        start_run: Callable[[], str] | None = None,
+        flush_every: int = 500,
+        flush_interval_s: float = 10.0,
+        max_buffer: int = 100_000,
+        fallback_dir: str | Path | None = None,
+    ) -> None:
         from mlflow.entities import Metric, Param, RunTag
 
         self._Metric, self._Param, self._RunTag = Metric, Param, RunTag
@@ -173,8 +199,12 @@ class MlflowTracker(Tracker):
             self._metrics.extend(batch[:room])
             overflow, pending = batch[room:], len(self._metrics)
         if overflow:
-            logger.warning("MLflow buffer full (%d metrics): writing %d to %s", self.max_buffer, len(overflow),
-                           self._spill(metrics=overflow))
+            logger.warning(
+                "MLflow buffer full (%d metrics): writing %d to %s",
+                self.max_buffer,
+                len(overflow),
+                self._spill(metrics=overflow),
+            )
         if pending >= self.flush_every:
             self._wake.set()
 
@@ -194,11 +224,24 @@ class MlflowTracker(Tracker):
             else:
                 self._client.log_artifact(self.run_id, str(local_path), artifact_path)
         except Exception as error:  # noqa: BLE001 - tracking must never stop a stage
-            logger.warning("MLflow artifact %s not logged (%s); recorded in %s", local_path, error,
-                           self._spill(artifacts=[(str(local_path), artifact_path)]))
+            logger.warning(
+                "MLflow artifact %s not logged (%s); recorded in %s",
+                local_path,
+                error,
+                self._spill(artifacts=[(str(local_path), artifact_path)]),
+            )
 
-    def register_model(self, local_dir: str | Path, *, name: str, artifact_path: str, aliases: tuple[str, ...] = (),
-                       tags: dict[str, str] | None = None, description: str = "", key: str = "") -> str:
+    def register_model(
+        self,
+        local_dir: str | Path,
+        *,
+        name: str,
+        artifact_path: str,
+        aliases: tuple[str, ...] = (),
+        tags: dict[str, str] | None = None,
+        description: str = "",
+        key: str = "",
+    ) -> str:
         """Unlike logging, this raises when MLflow is unreachable: an unregistered model is not a result (KFP
         retries the task). The version's source is the run's artifact directory; loading it back is a plain
         download (`mlflow.artifacts.download_artifacts("models:/NAME@champion")`), nothing is unpickled.
@@ -224,8 +267,9 @@ class MlflowTracker(Tracker):
             if error.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
         source = f"{self._client.get_run(self.run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
-        version = self._client.create_model_version(name, source=source, run_id=self.run_id, tags=tags or {},
-                                                    description=description).version
+        version = self._client.create_model_version(
+            name, source=source, run_id=self.run_id, tags=tags or {}, description=description
+        ).version
         for alias in aliases:
             self._client.set_registered_model_alias(name, alias, version)
         return str(version)
@@ -261,9 +305,14 @@ class MlflowTracker(Tracker):
             self._metrics, self._params, self._tags = [], {}, {}
         if metrics or params or tags:
             path = self._spill(metrics=metrics, params=params, tags=tags, status=status)
-            logger.warning("MLflow unreachable at close: %d metrics, %d params, %d tags written to %s "
-                           "(send them later with components._shared.platform.tracking.replay_fallback)",
-                           len(metrics), len(params), len(tags), path)
+            logger.warning(
+                "MLflow unreachable at close: %d metrics, %d params, %d tags written to %s "
+                "(send them later with components._shared.platform.tracking.replay_fallback)",
+                len(metrics),
+                len(params),
+                len(tags),
+                path,
+            )
 
     # -- sending ------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -285,21 +334,27 @@ class MlflowTracker(Tracker):
             while True:
                 with self._lock:
                     params = list(self._params.items())[:MAX_PARAMS_TAGS_PER_BATCH]
-                    tags = list(self._tags.items())[:MAX_PARAMS_TAGS_PER_BATCH - len(params)]
+                    tags = list(self._tags.items())[: MAX_PARAMS_TAGS_PER_BATCH - len(params)]
                     metrics = [] if params or tags else self._metrics[:MAX_METRICS_PER_BATCH]
                 if not (params or tags or metrics):
                     return True
                 try:
                     self._require_run()
-                    self._client.log_batch(self.run_id, metrics=metrics,
-                                           params=[self._Param(k, v) for k, v in params],
-                                           tags=[self._RunTag(k, v) for k, v in tags])
+                    self._client.log_batch(
+                        self.run_id,
+                        metrics=metrics,
+                        params=[self._Param(k, v) for k, v in params],
+                        tags=[self._RunTag(k, v) for k, v in tags],
+                    )
                 except Exception as error:  # noqa: BLE001
                     if self.run_id is None or not _is_permanent(error):
                         self._note_outage(error)
                         return False
-                    logger.warning("MLflow rejected a batch (%s); written to %s", error,
-                                   self._spill(metrics=metrics, params=dict(params), tags=dict(tags)))
+                    logger.warning(
+                        "MLflow rejected a batch (%s); written to %s",
+                        error,
+                        self._spill(metrics=metrics, params=dict(params), tags=dict(tags)),
+                    )
                 self._note_recovery()
                 with self._lock:
                     for key, value in params:
@@ -308,13 +363,17 @@ class MlflowTracker(Tracker):
                     for key, value in tags:
                         if self._tags.get(key) == value:
                             del self._tags[key]
-                    del self._metrics[:len(metrics)]  # only _send removes, and it holds _send_lock
+                    del self._metrics[: len(metrics)]  # only _send removes, and it holds _send_lock
 
     def _note_outage(self, error: Exception) -> None:
         if self._down_since is None:
             self._down_since = time.monotonic()
-            logger.warning("MLflow tracking unavailable (%s); keeping %d metrics buffered, retrying every %.0f s",
-                           str(error).splitlines()[0][:300], len(self._metrics), self.flush_interval_s)
+            logger.warning(
+                "MLflow tracking unavailable (%s); keeping %d metrics buffered, retrying every %.0f s",
+                str(error).splitlines()[0][:300],
+                len(self._metrics),
+                self.flush_interval_s,
+            )
 
     def _note_recovery(self) -> None:
         if self._down_since is not None:
@@ -327,8 +386,10 @@ class MlflowTracker(Tracker):
             self._fallback_dir.mkdir(parents=True, exist_ok=True)
             self.fallback_path = self._fallback_dir / f"mlflow-unsent-{self.run_id or 'no-run'}-{os.getpid()}.jsonl"
         run = self.run_id
-        lines = [{"type": "metric", "run_id": run, "key": m.key, "value": m.value, "timestamp": m.timestamp,
-                  "step": m.step} for m in metrics]
+        lines = [
+            {"type": "metric", "run_id": run, "key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}
+            for m in metrics
+        ]
         lines += [{"type": "param", "run_id": run, "key": k, "value": v} for k, v in (params or {}).items()]
         lines += [{"type": "tag", "run_id": run, "key": k, "value": v} for k, v in (tags or {}).items()]
         lines += [{"type": "artifact", "run_id": run, "local_path": p, "artifact_path": a} for p, a in artifacts]
@@ -355,11 +416,14 @@ def replay_fallback(path: str | Path, *, tracking_uri: str | None = None) -> int
         params = [Param(r["key"], r["value"]) for r in mine if r["type"] == "param"]
         tags = [RunTag(r["key"], r["value"]) for r in mine if r["type"] == "tag"]
         for start in range(0, len(params) + len(tags), MAX_PARAMS_TAGS_PER_BATCH):
-            chunk = (params + tags)[start:start + MAX_PARAMS_TAGS_PER_BATCH]
-            client.log_batch(run_id, params=[c for c in chunk if isinstance(c, Param)],
-                             tags=[c for c in chunk if isinstance(c, RunTag)])
+            chunk = (params + tags)[start : start + MAX_PARAMS_TAGS_PER_BATCH]
+            client.log_batch(
+                run_id,
+                params=[c for c in chunk if isinstance(c, Param)],
+                tags=[c for c in chunk if isinstance(c, RunTag)],
+            )
         for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-            client.log_batch(run_id, metrics=metrics[start:start + MAX_METRICS_PER_BATCH])
+            client.log_batch(run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH])
         sent += len(metrics)
         statuses = [r["status"] for r in mine if r["type"] == "status"]
         if statuses:
@@ -368,6 +432,7 @@ def replay_fallback(path: str | Path, *, tracking_uri: str | None = None) -> int
 
 
 # --- pipeline and stage runs -----------------------------------------------------------------------
+
 
 def default_tracking_uri(out_dir: str | Path) -> str:
     """$MLFLOW_TRACKING_URI when set, else an embedded sqlite store `sqlite:///<out_dir>/mlflow.db`."""
@@ -383,8 +448,10 @@ def _status(status: str) -> str:
 
     name = _STATUS_ALIASES.get(status.upper(), status.upper())
     if name not in ("RUNNING", "SCHEDULED", "FINISHED", "FAILED", "KILLED"):
-        raise ValueError(f"run status {status!r} is not one of FINISHED, FAILED, KILLED, RUNNING, SCHEDULED "
-                         f"(KFP's SUCCEEDED/CANCELLED are accepted too).")
+        raise ValueError(
+            f"run status {status!r} is not one of FINISHED, FAILED, KILLED, RUNNING, SCHEDULED "
+            f"(KFP's SUCCEEDED/CANCELLED are accepted too)."
+        )
     return RunStatus.to_string(RunStatus.from_string(name))
 
 
@@ -394,7 +461,9 @@ def _experiment_id(client, experiment: str) -> str:
         return found.experiment_id
     uri = client.tracking_uri
     # sqlite stores default their artifacts to ./mlruns in the current directory: keep them beside the db.
-    location = (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri() if uri.startswith("sqlite:///") else None
+    location = (
+        (Path(uri[len("sqlite:///") :]).parent / "mlartifacts").as_uri() if uri.startswith("sqlite:///") else None
+    )
     try:
         return client.create_experiment(experiment, artifact_location=location)
     except Exception:  # created concurrently by another stage: read it back
@@ -404,12 +473,16 @@ def _experiment_id(client, experiment: str) -> str:
         return found.experiment_id
 
 
-def start_pipeline_run(experiment: str, *, run_name: str | None = None, tags: dict[str, str] | None = None,
-                       tracking_uri: str | None = None) -> str:
+def start_pipeline_run(
+    experiment: str, *, run_name: str | None = None, tags: dict[str, str] | None = None, tracking_uri: str | None = None
+) -> str:
     """Create the parent run of one pipeline run; returns its id (export it as QVL_MLFLOW_PARENT_RUN_ID)."""
     client = _client(tracking_uri or default_tracking_uri(Path.cwd()))
-    run = client.create_run(_experiment_id(client, experiment), run_name=run_name,
-                            tags={k: str(v)[:MAX_TAG_VALUE_LENGTH] for k, v in (tags or {}).items()})
+    run = client.create_run(
+        _experiment_id(client, experiment),
+        run_name=run_name,
+        tags={k: str(v)[:MAX_TAG_VALUE_LENGTH] for k, v in (tags or {}).items()},
+    )
     return run.info.run_id
 
 
@@ -419,9 +492,15 @@ def finish_pipeline_run(run_id: str, status: str = "FINISHED", *, tracking_uri: 
 
 
 @contextmanager
-def stage_tracker(stage: str, *, experiment: str, params: dict[str, Any] | None = None,
-                  tracking_uri: str | None = None, fallback_dir: str | Path | None = None,
-                  **tracker_options: Any) -> Iterator[Tracker]:
+def stage_tracker(
+    stage: str,
+    *,
+    experiment: str,
+    params: dict[str, Any] | None = None,
+    tracking_uri: str | None = None,
+    fallback_dir: str | Path | None = None,
+    **tracker_options: Any,
+) -> Iterator[Tracker]:
     """A run for one stage, nested under $QVL_MLFLOW_PARENT_RUN_ID when set (standalone otherwise).
 
     Ranks other than 0 ($RANK) get a NullTracker. The run ends FAILED if the block raises, KILLED on
