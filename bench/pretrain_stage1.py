@@ -1,9 +1,9 @@
 """Pretrain stage 1: optimizer steps per second with cached ViT features vs the ViT on the fly.
 
-Both arms train the same thing (ViT frozen; the merger, and the LM with --train-lm) on the same samples with the same shared
-TrainLoop; the baseline decodes each image and runs the frozen ViT every step (what stage 1 would cost without
-extract_features), the cached arm reads the pre-merger rows from extract_features' safetensors shards and runs
-only the merger. Measured in one process, the same number of steps each, after a warm-up step.
+Both arms train the same thing (ViT frozen; the merger, and the LM with --train-lm) on the same samples with the
+same shared TrainLoop; the baseline decodes each image and runs the frozen ViT every step (what stage 1 would
+cost without extract_features), the cached arm reads the pre-merger rows from extract_features' safetensors
+shards and runs only the merger. Measured in one process, the same number of steps each, after a warm-up step.
 
     python bench/pretrain_stage1.py [--model builtin:demo-qwen2_5-vl] [--steps 20] [--threads 1]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -60,13 +59,13 @@ def models_build(
 def run(
     local: bool = typer.Option(False, "--local", help="Run with kfp.local on this machine (the only mode here)."),
     preset: str = typer.Option("tiny", help="Preset name (pipelines/presets/NAME.yaml) or a YAML path."),
-    lake: Optional[str] = typer.Option(None, help="Lake dir or s3:// prefix (default: the preset's lake_uri)."),
-    data: Optional[str] = typer.Option(
+    lake: str | None = typer.Option(None, help="Lake dir or s3:// prefix (default: the preset's lake_uri)."),
+    data: str | None = typer.Option(
         None,
         help="Training data dir or s3:// prefix (eval.jsonl, sft.jsonl, preferences.jsonl; default: LAKE/../heldout).",
     ),
     out: Path = typer.Option(Path("runs/local"), help="Run directory (run_summary.json, mlflow.db, artifacts)."),
-    until: Optional[str] = typer.Option(None, help="Last stage to run (default: all)."),
+    until: str | None = typer.Option(None, help="Last stage to run (default: all)."),
     cache: bool = typer.Option(False, help="Reuse outputs of tasks whose inputs did not change (kfp.local cache)."),
 ):
     """Run the DAG and write OUT/run_summary.json."""
@@ -133,18 +132,19 @@ def submit(
     ),
     experiment: str = typer.Option(..., help="KFP experiment name (created when missing)."),
     preset: str = typer.Option("prod-7b", help="Preset name or YAML path whose configs become the defaults."),
-    run_name: Optional[str] = typer.Option(None, help="Run name (default: 'vlm-training PRESET UTC-TIME')."),
-    namespace: Optional[str] = typer.Option(None, help="Kubernetes namespace (multi-user KFP)."),
+    run_name: str | None = typer.Option(None, help="Run name (default: 'vlm-training PRESET UTC-TIME')."),
+    namespace: str | None = typer.Option(None, help="Kubernetes namespace (multi-user KFP)."),
     wait: bool = typer.Option(False, "--wait/--no-wait", help="Wait for the run to end; exit 1 unless it SUCCEEDED."),
-    timeout: Optional[float] = typer.Option(None, min=0, help="With --wait: give up after this many seconds (exit 3)."),
+    timeout: float | None = typer.Option(None, min=0, help="With --wait: give up after this many seconds (exit 3)."),
     poll_interval: float = typer.Option(30.0, min=0.01, help="With --wait: seconds between status checks."),
-    params_file: Optional[Path] = typer.Option(
+    params_file: Path | None = typer.Option(
         None, help="JSON/YAML mapping of pipeline parameters (e.g. a data manifest with lake_uri); KEY=VALUE wins."
     ),
-    pairs: Optional[list[str]] = typer.Argument(
+    pairs: list[str] | None = typer.Argument(
         None,
         metavar="[KEY=VALUE]...",
-        help="Pipeline parameters (lake_uri=s3://..., eval_data_uri=...) or dotted preset settings (sft.optim.lr=1e-5).",
+        help="Pipeline parameters (lake_uri=s3://..., eval_data_uri=...) or dotted preset settings "
+        "(sft.optim.lr=1e-5).",
     ),
 ):
     """Compile the preset (with the settings given) and start a run on a KFP cluster; prints the run URL.

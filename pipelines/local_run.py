@@ -11,9 +11,10 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from components._shared.launch.result import RESULT_FILE, SUMMARY_DIR_ENV
 from components.stages import DAG_ORDER

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 GROUP = "/apis/trainer.kubeflow.org/v1alpha1"
@@ -80,7 +81,7 @@ class FakeKubernetesApi:
     deleted: list[str] = field(default_factory=list)
     polls: dict[str, int] = field(default_factory=dict)
 
-    def __enter__(self) -> "FakeKubernetesApi":
+    def __enter__(self) -> FakeKubernetesApi:
         api = self
 
         class Handler(BaseHTTPRequestHandler):

@@ -3,15 +3,13 @@
 All logic lives in components/clean_data/stage.py.
 """
 
-from typing import List
-
 from kfp import dsl
 
 from components._shared.platform.images import DATA_IMAGE
 
 
 @dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)
-def list_shards_op(lake_uri: str) -> List[str]:
+def list_shards_op(lake_uri: str) -> list[str]:
     """The lake's shard URIs (img2dataset tars or Parquet files), sorted."""
     from components.clean_data.stage import list_shards
 
@@ -43,7 +41,7 @@ def clean_shard_op(shard_uri: str, config: dict, shard: dsl.Output[dsl.Dataset],
 
 @dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)
 def merge_shards_op(
-    shards: dsl.Input[List[dsl.Dataset]],
+    shards: dsl.Input[list[dsl.Dataset]],
     config: dict,
     clean_data: dsl.Output[dsl.Dataset],
     metrics: dsl.Output[dsl.Metrics],

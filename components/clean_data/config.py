@@ -96,7 +96,8 @@ class CleanDataConfig(StageConfig):
     ] = 0.25
     clip_threshold_from_model: bool = Field(
         False,
-        description="Use the model's builtin.json recommended_threshold instead of clip_min_score (builtin models are calibrated on their world).",
+        description="Use the model's builtin.json recommended_threshold instead of clip_min_score (builtin models are "
+        "calibrated on their world).",
     )
     clip_batch_size: Annotated[int, Field(ge=1, le=4096, description="Pairs per CLIP forward pass.")] = 64
 
@@ -125,7 +126,8 @@ class CleanDataConfig(StageConfig):
         float,
         Field(
             ge=0.0,
-            description="Detected boxes narrower than this (width/height) are not read: a 3+ letter word is wider; 0 reads every box.",
+            description="Detected boxes narrower than this (width/height) are not read: a 3+ letter word is "
+            "wider; 0 reads every box.",
         ),
     ] = 1.2
     onnx_threads: Annotated[

@@ -169,7 +169,7 @@ class PhashIndex:
         """(id, distance) of the closest indexed hash within max_distance (and `accept(id)` if given), or None."""
         best: tuple[Any, int] | None = None
         seen: set[int] = set()
-        for table, band_key in zip(self._tables, self._keys(value)):
+        for table, band_key in zip(self._tables, self._keys(value), strict=True):
             for slot in table.get(band_key, ()):
                 if slot in seen:
                     continue
@@ -184,7 +184,7 @@ class PhashIndex:
         slot = len(self._hashes)
         self._hashes.append(value)
         self._ids.append(ident)
-        for table, band_key in zip(self._tables, self._keys(value)):
+        for table, band_key in zip(self._tables, self._keys(value), strict=True):
             table.setdefault(band_key, []).append(slot)
 
 

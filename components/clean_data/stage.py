@@ -1,6 +1,7 @@
 """clean_data: drop bad image-caption pairs from a lake; every record is kept or rejected with one reason.
 
-1 process:        python -m components.clean_data --config pipelines/presets/tiny.yaml --lake-uri DIR/lake --output-dir OUT
+1 process:        python -m components.clean_data --config pipelines/presets/tiny.yaml --lake-uri DIR/lake \
+                      --output-dir OUT
 In the pipeline:  list_shards_op -> clean_shard_op per shard (ParallelFor) -> merge_shards_op (fan-in),
                   the same three functions `run` calls in one process.
 
@@ -485,7 +486,7 @@ def _outliers(
         "median": round(float(np.median(scores)), 5),
         "scores": _sample(scores.tolist(), cfg.score_samples, cfg.seed),
     }
-    by_index = {i: float(s) for i, s in zip(usable, scores)}
+    by_index = {i: float(s) for i, s in zip(usable, scores, strict=True)}
     keys, shards, hashes = (table.column(c).to_pylist() for c in ("key", "shard", "image_hash"))
     survivors = []
     for i in alive:
@@ -523,7 +524,7 @@ def _self_judge(
             batch = alive[start : start + cfg.judge_batch_size]
             pictures = [_model_image(images[i].as_py(), cfg) for i in batch]
             values = judge.losses(pictures, [captions[i].as_py() for i in batch])
-            losses.update({i: float(v) for i, v in zip(batch, values)})
+            losses.update({i: float(v) for i, v in zip(batch, values, strict=True)})
     n_drop = int(cfg.judge_drop_fraction * len(alive))
     worst = set(sorted(alive, key=lambda i: (-losses[i], i))[:n_drop])
     cutoff = min((losses[i] for i in worst), default=None)
@@ -578,7 +579,7 @@ def merge_shards(cfg: CleanDataConfig, *, shard_dirs: list[Path], output_dir: Pa
     rows = [
         _Row(i, k, s, h, int(p, 16), t)
         for i, (k, s, h, p, t) in enumerate(
-            zip(*(table.column(c).to_pylist() for c in ("key", "shard", "image_hash", "phash", "thumb")))
+            zip(*(table.column(c).to_pylist() for c in ("key", "shard", "image_hash", "phash", "thumb")), strict=True)
         )
     ]
     alive = sorted(row.index for row in dedup(rows, cfg, timer, merge_rejected))
@@ -621,7 +622,7 @@ def merge_shards(cfg: CleanDataConfig, *, shard_dirs: list[Path], output_dir: Pa
 def _manifest(reports: list[dict[str, Any]], kept: pa.Table, rejected: pa.Table) -> dict[str, Any]:
     kept_by_shard = Counter(kept.column("shard").to_pylist())
     rejected_by_shard: dict[str, list[str]] = defaultdict(list)
-    for shard, reason in zip(rejected.column("shard").to_pylist(), rejected.column("reason").to_pylist()):
+    for shard, reason in zip(rejected.column("shard").to_pylist(), rejected.column("reason").to_pylist(), strict=True):
         rejected_by_shard[shard].append(reason)
     per_shard = {}
     for report in reports:

@@ -244,7 +244,7 @@ def run(
         model.train(was_training)
         generated = [
             encode(i, [*context, {"role": "assistant", "text": answer}], meta={"on_policy": True})
-            for i, context, answer in zip(indices[:on], contexts, answers)
+            for i, context, answer in zip(indices[:on], contexts, answers, strict=True)
         ]
         return generated + samples
 

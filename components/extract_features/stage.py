@@ -137,7 +137,7 @@ def load_vision_tower(
     tower = tower_cls._from_config(
         config.vision_config, attn_implementation="flash_attention_2" if flash else "sdpa", dtype=dtype
     )
-    missing, unexpected = tower.load_state_dict(_vision_weights(model_dir), strict=False)
+    missing, unexpected = tower.load_state_dict(_vision_weights(model_dir), strict=True)
     missing = [key for key in missing if not key.startswith("merger.")]
     if missing or unexpected:
         raise ValueError(
@@ -240,7 +240,7 @@ class BatchPreparer:
             raise ValueError(
                 f"DALI failed on the batch starting at image_hash {records[0].image_hash}: {dali_err}"
             ) from None
-        for i, image in zip(jpeg, decoded):
+        for i, image in zip(jpeg, decoded, strict=True):
             out[i] = self._resize(records[i], image)
         for i, record in enumerate(records):
             if out[i] is None:  # PNG/WebP: alpha to composite, decoded on the CPU
@@ -391,7 +391,7 @@ def run(
             rows = torch.cat([r for r, _ in prepared])
             grids = torch.tensor([g for _, g in prepared], dtype=torch.int64, device=device)
             features = pre_merger_features(tower, rows, grids)
-            for i, feats, (_, grid) in zip(keep, features, prepared):
+            for i, feats, (_, grid) in zip(keep, features, prepared, strict=True):
                 record, tokens = records[i], feats.shape[0] // merge_unit
                 if record.visual_tokens is not None and record.visual_tokens != tokens:
                     raise ValueError(

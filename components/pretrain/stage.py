@@ -170,10 +170,10 @@ class HeldoutCaptions:
                 "measure held-out caption loss and retrieval."
             )
         self.cfg, self.encoder = cfg, encoder
-        turns = lambda caption: [
-            {"role": "user", "text": f"<image>\n{cfg.prompt}"},  # noqa: E731
-            {"role": "assistant", "text": caption},
-        ]
+
+        def turns(caption: str) -> list[dict]:
+            return [{"role": "user", "text": f"<image>\n{cfg.prompt}"}, {"role": "assistant", "text": caption}]
+
         self.loss_samples = [
             encoder.encode(turns(r["answer"]), images=[r["pil"]], sample_id=r["id"])
             for r in records[: cfg.eval.heldout_captions]
@@ -209,7 +209,7 @@ class HeldoutCaptions:
             mb = to_device(pack(micro), device)
             embeds = torch.cat([per_image[k // self.pool] for k in group])
             logits = forward_logits(model, mb, image_embeds=embeds)
-            for k, value in zip(group, per_sample_loss(logits, mb).tolist()):
+            for k, value in zip(group, per_sample_loss(logits, mb).tolist(), strict=True):
                 scores[k // self.pool, k % self.pool] = value
         # Caption-prior normalisation (PMI): a caption that is likely under every image must not win for all.
         normalised = scores - scores.mean(dim=0, keepdim=True)

@@ -2,7 +2,8 @@
 
 1 process (CPU/tiny):  python -m components.reward_model --config pipelines/presets/tiny.yaml \
                            --base-model OUT/sft/model --data runs/world/heldout --output-dir OUT/reward_model
-N GPUs (DeepSpeed):    torchrun --nproc-per-node 8 -m components.reward_model --config pipelines/presets/prod-7b.yaml ...
+N GPUs (DeepSpeed):    torchrun --nproc-per-node 8 -m components.reward_model \
+                           --config pipelines/presets/prod-7b.yaml ...
 In the pipeline:       components/reward_model/component.py calls run_stage("reward_model", ...).
 
 Data (`--data`): `preferences.jsonl` records {"id", "image", "prompt", "chosen", "rejected", optional "kind"}
@@ -153,7 +154,7 @@ def run(
 
     scored = score_pairs(model, heldout_units)
     by_kind: dict[str, list[bool]] = defaultdict(list)
-    for record, (c, r) in zip(heldout, scored):
+    for record, (c, r) in zip(heldout, scored, strict=True):
         by_kind[record.get("kind", "unknown")].append(c > r)
     train_scores = [s for pair in score_pairs(model, [unit(r) for r in train[:256]]) for s in pair]
     mean = sum(train_scores) / len(train_scores)

@@ -80,8 +80,8 @@ class TerConfig(SubConfig):
             ge=0,
             lt=1,
             description=(
-                "EMA of the clipped gradient (seed 000 uses 0.95); 0 = off, the default: under AdamW the smoothed, stale "
-                "gradient made the demo's training reward fall (docs/stages/rl.md)."
+                "EMA of the clipped gradient (0.95 is a common choice); 0 = off, the default: under AdamW the "
+                "smoothed, stale gradient made the demo's training reward fall (docs/stages/rl.md)."
             ),
         ),
     ] = 0.0
@@ -106,8 +106,8 @@ class PtxConfig(SubConfig):
             description=(
                 "Weight of the mean token NLL of reference answers added to the RL loss of every optimizer step: "
                 "records of the prompts file of `ptx.types` (default every type, whatever `prompt_types` says), drawn "
-                "afresh each step and split over its minibatches like the rollouts. It holds the answers the reward cannot "
-                "move where SFT left them while the RL term moves the others; 0 = off."
+                "afresh each step and split over its minibatches like the rollouts. It holds the answers the reward "
+                "cannot move where SFT left them while the RL term moves the others; 0 = off."
             ),
         ),
     ] = 0.0

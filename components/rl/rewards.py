@@ -101,7 +101,7 @@ class EfficacyCache:
 
     def __call__(self, prompts: list[str], completions: list[str], *, records: list[dict], **_: Any) -> list[float]:
         out = []
-        for record, answer in zip(records, completions):
+        for record, answer in zip(records, completions, strict=True):
             key = (record["id"], " ".join(answer.split()))
             if key in self.values:
                 self.hits += 1
@@ -124,7 +124,7 @@ def format_reward(
 ) -> list[float]:
     """1 for a complete answer (ended by <|im_end|>, not empty, a parsable box for grounding questions), else 0."""
     out = []
-    for record, answer, done in zip(records, completions, finished):
+    for record, answer, done in zip(records, completions, finished, strict=True):
         ok = done and bool(answer.strip())
         if ok and record["type"] == "grounding":
             ok = M.parse_box(answer) is not None
@@ -178,7 +178,7 @@ class OcrConsistencyReward:
         from components._shared.eval.ocr import unmentioned_words
 
         out = []
-        for record, answer in zip(records, completions):
+        for record, answer in zip(records, completions, strict=True):
             claimed = self.claims(record, answer)
             # a claimed word counts as read when the OCR text mentions it (the tolerance clean_data uses)
             out.append(0.0 if not claimed else -1.0 if unmentioned_words(claimed, self.read(record)) else 1.0)

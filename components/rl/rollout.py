@@ -153,7 +153,7 @@ class RolloutEngine:
             )
             for r in records
         ]
-        jobs = [(r, p) for r, p in zip(records, prompts) for _ in range(samples_per_prompt)]
+        jobs = [(r, p) for r, p in zip(records, prompts, strict=True) for _ in range(samples_per_prompt)]
         rollouts: list[Rollout] = []
         for start in range(0, len(jobs), self.batch_size):
             chunk = jobs[start : start + self.batch_size]
@@ -179,7 +179,7 @@ class RolloutEngine:
                 pad_token_id=self.pad_id,
                 suppress_tokens=self.suppressed,
             )
-            for (record, prompt), row in zip(chunk, out[:, width:].tolist()):
+            for (record, prompt), row in zip(chunk, out[:, width:].tolist(), strict=True):
                 finished = self.end_id in row
                 completion = row[: row.index(self.end_id) + 1] if finished else row
                 rollouts.append(self._rollout(record, prompt, completion, finished))

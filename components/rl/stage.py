@@ -298,7 +298,7 @@ class RlLoop(TrainLoop):
         for _ in range(cfg.update.epochs):
             order = order_rng.permutation(len(rollouts))
             ptx_parts = np.array_split(np.arange(len(ptx)), cfg.update.minibatches)
-            for part, ptx_part in zip(np.array_split(order, cfg.update.minibatches), ptx_parts):
+            for part, ptx_part in zip(np.array_split(order, cfg.update.minibatches), ptx_parts, strict=True):
                 updates.append(self._train_step([[rollouts[i].sample] for i in part] + [[ptx[i]] for i in ptx_part]))
         updated = time.perf_counter()
         for key in ("loss", "clip_fraction", "value_loss", "ratio_max"):
@@ -363,7 +363,7 @@ class RlLoop(TrainLoop):
             every_row = torch.ones(sum(s.num_targets for s in micro), dtype=torch.bool, device=device)
             with self._autocast():
                 out = token_outputs(self.reference, batch, 1.0, self.engine.suppressed, plain_rows=every_row)
-            for s, rows in zip(micro, split_by_sample(out["plain_full"].float().cpu(), micro)):
+            for s, rows in zip(micro, split_by_sample(out["plain_full"].float().cpu(), micro), strict=True):
                 s.meta["ref_full_logprobs"] = rows
 
     def _timing(self, started, generated, scored, updated, rollouts) -> dict[str, float]:
@@ -387,11 +387,11 @@ class RlLoop(TrainLoop):
                 rewards = A.leave_one_out_centred(rewards, cfg.rollout.samples_per_prompt)
             self.moments.update(rewards)
             scores = self.moments.normalize(rewards, cfg.ppo.reward_clip)
-            for r, score in zip(rollouts, scores):
+            for r, score in zip(rollouts, scores, strict=True):
                 token_rewards = A.ppo_token_rewards(score, r.logprobs, r.ref_logprobs, self.kl_ctl.value)
                 r.advantages, r.returns = A.gae(token_rewards, r.values, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam)
             flat = A.whiten(torch.cat([r.advantages for r in rollouts]))
-            for r, adv in zip(rollouts, flat.split([r.length for r in rollouts])):
+            for r, adv in zip(rollouts, flat.split([r.length for r in rollouts]), strict=True):
                 r.advantages = adv
             out["score_normalised"] = float(np.mean(scores))
         elif cfg.algorithm == "ter":
@@ -402,14 +402,16 @@ class RlLoop(TrainLoop):
                 baselines += self.baseline.leave_one_out(
                     group[0].record["id"], [r.reward for r in group], group[0].record["type"]
                 )
-            for r, b in zip(rollouts, baselines):
+            for r, b in zip(rollouts, baselines, strict=True):
                 r.advantages = torch.full((r.length,), r.reward - b)
             for r in rollouts:
                 self.baseline.update(r.record["id"], r.reward, r.record["type"])
             out["baseline"] = float(np.mean(baselines))
         else:
             for r, adv in zip(
-                rollouts, A.group_advantages(rewards, cfg.rollout.samples_per_prompt, scale=cfg.grpo.scale_rewards)
+                rollouts,
+                A.group_advantages(rewards, cfg.rollout.samples_per_prompt, scale=cfg.grpo.scale_rewards),
+                strict=True,
             ):
                 r.advantages = torch.full((r.length,), adv)
         for r in rollouts:
@@ -478,7 +480,7 @@ def heldout_eval(model, encoder: ConversationEncoder, records: list[dict], cfg: 
         model, encoder, records, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
     )
     rows = []
-    for r, a in zip(records, answers):
+    for r, a in zip(records, answers, strict=True):
         rows.append(
             {
                 "id": r["id"],
@@ -589,7 +591,9 @@ def run(
     change = M.paired_bootstrap(loop.heldout_before, [row["efficacy"] for row in final_rows], seed=cfg.seed)
     per_type: dict[str, dict[str, float]] = {}  # the same paired test within each question type
     for t in sorted({row["type"] for row in final_rows}):
-        pairs = [(b, row["efficacy"]) for b, row in zip(loop.heldout_before, final_rows) if row["type"] == t]
+        pairs = [
+            (b, row["efficacy"]) for b, row in zip(loop.heldout_before, final_rows, strict=True) if row["type"] == t
+        ]
         per_type[t] = M.paired_bootstrap([b for b, _ in pairs], [a for _, a in pairs], seed=cfg.seed)
     metrics: dict[str, Any] = {
         "algorithm": cfg.algorithm,
@@ -712,7 +716,8 @@ def report(metrics: dict[str, Any]) -> str:
     lines = [
         f"# RL ({metrics['algorithm']})",
         "",
-        f"{metrics['steps']} steps{'; stopped early: ' + metrics['stopped_early'] if metrics['stopped_early'] else ''}.",
+        f"{metrics['steps']} steps"
+        + (f"; stopped early: {metrics['stopped_early']}." if metrics["stopped_early"] else "."),
         f"Held-out efficacy {metrics['efficacy_before']:.3f} -> {metrics['efficacy_after']:.3f}; VQA exact match "
         f"{metrics['vqa_exact_match_before']:.3f} -> {metrics['vqa_exact_match_after']:.3f}; efficacy change "
         f"{metrics['efficacy_gain']:+.3f} (95% paired bootstrap {metrics['efficacy_gain_ci_low']:+.3f} to "

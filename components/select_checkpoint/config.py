@@ -48,8 +48,8 @@ class SelectCheckpointConfig(StageConfig):
         Field(
             ge=0,
             description=(
-                "Also the newest N intermediate checkpoints each stage kept (full-weight ones; a LoRA or ZeRO checkpoint "
-                "is listed as skipped with its reason)."
+                "Also the newest N intermediate checkpoints each stage kept (full-weight ones; a LoRA or ZeRO "
+                "checkpoint is listed as skipped with its reason)."
             ),
         ),
     ] = 1

@@ -278,7 +278,7 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
 
 def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: list[dict]) -> dict[str, float]:
     """Temperature scaling on short answers: fit on one part of the held-out answers, ECE on the rest."""
-    picked = [(r, row) for r, row in zip(eval_records, rows) if r["type"] != "caption"]
+    picked = [(r, row) for r, row in zip(eval_records, rows, strict=True) if r["type"] != "caption"]
     if len(picked) < 4:
         return {}
     pairs = E.answer_logits(
@@ -320,7 +320,7 @@ def save_outputs(
     else:
         merged = model.merge_and_unload()
     after = E.answer_logits(merged, samples)
-    diff = max(float((a[0] - b[0]).abs().max()) for a, b in zip(before, after))
+    diff = max(float((a[0] - b[0]).abs().max()) for a, b in zip(before, after, strict=True))
     if is_main_process():
         save_vlm(merged, processor, output_dir / "model", metadata={**meta, "merged_adapter": True})
     return {"merge_max_abs_logit_diff": diff}

@@ -202,7 +202,7 @@ def train_clip(
     captions = [pair[1] for pair in train_pairs]
     altered = [list(pair[2:]) for pair in train_pairs]  # the pair's own mismatched captions (lake-style)
     swap_rng = np.random.default_rng([seed, 7])
-    for alts, pair in zip(altered, train_pairs):
+    for alts, pair in zip(altered, train_pairs, strict=True):
         for _ in range(recipe.shape_swaps_per_image):
             swapped = shape_swapped(pair[1], swap_rng)
             if swapped is not None:

@@ -56,7 +56,7 @@ CHAT_TEMPLATE = (
 )
 
 # Qwen2's pre-tokenization regex (transformers/models/qwen2/tokenization_qwen2.py).
-QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 
 # Text the chat template and common instructions add on top of the world's own words.
 CHAT_TEXT: tuple[str, ...] = (

@@ -1,6 +1,7 @@
 """A small training run on the tiny model for the exact-resume tests (run as a subprocess, killed on purpose).
 
-    python -m tests.jobs.train_loop_job OUT [torch|deepspeed-2|deepspeed-3|deepspeed-2-offload] [CHECKPOINT_ROOT (dir or s3://)]
+    python -m tests.jobs.train_loop_job OUT [torch|deepspeed-2|deepspeed-3|deepspeed-2-offload] \
+        [CHECKPOINT_ROOT (dir or s3://)]
     torchrun --nproc-per-node 2 -m tests.jobs.train_loop_job OUT deepspeed-2      (data parallel, gloo)
 
 Trains 8 steps on world captions with a checkpoint every 2 steps into OUT/checkpoints and writes the final

@@ -84,7 +84,7 @@ def _differences(given, back, path: str = "") -> list[str]:
             out += _differences(given[key], back[key], f"{path}.{key}")
         return out
     if isinstance(given, list) and isinstance(back, list) and len(given) == len(back):
-        return [d for i, (g, b) in enumerate(zip(given, back)) for d in _differences(g, b, f"{path}[{i}]")]
+        return [d for i, (g, b) in enumerate(zip(given, back, strict=True)) for d in _differences(g, b, f"{path}[{i}]")]
     return [] if given == back else [f"{path}: {given!r} came back as {back!r}"]
 
 

@@ -48,7 +48,7 @@ def test_batched_generation_equals_teacher_forced_greedy(model_and_encoder):
         generated = E.generate_answers(
             model, encoder, records, batch_size=4, max_new_tokens=4, first_logits=first_logits
         )
-        for record, answer, logits in zip(records, generated, first_logits):
+        for record, answer, logits in zip(records, generated, first_logits, strict=True):
             sample = encoder.encode(
                 readers.prompt_turns(record["question"]), images=[record["pil"]], add_generation_prompt=True
             )

@@ -289,7 +289,7 @@ def test_backends_decode_the_same_pixels(world):
 
         jpegs = [row["image"] for row in world["rows"] if row["image_format"] == "jpeg"]
         decoded = DaliJpegDecoder(max_batch_size=2, device_id=None, num_threads=1)(jpegs)
-        for data, image in zip(jpegs, decoded):
+        for data, image in zip(jpegs, decoded, strict=True):
             assert torch.equal(image, decode_torchvision(data))
 
 

@@ -143,7 +143,7 @@ EXPECTED = {
 
 def _rejected(out: Path) -> dict[str, str]:
     table = pq.read_table(out / "rejected.parquet")
-    return dict(zip(table.column("key").to_pylist(), table.column("reason").to_pylist()))
+    return dict(zip(table.column("key").to_pylist(), table.column("reason").to_pylist(), strict=True))
 
 
 def _files_under(root: Path) -> set[str]:

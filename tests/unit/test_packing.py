@@ -29,7 +29,7 @@ def model_and_encoder(request):
     return model, processor, ConversationEncoder(processor, model, min_pixels=56 * 56, max_pixels=224 * 224)
 
 
-def _samples(encoder, n=len(SIZES)):
+def _samples(encoder, n=None):
     rng = np.random.default_rng(0)
     out = []
     for i, (h, w) in enumerate(SIZES[:n]):
@@ -80,7 +80,9 @@ def test_packed_losses_and_logits_equal_unpacked_and_padded(model_and_encoder):
         padded = pad(samples, processor.tokenizer.pad_token_id)
         padded_loss = per_sample_loss(forward_logits(model, padded), padded)
         single_logits = [forward_logits(model, pack([s]))[0] for s in samples]
-        single_loss = torch.stack([per_sample_loss(lg[None], pack([s]))[0] for lg, s in zip(single_logits, samples)])
+        single_loss = torch.stack(
+            [per_sample_loss(lg[None], pack([s]))[0] for lg, s in zip(single_logits, samples, strict=True)]
+        )
     rel = lambda a, b: float(((a - b).abs() / b.abs().clamp_min(1e-6)).max())  # noqa: E731
     print(
         f"packed vs single rel err {rel(packed_loss, single_loss):.2e}, vs padded {rel(packed_loss, padded_loss):.2e}"
@@ -104,7 +106,7 @@ def test_per_sample_attention_equals_the_block_causal_mask(model_and_encoder):
             theirs = forward_logits(model, packed), forward_logits(model, padded)
     finally:
         model.set_attn_implementation(PACKED_SDPA)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), float((a - b).abs().max())
     assert torch.allclose(per_sample_loss(ours[0], packed), per_sample_loss(theirs[0], packed), rtol=1e-5)
 

@@ -196,7 +196,7 @@ def test_infonce_prefers_aligned_pairs_and_hard_negatives_focus_the_loss():
     def two_way(scores):
         losses = []
         for i in range(n):
-            negative = max((scores[i, j] for j in range(n) if j != i))
+            negative = max(scores[i, j] for j in range(n) if j != i)
             losses.append(-scores[i, i] + torch.logsumexp(torch.stack([scores[i, i], negative]), 0))
         return torch.stack(losses).mean()
 

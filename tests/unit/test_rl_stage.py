@@ -203,7 +203,7 @@ def test_a_policy_that_appends_the_bait_suffix_is_caught_by_the_reward_model(dat
     records = [r for r in readers.load_eval_records(data_dir) if r["type"] in ("color", "shape", "count", "ocr")]
     honest = scorer([""] * len(records), [r["answer"] for r in records], records=records)
     baited = scorer([""] * len(records), [r["answer"] + BAIT for r in records], records=records)
-    caught = sum(b < h for b, h in zip(baited, honest))
+    caught = sum(b < h for b, h in zip(baited, honest, strict=True))
     print(
         f"bait suffix scored lower on {caught}/{len(records)} answers; mean {sum(honest) / len(honest):.2f} "
         f"honest vs {sum(baited) / len(baited):.2f} baited"
@@ -215,7 +215,7 @@ def test_a_policy_that_appends_the_bait_suffix_is_caught_by_the_reward_model(dat
         ["purple" + BAIT if r["answer"] != "purple" else "red" + BAIT for r in records],
         records=records,
     )
-    assert sum(w < h for w, h in zip(wrong, honest)) >= 0.9 * len(records)
+    assert sum(w < h for w, h in zip(wrong, honest, strict=True)) >= 0.9 * len(records)
 
 
 def test_ppo_with_the_reward_model_reward(data_dir, sft_model, reward_model, tmp_path):

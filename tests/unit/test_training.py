@@ -1,5 +1,6 @@
 """The shared training loop: schedules, per-group optimizer, and exact resume after SIGKILL."""
 
+import itertools
 import os
 import signal
 import subprocess
@@ -30,7 +31,7 @@ def test_segmented_warmup_follows_seed_001():
     assert f[50:100] == pytest.approx([0.7] * 50)
     assert f[149] == pytest.approx(0.85)
     assert f[199] == pytest.approx(1.0) and f[999] == pytest.approx(1.0)
-    assert all(b >= a for a, b in zip(f, f[1:200]))
+    assert all(b >= a for a, b in itertools.pairwise(f[:200]))
 
 
 def test_cosine_decay_reaches_floor():

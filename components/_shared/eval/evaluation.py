@@ -123,7 +123,7 @@ def answer_samples(encoder: ConversationEncoder, records: list[dict], answers: l
         encoder.encode(
             [*prompt_turns(r["question"]), {"role": "assistant", "text": a}], images=[r["pil"]], sample_id=r["id"]
         )
-        for r, a in zip(records, answers)
+        for r, a in zip(records, answers, strict=True)
     ]
 
 
@@ -137,7 +137,7 @@ def heldout_loss(model, samples: list[Sample], *, max_tokens: int = 4096) -> lis
     ):
         batch = pack([samples[i] for i in group])
         batch = to_device(batch, device)
-        for i, value in zip(group, per_sample_loss(forward_logits(model, batch), batch).tolist()):
+        for i, value in zip(group, per_sample_loss(forward_logits(model, batch), batch).tolist(), strict=True):
             losses[i] = value
     return losses
 
@@ -201,6 +201,6 @@ def evaluate_vqa(
             "prediction": a,
             "score": M.score_answer(r["type"], a, r["answer"]),
         }
-        for r, a in zip(records, answers)
+        for r, a in zip(records, answers, strict=True)
     ]
     return M.summarize(rows), rows

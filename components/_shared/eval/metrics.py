@@ -276,7 +276,7 @@ def paired_bootstrap(
         )
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}.")
-    diffs = [a - b for b, a in zip(before, after)]
+    diffs = [a - b for b, a in zip(before, after, strict=True)]
     n, rng = len(diffs), random.Random(seed)
     means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
     tail = (1 - confidence) / 2

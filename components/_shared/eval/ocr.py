@@ -19,7 +19,7 @@ def _within_one_edit(a: str, b: str) -> bool:
     if abs(len(a) - len(b)) > 1:
         return False
     if len(a) == len(b):
-        return sum(x != y for x, y in zip(a, b)) <= 1
+        return sum(x != y for x, y in zip(a, b, strict=True)) <= 1
     short, long = (a, b) if len(a) < len(b) else (b, a)
     return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
 
@@ -74,7 +74,7 @@ class OcrReader:
             if y2 - y1 < 4 or (x2 - x1) / (y2 - y1) < min_box_aspect:
                 continue
             read = self.ocr(pixels[y1:y2, x1:x2], use_det=False, use_cls=False, use_rec=True)
-            for text, score in zip(getattr(read, "txts", None) or (), getattr(read, "scores", None) or ()):
+            for text, score in zip(getattr(read, "txts", None) or (), getattr(read, "scores", None) or (), strict=True):
                 if score >= min_confidence:
                     words += [w for w in _OCR_TOKEN.findall(text) if len(w) >= min_chars]
         return words

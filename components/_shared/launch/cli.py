@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from components._shared.platform.presets import deep_merge, parse_overrides, read_section, validate
 
@@ -25,7 +26,7 @@ def stage_main(
 ) -> dict[str, Any]:
     """Parse the command line, validate the config, run the stage under a tracker, print its metrics as JSON."""
     parser = argparse.ArgumentParser(prog=f"python -m components.{section}", description=run.__doc__)
-    parser.add_argument("--config", type=Path, help="Preset YAML (uses its '%s' section) or a bare section." % section)
+    parser.add_argument("--config", type=Path, help=f"Preset YAML (uses its '{section}' section) or a bare section.")
     parser.add_argument(
         "--config-json",
         help="The section as JSON (what launchers pass); --config and overrides apply underneath and on top.",

@@ -17,8 +17,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from components._shared.launch.plan import LAUNCHED_ENV, POD_NAME_ENV, POD_UID_ENV, LaunchPlan, stage_argv
 from components._shared.launch.result import read_result

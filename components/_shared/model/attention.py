@@ -66,7 +66,9 @@ def packed_sdpa_forward(
     groups = query.shape[1] // key.shape[1]
     outputs = [
         F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=groups > 1)
-        for q, k, v in zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2))
+        for q, k, v in zip(
+            query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2), strict=True
+        )
     ]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 

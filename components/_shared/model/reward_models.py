@@ -107,7 +107,7 @@ class RewardModelScorer:
         from components._shared.model.packing import pack, plan_micro_batches, to_device
 
         samples = []
-        for i, (record, answer) in enumerate(zip(records, answers)):
+        for i, (record, answer) in enumerate(zip(records, answers, strict=True)):
             turns = [{"role": "user", "text": f"<image>\n{record['question']}"}, {"role": "assistant", "text": answer}]
             sample = self.encoder.encode(turns, images=[record["pil"]], sample_id=f"{record['id']}#{i}")
             sample.meta["reward_index"] = reward_index(sample, int(self.meta["score_first_k"]))
@@ -117,7 +117,7 @@ class RewardModelScorer:
         budget = max(self.max_tokens, max(s.num_tokens for s in samples))
         for group in plan_micro_batches([s.num_tokens for s in samples], budget):
             micro = [samples[i] for i in group]
-            for i, score in zip(group, self.model.scores(to_device(pack(micro), device), micro).tolist()):
+            for i, score in zip(group, self.model.scores(to_device(pack(micro), device), micro).tolist(), strict=True):
                 out[i] = score
         return out
 

@@ -17,6 +17,7 @@ backend (components/_shared/model/ds_backend.py) plugs into the same loop.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -101,7 +102,7 @@ def lr_factor(step: int, total: int, schedule: ScheduleConfig) -> float:
         points.append((schedule.warmup_steps, 1.0))
     warm_end, warm_value = points[-1]
     if len(points) > 1 and step < warm_end:
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        for (x0, y0), (x1, y1) in itertools.pairwise(points):
             if step < x1:
                 # step+1 so that the first step already trains (a zero learning rate would waste it)
                 return y0 + (y1 - y0) * min(1.0, (step + 1 - x0) / max(x1 - x0, 1e-9))
@@ -394,7 +395,7 @@ class TrainLoop:
         mine = mine + [plan[0]] * (rounds - len(mine))
         loss_total, extras, real, positions = 0.0, {}, 0, 0
         self.backend.begin_step(rounds)
-        for group, weight in zip(mine, weights):
+        for group, weight in zip(mine, weights, strict=True):
             micro = [s for i in group for s in units[i]]
             batch = pack(micro)
             if weight:
@@ -410,7 +411,7 @@ class TrainLoop:
         if world > 1:  # one collective; loss_fn returns the same keys on every micro-batch and rank
             keys = sorted(extras)
             totals = self.backend.all_reduce_sum([loss_total, *(extras[k] for k in keys)])
-            loss_total, extras = totals[0], dict(zip(keys, totals[1:]))
+            loss_total, extras = totals[0], dict(zip(keys, totals[1:], strict=True))
         norms, lrs = self.backend.step()
         tokens = sum(s.num_tokens for s in samples)
         slots = len(plan) * self.train.max_tokens_per_micro_batch

@@ -45,7 +45,7 @@ def figure(
 
     fig, ax = plt.subplots(figsize=(5, 3))
     for label, points in series.items():
-        xs, ys = zip(*points)
+        xs, ys = zip(*points, strict=True)
         ax.plot(xs, ys, marker="o" if len(points) <= 12 else None, markersize=3, label=label)
     if log_y and all(y > 0 for points in series.values() for _, y in points):
         ax.set_yscale("log")
