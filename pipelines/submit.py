@@ -69,7 +69,7 @@ class Prepared:
     preset_name: str
 
 
-def split_pairs(pairs: list[str]) -> tuple[dict[str, str], dict[str, Any]]:
+def split_pairs(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """`key=value` pairs -> (pipeline parameters, nested preset overrides); unknown keys fail listing the valid ones.
 
     Parameter values stay strings (they are all string parameters); dotted settings are parsed as YAML scalars.
@@ -77,7 +77,7 @@ def split_pairs(pairs: list[str]) -> tuple[dict[str, str], dict[str, Any]]:
     from components._shared.platform.presets import deep_merge, parse_overrides
     from components.stages import STAGES
 
-    params: dict[str, str] = {}
+    params: dict[str, Any] = {}
     overrides: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")

@@ -302,7 +302,7 @@ def knn_outlier_scores(
     position_in_ref = np.full(n, -1)
     position_in_ref[ref_idx] = np.arange(len(ref_idx))
     k = min(k, len(ref_idx) - 1)
-    scores = np.empty(n, dtype=np.float32)
+    scores: np.ndarray = np.empty(n, dtype=np.float32)
     for start in range(0, n, block):
         rows = np.arange(start, min(n, start + block))
         sims = embeddings[rows].astype(np.float32) @ reference.T

@@ -166,10 +166,12 @@ def _cheap_checks(rec: Record, cfg: CleanDataConfig, timer: Timer) -> Candidate 
         return _rejection(
             rec.key, rec.shard, "empty_file", f"image member {rec.image_member!r} has 0 bytes", image_hash
         )
+    assert image_hash is not None  # rec.image is non-empty bytes here
     with timer("caption"):
-        caption, problem = filters.check_caption(rec.caption, cfg)
-    if problem:
+        caption, problem = filters.check_caption(rec.caption or b"", cfg)
+    if problem is not None:
         return _rejection(rec.key, rec.shard, *problem, image_hash)
+    assert caption is not None  # check_caption returns a caption or a problem
     try:
         with timer("decode"):
             decoded = decode_image(
@@ -290,35 +292,37 @@ def _model_levels(
             threshold = thresholds["clip_score"] = clip_threshold(cfg, clip)
             with timer("clip", len(batch)):
                 cosine, embeddings = clip.score(images, [c.caption for c in batch])
+            clip_scores = [float(value) for value in cosine]
             for i, c in enumerate(batch):
-                c.clip_score, c.embedding = float(cosine[i]), embeddings[i].tolist()
-                scores["clip_score"].append(c.clip_score)
+                c.clip_score, c.embedding = clip_scores[i], embeddings[i].tolist()
+                scores["clip_score"].append(clip_scores[i])
             alive = [
                 i
                 for i in alive
                 if not _reject_if(
-                    batch[i].clip_score < threshold,
+                    clip_scores[i] < threshold,
                     batch[i],
                     rejected,
                     "low_clip_score",
-                    f"CLIP cosine {batch[i].clip_score:.3f} < threshold {threshold:.3f}",
+                    f"CLIP cosine {clip_scores[i]:.3f} < threshold {threshold:.3f}",
                 )
             ]
         if cfg.nsfw_enabled and alive:
             nsfw = filters.load_nsfw(cfg.onnx_threads)
+            nsfw_scores: dict[int, float] = {}
             with timer("nsfw", len(alive)):
                 for i in alive:
-                    batch[i].nsfw_score = nsfw.score(images[i])
-                    scores["nsfw_score"].append(batch[i].nsfw_score)
+                    batch[i].nsfw_score = nsfw_scores[i] = nsfw.score(images[i])
+                    scores["nsfw_score"].append(nsfw_scores[i])
             alive = [
                 i
                 for i in alive
                 if not _reject_if(
-                    batch[i].nsfw_score > cfg.nsfw_threshold,
+                    nsfw_scores[i] > cfg.nsfw_threshold,
                     batch[i],
                     rejected,
                     "nsfw",
-                    f"exposed-class score {batch[i].nsfw_score:.3f} > nsfw_threshold={cfg.nsfw_threshold}",
+                    f"exposed-class score {nsfw_scores[i]:.3f} > nsfw_threshold={cfg.nsfw_threshold}",
                 )
             ]
         if cfg.ocr_enabled and alive:
@@ -387,7 +391,8 @@ def clean_shard(cfg: CleanDataConfig, *, shard_uri: str, output_dir: Path, track
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     shard = shard_name(shard_uri)
-    timer, errors = Timer(), []
+    timer = Timer()
+    errors: list[ShardError] = []
     rejected: list[dict[str, Any]] = []
     candidates: list[Candidate] = []
     records = read_shard(shard_uri, max_member_bytes=cfg.max_file_bytes, errors=errors)
@@ -399,7 +404,10 @@ def clean_shard(cfg: CleanDataConfig, *, shard_uri: str, output_dir: Path, track
             break
         records_in += 1
         result = _cheap_checks(rec, cfg, timer)
-        (candidates if isinstance(result, Candidate) else rejected).append(result)
+        if isinstance(result, Candidate):
+            candidates.append(result)
+        else:
+            rejected.append(result)
     scores: dict[str, list[float]] = defaultdict(list)
     thresholds: dict[str, float] = {}
     kept = _model_levels(dedup(candidates, cfg, timer, rejected), cfg, timer, rejected, scores, thresholds)
@@ -427,7 +435,7 @@ def clean_shard(cfg: CleanDataConfig, *, shard_uri: str, output_dir: Path, track
     (output_dir / "shard_report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     metrics = {k: report[k] for k in ("records_in", "records_kept", "records_rejected", "rejected_by_reason")}
     metrics["shard_errors"] = len(errors)
-    tracker.log_metrics({f"shard/{k}": v for k, v in metrics.items() if not isinstance(v, dict)})
+    tracker.log_metrics({f"shard/{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
     return metrics
 
 
@@ -573,7 +581,8 @@ def merge_shards(cfg: CleanDataConfig, *, shard_dirs: list[Path], output_dir: Pa
     if len(set(names)) != len(names):
         raise ValueError(f"two shard dirs report the same shard name: {sorted(n for n in names if names.count(n) > 1)}")
     table = pa.concat_tables(kept_tables)
-    timer, info = Timer(), {}
+    timer = Timer()
+    info: dict[str, Any] = {}
     merge_rejected: list[dict[str, Any]] = []
 
     rows = [

@@ -67,13 +67,18 @@ def distillation_loss(
         total = total + weights.ce * ce.sum()
         parts["ce"] = float(ce.detach().mean()) if n else 0.0
     if weights.hidden:
+        if projections is None:
+            raise ValueError("loss.hidden > 0 needs the student-to-teacher projections; build them with the student.")
         mse = sum(
-            F.mse_loss(
-                projections[k](student_out.hidden_states[s + 1][0][valid].float()),
-                teacher_out.hidden_states[t + 1][0][valid].float(),
-                reduction="none",
-            ).mean(-1)
-            for k, (s, t) in enumerate(pairs)
+            (
+                F.mse_loss(
+                    projections[k](student_out.hidden_states[s + 1][0][valid].float()),
+                    teacher_out.hidden_states[t + 1][0][valid].float(),
+                    reduction="none",
+                ).mean(-1)
+                for k, (s, t) in enumerate(pairs)
+            ),
+            torch.zeros(()),  # a tensor start (0 + x == x exactly), so the sum is a tensor
         ) / len(pairs)
         total = total + weights.hidden * mse.sum()
         parts["hidden_mse"] = float(mse.detach().mean()) if n else 0.0

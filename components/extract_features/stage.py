@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -230,6 +230,7 @@ class BatchPreparer:
         return list(self.pool.map(self._cpu_one, records))
 
     def _with_dali(self, records: list[Record]) -> list[torch.Tensor]:
+        assert self.dali is not None  # __call__ routes here only with a decoder
         jpeg = [i for i, record in enumerate(records) if (record.image or b"")[:3] == JPEG_MAGIC]
         out: list[torch.Tensor | None] = [None] * len(records)
         try:
@@ -245,7 +246,7 @@ class BatchPreparer:
         for i, record in enumerate(records):
             if out[i] is None:  # PNG/WebP: alpha to composite, decoded on the CPU
                 out[i] = self._cpu_one(record)
-        return out  # type: ignore[return-value]
+        return cast("list[torch.Tensor]", out)  # every slot is filled above
 
     def batches(self, batches: Iterator[list[Record]]) -> Iterator[tuple[list[Record], list[torch.Tensor]]]:
         """Prepared batches, the next one decoding in a background thread while the caller runs the model."""
@@ -433,15 +434,15 @@ def run(
     os.replace(output_dir / f"{INDEX_FILE}.tmp", output_dir / INDEX_FILE)
 
     seconds = time.perf_counter() - started
-    images = len(writer.index)
+    images_written = len(writer.index)
     return {
-        "images": images,
+        "images": images_written,
         "duplicates_skipped": duplicates,
         "visual_tokens_total": visual_tokens_total,
         "feature_bytes": writer.feature_bytes,
         "shards": writer.shards,
         "seconds": round(seconds, 3),
-        "images_per_second": round(images / seconds, 3) if seconds > 0 else 0.0,
+        "images_per_second": round(images_written / seconds, 3) if seconds > 0 else 0.0,
         "decode_backend": backend,
     }
 

@@ -197,10 +197,11 @@ class HeldoutCaptions:
         losses = E.heldout_loss(model, self.loss_samples)
         device = next(model.parameters()).device
         batch = to_device(pack(self.image_samples), device)
+        embeds = image_embeddings(model, batch)
+        if embeds is None:
+            raise ValueError("pretrain's retrieval samples carry no image inputs; every eval caption needs its image.")
         per_image = list(
-            image_embeddings(model, batch).split(
-                [int(s.image_grid_thw.prod()) // self.encoder.merge_unit for s in self.image_samples]
-            )
+            embeds.split([int(s.image_grid_thw.prod()) // self.encoder.merge_unit for s in self.image_samples])
         )
         scores = torch.empty(self.pool, self.pool)
         budget = max(4096, max(s.num_tokens for s in self.pairs))
@@ -254,7 +255,7 @@ def select_best(loop: TrainLoop, cfg: PretrainConfig) -> tuple[dict[str, float],
     sign = 1.0 if cfg.selection_metric == "heldout_caption_loss" else -1.0
     best = min(candidates, key=lambda e: (sign * e[cfg.selection_metric], -e["step"]))
     if best["step"] != loop.step:
-        loop.backend.load(loop.store.local_copy(committed[best["step"]], loop.backend.rank))
+        loop.backend.load(loop.store.local_copy(committed[int(best["step"])], loop.backend.rank))
     return best, len(candidates)
 
 
@@ -437,7 +438,7 @@ def report(metrics: dict[str, Any], evals: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-class _Prefixed:
+class _Prefixed(Tracker):
     """A tracker view that prefixes metric names with the phase (stage1/..., stage2/...)."""
 
     def __init__(self, tracker: Tracker, prefix: str) -> None:

@@ -39,7 +39,14 @@ from components._shared.model import checkpoint as ckpt
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.packing import ConversationEncoder
 from components._shared.model.train_config import OptimConfig
-from components._shared.model.training import Phase, TrainLoop, _crash_point, lr_factor, resolve_device
+from components._shared.model.training import (
+    Phase,
+    TorchBackend,
+    TrainLoop,
+    _crash_point,
+    lr_factor,
+    resolve_device,
+)
 from components._shared.model.vlm import freeze, load_vlm, save_vlm, set_pixel_bounds
 from components._shared.platform.reports import figure, history_series
 from components._shared.platform.tracking import Tracker
@@ -170,6 +177,7 @@ class RlLoop(TrainLoop):
             unit_weight=self._rollout_tokens,
         )
         if cfg.algorithm == "ter" and cfg.ter.grad_ema:
+            assert isinstance(self.backend, TorchBackend)  # RlConfig refuses ter.grad_ema with DeepSpeed
             self.backend.grad_ema = A.GradientEma(cfg.ter.grad_ema)
         self.reference = reference.to(self.device).eval()
         self.prompts, self.image, self.engine, self.rewards = prompts, image, engine, rewards
@@ -182,7 +190,7 @@ class RlLoop(TrainLoop):
         self.length_reference: float | None = None
         self.stop_reason = ""
         self.last_rollouts: list[Rollout] = []
-        self.timing = defaultdict(float)
+        self.timing: defaultdict[str, float] = defaultdict(float)
         self.generated_tokens = 0
         self.heldout_before: list[float] = []  # per-question efficacy of the SFT model (step 0), for the paired test
 

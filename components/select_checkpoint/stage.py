@@ -90,7 +90,7 @@ def find_candidates(stage_dirs: dict[str, str], per_stage: int) -> list[Candidat
         found.append(Candidate(stage, stage, root / "model"))
         # (group, label, location): local ones under checkpoints/, or at the roots checkpoints.json names
         # (train.checkpoint_uri, e.g. s3://)
-        committed = (
+        committed: list[tuple[str, str, str | Path]] = (
             [
                 (str(p.parent), str(p.relative_to(root / "checkpoints")), p)
                 for p in (root / "checkpoints").rglob("step-*")
@@ -108,8 +108,8 @@ def find_candidates(stage_dirs: dict[str, str], per_stage: int) -> list[Candidat
                     committed.append((location, label, uri if storage.is_s3(uri) else Path(uri)))
         committed.sort(key=lambda c: (c[0], _step(Path(c[1]))), reverse=True)  # newest first within each group
         # one spare: the newest checkpoint is often the output itself (skipped as identical, not counted)
-        for _, label, location in committed[: per_stage + 1] if per_stage else []:
-            found.append(Candidate(f"{stage}@{label}", stage, root / "model", location))
+        for _, label, checkpoint in committed[: per_stage + 1] if per_stage else []:
+            found.append(Candidate(f"{stage}@{label}", stage, root / "model", checkpoint))
     return found
 
 
@@ -290,8 +290,10 @@ def run(
         )
         if runner_up is not None:
             runner_dir = output_dir / ".scratch" / "challenger"
+            runner_model, runner_processor = load_candidate(runner_up, output_dir / ".scratch")
             save_vlm(
-                *load_candidate(runner_up, output_dir / ".scratch"),
+                runner_model,
+                runner_processor,
                 runner_dir,
                 metadata={"stage": "select_checkpoint", "selected_candidate": runner_up.name},
             )

@@ -168,7 +168,7 @@ def recipe_version(name: str) -> str:
 
     digest = hashlib.sha256()
     for module in (world, lake, world_tokenizer):
-        digest.update(Path(module.__file__).read_bytes())
+        digest.update(Path(str(module.__file__)).read_bytes())
     return f"{_recipe(name).version}.{digest.hexdigest()[:8]}"
 
 

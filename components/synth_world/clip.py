@@ -6,6 +6,8 @@ use lake-like pairs and the lake's own kind of mismatched caption (components/sy
 
 from __future__ import annotations
 
+from typing import Any
+
 import math
 import time
 from collections.abc import Sequence
@@ -161,7 +163,7 @@ def shape_swapped(caption: str, rng: np.random.Generator) -> str | None:
 
 def train_clip(
     recipe, tokenizer, train_pairs: Sequence[tuple], *, seed: int = 0, log_every: int = 0
-) -> tuple[object, object, dict]:
+) -> tuple[Any, Any, dict]:
     """Train a tiny CLIPModel contrastively on (image, caption) pairs; returns (model, processor, train stats).
 
     Identical captions in a batch are positives of each other (soft targets). With `hard_negatives`,

@@ -291,6 +291,7 @@ def write_lake(
                 "height": record.scene.height,
                 "sha256": hashlib.sha256(record.data).hexdigest(),
             }
+            assert tar is not None  # opened at index 0 (records_per_shard >= 1)
             _add_member(tar, f"{key}.{record.ext}", record.data)
             _add_member(tar, f"{key}.txt", record.caption.encode("utf-8"))
             _add_member(tar, f"{key}.json", json.dumps(meta, sort_keys=True).encode("utf-8"))

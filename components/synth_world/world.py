@@ -255,7 +255,7 @@ def render(scene: Scene) -> Image.Image:
             draw.rectangle((x1, y1 + arm, x2, y2 - arm), fill=fill)
         else:
             raise ValueError(f"unknown shape {obj.shape!r}; expected one of {SHAPES}")
-    if scene.word:
+    if scene.word and scene.word_box:
         x1, y1, x2, y2 = scene.word_box
         draw.rectangle((x1, y1, x2 - 1, y2 - 1), fill=WORD_BOX_RGB, outline=WORD_EDGE_RGB)
         font = _font(_word_font_size(scene.width, scene.height))

@@ -128,7 +128,8 @@ def load_eval_records(
     at most `per_type` of each question type (file order), images loaded. A file holds eval.jsonl records
     ({"id","image","question","answer","type"}) or LLaVA conversation records with a `type` and one image (as
     sft.jsonl / rl.jsonl: the first human turn is the question, the first gpt turn the answer)."""
-    records, seen = [], {}
+    records: list[dict] = []
+    seen: dict[str, str] = {}
     for file_name in files:
         for record in _eval_file_records(data_dir, file_name):
             if record["id"] in seen:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +66,10 @@ class LaunchPlan(BaseModel):
         return max(self.gpus_per_node, 1)
 
 
-def plan_from_env(environ: dict[str, str] | None = None) -> LaunchPlan | None:
+def plan_from_env(environ: Mapping[str, str] | None = None) -> LaunchPlan | None:
     """The plan of this task, or None when it runs the stage itself (no plan, or already launched)."""
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        environ = os.environ
     raw = environ.get(LAUNCH_PLAN_ENV, "").strip()
     if not raw or environ.get(LAUNCHED_ENV):
         return None

@@ -43,7 +43,7 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     py_version, py_state, py_gauss = random.getstate()
     return tensors, {
         "python": [py_version, list(py_state), py_gauss],
-        "numpy": [version, keys.tolist(), pos, has_gauss, gauss],
+        "numpy": [version, [int(k) for k in keys], pos, has_gauss, gauss],
     }
 
 

@@ -88,7 +88,7 @@ class DeepSpeedBackend:
         ]
         if not groups:
             raise ValueError("no trainable parameters: check the freeze / LoRA settings of this stage.")
-        self.groups = [g["name"] for g in groups]
+        self.groups: list[str] = [str(g["name"]) for g in groups]
         optimizer = torch.optim.AdamW(groups, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,

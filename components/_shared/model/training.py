@@ -24,10 +24,10 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -92,7 +92,7 @@ def default_loss(model, batch: dict, samples: list[Sample]) -> tuple[torch.Tenso
 
 def lr_factor(step: int, total: int, schedule: ScheduleConfig) -> float:
     """Multiplier of the peak learning rate at optimizer step `step` (0-based) of `total`."""
-    points = [(0, 0.0)]
+    points: list[tuple[float, float]] = [(0.0, 0.0)]
     if schedule.warmup_segments:
         at = 0.0
         for seg in schedule.warmup_segments:
@@ -167,7 +167,7 @@ class TrainLoop:
         train: TrainConfig,
         optim: OptimConfig,
         schedule: ScheduleConfig,
-        sample: Callable[[int], Sample],
+        sample: Callable[[int], Sample | list[Sample]],
         phases: list[Phase],
         checkpoints: ckpt.CheckpointStore,
         tracker: Tracker | None = None,
@@ -212,7 +212,7 @@ class TrainLoop:
         if train.backend == "deepspeed":
             from components._shared.model.ds_backend import DeepSpeedBackend
 
-            self.backend = DeepSpeedBackend(model, train=train, optim=optim, lr_lambda=self._lr_lambda)
+            self.backend: Backend = DeepSpeedBackend(model, train=train, optim=optim, lr_lambda=self._lr_lambda)
         else:
             self.backend = TorchBackend(model, optim=optim, lr_lambda=self._lr_lambda)
         self.cursor = DataCursor()
@@ -239,8 +239,8 @@ class TrainLoop:
             p = np.asarray(weights, dtype=np.float64)
             rng = np.random.default_rng([self.seed, 1_000_003, self.step])
             c.step_in_phase += 1
-            picked = rng.choice(np.asarray(phase.pool), size=self.train.samples_per_step, p=p / p.sum())
-            return [int(i) for i in picked], phase
+            drawn = rng.choice(np.asarray(phase.pool), size=self.train.samples_per_step, p=p / p.sum())
+            return [int(i) for i in drawn], phase
         picked: list[int] = []
         while len(picked) < self.train.samples_per_step:
             order = self._order(c.phase, c.epoch)
@@ -324,10 +324,10 @@ class TrainLoop:
         while self.step < self.train.steps:
             indices, phase = self._next_indices()
             metrics = self._train_step(self.sample_batch(indices))
-            real_tokens += metrics.pop("_tokens")
-            slots += metrics.pop("_slots")
-            packed_real += metrics.pop("_real")
-            packed_positions += metrics.pop("_positions")
+            real_tokens += int(metrics.pop("_tokens"))
+            slots += int(metrics.pop("_slots"))
+            packed_real += int(metrics.pop("_real"))
+            packed_positions += int(metrics.pop("_positions"))
             self.step += 1
             metrics.update(step=self.step, phase=self.phases.index(phase))
             self.history.append(metrics)
@@ -393,7 +393,8 @@ class TrainLoop:
         rounds = -(-len(plan) // world)
         weights = [1.0] * len(mine) + [0.0] * (rounds - len(mine))
         mine = mine + [plan[0]] * (rounds - len(mine))
-        loss_total, extras, real, positions = 0.0, {}, 0, 0
+        loss_total, real, positions = 0.0, 0, 0
+        extras: dict[str, float] = {}
         self.backend.begin_step(rounds)
         for group, weight in zip(mine, weights, strict=True):
             micro = [s for i in group for s in units[i]]
@@ -431,12 +432,30 @@ class TrainLoop:
         }
 
 
+class Backend(Protocol):
+    """What TrainLoop drives: `TorchBackend` (one process) or `DeepSpeedBackend` (model/ds_backend.py)."""
+
+    module: Any
+    groups: list[str]
+    rank: int
+    world_size: int
+
+    def begin_step(self, micro_batches: int) -> None: ...
+    def backward(self, loss: torch.Tensor) -> None: ...
+    def step(self) -> tuple[dict[str, float], list[float]]: ...
+    def all_reduce_sum(self, values: list[float]) -> list[float]: ...
+    def save(self, directory: Path) -> None: ...
+    def load(self, directory: Path) -> None: ...
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
+    def gathered(self) -> AbstractContextManager: ...
+
+
 class TorchBackend:
     """Plain AdamW with per-group clipping and a LambdaLR schedule. `grad_ema` (rl's TER), when set, smooths the
     clipped gradients before the optimizer step and is saved with the checkpoint."""
 
     rank, world_size = 0, 1
-    grad_ema = None
+    grad_ema: Any = None
 
     def __init__(self, model, *, optim: OptimConfig, lr_lambda: Callable[[int], float]) -> None:
         self.module = model
@@ -459,7 +478,7 @@ class TorchBackend:
         self.scheduler.step()
         return norms, lrs
 
-    def save(self, directory) -> None:
+    def save(self, directory: Path) -> None:
         ckpt.save_torch_state(directory, self.module, self.optimizer, self.scheduler)
         if self.grad_ema is not None:
             from safetensors.torch import save_file
@@ -469,7 +488,7 @@ class TorchBackend:
                 str(directory / "grad_ema.safetensors"),
             )
 
-    def load(self, directory) -> None:
+    def load(self, directory: Path) -> None:
         ckpt.load_torch_state(directory, self.module, self.optimizer, self.scheduler)
         if self.grad_ema is not None:
             from safetensors.torch import load_file
@@ -478,6 +497,9 @@ class TorchBackend:
             self.grad_ema.buffers = {
                 k: v.to(device) for k, v in load_file(str(directory / "grad_ema.safetensors")).items()
             }
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        return list(values)  # one process: the sum over ranks is the values themselves
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}

@@ -216,7 +216,7 @@ def write_bytes(uri: str | Path, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def open_read(uri: str | Path) -> Iterator[IO[bytes]]:
+def open_read(uri: str | Path) -> Iterator[IO[bytes] | _ResumableBody]:
     """A binary stream: the S3 object's body (resumed across broken connections), or the local file."""
     if not is_s3(uri):
         with open(_local(uri), "rb") as handle:
@@ -478,11 +478,11 @@ def list_committed(prefix_uri: str | Path) -> list[str]:
     """Immediate children of a directory / S3 prefix that hold a commit marker, sorted (others are ignored)."""
     if not is_s3(prefix_uri):
         root = _local(prefix_uri)
-        children = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-        return [str(p) for p in children if (p / COMMIT_MARKER).is_file()]
+        directories = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        return [str(p) for p in directories if (p / COMMIT_MARKER).is_file()]
     bucket, key = split_s3(str(prefix_uri))
     prefix = key.rstrip("/") + "/" if key else ""
-    children = []
+    children: list[str] = []
     with _s3_errors(str(prefix_uri)):
         for page in _client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
             children += [f"s3://{bucket}/{p['Prefix'].rstrip('/')}" for p in page.get("CommonPrefixes", [])]
