@@ -6,11 +6,10 @@ use lake-like pairs and the lake's own kind of mismatched caption (components/sy
 
 from __future__ import annotations
 
-from typing import Any
-
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
