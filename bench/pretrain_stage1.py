@@ -95,11 +95,11 @@ def time_arm(name: str, model_uri: str, rows: list[dict], root: Path, args) -> f
         phases=[Phase("all", args.steps + 1, list(range(len(rows))))],
         checkpoints=CheckpointStore(Path(tempfile.mkdtemp(dir=root))),
     )
-    loop._train_step([loop.sample(i) for i in range(args.batch)])  # warm-up (allocator, kernels)
+    loop.train_step([loop.sample(i) for i in range(args.batch)])  # warm-up (allocator, kernels)
     started = time.perf_counter()
     for _ in range(args.steps):
-        indices, _ = loop._next_indices()
-        loop._train_step([loop.sample(i) for i in indices])
+        indices, _ = loop.next_indices()
+        loop.train_step([loop.sample(i) for i in indices])
     return args.steps / (time.perf_counter() - started)
 
 

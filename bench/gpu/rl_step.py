@@ -5,7 +5,7 @@
     python bench/gpu/rl_step.py --tiny [--steps 3]           # CPU: builtin:tiny-qwen2_5-vl, fp32
     python bench/gpu/rl_step.py --model builtin:demo-qwen2_5-vl --steps 5    # CPU: the demo preset's model
 
-The rl stage's own RlLoop runs `--steps` timed steps (after `--warmup` untimed ones) on prompts of the synthetic
+The rl stage's own RlTrainer runs `--steps` timed steps (after `--warmup` untimed ones) on prompts of the synthetic
 world (efficacy + format rewards, no reward model), without checkpoints. Baseline, in the same process: the
 same prompts sampled with `use_cache=False` (every new token re-runs the whole prefix), so the ratio shows what
 the rollout engine's batched KV-cache generation buys.
@@ -40,7 +40,8 @@ from components._shared.platform.tracking import NullTracker
 from components.rl.config import RlConfig
 from components.rl.rewards import build_rewards
 from components.rl.rollout import Policy, RolloutEngine
-from components.rl.stage import RlLoop, load_prompts
+from components.rl.stage import load_prompts
+from components.rl.trainer import RlTrainer
 from components.synth_world.splits import write_splits
 
 GPU_LM = {"layers": 36, "hidden": 2048, "heads": 16, "kv_heads": 2, "intermediate": 11008}
@@ -132,7 +133,7 @@ def main() -> None:
         rewards = build_rewards(
             dict(cfg.rewards), reward_model_uri=None, min_pixels=args.pixels, max_pixels=args.pixels, device=device
         )
-        loop = RlLoop(
+        trainer = RlTrainer(
             policy,
             reference,
             cfg=cfg,
@@ -146,17 +147,17 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         steps = []
         for i in range(args.warmup + args.steps):
-            indices, _ = loop._next_indices()
+            indices, _ = trainer.loop.next_indices()
             records = [{**prompts[j], "pil": readers.load_image(data, prompts[j]["image"])} for j in indices]
-            metrics = loop._rl_step(records)
-            loop.step += 1
+            metrics = trainer.rl_step(records)
+            trainer.loop.step += 1
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if i >= args.warmup:
                 steps.append({**metrics, "tokens": metrics["rollout_tokens_per_second"] * metrics["time/generation"]})
 
         # baseline: the same kind of batch sampled without the KV cache
-        indices, _ = loop._next_indices()
+        indices, _ = trainer.loop.next_indices()
         records = [{**prompts[j], "pil": readers.load_image(data, prompts[j]["image"])} for j in indices]
         arms = {}
         for name, cache in (("kv_cache", True), ("no_cache", False)):

@@ -16,7 +16,6 @@ model/ is the best of the last N evaluated checkpoints (seed 001). Writes model/
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +37,12 @@ from components._shared.model.packing import (
     to_device,
     token_loss,
 )
+from components._shared.model.stage_steps import SCRATCH, Figure, finish_report, run_key
 from components._shared.model.training import Phase, TrainLoop, TrainResult, is_main_process
 from components._shared.model.vlm import freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
 from components._shared.platform import storage
 from components._shared.platform.imaging import decode_image
-from components._shared.platform.reports import figure, history_series
+from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.pretrain.config import InfoNceConfig, PretrainConfig
 
@@ -224,8 +224,9 @@ def checkpoint_root(name: str, block, key: str, output_dir: Path) -> str:
 
 
 def train_phase(
-    name: str, model, cfg: PretrainConfig, block, sample, n: int, output_dir: Path, tracker: Tracker, evaluate, key: str
+    name: str, model, block, sample, evaluate, cfg: PretrainConfig, n: int, output_dir: Path, tracker: Tracker, key: str
 ) -> tuple[TrainLoop, TrainResult]:
+    """Train one phase (stage1 / stage2) on its own keyed checkpoints; returns the loop and its result."""
     loop = TrainLoop(
         model,
         train=block.train,
@@ -236,7 +237,7 @@ def train_phase(
         checkpoints=CheckpointStore(
             checkpoint_root(name, block, key, output_dir),
             keep=block.train.keep_checkpoints,
-            scratch=output_dir / ".scratch",
+            scratch=output_dir / SCRATCH,
         ),
         tracker=_Prefixed(tracker, name),
         loss_fn=make_loss(cfg),
@@ -279,10 +280,7 @@ def run(
             f"{len(missing)} kept images have no cached features (first: {missing[0]}); run "
             "extract_features on this clean_data output."
         )
-    key = ckpt.fingerprint(
-        cfg.model_dump(mode="json"),
-        {"clean_data": clean_data, "features": features, "base_model": base_model, "data": data},
-    )
+    key = run_key(cfg, {"clean_data": clean_data, "features": features, "base_model": base_model, "data": data})
     torch.manual_seed(cfg.seed)
     model, processor = load_vlm(base_model)
     store.check(model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
@@ -290,37 +288,13 @@ def run(
     encoder = ConversationEncoder(
         processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
-    heldout = HeldoutCaptions(cfg, encoder, readers.resolve_data_dir(data, scratch=output_dir / ".scratch"))
-
-    def turns(caption: str) -> list[dict]:
-        return [{"role": "user", "text": f"<image>\n{cfg.prompt}"}, {"role": "assistant", "text": caption}]
-
-    def from_features(i: int):
-        rows, grid = store.get(records[i]["image_hash"])
-        return encoder.encode(
-            turns(records[i]["caption"]), grids=[grid], features=[rows], sample_id=records[i]["image_hash"]
-        )
-
-    def from_pixels(i: int):
-        image = decode_image(records[i]["image"], max_image_pixels=MAX_IMAGE_PIXELS).image
-        return encoder.encode(turns(records[i]["caption"]), images=[image], sample_id=records[i]["image_hash"])
-
+    heldout = HeldoutCaptions(cfg, encoder, readers.resolve_data_dir(data, scratch=output_dir / SCRATCH))
+    from_features, from_pixels = caption_samples(cfg, encoder, records, store)
     frozen = ["vision_lower", "vision_upper"] + ([] if cfg.stage1.train_lm else ["lm_lower", "lm_upper"])
     freeze(model, tuple(frozen))
-    loop, first = train_phase(
-        "stage1",
-        model,
-        cfg,
-        cfg.stage1,
-        from_features,
-        len(records),
-        output_dir,
-        tracker,
-        lambda step: heldout(model),
-        key,
-    )
-    metrics: dict[str, Any] = _phase_metrics("stage1", first)
-    curve = [{"stage": "stage1", **e} for e in first.evals]
+    phase_args = (cfg, len(records), output_dir, tracker, key)
+    loop, first = train_phase("stage1", model, cfg.stage1, from_features, lambda step: heldout(model), *phase_args)
+    results = {"stage1": first}
     if cfg.stage2.enabled:
         # A fresh module for stage 2: a DeepSpeed engine keeps hooks and flat buffers on the module it wrapped,
         # so stage 2 starts from stage 1's full fp32 weights in a new model instead of re-wrapping the old one.
@@ -329,23 +303,12 @@ def run(
         model, _ = load_vlm(base_model)
         model.load_state_dict(weights)
         freeze(model, tuple(cfg.stage2.freeze))
-        loop, second = train_phase(
-            "stage2",
-            model,
-            cfg,
-            cfg.stage2,
-            from_pixels,
-            len(records),
-            output_dir,
-            tracker,
-            lambda step: heldout(model),
-            key,
-        )
-        metrics.update(_phase_metrics("stage2", second))
-        curve += [{"stage": "stage2", **e} for e in second.evals]
+        loop, second = train_phase("stage2", model, cfg.stage2, from_pixels, lambda step: heldout(model), *phase_args)
+        results["stage2"] = second
     best, candidates = select_best(loop, cfg)
     final = heldout(model) if best["step"] != loop.step else best
     initial = first.evals[0]
+    metrics: dict[str, Any] = {name: value for n, r in results.items() for name, value in _phase_metrics(n, r).items()}
     metrics.update(
         {
             "records": len(records),
@@ -371,42 +334,49 @@ def run(
             )
             phases = [("stage1", cfg.stage1)] + ([("stage2", cfg.stage2)] if cfg.stage2.enabled else [])
             ckpt.write_pointer(output_dir, [checkpoint_root(name, block, key, output_dir) for name, block in phases])
-    text = report(metrics, curve)
-    if is_main_process():
-        losses = history_series(first.history, ["loss"])
-        losses = {"stage1": losses.get("loss", [])}
-        if cfg.stage2.enabled:
-            losses["stage2"] = history_series(second.history, ["loss"]).get("loss", [])
-        text += (
-            "\n".join(
-                [
-                    *figure(
-                        "train_loss",
-                        "training loss (step within each phase)",
-                        {k: v for k, v in losses.items() if v},
-                        output_dir=output_dir,
-                        tracker=tracker,
-                        log_y=True,
-                    ),
-                    *figure(
-                        "heldout",
-                        "held-out caption loss and retrieval R@1 (evals in order)",
-                        history_series(
-                            [{**e, "eval": i} for i, e in enumerate(curve)],
-                            ["heldout_caption_loss", "retrieval_r1"],
-                            step="eval",
-                        ),
-                        output_dir=output_dir,
-                        tracker=tracker,
-                    ),
-                ]
-            )
-            + "\n"
-        )
-        (output_dir / "report.md").write_text(text)
-    shutil.rmtree(output_dir / ".scratch", ignore_errors=True)  # downloads and staging; not part of the output
-    tracker.log_text(text, "report.md")
+    curve = [{"stage": name, **e} for name, result in results.items() for e in result.evals]
+    finish_report(output_dir, tracker, report(metrics, curve), _figures(results, curve))
     return metrics
+
+
+def caption_samples(cfg: PretrainConfig, encoder: ConversationEncoder, records: list[dict], store):
+    """(index -> sample from cached features, index -> sample from pixels): a kept record as a caption turn."""
+
+    def turns(caption: str) -> list[dict]:
+        return [{"role": "user", "text": f"<image>\n{cfg.prompt}"}, {"role": "assistant", "text": caption}]
+
+    def from_features(i: int):
+        rows, grid = store.get(records[i]["image_hash"])
+        return encoder.encode(
+            turns(records[i]["caption"]), grids=[grid], features=[rows], sample_id=records[i]["image_hash"]
+        )
+
+    def from_pixels(i: int):
+        image = decode_image(records[i]["image"], max_image_pixels=MAX_IMAGE_PIXELS).image
+        return encoder.encode(turns(records[i]["caption"]), images=[image], sample_id=records[i]["image_hash"])
+
+    return from_features, from_pixels
+
+
+def _figures(results: dict[str, TrainResult], curve: list[dict]) -> list[Figure]:
+    losses = {name: history_series(result.history, ["loss"]).get("loss", []) for name, result in results.items()}
+    return [
+        Figure(
+            "train_loss",
+            "training loss (step within each phase)",
+            {k: v for k, v in losses.items() if v},
+            log_y=True,
+        ),
+        Figure(
+            "heldout",
+            "held-out caption loss and retrieval R@1 (evals in order)",
+            history_series(
+                [{**e, "eval": i} for i, e in enumerate(curve)],
+                ["heldout_caption_loss", "retrieval_r1"],
+                step="eval",
+            ),
+        ),
+    ]
 
 
 def _phase_metrics(name: str, result: TrainResult) -> dict[str, float]:

@@ -16,7 +16,6 @@ HF format), reward_head.safetensors and reward_model.json (K, normalisation mean
 from __future__ import annotations
 
 import hashlib
-import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from components._shared.eval import readers
-from components._shared.model import checkpoint as ckpt
-from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.packing import (
     ConversationEncoder,
     Sample,
@@ -35,9 +32,18 @@ from components._shared.model.packing import (
     to_device,
 )
 from components._shared.model.reward_models import RewardModel, reward_index, save_reward_model
-from components._shared.model.training import Phase, TrainLoop, is_main_process
+from components._shared.model.stage_steps import (
+    SCRATCH,
+    Figure,
+    checkpoint_store,
+    finish_report,
+    loop_metrics,
+    run_key,
+    trained_module,
+)
+from components._shared.model.training import Phase, TrainLoop
 from components._shared.model.vlm import freeze, load_vlm, set_pixel_bounds
-from components._shared.platform.reports import figure, history_series
+from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.reward_model.config import RewardModelConfig
 
@@ -87,38 +93,20 @@ def run(
 ) -> dict[str, Any]:
     """Train the reward model; returns held-out pair accuracy (overall and per rejection kind) and reward stats."""
     output_dir = Path(output_dir)
-    data_dir = readers.resolve_data_dir(data, scratch=output_dir / ".scratch")
-    pairs = load_pairs(data_dir, cfg.max_records)
-    train = [p for p in pairs if not is_heldout(p["id"], cfg.heldout_fraction)]
-    heldout = [p for p in pairs if is_heldout(p["id"], cfg.heldout_fraction)]
-    if not train or not heldout:
-        raise ValueError(
-            f"{len(pairs)} preference pairs split into {len(train)} train / {len(heldout)} held out; "
-            "give more pairs or change heldout_fraction."
-        )
-    key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"base_model": base_model, "data": data})
+    data_dir = readers.resolve_data_dir(data, scratch=output_dir / SCRATCH)
+    train, heldout = split_pairs(load_pairs(data_dir, cfg.max_records), cfg.heldout_fraction)
+    store = checkpoint_store(
+        "reward_model", cfg.train, run_key(cfg, {"base_model": base_model, "data": data}), output_dir
+    )
     torch.manual_seed(cfg.seed)
     backbone, processor = load_vlm(base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     freeze(backbone, tuple(cfg.freeze))
-    model = RewardModel(backbone)
+    model = RewardModel(backbone)  # the head's random init comes right after the seed, as it always has
     encoder = ConversationEncoder(
         processor, backbone, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
-
-    def unit(record: dict) -> list[Sample]:
-        image = readers.load_image(data_dir, record["image"])
-        out = []
-        for side in ("chosen", "rejected"):
-            turns = [
-                {"role": "user", "text": f"<image>\n{record['prompt']}"},
-                {"role": "assistant", "text": record[side]},
-            ]
-            sample = encoder.encode(turns, images=[image], sample_id=f"{record['id']}:{side}")
-            sample.meta["reward_index"] = reward_index(sample, cfg.score_first_k)
-            out.append(sample)
-        return out
-
+    unit = pair_encoder(encoder, data_dir, cfg.score_first_k)
     heldout_units = [unit(r) for r in heldout]
 
     def evaluate(step: int) -> dict[str, float]:
@@ -132,26 +120,18 @@ def run(
         schedule=cfg.schedule,
         sample=lambda i: unit(train[i]),
         phases=[Phase("pairs", cfg.train.steps, list(range(len(train))))],
-        checkpoints=CheckpointStore(
-            ckpt.location(cfg.train.checkpoint_uri, "reward_model", key, output_dir),
-            keep=cfg.train.keep_checkpoints,
-            scratch=output_dir / ".scratch",
-        ),
+        checkpoints=store,
         tracker=tracker,
         loss_fn=bt_loss(cfg.margin),
         seed=cfg.seed,
         unit_weight=lambda u: 1.0,
     )
     result = loop.run(evaluate=evaluate)
-    model = loop.backend.module
-    if cfg.train.backend == "deepspeed":  # as in sft: score and save a plain copy of the fp32 masters on rank 0
-        weights = loop.backend.full_state_dict()
-        if not is_main_process():
-            return {"rank": loop.backend.rank, "steps": result.steps}
-        model = RewardModel(load_vlm(base_model)[0])
-        model.load_state_dict(weights)
+    trained = trained_module(loop, lambda: RewardModel(load_vlm(base_model)[0]))
+    if trained is None:  # DeepSpeed ranks > 0: rank 0 scores and saves
+        return {"rank": loop.backend.rank, "steps": result.steps}
+    model = trained
     model.eval()
-
     scored = score_pairs(model, heldout_units)
     by_kind: dict[str, list[bool]] = defaultdict(list)
     for record, (c, r) in zip(heldout, scored, strict=True):
@@ -168,48 +148,54 @@ def run(
         "reward_mean": mean,
         "reward_std": std,
         "margin_mean": sum(c - r for c, r in scored) / len(scored),
-        "steps": result.steps,
-        "train_loss_first": result.history[0]["loss"] if result.history else float("nan"),
-        "train_loss_final": result.history[-1]["loss"] if result.history else float("nan"),
-        "budget_fill": round(result.budget_fill, 4),
+        **loop_metrics(result),
     }
-    if is_main_process():
-        save_reward_model(
-            model,
-            processor,
-            output_dir / "model",
-            score_first_k=cfg.score_first_k,
-            mean=mean,
-            std=std,
-            base_model=base_model,
-        )
-    text = report(metrics)
-    if is_main_process():
-        text += (
-            "\n".join(
-                [
-                    *figure(
-                        "train_loss",
-                        "training loss (Bradley-Terry)",
-                        history_series(result.history, ["loss"]),
-                        output_dir=output_dir,
-                        tracker=tracker,
-                    ),
-                    *figure(
-                        "pair_accuracy",
-                        "held-out pair accuracy",
-                        history_series(result.evals, ["pair_accuracy"]),
-                        output_dir=output_dir,
-                        tracker=tracker,
-                    ),
-                ]
-            )
-            + "\n"
-        )
-        (output_dir / "report.md").write_text(text)
-    shutil.rmtree(output_dir / ".scratch", ignore_errors=True)
-    tracker.log_text(text, "report.md")
+    save_reward_model(
+        model,
+        processor,
+        output_dir / "model",
+        score_first_k=cfg.score_first_k,
+        mean=mean,
+        std=std,
+        base_model=base_model,
+    )
+    figures = [
+        Figure("train_loss", "training loss (Bradley-Terry)", history_series(result.history, ["loss"])),
+        Figure("pair_accuracy", "held-out pair accuracy", history_series(result.evals, ["pair_accuracy"])),
+    ]
+    finish_report(output_dir, tracker, report(metrics), figures)
     return metrics
+
+
+def split_pairs(pairs: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) by a hash of each pair's id, so a pair stays on its side whatever else the file holds."""
+    train = [p for p in pairs if not is_heldout(p["id"], fraction)]
+    heldout = [p for p in pairs if is_heldout(p["id"], fraction)]
+    if not train or not heldout:
+        raise ValueError(
+            f"{len(pairs)} preference pairs split into {len(train)} train / {len(heldout)} held out; "
+            "give more pairs or change heldout_fraction."
+        )
+    return train, heldout
+
+
+def pair_encoder(encoder: ConversationEncoder, data_dir: Path, score_first_k: int):
+    """record -> [chosen sample, rejected sample], each marked with the token the reward is read at."""
+
+    def unit(record: dict) -> list[Sample]:
+        image = readers.load_image(data_dir, record["image"])
+        out = []
+        for side in ("chosen", "rejected"):
+            turns = [
+                {"role": "user", "text": f"<image>\n{record['prompt']}"},
+                {"role": "assistant", "text": record[side]},
+            ]
+            sample = encoder.encode(turns, images=[image], sample_id=f"{record['id']}:{side}")
+            sample.meta["reward_index"] = reward_index(sample, score_first_k)
+            out.append(sample)
+        return out
+
+    return unit
 
 
 def report(metrics: dict[str, Any]) -> str:

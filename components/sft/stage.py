@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +28,19 @@ from components._shared.eval import metrics as M
 from components._shared.eval import readers
 from components._shared.eval.readers import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
 from components._shared.model import checkpoint as ckpt
-from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.packing import ConversationEncoder
+from components._shared.model.stage_steps import (
+    SCRATCH,
+    Figure,
+    checkpoint_store,
+    finish_report,
+    loop_metrics,
+    run_key,
+    trained_module,
+)
 from components._shared.model.training import Phase, TrainLoop, is_main_process
 from components._shared.model.vlm import count_parameters, freeze, load_vlm, save_vlm, set_pixel_bounds
-from components._shared.platform.reports import figure, history_series
+from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.sft.config import SftConfig
 
@@ -158,16 +166,56 @@ def phases_for(cfg: SftConfig, records: list[dict]) -> list[Phase]:
 def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, tracker: Tracker) -> dict[str, Any]:
     """Fine-tune, evaluate against the majority baseline, calibrate, save; returns the stage metrics."""
     output_dir = Path(output_dir)
-    data_dir = readers.resolve_data_dir(data, scratch=output_dir / ".scratch")
+    data_dir = readers.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     records = load_sft_records(data_dir, cfg.max_records)
     eval_records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type)
-    key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"base_model": base_model, "data": data})
-    checkpoint_root = ckpt.location(cfg.train.checkpoint_uri, "sft", key, output_dir)
+    store = checkpoint_store("sft", cfg.train, run_key(cfg, {"base_model": base_model, "data": data}), output_dir)
     model, processor = build_model(cfg, base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     encoder = ConversationEncoder(
         processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
+    loop, quick_eval = build_loop(cfg, model, encoder, records, eval_records, data_dir, store, tracker)
+    trainable = count_parameters(model, trainable_only=True)
+    tracker.log_params({"trainable_parameters": trainable, "records": len(records)})
+    result = loop.run(evaluate=quick_eval)
+    trained = trained_module(loop, lambda: build_model(cfg, base_model)[0])
+    if trained is None:  # DeepSpeed ranks > 0: rank 0 evaluates and exports
+        return {"rank": loop.backend.rank, "steps": result.steps}
+    trained.eval()
+    with torch.no_grad():
+        summary, rows = E.evaluate_vqa(
+            trained, encoder, eval_records, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
+        )
+        calibration = calibrate(cfg, trained, encoder, eval_records, rows) if cfg.calibration.enabled else {}
+        saved = save_outputs(cfg, trained, processor, base_model, output_dir, encoder, eval_records[:4])
+    ckpt.write_pointer(output_dir, [store.root])
+    with (output_dir / "eval_predictions.jsonl").open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    (output_dir / "calibration.json").write_text(json.dumps(calibration, indent=2))
+    metrics = {
+        "mode": cfg.mode,
+        **loop_metrics(result),
+        "trainable_parameters": trainable,
+        "vqa_exact_match_initial": (result.evals or [{}])[0].get("vqa_exact_match", float("nan")),
+        **summary,
+        **M.majority_baseline(train_answers(records), rows),
+        **calibration,
+        **saved,
+    }
+    figures = [
+        Figure("train_loss", "training loss", history_series(result.history, ["loss"]), log_y=True),
+        Figure("quick_eval", "held-out VQA exact match (quick set)", history_series(result.evals, ["vqa_exact_match"])),
+    ]
+    finish_report(output_dir, tracker, report(metrics), figures)
+    return metrics
+
+
+def build_loop(
+    cfg: SftConfig, model, encoder, records: list[dict], eval_records: list[dict], data_dir: Path, store, tracker
+) -> tuple[TrainLoop, Callable[[int], dict[str, float]]]:
+    """The TrainLoop over the SFT records (images decoded on demand, a bounded cache) and its quick evaluation."""
 
     @functools.lru_cache(maxsize=4096)  # bounded: a real SFT set does not fit in memory decoded
     def image(reference: str):
@@ -194,86 +242,18 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
         phases=phases_for(cfg, records),
         tracker=tracker,
         seed=cfg.seed,
-        checkpoints=CheckpointStore(checkpoint_root, keep=cfg.train.keep_checkpoints, scratch=output_dir / ".scratch"),
+        checkpoints=store,
     )
-    trainable = count_parameters(model, trainable_only=True)
-    tracker.log_params({"trainable_parameters": trainable, "records": len(records)})
-    result = loop.run(evaluate=evaluate)
-    model = loop.backend.module
-    if cfg.train.backend == "deepspeed":
-        # The final eval, merge and export run on rank 0 on a plain copy of the trained weights (fp32 masters),
-        # outside the engine: ZeRO-3 partitions parameters between forwards, which merging and saving cannot use.
-        weights = loop.backend.full_state_dict()  # a collective: every rank takes part
-        if not is_main_process():
-            return {"rank": loop.backend.rank, "steps": result.steps}
-        model, _ = build_model(cfg, base_model)
-        model.load_state_dict(weights)
-    model.eval()
+    return loop, evaluate
 
-    with torch.no_grad():
-        summary, rows = E.evaluate_vqa(
-            model, encoder, eval_records, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
-        )
-        calibration = calibrate(cfg, model, encoder, eval_records, rows) if cfg.calibration.enabled else {}
-        saved = save_outputs(cfg, model, processor, base_model, output_dir, encoder, eval_records[:4])
-    if is_main_process():
-        ckpt.write_pointer(output_dir, [checkpoint_root])
-    train_answers: dict[str, list[str]] = defaultdict(list)
+
+def train_answers(records: list[dict]) -> dict[str, list[str]]:
+    """The last assistant answer of each training record, by question type (the majority baseline's input)."""
+    answers: dict[str, list[str]] = defaultdict(list)
     for r in records:
         if r["type"] in M.QUESTION_TYPES:
-            train_answers[r["type"]].append(next(t["text"] for t in reversed(r["turns"]) if t["role"] == "assistant"))
-    baseline = M.majority_baseline(train_answers, rows)
-
-    if is_main_process():
-        with (output_dir / "eval_predictions.jsonl").open("w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        (output_dir / "calibration.json").write_text(json.dumps(calibration, indent=2))
-    first_eval = result.evals[0] if result.evals else {}
-    metrics = {
-        "mode": cfg.mode,
-        "steps": result.steps,
-        "resumed_from_step": result.resumed_from if result.resumed_from is not None else -1,
-        "train_loss_first": result.history[0]["loss"] if result.history else float("nan"),
-        "train_loss_final": result.history[-1]["loss"] if result.history else float("nan"),
-        "padding_efficiency": round(result.padding_efficiency, 4),
-        "budget_fill": round(result.budget_fill, 4),
-        "tokens_per_second": round(result.tokens / result.seconds, 1) if result.seconds else 0.0,
-        "trainable_parameters": trainable,
-        "vqa_exact_match_initial": first_eval.get("vqa_exact_match", float("nan")),
-        **summary,
-        **baseline,
-        **calibration,
-        **saved,
-    }
-    text = report(metrics)
-    if is_main_process():
-        text += (
-            "\n".join(
-                [
-                    *figure(
-                        "train_loss",
-                        "training loss",
-                        history_series(result.history, ["loss"]),
-                        output_dir=output_dir,
-                        tracker=tracker,
-                        log_y=True,
-                    ),
-                    *figure(
-                        "quick_eval",
-                        "held-out VQA exact match (quick set)",
-                        history_series(result.evals, ["vqa_exact_match"]),
-                        output_dir=output_dir,
-                        tracker=tracker,
-                    ),
-                ]
-            )
-            + "\n"
-        )
-        (output_dir / "report.md").write_text(text)
-    shutil.rmtree(output_dir / ".scratch", ignore_errors=True)  # downloads and staging; not part of the output
-    tracker.log_text(text, "report.md")
-    return metrics
+            answers[r["type"]].append(next(t["text"] for t in reversed(r["turns"]) if t["role"] == "assistant"))
+    return answers
 
 
 def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: list[dict]) -> dict[str, float]:

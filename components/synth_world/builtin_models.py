@@ -157,18 +157,21 @@ BUILTIN_NAMES: tuple[str, ...] = tuple(RECIPES)
 
 
 def recipe_version(name: str) -> str:
-    """The cache key version of a builtin: "<recipe version>.<hash of world.py + lake.py + tokenizer.py>".
+    """The cache key version of a builtin: "<recipe version>.<hash of the code of world.py, lake.py, tokenizer.py>".
 
     Bump the recipe version when a recipe changes; a change of the world or the tokenizer code (which
-    changes the vocabulary and CLIP's training data) gives a new key by itself, so no cache goes stale.
+    changes the vocabulary and CLIP's training data) gives a new key by itself, so no cache goes stale. The
+    hash is of the parsed code (its AST), so reformatting or editing comments keeps the key (and the cache).
     """
+    import ast
     import hashlib
 
     from components.synth_world import lake, world
 
     digest = hashlib.sha256()
     for module in (world, lake, world_tokenizer):
-        digest.update(Path(str(module.__file__)).read_bytes())
+        tree = ast.parse(Path(str(module.__file__)).read_text())
+        digest.update(ast.dump(tree, include_attributes=False).encode())
     return f"{_recipe(name).version}.{digest.hexdigest()[:8]}"
 
 

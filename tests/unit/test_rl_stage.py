@@ -13,8 +13,9 @@ from components._shared.platform.tracking import NullTracker
 from components.reward_model.config import RewardModelConfig
 from components.reward_model.stage import run as train_reward_model
 from components.rl.config import RlConfig
+from components.rl.gates import Gates, GateTripped
 from components.rl.rewards import RewardModelReward
-from components.rl.stage import Gates, GateTripped, load_prompts, run
+from components.rl.stage import load_prompts, run
 from components.synth_world.splits import write_splits
 from tests.stage_cli import run_stage_cli
 from tests.tiny_sft import train_tiny_sft

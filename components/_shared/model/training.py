@@ -167,7 +167,7 @@ class TrainLoop:
         train: TrainConfig,
         optim: OptimConfig,
         schedule: ScheduleConfig,
-        sample: Callable[[int], Sample | list[Sample]],
+        sample: Callable[[int], Sample | list[Sample]] | None,
         phases: list[Phase],
         checkpoints: ckpt.CheckpointStore,
         tracker: Tracker | None = None,
@@ -177,6 +177,7 @@ class TrainLoop:
         load_extra_state: Callable[[dict], None] | None = None,
         unit_weight: Callable[[list[Sample]], float] | None = None,
         sample_batch: Callable[[list[int]], list] | None = None,
+        lr_lambda: Callable[[int], float] | None = None,
     ) -> None:
         if sum(p.steps for p in phases) != train.steps:
             raise ValueError(
@@ -196,7 +197,7 @@ class TrainLoop:
         self.model, self.train, self.schedule = model, train, schedule
         self.sample, self.phases, self.store = sample, phases, checkpoints
         # A step's items built together (distill's on-policy answers are generated in batches); default: one by one
-        self.sample_batch = sample_batch or (lambda indices: [self.sample(i) for i in indices])
+        self.sample_batch = sample_batch or (lambda indices: [self._sample(i) for i in indices])
         self.tracker = tracker or NullTracker()
         self.loss_fn, self.seed = loss_fn, seed
         self.extra_state, self.load_extra_state = extra_state, load_extra_state  # caller state saved with checkpoints
@@ -209,12 +210,13 @@ class TrainLoop:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
         model.to(self.device)
+        lr_lambda = lr_lambda or self._lr_lambda  # optimizer step -> LR factor (rl maps several updates to a step)
         if train.backend == "deepspeed":
             from components._shared.model.ds_backend import DeepSpeedBackend
 
-            self.backend: Backend = DeepSpeedBackend(model, train=train, optim=optim, lr_lambda=self._lr_lambda)
+            self.backend: Backend = DeepSpeedBackend(model, train=train, optim=optim, lr_lambda=lr_lambda)
         else:
-            self.backend = TorchBackend(model, optim=optim, lr_lambda=self._lr_lambda)
+            self.backend = TorchBackend(model, optim=optim, lr_lambda=lr_lambda)
         self.cursor = DataCursor()
         self.step = 0
         self.history: list[dict[str, float]] = []
@@ -229,7 +231,7 @@ class TrainLoop:
             self._order_cache = {key: rng.permutation(np.asarray(self.phases[phase].pool))}
         return self._order_cache[key]
 
-    def _next_indices(self) -> tuple[list[int], Phase]:
+    def next_indices(self) -> tuple[list[int], Phase]:
         c = self.cursor
         while c.step_in_phase >= self.phases[c.phase].steps:
             c.phase, c.step_in_phase, c.epoch, c.offset = c.phase + 1, 0, 0, 0
@@ -251,6 +253,11 @@ class TrainLoop:
                 c.epoch, c.offset = c.epoch + 1, 0
         c.step_in_phase += 1
         return picked, phase
+
+    def _sample(self, index: int) -> Sample | list[Sample]:
+        if self.sample is None:
+            raise TypeError("this TrainLoop was built without `sample`; pass it, or drive the loop with drive().")
+        return self.sample(index)
 
     def _lr_lambda(self, step: int) -> float:
         return lr_factor(step, self.train.steps, self.schedule) * self._phase_at(step).lr_scale
@@ -315,67 +322,88 @@ class TrainLoop:
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self, evaluate: Callable[[int], dict[str, float]] | None = None) -> TrainResult:
+        """Train over the phases from `sample` (resuming from the newest checkpoint); evaluate at eval_every."""
         started = time.perf_counter()
-        resumed = self.try_resume()
-        if resumed is None and evaluate is not None:
-            self._evaluate(evaluate)
-        real_tokens = slots = packed_real = packed_positions = 0
-        saved: list[str] = []
-        while self.step < self.train.steps:
-            indices, phase = self._next_indices()
-            metrics = self._train_step(self.sample_batch(indices))
-            real_tokens += int(metrics.pop("_tokens"))
-            slots += int(metrics.pop("_slots"))
-            packed_real += int(metrics.pop("_real"))
-            packed_positions += int(metrics.pop("_positions"))
-            self.step += 1
-            metrics.update(step=self.step, phase=self.phases.index(phase))
-            self.history.append(metrics)
-            if self.step % self.train.log_every == 0 or self.step == self.train.steps:
-                self.tracker.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step=self.step)
-            _crash_point("QVL_TEST_KILL_AT_STEP", self.step)
-            if (
-                evaluate is not None
-                and self.train.eval_every
-                and self.step % self.train.eval_every == 0
-                and self.step < self.train.steps
-            ):
-                self._evaluate(evaluate)
-            if (
-                self.train.checkpoint_every
-                and self.step % self.train.checkpoint_every == 0
-                and self.step < self.train.steps
-            ):
-                saved.append(self.save_checkpoint())
-        if evaluate is not None and (not self.evals or self.evals[-1]["step"] != self.step):
-            self._evaluate(evaluate)
-        if resumed != self.train.steps:  # a run resumed from its final checkpoint has nothing new to save
-            saved.append(self.save_checkpoint())
+        counts = {"_tokens": 0, "_slots": 0, "_real": 0, "_positions": 0}
+
+        def one_step() -> dict[str, float]:
+            indices, phase = self.next_indices()
+            metrics = self.train_step(self.sample_batch(indices))
+            for key in counts:
+                counts[key] += int(metrics.pop(key))
+            metrics["phase"] = self.phases.index(phase)
+            return metrics
+
+        resumed, saved = self.drive(one_step, evaluate)
         return TrainResult(
             steps=self.step,
             resumed_from=resumed,
             history=self.history,
             evals=self.evals,
             checkpoints=saved,
-            padding_efficiency=packed_real / packed_positions if packed_positions else 0.0,
-            budget_fill=real_tokens / slots if slots else 0.0,
-            tokens=real_tokens,
+            padding_efficiency=counts["_real"] / counts["_positions"] if counts["_positions"] else 0.0,
+            budget_fill=counts["_tokens"] / counts["_slots"] if counts["_slots"] else 0.0,
+            tokens=counts["_tokens"],
             seconds=time.perf_counter() - started,
         )
+
+    def drive(
+        self,
+        step_fn: Callable[[], dict[str, float]],
+        evaluate: Callable[[int], dict[str, float]] | None = None,
+        *,
+        log_prefix: str = "train",
+        after_eval: Callable[[], None] | None = None,
+        stopped: Callable[[], bool] = lambda: False,
+    ) -> tuple[int | None, list[str]]:
+        """The loop skeleton: resume, then `step_fn()` per step until train.steps (or `stopped()`), with logging,
+        evaluation every eval_every (then `after_eval()`), checkpoints every checkpoint_every and a final
+        checkpoint. Returns (the step resumed from or None, the checkpoints written)."""
+        resumed = self.try_resume()
+        if resumed is None and evaluate is not None:
+            self._evaluate(evaluate)
+        saved: list[str] = []
+        while self.step < self.train.steps and not stopped():
+            metrics = step_fn()
+            self.step += 1
+            metrics["step"] = self.step
+            self.history.append(metrics)
+            if self.step % self.train.log_every == 0 or self.step == self.train.steps:
+                logged = {f"{log_prefix}/{k}": v for k, v in metrics.items() if k != "step"}
+                self.tracker.log_metrics(logged, step=self.step)
+            _crash_point("QVL_TEST_KILL_AT_STEP", self.step)
+            if evaluate is not None and self._due(self.train.eval_every):
+                self._evaluate(evaluate)
+                if after_eval is not None:
+                    after_eval()
+            if self._due(self.train.checkpoint_every):
+                saved.append(self.save_checkpoint())
+        if evaluate is not None and (not self.evals or self.evals[-1]["step"] != self.step):
+            self._evaluate(evaluate)
+            if after_eval is not None:
+                after_eval()
+        if resumed != self.step:  # a run resumed from its final checkpoint has nothing new to save
+            saved.append(self.save_checkpoint())
+        return resumed, saved
+
+    def _due(self, every: int) -> bool:
+        """A periodic action at this step (never at the last step: the end of the run does it)."""
+        return bool(every) and self.step % every == 0 and self.step < self.train.steps
 
     def _evaluate(self, evaluate: Callable[[int], dict[str, float]]) -> None:
         was_training = self.model.training
         self.model.eval()
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self.autocast_context():
             result = {"step": self.step, **evaluate(self.step)}
         self.model.train(was_training)
         self.evals.append(result)
         self.tracker.log_metrics({f"eval/{k}": v for k, v in result.items() if k != "step"}, step=self.step)
 
-    def _autocast(self):
+    def autocast_context(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
 
-    def _train_step(self, items: list) -> dict[str, float]:
+    def train_step(self, items: list) -> dict[str, float]:
+        """One optimizer step over `items` (samples, or groups kept in one micro-batch); returns its metrics."""
         self.model.train()
         units = [list(item) if isinstance(item, (list, tuple)) else [item] for item in items]
         samples = [s for unit in units for s in unit]
@@ -403,7 +431,7 @@ class TrainLoop:
                 used, computed = batch_tokens(batch)
                 real, positions = real + used, positions + computed
             batch = to_device(batch, self.device)
-            with self._autocast():
+            with self.autocast_context():
                 loss_sum, _, extra = self.loss_fn(self.backend.module, batch, micro)
             self.backend.backward(loss_sum * (weight / total_targets))
             loss_total += weight * float(loss_sum.detach())

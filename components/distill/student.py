@@ -1,0 +1,84 @@
+"""The distillation student: a pruned teacher, a random init of the pruned sizes, or a given checkpoint of the
+teacher's family; and the learned hidden-state projections the hidden-matching loss trains on it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from components._shared.model.attention import PACKED_SDPA
+from components._shared.model.vlm import load_vlm, qwen_model
+from components.distill.config import DistillConfig, StudentConfig
+from components.distill.prune import PrunePlan, measure_importance, plan_pruning, prune
+
+
+def student_sizes(cfg: StudentConfig) -> dict[str, int]:
+    return {
+        k: getattr(cfg, k)
+        for k in (
+            "layers",
+            "hidden",
+            "intermediate",
+            "kv_heads",
+            "vision_depth",
+            "vision_hidden",
+            "vision_intermediate",
+        )
+    }
+
+
+def build_student(cfg: DistillConfig, teacher, processor, calibration) -> tuple[Any, PrunePlan | None]:
+    """(student model, prune plan or None) as config `student` says; `calibration()` yields packed batches."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(cfg.seed)
+    s = cfg.student
+    if s.init == "model":
+        student, student_processor = load_vlm(s.model_uri)
+        _check_compatible(student, student_processor, teacher, processor, s.model_uri)
+        return student, None
+    importance = measure_importance(teacher, calibration())
+    plan = plan_pruning(teacher, importance, **student_sizes(s))
+    if s.init == "prune":
+        return prune(teacher, plan), plan
+    student = AutoModelForImageTextToText.from_config(plan.config, attn_implementation=PACKED_SDPA)  # random weights
+    student.generation_config = teacher.generation_config
+    return student, None
+
+
+def _check_compatible(student, student_processor, teacher, processor, uri: str) -> None:
+    """A student checkpoint must share the teacher's vocabulary and image tokenisation (logits are compared
+    token by token, and both models read the same packed rows)."""
+    s, t = qwen_model(student).config, qwen_model(teacher).config
+    if (
+        student_processor.tokenizer.get_vocab() != processor.tokenizer.get_vocab()
+        or s.text_config.vocab_size != t.text_config.vocab_size
+    ):
+        raise ValueError(
+            f"distill.student.model_uri={uri!r} has another tokenizer / vocabulary than the teacher; "
+            "logit distillation needs the same one (use a checkpoint of the teacher's family)."
+        )
+    for key in ("patch_size", "spatial_merge_size", "temporal_patch_size"):
+        if getattr(s.vision_config, key) != getattr(t.vision_config, key):
+            raise ValueError(
+                f"distill.student.model_uri={uri!r}: vision {key} {getattr(s.vision_config, key)} != the "
+                f"teacher's {getattr(t.vision_config, key)}; both must tokenise images the same way."
+            )
+    for key in ("image_token_id", "vision_start_token_id"):
+        if getattr(s, key) != getattr(t, key):
+            raise ValueError(f"distill.student.model_uri={uri!r}: {key} differs from the teacher's.")
+
+
+def attach_projections(student, teacher, pairs: list[tuple[int, int]], plan: PrunePlan | None) -> None:
+    """Learned maps student hidden -> teacher hidden, one per matched layer, on the student (so the optimizer and
+    checkpoints include them); a pruned student's start at the channel selection it was cut with."""
+    hs = qwen_model(student).config.text_config.hidden_size
+    ht = qwen_model(teacher).config.text_config.hidden_size
+    layers = torch.nn.ModuleList(torch.nn.Linear(hs, ht, bias=False) for _ in pairs)
+    if plan is not None:
+        with torch.no_grad():
+            for layer in layers:
+                layer.weight.zero_()
+                layer.weight[plan.lm_channels, torch.arange(hs)] = 1.0
+    student.distill_projections = layers.to(next(student.parameters()).dtype)

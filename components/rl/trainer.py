@@ -1,0 +1,361 @@
+"""The RL trainer: rollouts from the current policy, rewards, advantages (PPO / TER / GRPO), the update epochs.
+
+It drives a TrainLoop (model/training.py) by composition: the loop owns the backend, the packed update steps,
+checkpoints and exact resume; the trainer owns the RL state (KL controller, reward moments, TER baseline, gates,
+length reference, timing), saved with every checkpoint through the loop's extra_state hooks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from components._shared.eval import readers
+from components._shared.model.checkpoint import CheckpointStore
+from components._shared.model.train_config import OptimConfig
+from components._shared.model.training import Phase, TorchBackend, TrainLoop, lr_factor
+from components._shared.platform.tracking import Tracker
+from components.rl import algorithms as A
+from components.rl.config import RlConfig
+from components.rl.gates import Gates
+from components.rl.rollout import Policy, Rollout, RolloutEngine, packed_micro_batches, split_by_sample, token_outputs
+
+
+class RlTrainer:
+    """RL steps (rollouts, rewards, advantages, update epochs) driven through a TrainLoop's skeleton: its backend,
+    packed update steps, checkpoints and resume, with the RL state saved beside them."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        reference,
+        *,
+        cfg: RlConfig,
+        prompts: list[dict],
+        image,
+        engine: RolloutEngine,
+        rewards: dict,
+        checkpoints: CheckpointStore,
+        tracker: Tracker,
+        ptx_pool: list[dict] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.updates_per_step = cfg.update.epochs * cfg.update.minibatches  # read by _lr_lambda
+        optim = cfg.optim
+        if cfg.algorithm == "ter":  # TER's own gradient clip for every group
+            optim = OptimConfig(
+                **{**cfg.optim.model_dump(), "max_grad_norm": cfg.ter.max_grad_norm, "group_max_grad_norm": {}}
+            )
+        self.loop = TrainLoop(
+            policy,
+            train=cfg.train,
+            optim=optim,
+            schedule=cfg.schedule,
+            sample=None,  # prompts are drawn by index; the items of an update are built from rollouts
+            phases=[Phase("rl", cfg.train.steps, list(range(len(prompts))))],
+            checkpoints=checkpoints,
+            tracker=tracker,
+            loss_fn=self._loss,
+            seed=cfg.seed,
+            extra_state=self._state,
+            load_extra_state=self._load_state,
+            unit_weight=self._rollout_tokens,
+            lr_lambda=self._lr_lambda,
+        )
+        if cfg.algorithm == "ter" and cfg.ter.grad_ema:
+            assert isinstance(self.loop.backend, TorchBackend)  # RlConfig refuses ter.grad_ema with DeepSpeed
+            self.loop.backend.grad_ema = A.GradientEma(cfg.ter.grad_ema)
+        self.reference = reference.to(self.loop.device).eval()
+        self.prompts, self.image, self.engine, self.rewards = prompts, image, engine, rewards
+        self.ptx_pool = ptx_pool or []
+        self.ptx_token_weight = 0.0  # set with each step's ptx samples (see _ptx_samples)
+        self.kl_ctl = A.AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
+        self.moments = A.RunningMoments()
+        self.baseline = A.EmaBaseline(cfg.ter.baseline_decay)
+        self.gates = Gates(cfg.gates)
+        self.length_reference: float | None = None
+        self.stop_reason = ""
+        self.last_rollouts: list[Rollout] = []
+        self.timing: defaultdict[str, float] = defaultdict(float)
+        self.generated_tokens = 0
+        self.heldout_before: list[float] = []  # per-question efficacy of the SFT model (step 0), for the paired test
+
+    # -- state saved with every checkpoint ----------------------------------------------------------------
+    def _state(self) -> dict:
+        return {
+            "kl_coef": self.kl_ctl.state(),
+            "moments": self.moments.state(),
+            "baseline": self.baseline.state(),
+            "gates": self.gates.state(),
+            "length_reference": self.length_reference,
+            "stop_reason": self.stop_reason,
+            "timing": dict(self.timing),
+            "generated_tokens": self.generated_tokens,
+            "heldout_before": self.heldout_before,
+        }
+
+    def _load_state(self, state: dict) -> None:
+        self.kl_ctl.load(state["kl_coef"])
+        self.moments.load(state["moments"])
+        self.baseline.load(state["baseline"])
+        self.gates.load(state["gates"])
+        self.length_reference, self.stop_reason = state["length_reference"], state["stop_reason"]
+        self.timing = defaultdict(float, state["timing"])
+        self.generated_tokens = int(state["generated_tokens"])
+        self.heldout_before = [float(x) for x in state.get("heldout_before", [])]
+
+    def _lr_lambda(self, step: int) -> float:  # optimizer step -> RL step
+        return lr_factor(step // self.updates_per_step, self.cfg.train.steps, self.cfg.schedule)
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def run(self, evaluate: Callable[[int], dict[str, float]]) -> int | None:
+        """Train until train.steps or an early stop; returns the step resumed from (None for a fresh run)."""
+        resumed, _ = self.loop.drive(
+            self._next_step,
+            evaluate,
+            log_prefix="rl",
+            after_eval=self._check_divergence,
+            stopped=lambda: bool(self.stop_reason),
+        )
+        return resumed
+
+    def _next_step(self) -> dict[str, float]:
+        indices, _ = self.loop.next_indices()
+        return self.rl_step([{**self.prompts[i], "pil": self.image(self.prompts[i]["image"])} for i in indices])
+
+    def _check_divergence(self) -> None:
+        window = max(1, self.loop.train.eval_every or len(self.loop.history))
+        rewards = [h["reward"] for h in self.loop.history]
+        if len(rewards) < 2:
+            return
+        rise = float(np.mean(rewards[-window:]) - np.mean(rewards[:window]))
+        drop = self.loop.evals[0]["efficacy"] - self.loop.evals[-1]["efficacy"]
+        self.gates.check_eval(self.loop.step, reward_rise=rise, heldout_drop=drop)
+
+    def rl_step(self, records: list[dict]) -> dict[str, float]:
+        """Sample, score and reward rollouts of `records`, then run the update epochs; returns the step's metrics."""
+        cfg = self.cfg
+        policy = self.loop.backend.module
+        started = time.perf_counter()
+        policy.eval()
+        with torch.no_grad(), self.loop.autocast_context():
+            rollouts = self.engine.sample(policy.model, records, cfg.rollout.samples_per_prompt)
+        generated = time.perf_counter()
+        completions = [r.text for r in rollouts]
+        batch = {"records": [r.record for r in rollouts], "finished": [r.finished for r in rollouts]}
+        prompts = [r.record["question"] for r in rollouts]
+        per_reward = {name: fn(prompts, completions, **batch) for name, fn in self.rewards.items()}
+        for i, r in enumerate(rollouts):
+            r.rewards = {name: values[i] for name, values in per_reward.items()}
+            r.reward = sum(cfg.rewards[name] * values[i] for name, values in per_reward.items())
+        with torch.no_grad(), self.loop.autocast_context():
+            self.engine.score(policy, self.reference, rollouts)
+        scored = time.perf_counter()
+
+        kl = float(np.mean([float(A.kl_k3(r.logprobs, r.ref_logprobs).mean()) for r in rollouts]))
+        entropy = float(torch.cat([r.entropy for r in rollouts]).mean())
+        length = float(np.mean([r.length for r in rollouts]))
+        if self.length_reference is None:
+            self.length_reference = length
+        metrics = {
+            "reward": float(np.mean([r.reward for r in rollouts])),
+            "kl": kl,
+            "entropy": entropy,
+            "length": length,
+            "length_ratio": length / self.length_reference,
+            **{f"reward/{k}": float(np.mean(v)) for k, v in per_reward.items()},
+        }
+        self.gates.check_step(self.loop.step + 1, kl=kl, length_ratio=metrics["length_ratio"], entropy=entropy)
+        self.last_rollouts = rollouts
+        if cfg.algorithm == "ppo" and kl > cfg.ppo.kl_stop:
+            self.stop_reason = f"ppo.kl_stop: per-token KL {kl:.4f} > {cfg.ppo.kl_stop} at step {self.loop.step + 1}"
+            metrics.update(self._timing(started, generated, scored, scored, rollouts))
+            return metrics
+
+        metrics.update(self._advantages(rollouts))
+        ptx = self._ptx_samples(rollouts) if cfg.ptx.coef else []
+        updates = []
+        order_rng = np.random.default_rng([cfg.seed, 7_000_003, self.loop.step])
+        for _ in range(cfg.update.epochs):
+            order = order_rng.permutation(len(rollouts))
+            ptx_parts = np.array_split(np.arange(len(ptx)), cfg.update.minibatches)
+            for part, ptx_part in zip(np.array_split(order, cfg.update.minibatches), ptx_parts, strict=True):
+                updates.append(
+                    self.loop.train_step([[rollouts[i].sample] for i in part] + [[ptx[i]] for i in ptx_part])
+                )
+        updated = time.perf_counter()
+        for key in ("loss", "clip_fraction", "value_loss", "ratio_max"):
+            values = [u[key] for u in updates if key in u]
+            if values:
+                metrics[f"update/{key}"] = float(np.mean(values))
+        if ptx:  # per reference token, whichever micro-batches the reference samples were packed into
+            tokens = sum(u["ptx_tokens"] for u in updates)
+            metrics["update/ptx_nll"] = sum(u["ptx_nll_sum"] for u in updates) / tokens
+            if cfg.ptx.loss == "kl":
+                metrics["update/ptx_kl"] = sum(u["ptx_kl_sum"] for u in updates) / tokens
+        metrics.update({k: v for k, v in updates[-1].items() if k.startswith("grad_norm/") or k == "lr"})
+        if cfg.algorithm == "ppo":
+            metrics["kl_coef"] = self.kl_ctl.value
+            if cfg.ppo.adaptive_kl:
+                self.kl_ctl.update(kl, 1)
+        metrics.update(self._timing(started, generated, scored, updated, rollouts))
+        return metrics
+
+    @staticmethod
+    def _rollout_tokens(unit: list) -> float:
+        """The update's normaliser: completion tokens only, so ptx samples leave the RL term's scale unchanged."""
+        return float(sum(s.num_targets for s in unit if not s.meta.get("ptx")))
+
+    def _ptx_samples(self, rollouts: list[Rollout]) -> list:
+        """`ptx.samples_per_step` records of the prompts file (of `ptx.types`, drawn afresh each step as a pure
+        function of the seed and step) with their reference answers, encoded as SFT encodes them; each target token
+        weighs ptx.coef x (completion tokens / reference tokens of the step), so the term adds ptx.coef x the mean
+        NLL."""
+        count = min(self.cfg.ptx.samples_per_step or self.loop.train.samples_per_step, len(self.ptx_pool))
+        rng = np.random.default_rng([self.cfg.seed, 9_000_011, self.loop.step])
+        records = [self.ptx_pool[i] for i in rng.choice(len(self.ptx_pool), count, replace=False)]
+        samples = [
+            self.engine.encoder.encode(
+                readers.prompt_turns(r["question"]) + [{"role": "assistant", "text": r["answer"]}],
+                images=[self.image(r["image"])],
+                sample_id=f"ptx:{r['id']}",
+            )
+            for r in records
+        ]
+        completion_tokens = sum(r.length for r in rollouts)
+        self.ptx_token_weight = self.cfg.ptx.coef * completion_tokens / sum(s.num_targets for s in samples)
+        for s in samples:
+            n = s.num_targets
+            s.meta.update(
+                ptx=True,
+                old_logprobs=torch.zeros(n),
+                ref_logprobs=torch.zeros(n),
+                advantages=torch.zeros(n),
+                returns=torch.zeros(n),
+                old_values=torch.zeros(n),
+            )
+        if self.cfg.ptx.loss == "kl":
+            self._reference_distributions(samples)
+        return samples
+
+    @torch.no_grad()
+    def _reference_distributions(self, samples: list) -> None:
+        """meta["ref_full_logprobs"] (targets x vocabulary, T=1) of each ptx sample under the frozen reference."""
+        device = next(self.reference.parameters()).device
+        for _, micro, batch in packed_micro_batches(samples, self.engine.max_tokens, device):
+            every_row = torch.ones(sum(s.num_targets for s in micro), dtype=torch.bool, device=device)
+            with self.loop.autocast_context():
+                out = token_outputs(self.reference, batch, 1.0, self.engine.suppressed, plain_rows=every_row)
+            for s, rows in zip(micro, split_by_sample(out["plain_full"].float().cpu(), micro), strict=True):
+                s.meta["ref_full_logprobs"] = rows
+
+    def _timing(self, started, generated, scored, updated, rollouts) -> dict[str, float]:
+        split = {"generation": generated - started, "scoring": scored - generated, "update": updated - scored}
+        for k, v in split.items():
+            self.timing[k] += v
+        tokens = sum(r.length for r in rollouts)
+        self.generated_tokens += tokens
+        return {
+            **{f"time/{k}": v for k, v in split.items()},
+            "rollout_tokens_per_second": tokens / max(split["generation"], 1e-9),
+        }
+
+    def _advantages(self, rollouts: list[Rollout]) -> dict[str, float]:
+        """Per-token advantages (and PPO returns) into each rollout's sample.meta for the loss."""
+        cfg = self.cfg
+        rewards = [r.reward for r in rollouts]
+        out: dict[str, float] = {}
+        if cfg.algorithm == "ppo":
+            if cfg.ppo.group_baseline:
+                rewards = A.leave_one_out_centred(rewards, cfg.rollout.samples_per_prompt)
+            self.moments.update(rewards)
+            scores = self.moments.normalize(rewards, cfg.ppo.reward_clip)
+            for r, score in zip(rollouts, scores, strict=True):
+                token_rewards = A.ppo_token_rewards(score, r.logprobs, r.ref_logprobs, self.kl_ctl.value)
+                r.advantages, r.returns = A.gae(token_rewards, r.values, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam)
+            flat = A.whiten(torch.cat([r.advantages for r in rollouts]))
+            for r, adv in zip(rollouts, flat.split([r.length for r in rollouts]), strict=True):
+                r.advantages = adv
+            out["score_normalised"] = float(np.mean(scores))
+        elif cfg.algorithm == "ter":
+            n = cfg.rollout.samples_per_prompt  # the samples of one prompt are consecutive
+            baselines = []
+            for start in range(0, len(rollouts), n):
+                group = rollouts[start : start + n]
+                baselines += self.baseline.leave_one_out(
+                    group[0].record["id"], [r.reward for r in group], group[0].record["type"]
+                )
+            for r, b in zip(rollouts, baselines, strict=True):
+                r.advantages = torch.full((r.length,), r.reward - b)
+            for r in rollouts:
+                self.baseline.update(r.record["id"], r.reward, r.record["type"])
+            out["baseline"] = float(np.mean(baselines))
+        else:
+            for r, adv in zip(
+                rollouts,
+                A.group_advantages(rewards, cfg.rollout.samples_per_prompt, scale=cfg.grpo.scale_rewards),
+                strict=True,
+            ):
+                r.advantages = torch.full((r.length,), adv)
+        for r in rollouts:
+            r.sample.meta.update(
+                old_logprobs=r.logprobs,
+                ref_logprobs=r.ref_logprobs,
+                advantages=r.advantages,
+                returns=r.returns,
+                old_values=r.values,
+            )
+        return out
+
+    def _loss(self, policy: Policy, batch: dict, micro: list) -> tuple[torch.Tensor, int, dict[str, float]]:
+        cfg = self.cfg
+        ptx_on = bool(cfg.ptx.coef)
+        rl = torch.cat([torch.full((s.num_targets,), not s.meta.get("ptx")) for s in micro])
+        rl = rl.to(batch["targets"].device)
+        out = policy.token_outputs(
+            batch, cfg.rollout.temperature, self.engine.suppressed, plain_rows=~rl if ptx_on else None
+        )
+        logp = out["logprobs"]
+
+        def meta(key: str) -> torch.Tensor:
+            return torch.cat([s.meta[key] for s in micro]).to(logp.device)
+
+        old, advantages = meta("old_logprobs"), meta("advantages")
+        extras = {"ratio_max": float(torch.exp(logp.detach() - old)[rl].max()) if rl.any() else 1.0}
+        if cfg.algorithm == "ter":
+            weights = A.truncated_importance_weights(logp, old, cfg.ter.importance_cap)
+            per_token = -(weights * advantages * logp)
+        else:
+            clip = (
+                A.linear_decay(cfg.ppo.clip_start, cfg.ppo.clip_end, self.loop.step, self.loop.train.steps)
+                if cfg.algorithm == "ppo"
+                else cfg.grpo.clip
+            )
+            per_token, clipped = A.clipped_surrogate(logp, old, advantages, clip)
+            extras["clip_fraction"] = float(clipped[rl].float().mean()) if rl.any() else 0.0
+            if cfg.algorithm == "ppo":
+                vloss = A.clipped_value_loss(out["values"], meta("old_values"), meta("returns"), cfg.ppo.value_clip)
+                per_token = per_token + cfg.ppo.value_coef * vloss
+                extras["value_loss"] = float(vloss.detach()[rl].mean()) if rl.any() else 0.0
+            elif cfg.grpo.kl_coef:
+                per_token = per_token + cfg.grpo.kl_coef * A.kl_k3(logp, meta("ref_logprobs"))
+        loss = per_token[rl].sum()
+        if ptx_on:
+            nll = -out["plain_logprobs"]
+            ptx_loss = nll
+            if cfg.ptx.loss == "kl":  # KL(reference || policy) per position, over the vocabulary
+                ptx_samples = [s for s in micro if s.meta.get("ptx")]
+                ref = (
+                    torch.cat([s.meta["ref_full_logprobs"] for s in ptx_samples]).to(logp.device)
+                    if ptx_samples
+                    else out["plain_full"]
+                )
+                ptx_loss = (ref.exp() * (ref - out["plain_full"])).sum(-1)
+                extras["ptx_kl_sum"] = float(ptx_loss.detach().sum())
+            loss = loss + self.ptx_token_weight * ptx_loss.sum()
+            extras.update(ptx_nll_sum=float(nll.detach().sum()), ptx_tokens=float(nll.numel()))
+        return loss, int(rl.sum()), extras
