@@ -9,6 +9,8 @@
 #   make print-tags                   the tags, exactly as components/_shared/platform/images.py spells them
 #   make buildah-base                 debootstrap a bookworm + python3.11 base for offline buildah builds
 #   make compile | make test          qvl compile / the default test run
+#   make lint                         ruff check, ruff format --check, mypy (what CI and pre-commit run)
+#   make format                       ruff format + the import order fixed in place
 #
 # The engine is docker when its daemon answers `docker info`, else buildah (`buildah bud --isolation chroot`,
 # which needs no daemon); force one with ENGINE=docker or ENGINE=buildah.
@@ -69,7 +71,7 @@ BASE_ROOTFS ?= build/bookworm-rootfs
 PRESET ?= prod-7b
 PIPELINE_YAML ?= pipelines/compiled/vlm_training.yaml
 
-.PHONY: help images image-data image-train push lint-docker print-tags buildah-base compile test check-engine
+.PHONY: help images image-data image-train push lint-docker print-tags buildah-base compile test lint format check-engine
 
 help:
 	@sed -n 's/^#   make/  make/p' $(MAKEFILE_LIST)
@@ -116,3 +118,10 @@ compile:
 
 test:
 	$(PYTHON) -m pytest -q
+
+lint:
+	bash .ci/lint
+
+format:
+	$(PYTHON) -m ruff check --select I --fix .
+	$(PYTHON) -m ruff format .
