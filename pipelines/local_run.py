@@ -89,7 +89,11 @@ def run_local(
     also written to out_dir/run_summary.json."""
     from kfp import local
 
-    from components._shared.platform.tracking import default_tracking_uri, finish_pipeline_run, start_pipeline_run
+    from components._shared.platform.mlflow_tracking import (
+        default_tracking_uri,
+        finish_pipeline_run,
+        start_pipeline_run,
+    )
     from pipelines.presets import load_preset
     from pipelines.vlm_training import build_pipeline
 

@@ -100,7 +100,7 @@ class S3Server:
             region_name=self.region,
             config=Config(s3={"addressing_style": "path"}),
         )
-        # SeaweedFS stalls "Expect: 100-continue" PUTs that follow a zero-byte PUT (see storage._client_for).
+        # SeaweedFS stalls "Expect: 100-continue" PUTs that follow a zero-byte PUT (see s3_client._client_for).
         client.meta.events.unregister("before-call.s3", add_expect_header)
         return client
 

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from components._shared.eval import readers
+from components._shared.model.backends import TorchBackend
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.train_config import OptimConfig
-from components._shared.model.training import Phase, TorchBackend, TrainLoop, lr_factor
+from components._shared.model.training import Phase, TrainLoop, lr_factor
 from components._shared.platform.tracking import Tracker
 from components.rl import algorithms as A
 from components.rl.config import RlConfig

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from components._shared.platform import storage
+from components._shared.platform import s3_client, storage
 from components._shared.platform.storage import COMMIT_MARKER, IntegrityError
 
 MiB = 1024**2
@@ -189,7 +189,7 @@ def test_deleted_object_is_detected(base, tmp_path):
     storage.publish_dir(tmp_path / "out", dest)
     if storage.is_s3(dest):
         bucket, key = storage.split_s3(storage.join(dest, "a.txt"))
-        storage._client().delete_object(Bucket=bucket, Key=key)
+        s3_client.client().delete_object(Bucket=bucket, Key=key)
     else:
         Path(dest, "a.txt").unlink()
     with pytest.raises(IntegrityError, match=r"a\.txt is listed in _COMMITTED\.json but missing"):

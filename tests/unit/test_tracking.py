@@ -6,16 +6,16 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from components._shared.platform import tracking
-from components._shared.platform.tracking import (
+from components._shared.platform import mlflow_tracking as tracking
+from components._shared.platform.mlflow_tracking import (
     PARENT_RUN_ENV,
     MlflowTracker,
-    NullTracker,
     finish_pipeline_run,
     replay_fallback,
     stage_tracker,
     start_pipeline_run,
 )
+from components._shared.platform.tracking import NullTracker
 from tests.services import free_port
 
 

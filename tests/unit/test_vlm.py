@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from components._shared.model.backends import build_optimizer, clip_per_group
 from components._shared.model.train_config import OptimConfig
-from components._shared.model.training import build_optimizer, clip_per_group
 from components._shared.model.vlm import (
     MODULE_GROUPS,
     build_student,

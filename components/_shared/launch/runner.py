@@ -41,7 +41,8 @@ def execute(
     """
     from contextlib import nullcontext
 
-    from components._shared.platform.tracking import NullTracker, stage_tracker
+    from components._shared.platform.mlflow_tracking import stage_tracker
+    from components._shared.platform.tracking import NullTracker
 
     if os.environ.get("RANK", "0").strip() not in ("", "0"):
         # torchrun: every rank trains; only rank 0 writes the record and the commit marker (and logs).

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from components._shared.platform import storage
+from components._shared.platform import s3_client, storage
 
 STEP_PREFIX = "step-"
 
@@ -120,7 +120,7 @@ class CheckpointStore:
         for uri in found[: max(0, len(found) - self.keep)]:
             if self.remote:
                 bucket, key = storage.split_s3(uri)
-                client = storage._client()
+                client = s3_client.client()
                 for file_uri in storage.list_files(uri):
                     client.delete_object(Bucket=bucket, Key=storage.split_s3(file_uri)[1])
                 del key

@@ -24,15 +24,15 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from components._shared.model import checkpoint as ckpt
+from components._shared.model.backends import Backend, TorchBackend
 from components._shared.model.packing import (
     Sample,
     batch_tokens,
@@ -43,7 +43,6 @@ from components._shared.model.packing import (
     token_loss,
 )
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
-from components._shared.model.vlm import named_groups
 from components._shared.platform.tracking import NullTracker, Tracker
 
 LossFn = Callable[[Any, dict, list[Sample]], tuple[torch.Tensor, int, dict[str, float]]]
@@ -114,37 +113,6 @@ def lr_factor(step: int, total: int, schedule: ScheduleConfig) -> float:
     if schedule.decay == "linear":
         return floor + (peak - floor) * (1.0 - progress)
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def build_optimizer(model, optim: OptimConfig) -> tuple[torch.optim.Optimizer, list[str]]:
-    """AdamW over the trainable parameters, one group per module group with its lr and clip."""
-    groups, names = [], []
-    for group, params in named_groups(model).items():
-        groups.append(
-            {
-                "params": [p for _, p in params],
-                "lr": optim.group_lr.get(group, optim.lr),
-                "max_grad_norm": optim.group_max_grad_norm.get(group, optim.max_grad_norm),
-                "name": group,
-            }
-        )
-        names.append(group)
-    if not groups:
-        raise ValueError("no trainable parameters: check the freeze / LoRA settings of this stage.")
-    for g in groups:
-        g["initial_lr"] = g["lr"]
-    optimizer = torch.optim.AdamW(groups, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
-    return optimizer, names
-
-
-def clip_per_group(optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """Clip each parameter group on its own gradient norm; returns the norms before clipping."""
-    norms = {}
-    for group in optimizer.param_groups:
-        params = [p for p in group["params"] if p.grad is not None]
-        if params:
-            norms[group["name"]] = float(torch.nn.utils.clip_grad_norm_(params, group["max_grad_norm"]))
-    return norms
 
 
 def resolve_device(name: str) -> torch.device:
@@ -458,83 +426,6 @@ class TrainLoop:
             "_real": real,
             "_positions": positions,
         }
-
-
-class Backend(Protocol):
-    """What TrainLoop drives: `TorchBackend` (one process) or `DeepSpeedBackend` (model/ds_backend.py)."""
-
-    module: Any
-    groups: list[str]
-    rank: int
-    world_size: int
-
-    def begin_step(self, micro_batches: int) -> None: ...
-    def backward(self, loss: torch.Tensor) -> None: ...
-    def step(self) -> tuple[dict[str, float], list[float]]: ...
-    def all_reduce_sum(self, values: list[float]) -> list[float]: ...
-    def save(self, directory: Path) -> None: ...
-    def load(self, directory: Path) -> None: ...
-    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
-    def gathered(self) -> AbstractContextManager: ...
-
-
-class TorchBackend:
-    """Plain AdamW with per-group clipping and a LambdaLR schedule. `grad_ema` (rl's TER), when set, smooths the
-    clipped gradients before the optimizer step and is saved with the checkpoint."""
-
-    rank, world_size = 0, 1
-    grad_ema: Any = None
-
-    def __init__(self, model, *, optim: OptimConfig, lr_lambda: Callable[[int], float]) -> None:
-        self.module = model
-        self.optimizer, self.groups = build_optimizer(model, optim)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
-
-    def begin_step(self, micro_batches: int) -> None:
-        pass
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def step(self) -> tuple[dict[str, float], list[float]]:
-        norms = clip_per_group(self.optimizer)
-        if self.grad_ema is not None:
-            self.grad_ema.apply(self.module.named_parameters())
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
-        self.scheduler.step()
-        return norms, lrs
-
-    def save(self, directory: Path) -> None:
-        ckpt.save_torch_state(directory, self.module, self.optimizer, self.scheduler)
-        if self.grad_ema is not None:
-            from safetensors.torch import save_file
-
-            save_file(
-                {k: v.contiguous().cpu() for k, v in self.grad_ema.buffers.items()},
-                str(directory / "grad_ema.safetensors"),
-            )
-
-    def load(self, directory: Path) -> None:
-        ckpt.load_torch_state(directory, self.module, self.optimizer, self.scheduler)
-        if self.grad_ema is not None:
-            from safetensors.torch import load_file
-
-            device = next(self.module.parameters()).device
-            self.grad_ema.buffers = {
-                k: v.to(device) for k, v in load_file(str(directory / "grad_ema.safetensors")).items()
-            }
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        return list(values)  # one process: the sum over ranks is the values themselves
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-
-    @contextmanager
-    def gathered(self):
-        yield
 
 
 def _barrier() -> None:

@@ -12,7 +12,6 @@ last; it lists every file with size and sha256, and `fetch_dir` verifies each do
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import io
 import json
@@ -27,13 +26,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
+from components._shared.platform import s3_client
+
 COMMIT_MARKER = "_COMMITTED.json"
-MULTIPART_THRESHOLD = int(float(os.environ.get("QVL_S3_MULTIPART_THRESHOLD_MB", "64")) * 1024**2)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
-_CREDENTIALS_HINT = (
-    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for non-AWS S3); "
-    "on Kubernetes, mount them from the S3 secret (manifests/, pipelines/k8s.py)"
-)
 
 
 class IntegrityError(ValueError):
@@ -74,82 +70,6 @@ def _local(uri: str | Path) -> Path:
     return Path(text)
 
 
-# --- boto3 plumbing --------------------------------------------------------------------------------
-
-
-def _client():
-    env = tuple(
-        os.environ.get(k)
-        for k in (
-            "AWS_ENDPOINT_URL_S3",
-            "AWS_ENDPOINT_URL",
-            "AWS_ACCESS_KEY_ID",
-            "AWS_SECRET_ACCESS_KEY",
-            "AWS_REGION",
-            "AWS_DEFAULT_REGION",
-        )
-    )
-    return _client_for(env)
-
-
-@functools.lru_cache(maxsize=8)
-def _client_for(env: tuple[str | None, ...]):
-    import boto3
-    from botocore.config import Config
-
-    custom_endpoint = bool(env[0] or env[1])
-    config = Config(
-        retries={"mode": "adaptive", "max_attempts": 10},
-        s3={"addressing_style": "path" if custom_endpoint else "auto"},
-        request_checksum_calculation="when_supported",
-        response_checksum_validation="when_supported",
-    )
-    region = env[4] or env[5] or "us-east-1"
-    client = boto3.session.Session().client("s3", region_name=region, config=config)
-    if custom_endpoint:
-        # SeaweedFS stalls a PUT sent with "Expect: 100-continue" after a zero-byte PUT on the same
-        # connection (until the read timeout). The header only saves bandwidth on rejected uploads.
-        from botocore.handlers import add_expect_header
-
-        client.meta.events.unregister("before-call.s3", add_expect_header)
-    return client
-
-
-def _transfer_config(multipart_threshold: int | None):
-    from boto3.s3.transfer import TransferConfig
-
-    threshold = MULTIPART_THRESHOLD if multipart_threshold is None else multipart_threshold
-    return TransferConfig(multipart_threshold=threshold, multipart_chunksize=max(threshold, 5 * 1024**2))
-
-
-@contextlib.contextmanager
-def _s3_errors(uri: str) -> Iterator[None]:
-    """Turn botocore errors into built-in ones whose message names the URI and what to do."""
-    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
-
-    try:
-        yield
-    except NoCredentialsError as error:
-        raise PermissionError(f"No S3 credentials to access {uri}: {_CREDENTIALS_HINT}.") from error
-    except EndpointConnectionError as error:
-        raise ConnectionError(
-            f"Cannot reach the S3 endpoint for {uri} ({error}); check AWS_ENDPOINT_URL and that the S3 service is up."
-        ) from error
-    except ClientError as error:
-        code = str(error.response.get("Error", {}).get("Code", ""))
-        if code in ("404", "NoSuchKey", "NotFound"):
-            raise FileNotFoundError(f"{uri} does not exist.") from error
-        if code == "NoSuchBucket":
-            raise FileNotFoundError(f"Bucket of {uri} does not exist; create it or fix the URI.") from error
-        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            raise PermissionError(
-                f"S3 refused access to {uri} ({code}): check the credentials; {_CREDENTIALS_HINT}."
-            ) from error
-        raise OSError(f"S3 request for {uri} failed: {error}") from error
-    except BotoCoreError as error:
-        raise OSError(f"S3 request for {uri} failed: {error}") from error
-
-
 # --- single files ----------------------------------------------------------------------------------
 
 
@@ -160,15 +80,15 @@ def exists(uri: str | Path) -> bool:
     bucket, key = split_s3(str(uri))
     if key and _head_or_missing(bucket, key, str(uri)):
         return True
-    with _s3_errors(str(uri)):
+    with s3_client.errors(str(uri)):
         prefix = key.rstrip("/") + "/" if key else ""
-        return _client().list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0) > 0
+        return s3_client.client().list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1).get("KeyCount", 0) > 0
 
 
 def _head_or_missing(bucket: str, key: str, uri: str) -> bool:
     try:
-        with _s3_errors(uri):
-            _client().head_object(Bucket=bucket, Key=key)
+        with s3_client.errors(uri):
+            s3_client.client().head_object(Bucket=bucket, Key=key)
         return True
     except FileNotFoundError:
         return False
@@ -183,8 +103,8 @@ def list_files(prefix_uri: str | Path, *, suffix: str | None = None) -> list[str
     bucket, key = split_s3(str(prefix_uri))
     prefix = key.rstrip("/") + "/" if key else ""
     out = []
-    with _s3_errors(str(prefix_uri)):
-        for page in _client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+    with s3_client.errors(str(prefix_uri)):
+        for page in s3_client.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             out += [
                 f"s3://{bucket}/{o['Key']}"
                 for o in page.get("Contents", [])
@@ -202,8 +122,8 @@ def write_bytes(uri: str | Path, data: bytes) -> None:
     """Write a whole file: atomically (temp file + rename) locally, one checksummed PUT on S3."""
     if is_s3(uri):
         bucket, key = split_s3(str(uri))
-        with _s3_errors(str(uri)):
-            _client().put_object(Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm="SHA256")
+        with s3_client.errors(str(uri)):
+            s3_client.client().put_object(Bucket=bucket, Key=key, Body=data, ChecksumAlgorithm="SHA256")
         return
     path = _local(uri)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -254,8 +174,8 @@ class _ResumableBody(io.RawIOBase):
             kwargs["ChecksumMode"] = "ENABLED"
         if self.etag:
             kwargs["IfMatch"] = self.etag
-        with _s3_errors(self.uri):
-            response = _client().get_object(**kwargs)
+        with s3_client.errors(self.uri):
+            response = s3_client.client().get_object(**kwargs)
         self.etag = self.etag or response.get("ETag")
         return response["Body"]
 
@@ -305,8 +225,10 @@ def download_file(uri: str | Path, local_path: str | Path, *, multipart_threshol
     try:
         if is_s3(uri):
             bucket, key = split_s3(str(uri))
-            with _s3_errors(str(uri)):
-                _client().download_file(bucket, key, str(tmp), Config=_transfer_config(multipart_threshold))
+            with s3_client.errors(str(uri)):
+                s3_client.client().download_file(
+                    bucket, key, str(tmp), Config=s3_client.transfer_config(multipart_threshold)
+                )
         else:
             shutil.copyfile(_local(uri), tmp)
         os.replace(tmp, dest)
@@ -321,12 +243,12 @@ def upload_file(local_path: str | Path, uri: str | Path, *, multipart_threshold:
         download_file(local_path, _local(uri))  # a local copy: same temp-file-and-rename path
         return
     bucket, key = split_s3(str(uri))
-    with _s3_errors(str(uri)):
-        _client().upload_file(
+    with s3_client.errors(str(uri)):
+        s3_client.client().upload_file(
             str(local_path),
             bucket,
             key,
-            Config=_transfer_config(multipart_threshold),
+            Config=s3_client.transfer_config(multipart_threshold),
             ExtraArgs={"ChecksumAlgorithm": "SHA256"},
         )
 
@@ -389,8 +311,8 @@ def publish_dir(local_dir: str | Path, dest_uri: str | Path, *, multipart_thresh
     marker_bytes = json.dumps(marker, indent=1, sort_keys=True).encode()
     if is_s3(dest_uri):
         bucket, key = split_s3(str(dest_uri))
-        with _s3_errors(str(dest_uri)):
-            _client().delete_object(Bucket=bucket, Key=join(key, COMMIT_MARKER) if key else COMMIT_MARKER)
+        with s3_client.errors(str(dest_uri)):
+            s3_client.client().delete_object(Bucket=bucket, Key=join(key, COMMIT_MARKER) if key else COMMIT_MARKER)
         for path in files:
             upload_file(
                 path, join(str(dest_uri), path.relative_to(source).as_posix()), multipart_threshold=multipart_threshold
@@ -483,8 +405,10 @@ def list_committed(prefix_uri: str | Path) -> list[str]:
     bucket, key = split_s3(str(prefix_uri))
     prefix = key.rstrip("/") + "/" if key else ""
     children: list[str] = []
-    with _s3_errors(str(prefix_uri)):
-        for page in _client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/"):
+    with s3_client.errors(str(prefix_uri)):
+        for page in (
+            s3_client.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/")
+        ):
             children += [f"s3://{bucket}/{p['Prefix'].rstrip('/')}" for p in page.get("CommonPrefixes", [])]
     return sorted(child for child in children if is_committed(child))
 

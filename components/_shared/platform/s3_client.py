@@ -1,0 +1,96 @@
+"""The boto3 side of storage.py: one S3 client per credential set, the transfer settings, and botocore errors
+turned into built-in ones whose message names the URI and what to do.
+
+Endpoint, credentials and region come from the standard AWS variables (AWS_ENDPOINT_URL for non-AWS S3 such as
+MinIO or SeaweedFS); on Kubernetes they are mounted from the S3 secret.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+MULTIPART_THRESHOLD = int(float(os.environ.get("QVL_S3_MULTIPART_THRESHOLD_MB", "64")) * 1024**2)
+
+
+_CREDENTIALS_HINT = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for non-AWS S3); "
+    "on Kubernetes, mount them from the S3 secret (manifests/, pipelines/k8s.py)"
+)
+
+
+def client():
+    """The S3 client for the current AWS_* environment (cached per distinct setting)."""
+    env = tuple(
+        os.environ.get(k)
+        for k in (
+            "AWS_ENDPOINT_URL_S3",
+            "AWS_ENDPOINT_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_REGION",
+            "AWS_DEFAULT_REGION",
+        )
+    )
+    return _client_for(env)
+
+
+@functools.lru_cache(maxsize=8)
+def _client_for(env: tuple[str | None, ...]):
+    import boto3
+    from botocore.config import Config
+
+    custom_endpoint = bool(env[0] or env[1])
+    config = Config(
+        retries={"mode": "adaptive", "max_attempts": 10},
+        s3={"addressing_style": "path" if custom_endpoint else "auto"},
+        request_checksum_calculation="when_supported",
+        response_checksum_validation="when_supported",
+    )
+    region = env[4] or env[5] or "us-east-1"
+    client = boto3.session.Session().client("s3", region_name=region, config=config)
+    if custom_endpoint:
+        # SeaweedFS stalls a PUT sent with "Expect: 100-continue" after a zero-byte PUT on the same
+        # connection (until the read timeout). The header only saves bandwidth on rejected uploads.
+        from botocore.handlers import add_expect_header
+
+        client.meta.events.unregister("before-call.s3", add_expect_header)
+    return client
+
+
+def transfer_config(multipart_threshold: int | None):
+    """boto3 transfer settings: multipart above the threshold (QVL_S3_MULTIPART_THRESHOLD_MB, default 64)."""
+    from boto3.s3.transfer import TransferConfig
+
+    threshold = MULTIPART_THRESHOLD if multipart_threshold is None else multipart_threshold
+    return TransferConfig(multipart_threshold=threshold, multipart_chunksize=max(threshold, 5 * 1024**2))
+
+
+@contextlib.contextmanager
+def errors(uri: str) -> Iterator[None]:
+    """Turn botocore errors into built-in ones whose message names the URI and what to do."""
+    from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
+
+    try:
+        yield
+    except NoCredentialsError as error:
+        raise PermissionError(f"No S3 credentials to access {uri}: {_CREDENTIALS_HINT}.") from error
+    except EndpointConnectionError as error:
+        raise ConnectionError(
+            f"Cannot reach the S3 endpoint for {uri} ({error}); check AWS_ENDPOINT_URL and that the S3 service is up."
+        ) from error
+    except ClientError as error:
+        code = str(error.response.get("Error", {}).get("Code", ""))
+        if code in ("404", "NoSuchKey", "NotFound"):
+            raise FileNotFoundError(f"{uri} does not exist.") from error
+        if code == "NoSuchBucket":
+            raise FileNotFoundError(f"Bucket of {uri} does not exist; create it or fix the URI.") from error
+        if code in ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise PermissionError(
+                f"S3 refused access to {uri} ({code}): check the credentials; {_CREDENTIALS_HINT}."
+            ) from error
+        raise OSError(f"S3 request for {uri} failed: {error}") from error
+    except BotoCoreError as error:
+        raise OSError(f"S3 request for {uri} failed: {error}") from error
