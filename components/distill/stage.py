@@ -34,6 +34,7 @@ from components._shared.eval import metrics as M
 from components._shared.eval import readers
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.attention import PACKED_SDPA
+from components._shared.model.device import resolve_device
 from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
@@ -51,7 +52,7 @@ from components._shared.model.stage_steps import (
     run_key,
     trained_module,
 )
-from components._shared.model.training import Phase, TrainLoop, resolve_device
+from components._shared.model.training import Phase, TrainLoop
 from components._shared.model.vlm import count_parameters, load_vlm, qwen_model, save_vlm, set_pixel_bounds
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker

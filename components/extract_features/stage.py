@@ -30,6 +30,8 @@ from typing import Any, cast
 
 import torch
 
+from components._shared.model.device import resolve_device
+from components._shared.model.sources import resolve_model
 from components._shared.platform.tracking import Tracker
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.decode import (
@@ -56,23 +58,6 @@ class Record:
     image_format: str | None
     caption: str
     visual_tokens: int | None
-
-
-def resolve_model_dir(uri: str | Path) -> Path:
-    """A local directory for a model uri: `_shared.models.resolve_model` when present, else a local path."""
-    try:
-        from components._shared.model.sources import resolve_model
-    except ModuleNotFoundError as err:
-        if err.name != "components._shared.model.sources":
-            raise
-        path = Path(uri)
-        if not path.is_dir():
-            raise ValueError(
-                f"Model '{uri}' is not a local directory, and components._shared.model.sources (to resolve it) "
-                "is missing."
-            ) from err
-        return path
-    return Path(resolve_model(str(uri)))
 
 
 class _MergeGroupsAsRows(torch.nn.Module):
@@ -315,7 +300,7 @@ def caption_embeddings(
     """Unit-length pooled CLIP text embeddings (float32 [dim]) of each caption, keyed by image_hash."""
     from transformers import AutoConfig, AutoTokenizer, CLIPModel
 
-    model_dir = resolve_model_dir(uri)
+    model_dir = resolve_model(uri)
     if AutoConfig.from_pretrained(model_dir).model_type != "clip":
         raise ValueError(f"text_encoder '{uri}' is not a CLIP model; give a CLIPModel directory or builtin:tiny-clip.")
     model = CLIPModel.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
@@ -336,14 +321,6 @@ def caption_embeddings(
         pooled = torch.nn.functional.normalize(pooled.float(), dim=-1).cpu()
         out.update({h: pooled[i].contiguous() for i, h in enumerate(chunk)})
     return out
-
-
-def _device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA GPU is visible; use device=auto or cpu.")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def run(
@@ -367,9 +344,9 @@ def run(
         output_dir / CAPTION_FILE,
     ]:
         stale.unlink(missing_ok=True)  # a rerun into the same directory must not leave old shards behind
-    device = _device(cfg.device)
+    device = resolve_device(cfg.device)
     backend = choose_backend(cfg.decode_backend, device)
-    tower, spec = load_vision_tower(resolve_model_dir(base_model), dtype=_DTYPES[cfg.dtype], device=device)
+    tower, spec = load_vision_tower(resolve_model(str(base_model)), dtype=_DTYPES[cfg.dtype], device=device)
     tracker.set_tags({"decode_backend": backend})
     merge_unit = spec.merge_size**2
 

@@ -6,10 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.model.train_config import ModuleGroup, OptimConfig, ScheduleConfig, TrainConfig
 from components._shared.platform.config import StageConfig, SubConfig
-
-Group = Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]
 
 
 class Stage1Config(SubConfig):
@@ -25,7 +23,7 @@ class Stage2Config(SubConfig):
     """Joint training from pixels; `train.steps: 0` skips it. Per-module learning rates via optim.group_lr."""
 
     enabled: bool = False
-    freeze: list[Group] = Field(default_factory=list, description="Module groups kept frozen in stage 2.")
+    freeze: list[ModuleGroup] = Field(default_factory=list, description="Module groups kept frozen in stage 2.")
     train: TrainConfig = TrainConfig(steps=100, samples_per_step=32, max_tokens_per_micro_batch=2048)
     optim: OptimConfig = OptimConfig(lr=1e-4, group_lr={"vision_lower": 1e-5, "vision_upper": 3e-5})
     schedule: ScheduleConfig = ScheduleConfig(warmup_steps=10)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field
 
-from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.model.train_config import ModuleGroup, OptimConfig, ScheduleConfig, TrainConfig
 from components._shared.platform.config import StageConfig
 
 
@@ -26,7 +26,7 @@ class RewardModelConfig(StageConfig):
     margin: Annotated[
         float, Field(ge=0, description="Bradley-Terry margin: -log sigmoid(r_chosen - r_rejected - m).")
     ] = 0.0
-    freeze: list[Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]] = Field(
+    freeze: list[ModuleGroup] = Field(
         default_factory=list, description="Backbone module groups kept frozen (the head always trains)."
     )
     heldout_fraction: Annotated[

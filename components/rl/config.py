@@ -6,10 +6,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.model.train_config import ModuleGroup, OptimConfig, ScheduleConfig, TrainConfig
 from components._shared.platform.config import StageConfig, SubConfig
 
-REWARD_NAMES = ("efficacy", "format", "reward_model", "ocr_consistency")  # = rewards.REWARDS
+REWARD_NAMES = ("efficacy", "format", "reward_model", "ocr_consistency")  # rewards.REWARD_BUILDERS builds each
 
 
 class RolloutConfig(SubConfig):
@@ -182,9 +182,7 @@ class RlConfig(StageConfig):
     )
     prompt_types: list[str] = Field(default_factory=list, description="Question types to train on; empty = all.")
     max_records: Annotated[int | None, Field(ge=1)] = None
-    freeze: list[Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]] = Field(
-        default_factory=list
-    )
+    freeze: list[ModuleGroup] = Field(default_factory=list)
     min_pixels: Annotated[int, Field(ge=28 * 28)] = 56 * 56
     max_pixels: Annotated[int, Field(ge=28 * 28)] = 1280 * 28 * 28
     max_length: Annotated[int, Field(ge=16)] = 4096
@@ -236,7 +234,3 @@ class RlConfig(StageConfig):
                 "(train.samples_per_step x rollout.samples_per_prompt)."
             )
         return self
-
-    @property
-    def uses_reward_model(self) -> bool:
-        return bool(self.rewards.get("reward_model"))

@@ -2,7 +2,7 @@
 
 `batch` carries `records` (the prompt records: id, type, question, answer, pil image) and `finished` (whether
 each completion ended with <|im_end|> rather than running into max_new_tokens). `build_rewards` picks the
-configured ones from REWARDS by name; the RL stage sums them with their weights.
+configured ones from REWARD_BUILDERS by name; the RL stage sums them with their weights.
 
 Task efficacy (TER, seed 000), per question type:
 - VQA types: answer accuracy (exact match; grounding: the box IoU, so near misses earn part of the reward)
@@ -185,33 +185,37 @@ class OcrConsistencyReward:
         return out
 
 
-REWARDS = ("efficacy", "format", "reward_model", "ocr_consistency")
+def _reward_model_reward(reward_model_uri: str | None, **options: Any) -> RewardFn:
+    if not reward_model_uri:
+        raise ValueError(
+            "rl.rewards uses reward_model but the stage got no reward model; connect the "
+            "reward_model stage's output or set its weight to 0."
+        )
+    return RewardModelReward(reward_model_uri, **options)
+
+
+# The one table of rewards: name -> builder(reward_model_uri, min_pixels=, max_pixels=, device=). Its names are
+# config.REWARD_NAMES (the config validates against them without importing torch; a test checks both agree).
+REWARD_BUILDERS: dict[str, Callable[..., RewardFn]] = {
+    "efficacy": lambda uri, **_: EfficacyCache(),
+    "format": lambda uri, **_: format_reward,
+    "reward_model": _reward_model_reward,
+    "ocr_consistency": lambda uri, **_: OcrConsistencyReward(),
+}
 
 
 def build_rewards(
     weights: dict[str, float], *, reward_model_uri: str | None, min_pixels: int, max_pixels: int, device: torch.device
 ) -> dict[str, RewardFn]:
     """The configured reward callables by name (weights zero or absent are not built)."""
-    unknown = sorted(set(weights) - set(REWARDS))
+    unknown = sorted(set(weights) - set(REWARD_BUILDERS))
     if unknown:
-        raise ValueError(f"rl.rewards names unknown reward(s) {unknown}; choose from {REWARDS}.")
-    fns: dict[str, RewardFn] = {}
-    for name, weight in weights.items():
-        if not weight:
-            continue
-        if name == "efficacy":
-            fns[name] = EfficacyCache()
-        elif name == "format":
-            fns[name] = format_reward
-        elif name == "ocr_consistency":
-            fns[name] = OcrConsistencyReward()
-        else:
-            if not reward_model_uri:
-                raise ValueError(
-                    "rl.rewards uses reward_model but the stage got no reward model; connect the "
-                    "reward_model stage's output or set its weight to 0."
-                )
-            fns[name] = RewardModelReward(reward_model_uri, min_pixels=min_pixels, max_pixels=max_pixels, device=device)
+        raise ValueError(f"rl.rewards names unknown reward(s) {unknown}; choose from {tuple(REWARD_BUILDERS)}.")
+    fns = {
+        name: REWARD_BUILDERS[name](reward_model_uri, min_pixels=min_pixels, max_pixels=max_pixels, device=device)
+        for name, weight in weights.items()
+        if weight
+    }
     if not fns:
         raise ValueError("rl.rewards has no reward with a non-zero weight; give at least one (e.g. efficacy: 1.0).")
     return fns

@@ -35,6 +35,7 @@ from components._shared.eval import evaluation as E
 from components._shared.eval import metrics as M
 from components._shared.eval import readers
 from components._shared.model import checkpoint as ckpt
+from components._shared.model.device import resolve_device
 from components._shared.model.packing import ConversationEncoder
 from components._shared.model.stage_steps import (
     SCRATCH,
@@ -44,7 +45,6 @@ from components._shared.model.stage_steps import (
     run_key,
     trained_module,
 )
-from components._shared.model.training import resolve_device
 from components._shared.model.vlm import freeze, load_vlm, save_vlm, set_pixel_bounds
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.model.train_config import ModuleGroup, OptimConfig, ScheduleConfig, TrainConfig
 from components._shared.platform.config import StageConfig, SubConfig
 
 # LoRA targets by default: LM attention + MLP, the ViT's fused qkv and the merger's two linears.
@@ -94,9 +94,7 @@ class SftConfig(StageConfig):
     mode: Literal["lora", "qlora", "full"] = "lora"
     lora: LoraConfig = LoraConfig()
     qlora: QLoraConfig = QLoraConfig()
-    freeze: list[Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]] = Field(
-        default_factory=list, description="Module groups kept frozen in full mode."
-    )
+    freeze: list[ModuleGroup] = Field(default_factory=list, description="Module groups kept frozen in full mode.")
     min_pixels: Annotated[int, Field(ge=28 * 28)] = 56 * 56
     max_pixels: Annotated[int, Field(ge=28 * 28)] = 1280 * 28 * 28
     max_length: Annotated[int, Field(ge=16)] = 4096

@@ -100,3 +100,10 @@ def test_build_rewards_rejects_unknown_names_and_a_missing_reward_model():
         build_rewards(
             {"reward_model": 1.0}, reward_model_uri=None, min_pixels=3136, max_pixels=3136, device=torch.device("cpu")
         )
+
+
+def test_the_config_and_the_rewards_table_name_the_same_rewards():
+    from components.rl.config import REWARD_NAMES
+    from components.rl.rewards import REWARD_BUILDERS
+
+    assert tuple(REWARD_BUILDERS) == REWARD_NAMES

@@ -130,9 +130,7 @@ def _materialize(target: Path, produce) -> Path:
 
 
 def _accepted_forms() -> str:
-    try:
-        from components.synth_world.builtin_models import BUILTIN_NAMES
-    except ImportError:
-        BUILTIN_NAMES = ()
-    names = ", ".join(f"builtin:{n}" for n in BUILTIN_NAMES) or "builtin:NAME"
+    from components.synth_world.builtin_models import BUILTIN_NAMES
+
+    names = ", ".join(f"builtin:{n}" for n in BUILTIN_NAMES)
     return f"accepted forms: a local model directory, s3://bucket/prefix (a committed prefix), or one of {names}."

@@ -6,13 +6,16 @@ and `train` blocks; the loop itself is components/_shared/model/training.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
 from components._shared.platform.config import SubConfig
 
-MODULE_GROUPS = ("vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper")  # = vlm.MODULE_GROUPS
+# The parameter groups of a Qwen VLM (model/vlm.py assigns every trainable parameter to exactly one): the one
+# spelling of their names, for configs (freeze lists, per-group LRs) and the model code alike.
+ModuleGroup = Literal["vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper"]
+MODULE_GROUPS: tuple[str, ...] = get_args(ModuleGroup)
 
 
 def _check_groups(values: dict, what: str) -> dict:

@@ -33,6 +33,7 @@ import torch
 
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.backends import Backend, TorchBackend
+from components._shared.model.device import resolve_device
 from components._shared.model.packing import (
     Sample,
     batch_tokens,
@@ -113,16 +114,6 @@ def lr_factor(step: int, total: int, schedule: ScheduleConfig) -> float:
     if schedule.decay == "linear":
         return floor + (peak - floor) * (1.0 - progress)
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device='cuda' but no CUDA GPU is visible; use device: auto or cpu.")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":  # under torchrun each rank owns the GPU of its LOCAL_RANK
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device(name)
 
 
 class TrainLoop:

@@ -16,10 +16,9 @@ import torch
 
 from components._shared.model.attention import register as packed_attention
 from components._shared.model.sources import resolve_model, validate_model_dir
+from components._shared.model.train_config import MODULE_GROUPS
 
 SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
-# Parameter groups in the order the seeds discuss them; every trainable parameter falls in exactly one.
-MODULE_GROUPS = ("vision_lower", "vision_upper", "merger", "lm_lower", "lm_upper")
 _VISION_BLOCK = re.compile(r"(?:^|\.)visual\.blocks\.(\d+)\.")
 _LM_LAYER = re.compile(r"(?:^|\.)language_model\.layers\.(\d+)\.")
 
