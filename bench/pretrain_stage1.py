@@ -7,7 +7,7 @@ shards and runs only the merger. Measured in one process, the same number of ste
 
     python bench/pretrain_stage1.py [--model builtin:demo-qwen2_5-vl] [--steps 20] [--threads 1]
 
-Goal (issue 3): cached >= 2x the steps/s of the ViT on the fly.
+Goal: cached >= 2x the steps/s of the ViT on the fly.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Config of the clean_data stage. Imports pydantic only, so pipelines/ can import it at compile time.
 
 Filters run cheapest first; each has its thresholds and, where it costs a model, an enable flag.
-The model levels follow seed 001's five-level cleaning: CLIP score, NSFW, OCR-vs-caption, embedding-cluster
-outliers, and a self-judge that drops the worst fraction by the judge VLM's caption loss.
+The model levels follow the five-level cleaning of docs/references.md: CLIP score, NSFW, OCR-vs-caption,
+embedding-cluster outliers, and a self-judge that drops the worst fraction by the judge VLM's caption loss.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ class CleanDataConfig(StageConfig):
         "builtin:tiny-clip", min_length=1, description="CLIP model dir, s3:// prefix or builtin:NAME."
     )
     clip_min_score: Annotated[
-        float, Field(ge=-1.0, le=1.0, description="Cosine similarity threshold (seed 001 uses 0.25 for OpenAI CLIP).")
+        float,
+        Field(ge=-1.0, le=1.0, description="Cosine similarity threshold (0.25 is the usual value for OpenAI CLIP)."),
     ] = 0.25
     clip_threshold_from_model: bool = Field(
         False,

@@ -1,4 +1,5 @@
-"""The per-record checks (caption, size, dedup) and the model-backed levels of seed 001's cleaning.
+"""The per-record checks (caption, size, dedup) and the model-backed levels of the five-level cleaning
+(docs/references.md).
 
 Cheap checks are plain functions returning a (reason, detail) pair or None. Model-backed levels are
 small classes loaded once per process (`load_*` are cached): CLIP image-text agreement, nudenet NSFW,
@@ -325,7 +326,7 @@ def robust_threshold(scores: np.ndarray, z: float) -> float:
 
 
 class CaptionJudge:
-    """Mean caption-token loss of an image-text-to-text VLM (the seed's "model judges its own data")."""
+    """Mean caption-token loss of an image-text-to-text VLM ("the model judges its own data")."""
 
     def __init__(self, model_dir, prompt: str) -> None:
         import torch

@@ -41,7 +41,10 @@ class LossConfig(SubConfig):
     kl: Annotated[float, Field(ge=0)] = 1.0
     ce: Annotated[float, Field(ge=0)] = 0.0
     hidden: Annotated[
-        float, Field(ge=0, description="Hidden-state matching through learned projections (seed 001).")
+        float,
+        Field(
+            ge=0, description="Hidden-state matching through learned projections (TinyBERT-style state distillation)."
+        ),
     ] = 0.0
     attention: Annotated[float, Field(ge=0, description="Attention-map matching (runs eager attention: slower).")] = 0.0
 

@@ -6,7 +6,7 @@ target-token count, so packing does not change the gradient).
 - ce: cross-entropy on the data's answer tokens, for samples whose answer came from the data (not the student).
 - hidden: MSE between a learned projection of a student layer's output and the mapped teacher layer's output.
 - attention: KL(teacher attention row || student attention row) at each response token, heads averaged (student
-  and teacher may have different head counts), over mapped layers ("state distillation", seed 001).
+  and teacher may have different head counts), over mapped layers ("state distillation"; docs/references.md).
 """
 
 from __future__ import annotations

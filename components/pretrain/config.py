@@ -31,7 +31,7 @@ class Stage2Config(SubConfig):
 
 class InfoNceConfig(SubConfig):
     """Auxiliary contrastive loss between pooled merged image tokens and pooled caption token embeddings
-    (seeds 000/001), in-batch negatives; `hard_negatives` keeps only the k most similar negatives."""
+    (docs/references.md), in-batch negatives; `hard_negatives` keeps only the k most similar negatives."""
 
     weight: Annotated[float, Field(ge=0, description="0 disables the auxiliary loss.")] = 0.0
     temperature: Annotated[float, Field(gt=0, le=10)] = 0.07
@@ -71,7 +71,7 @@ class PretrainConfig(StageConfig):
         Field(
             ge=1,
             description=(
-                "Export the best of the last N evaluated checkpoints by held-out caption loss (seed 001); set the "
+                "Export the best of the last N evaluated checkpoints by held-out caption loss; set the "
                 "last stage's train.keep_checkpoints >= N and eval_every = checkpoint_every."
             ),
         ),

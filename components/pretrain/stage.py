@@ -10,7 +10,7 @@ In the pipeline:       components/pretrain/component.py calls run_stage("pretrai
 Convergence is tracked on held-out captions (`--data`: eval.jsonl, type "caption"): the mean caption loss and
 image->text retrieval R@1 (each image ranks every candidate caption by its caption loss given the image minus
 that caption's mean loss over all candidate images, so generic, likely captions do not win everywhere). The exported
-model/ is the best of the last N evaluated checkpoints (seed 001). Writes model/, checkpoints/, report.md.
+model/ is the best of the last N evaluated checkpoints. Writes model/, checkpoints/, report.md.
 """
 
 from __future__ import annotations

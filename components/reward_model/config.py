@@ -18,7 +18,7 @@ class RewardModelConfig(StageConfig):
         Field(
             ge=1,
             description=(
-                "Reward sparsification (seed 001): the reward is read at the K-th response token (or the last one when "
+                "Reward sparsification: the reward is read at the K-th response token (or the last one when "
                 "shorter), so text appended after K tokens cannot raise it."
             ),
         ),

@@ -58,7 +58,7 @@ def clipped_value_loss(
 
 
 def linear_decay(start: float, end: float, step: int, total: int) -> float:
-    """`start` at step 0 to `end` at the last step (seed 001: PPO's clip range 0.2 -> 0.05)."""
+    """`start` at step 0 to `end` at the last step (PPO's clip range 0.2 -> 0.05 by default)."""
     if total <= 1:
         return start
     return start + (end - start) * min(1.0, step / (total - 1))
@@ -109,7 +109,7 @@ class RunningMoments:
         return math.sqrt(self.m2 / self.count) if self.count > 1 else 1.0
 
     def normalize(self, values: list[float], clip: float) -> list[float]:
-        """(v - mean) / std, clipped to [-clip, clip] (seed 001: rewards in [-1, 1])."""
+        """(v - mean) / std, clipped to [-clip, clip] (rewards in [-1, 1] with clip 1)."""
         std = max(self.std, 1e-6)
         return [max(-clip, min(clip, (v - self.mean) / std)) for v in values]
 
@@ -132,7 +132,7 @@ def ppo_token_rewards(score: float, logprobs: torch.Tensor, ref_logprobs: torch.
 
 
 class EmaBaseline:
-    """TER's baseline b(s): an exponential moving average of the efficacy of each prompt (decay 0.99, seed 000),
+    """TER's baseline b(s): an exponential moving average of the efficacy of each prompt (decay 0.99 by default),
     bias-corrected like Adam's moments so that the first visits give the plain mean rather than a value shrunk
     towards 0. A prompt not seen yet falls back to the EMA of its group (the question type): efficacy differs far
     more between types (counting vs reading) than between samples of one prompt, and a single overall baseline
@@ -221,8 +221,8 @@ def leave_one_out_centred(rewards: list[float], group_size: int) -> list[float]:
 
 def truncated_importance_weights(logprobs: torch.Tensor, old_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
     """pi_new / pi_old per token, capped at `cap` and detached (TER: the rollouts come from the previous policy;
-    the seed writes the inverse ratio, pi_old / pi_new, which would down-weight exactly the actions the update
-    made likelier; we use the standard off-policy correction)."""
+    the practitioners' write-up has the inverse ratio pi_old / pi_new (docs/references.md), which would
+    down-weight exactly the actions the update made likelier; we use the standard off-policy correction)."""
     return torch.exp(logprobs - old_logprobs).clamp(max=cap).detach()
 
 
@@ -234,7 +234,7 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 class GradientEma:
-    """TER's gradient smoothing (seed 000): after clipping, grad <- ema = beta * ema + (1 - beta) * grad."""
+    """TER's gradient smoothing: after clipping, grad <- ema = beta * ema + (1 - beta) * grad."""
 
     def __init__(self, beta: float) -> None:
         if not 0.0 <= beta < 1.0:

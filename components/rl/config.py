@@ -36,7 +36,7 @@ class UpdateConfig(SubConfig):
 
 
 class PpoConfig(SubConfig):
-    """PPO with a value head on the policy (seed 001 settings by default)."""
+    """PPO with a value head on the policy (the defaults follow docs/references.md, PPO settings)."""
 
     clip_start: Annotated[float, Field(gt=0, lt=1)] = 0.2
     clip_end: Annotated[float, Field(gt=0, lt=1)] = 0.05
@@ -49,7 +49,7 @@ class PpoConfig(SubConfig):
         Field(
             gt=0,
             description=(
-                "Hard stop (seed 001): training ends, keeping the current policy, once the per-token KL to the "
+                "Hard stop: training ends, keeping the current policy, once the per-token KL to the "
                 "reference measured on a step's rollouts exceeds this."
             ),
         ),
@@ -70,7 +70,7 @@ class PpoConfig(SubConfig):
 
 
 class TerConfig(SubConfig):
-    """Task-efficacy REINFORCE (seed 000)."""
+    """Task-efficacy REINFORCE (TER; docs/references.md)."""
 
     baseline_decay: Annotated[float, Field(ge=0, lt=1)] = 0.99
     max_grad_norm: Annotated[float, Field(gt=0, description="TER's own gradient clip (replaces optim's).")] = 0.3

@@ -4,11 +4,11 @@
 each completion ended with <|im_end|> rather than running into max_new_tokens). `build_rewards` picks the
 configured ones from REWARD_BUILDERS by name; the RL stage sums them with their weights.
 
-Task efficacy (TER, seed 000), per question type:
+Task efficacy (TER; docs/references.md), per question type:
 - VQA types: answer accuracy (exact match; grounding: the box IoU, so near misses earn part of the reward)
   times a length factor that only starts to bite past 1.5x the question's length,
   `1 - min(1, max(0, len - 1.5 * question_len) / (1.5 * question_len))` (words);
-- captions: n-gram overlap with the reference (mean F1 over 1..4-grams, the seed's cheap stand-in for CIDEr)
+- captions: n-gram overlap with the reference (mean F1 over 1..4-grams, a cheap stand-in for CIDEr)
   times (1 - the share of repeated bigrams);
 - text reading (ocr): word-level F1 against the reference.
 """
@@ -93,7 +93,7 @@ def task_efficacy(question_type: str, answer: str, reference: str, question: str
 
 
 class EfficacyCache:
-    """Efficacy of (prompt id, normalised answer), computed once (seed 000: most sampled answers repeat)."""
+    """Efficacy of (prompt id, normalised answer), computed once (most sampled answers repeat)."""
 
     def __init__(self) -> None:
         self.values: dict[tuple[str, str], float] = {}
@@ -147,7 +147,7 @@ class RewardModelReward(RewardModelScorer):
 
 
 class OcrConsistencyReward:
-    """Seed 001's fact check: text the answer claims is written in the image must be there.
+    """The fact check: text the answer claims is written in the image must be there.
 
     Claims are the whole answer of a text-reading question and any quoted word in other answers. +1 when
     every claimed word is read in the image by the OCR model (one slip allowed on 4+ letters), -1 when one is

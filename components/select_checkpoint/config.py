@@ -59,7 +59,10 @@ class SelectCheckpointConfig(StageConfig):
     )
     min_gates: dict[str, float] = Field(
         default_factory=dict,
-        description=("Hard gates metric >= bound (the seeds' real-model gates: grounding_accuracy 0.68, anls 0.45)."),
+        description=(
+            "Hard gates metric >= bound (suggested for a real 7B: grounding_accuracy 0.68, anls 0.45; "
+            "docs/references.md)."
+        ),
     )
     max_gates: dict[str, float] = Field(default_factory=dict, description="Hard gates metric <= bound.")
     registry_name: str = Field(

@@ -10,7 +10,8 @@ from components._shared.model.train_config import ModuleGroup, OptimConfig, Sche
 from components._shared.platform.config import StageConfig, SubConfig
 
 # LoRA targets by default: LM attention + MLP, the ViT's fused qkv and the merger's two linears.
-# The merger is listed explicitly: LoRA that silently leaves the projector frozen is a known pain (seed 003).
+# The merger is listed explicitly: LoRA that silently leaves the projector frozen is a known pain with Qwen-VL
+# LoRA recipes.
 DEFAULT_LORA_TARGETS = [
     r"language_model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",
     r"language_model\.layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)",
@@ -60,7 +61,7 @@ class CurriculumPhase(SubConfig):
 
 
 class DifficultySchedulerConfig(SubConfig):
-    """Online difficulty scheduling (seed 000/001): after each quick held-out eval, question types the model
+    """Online difficulty scheduling (docs/references.md): after each quick held-out eval, question types the model
     gets wrong more often are sampled more: weight(type) = floor + (1 - exact match(type)) ** sharpness."""
 
     enabled: bool = False
@@ -102,7 +103,7 @@ class SftConfig(StageConfig):
     curriculum: list[CurriculumPhase] = Field(
         default_factory=list,
         description=(
-            "Phases in order; their steps must sum to train.steps. Empty = one phase on everything. Seed 001: "
+            "Phases in order; their steps must sum to train.steps. Empty = one phase on everything. "
             "basic -> advanced -> all with falling learning rates."
         ),
     )

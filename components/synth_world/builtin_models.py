@@ -1,6 +1,7 @@
 """The builtin tiny models of the presets, built offline from recipes (no downloads).
 
-    tiny-qwen2_5-vl   GUIDE section 5 recipe: LM hidden 64, 2 layers, 4 heads / 2 KV heads, ViT depth 2 hidden 64
+    tiny-qwen2_5-vl   the measured tiny recipe (docs/references.md): LM hidden 64, 2 layers, 4 heads / 2 KV heads,
+                      ViT depth 2 hidden 64
     demo-qwen2_5-vl   LM hidden 128, 4 layers; ViT depth 4 hidden 128 (see DEMO_QWEN2_5_VL)
     tiny-qwen2-vl     the same scale with the Qwen2-VL classes (2-D RoPE ViT, LayerNorm, no window attention)
     tiny-clip         a CLIPModel trained contrastively on the shapes world (clip.py); the clean_data caption check
@@ -56,7 +57,7 @@ class QwenRecipe:
 
 @dataclass(frozen=True)
 class ClipRecipe:
-    """Sizes and training budget of the builtin CLIP (budget in steps, not seconds: GUIDE section 5)."""
+    """Sizes and training budget of the builtin CLIP (in steps, not seconds: wall time varies with the load)."""
 
     version: str
     image_size: int = 112
@@ -98,7 +99,7 @@ TINY_QWEN2_5_VL = QwenRecipe(
     vision_heads=4,
     vision_intermediate=128,
 )
-# The demo doubles width and depth of both towers. GUIDE section 5 measured that size alone does not buy
+# The demo doubles width and depth of both towers. Measured on the CPU: size alone does not buy
 # accuracy per step, so the demo is not "better", it is the smallest model whose ViT can mix the whole
 # 8x8 patch grid several times (4 blocks, full attention in blocks 1 and 3) - what counting and
 # left/right relations need once the world has bigger shapes - while a step stays well under a

@@ -1,4 +1,4 @@
-"""Fuzzed inputs (issue 7, item 4) beyond the tar path of tests/unit/test_hostile_inputs.py: JSON sidecars in
+"""Fuzzed inputs beyond the tar path of tests/unit/test_hostile_inputs.py: JSON sidecars in
 tars, Parquet shards (valid files with hostile values, and random bytes), stage configs and command-line
 overrides. Property: no crash other than a clear, typed error; every record accounted."""
 

@@ -1,4 +1,4 @@
-"""Process faults (issue 7, item 2): the reward_model stage SIGKILLed mid-run and while writing a checkpoint,
+"""Process faults: the reward_model stage SIGKILLed mid-run and while writing a checkpoint,
 then rerun, ends bit-identical to an uninterrupted run. (pretrain, sft and rl have the same test next to their
 stage tests: tests/unit/test_{pretrain,sft,rl_stage}.py; the shared loop's in tests/unit/test_training.py.)"""
 

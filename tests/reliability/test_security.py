@@ -1,4 +1,4 @@
-"""Security checks over the code, the loaders, the containers and what a stage leaves behind (issue 7, item 5)."""
+"""Security checks over the code, the loaders, the containers and what a stage leaves behind."""
 
 import ast
 import json

@@ -1,4 +1,4 @@
-"""Storage faults (issue 7, item 1): S3 behind a proxy that answers 500 / 503 SlowDown, resets connections,
+"""Storage faults: S3 behind a proxy that answers 500 / 503 SlowDown, resets connections,
 truncates bodies and delays, at 20% of requests. Publishing, fetching, single reads, a checkpoint commit and
 resume, and a clean_data run on an S3 lake all complete, every object verified by its checksum, and nothing is
 ever visible as committed before it is complete."""

@@ -1,4 +1,4 @@
-"""Tracking faults (issue 7, item 3): the MLflow server is stopped for 60 s while an sft stage trains. The stage
+"""Tracking faults: the MLflow server is stopped for 60 s while an sft stage trains. The stage
 completes, no exception escapes, every metric logged during the outage reaches the server after it returns (no
 fallback file needed), and the model is written."""
 

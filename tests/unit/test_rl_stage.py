@@ -210,7 +210,7 @@ def test_a_policy_that_appends_the_bait_suffix_is_caught_by_the_reward_model(dat
         f"honest vs {sum(baited) / len(baited):.2f} baited"
     )
     assert caught >= 0.9 * len(records)
-    # the hacking policy of seed 001 (a wrong answer dressed in the suffix) scores below the plain answer too
+    # a reward-hacking policy (a wrong answer dressed in the suffix) scores below the plain answer too
     wrong = scorer(
         [""] * len(records),
         ["purple" + BAIT if r["answer"] != "purple" else "red" + BAIT for r in records],

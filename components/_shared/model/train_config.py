@@ -57,7 +57,7 @@ class WarmupSegment(SubConfig):
 
 
 class ScheduleConfig(SubConfig):
-    """Warmup then decay. `warmup_segments` replaces `warmup_steps` when set: seed 001's segmented warmup is
+    """Warmup then decay. `warmup_segments` replaces `warmup_steps` when set: a segmented warmup is
     [{fraction: 0.05, lr_fraction: 0.7}, {fraction: 0.05, lr_fraction: 0.7}, {fraction: 0.10, lr_fraction: 1.0}]."""
 
     decay: Literal["cosine", "linear", "constant"] = "cosine"

@@ -11,7 +11,7 @@ first-fit-decreasing into micro-batches of at most `max_tokens_per_micro_batch` 
 loss by the step's number of target tokens, so a step's gradient does not depend on how it was packed.
 
 Written by hand rather than with the HF Trainer: that trainer's resume does not restore this model's
-weights, restores RNG one batch late and writes non-atomic checkpoints (GUIDE section 5). The DeepSpeed
+weights, restores RNG one batch late and writes non-atomic checkpoints (docs/references.md). The DeepSpeed
 backend (components/_shared/model/ds_backend.py) plugs into the same loop.
 """
 
