@@ -142,30 +142,44 @@ def _model_levels(
                 )
             ]
         if cfg.ocr_enabled and alive:
-            ocr = filters.load_ocr(cfg.ocr_detect_side, cfg.onnx_threads)
-            survivors = []
-            with timer("ocr", len(alive)):
-                for i in alive:
-                    words = ocr.words(
-                        images[i],
-                        min_confidence=cfg.ocr_min_confidence,
-                        min_chars=cfg.ocr_min_word_chars,
-                        min_box_aspect=cfg.ocr_min_box_aspect,
-                    )
-                    batch[i].ocr_text = " ".join(words)
-                    missing = filters.unmentioned_words(words, batch[i].caption)
-                    scores["ocr_unmentioned_words"].append(float(len(missing)))
-                    if not _reject_if(
-                        len(missing) > cfg.ocr_max_unmentioned_words,
-                        batch[i],
-                        rejected,
-                        "ocr_caption_mismatch",
-                        f"image text {missing[:5]} not in the caption",
-                    ):
-                        survivors.append(i)
-            alive = survivors
+            alive = _ocr_level(batch, images, alive, cfg, timer, rejected, scores)
         kept += [batch[i] for i in alive]
     return kept
+
+
+def _ocr_level(
+    batch: list[Candidate],
+    images: list,
+    alive: list[int],
+    cfg: CleanDataConfig,
+    timer: Timer,
+    rejected: list[dict[str, Any]],
+    scores: dict[str, list[float]],
+) -> list[int]:
+    """OCR vs caption: reject a candidate whose image shows more words the caption never mentions than allowed;
+    returns the indices that survive."""
+    ocr = filters.load_ocr(cfg.ocr_detect_side, cfg.onnx_threads)
+    survivors = []
+    with timer("ocr", len(alive)):
+        for i in alive:
+            words = ocr.words(
+                images[i],
+                min_confidence=cfg.ocr_min_confidence,
+                min_chars=cfg.ocr_min_word_chars,
+                min_box_aspect=cfg.ocr_min_box_aspect,
+            )
+            batch[i].ocr_text = " ".join(words)
+            missing = filters.unmentioned_words(words, batch[i].caption)
+            scores["ocr_unmentioned_words"].append(float(len(missing)))
+            if not _reject_if(
+                len(missing) > cfg.ocr_max_unmentioned_words,
+                batch[i],
+                rejected,
+                "ocr_caption_mismatch",
+                f"image text {missing[:5]} not in the caption",
+            ):
+                survivors.append(i)
+    return survivors
 
 
 def _reject_if(condition: bool, c: Candidate, rejected: list[dict[str, Any]], reason: str, detail: str) -> bool:

@@ -161,30 +161,14 @@ def run(
         **comparison(teacher, student, teacher_summary, loop.evals),
         "student_speedup": round(teacher_seconds / max(eval_seconds[-1], 1e-9), 3),
     }
-    save_vlm(
-        student,
-        processor,
-        output_dir / "model",
-        metadata={
-            "stage": "distill",
-            "teacher_model": str(teacher_model),
-            "student_init": cfg.student.init,
-            "student_param_ratio": metrics["student_param_ratio"],
-        },
-    )
+    write_outputs(cfg, student, processor, plan, pairs, metrics, final_rows, output_dir, teacher_model)
     ckpt.write_pointer(output_dir, [store.root])
-    description = {
-        "init": cfg.student.init,
-        "sizes": student_sizes(cfg.student),
-        "parameters": metrics["student_parameters"],
-        "layer_pairs": pairs,
-        **(plan.summary() if plan is not None else {}),
-    }
-    (output_dir / "student.json").write_text(json.dumps(description, indent=2) + "\n")
-    with (output_dir / "eval_predictions.jsonl").open("w") as f:
-        for row in final_rows:
-            f.write(json.dumps(row) + "\n")
-    figures = [
+    finish_report(output_dir, tracker, report(metrics), _figures(result))
+    return metrics
+
+
+def _figures(result) -> list[Figure]:
+    return [
         Figure(
             "train_loss",
             "training loss and its parts",
@@ -197,8 +181,43 @@ def run(
             history_series(result.evals, ["heldout_kl", "vqa_exact_match"]),
         ),
     ]
-    finish_report(output_dir, tracker, report(metrics), figures)
-    return metrics
+
+
+def write_outputs(
+    cfg: DistillConfig,
+    student,
+    processor,
+    plan,
+    pairs: list[tuple[int, int]],
+    metrics: dict[str, Any],
+    rows: list[dict],
+    output_dir: Path,
+    teacher_model: str,
+) -> None:
+    """model/ (the student, HF format), student.json (init, sizes, matched layers, what pruning kept) and the
+    student's eval_predictions.jsonl."""
+    save_vlm(
+        student,
+        processor,
+        output_dir / "model",
+        metadata={
+            "stage": "distill",
+            "teacher_model": str(teacher_model),
+            "student_init": cfg.student.init,
+            "student_param_ratio": metrics["student_param_ratio"],
+        },
+    )
+    description = {
+        "init": cfg.student.init,
+        "sizes": student_sizes(cfg.student),
+        "parameters": metrics["student_parameters"],
+        "layer_pairs": pairs,
+        **(plan.summary() if plan is not None else {}),
+    }
+    (output_dir / "student.json").write_text(json.dumps(description, indent=2) + "\n")
+    with (output_dir / "eval_predictions.jsonl").open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
 
 
 def record_encoder(encoder: ConversationEncoder, records: list[dict], data_dir: Path):

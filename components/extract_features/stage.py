@@ -348,7 +348,6 @@ def run(
     backend = choose_backend(cfg.decode_backend, device)
     tower, spec = load_vision_tower(resolve_model(str(base_model)), dtype=_DTYPES[cfg.dtype], device=device)
     tracker.set_tags({"decode_backend": backend})
-    merge_unit = spec.merge_size**2
 
     preparer = BatchPreparer(cfg, backend, device, spec)
     writer = ShardWriter(output_dir, cfg.images_per_shard)
@@ -357,32 +356,8 @@ def run(
     hidden_size = int(tower.patch_embed.proj.out_channels)
     try:
         for step, (records, images) in enumerate(preparer.batches(iter_records(parts, cfg.batch_size))):
-            keep, in_batch = [], set()
-            for i, record in enumerate(records):
-                if record.image_hash not in writer.index and record.image_hash not in in_batch:  # exact duplicates
-                    keep.append(i)
-                    in_batch.add(record.image_hash)
-            duplicates += len(records) - len(keep)
-            prepared = [patch_rows(images[i].to(device), spec) for i in keep]
-            if not prepared:
-                continue
-            rows = torch.cat([r for r, _ in prepared])
-            grids = torch.tensor([g for _, g in prepared], dtype=torch.int64, device=device)
-            features = pre_merger_features(tower, rows, grids)
-            for i, feats, (_, grid) in zip(keep, features, prepared, strict=True):
-                record, tokens = records[i], feats.shape[0] // merge_unit
-                if record.visual_tokens is not None and record.visual_tokens != tokens:
-                    raise ValueError(
-                        f"image_hash {record.image_hash}: clean_data counted {record.visual_tokens} visual "
-                        f"tokens, the model gives {tokens} at min_pixels={cfg.min_pixels}, "
-                        f"max_pixels={cfg.max_pixels}; set both stages' "
-                        "min_pixels/max_pixels to the same values."
-                    )
-                writer.add(
-                    record.image_hash, feats.to("cpu", copy=True), grid, tokens
-                )  # copy: split views share storage
-                captions[record.image_hash] = record.caption
-                visual_tokens_total += tokens
+            skipped, tokens = cache_batch(records, images, tower, spec, writer, captions, cfg, device)
+            duplicates, visual_tokens_total = duplicates + skipped, visual_tokens_total + tokens
             tracker.log_metrics({"extract/images": float(len(writer.index))}, step=step)
         writer.flush()
     finally:
@@ -422,6 +397,37 @@ def run(
         "images_per_second": round(images_written / seconds, 3) if seconds > 0 else 0.0,
         "decode_backend": backend,
     }
+
+
+def cache_batch(
+    records: list[Record], images: list[torch.Tensor], tower, spec, writer, captions: dict[str, str], cfg, device
+) -> tuple[int, int]:
+    """Run the frozen tower on a batch's new images and add their pre-merger rows to the shard writer; returns
+    (exact duplicates skipped, visual tokens written)."""
+    keep, in_batch = [], set()
+    for i, record in enumerate(records):
+        if record.image_hash not in writer.index and record.image_hash not in in_batch:  # exact duplicates
+            keep.append(i)
+            in_batch.add(record.image_hash)
+    prepared = [patch_rows(images[i].to(device), spec) for i in keep]
+    if not prepared:
+        return len(records) - len(keep), 0
+    rows = torch.cat([r for r, _ in prepared])
+    grids = torch.tensor([g for _, g in prepared], dtype=torch.int64, device=device)
+    features = pre_merger_features(tower, rows, grids)
+    written = 0
+    for i, feats, (_, grid) in zip(keep, features, prepared, strict=True):
+        record, tokens = records[i], feats.shape[0] // spec.merge_size**2
+        if record.visual_tokens is not None and record.visual_tokens != tokens:
+            raise ValueError(
+                f"image_hash {record.image_hash}: clean_data counted {record.visual_tokens} visual "
+                f"tokens, the model gives {tokens} at min_pixels={cfg.min_pixels}, "
+                f"max_pixels={cfg.max_pixels}; set both stages' min_pixels/max_pixels to the same values."
+            )
+        writer.add(record.image_hash, feats.to("cpu", copy=True), grid, tokens)  # copy: split views share storage
+        captions[record.image_hash] = record.caption
+        written += tokens
+    return len(records) - len(keep), written
 
 
 def main(argv: list[str] | None = None) -> None:

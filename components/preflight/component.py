@@ -55,7 +55,7 @@ def preflight_op(
         experiment: MLflow experiment name.
     """
     from components._shared.launch.runner import run_stage
-    from components.preflight.stage import model_uris_in, rl_data_files
+    from components.preflight.stage import data_requirements, model_uris_in
 
     stage_configs = {
         "clean_data": clean_data_config,
@@ -67,20 +67,15 @@ def preflight_op(
         "distill": distill_config,
         "select_checkpoint": select_checkpoint_config,
     }
-    data_files = {
-        "eval_data_uri": {"uri": eval_data_uri, "files": ["eval.jsonl"], "required": needs_eval_data},
-        "sft_data_uri": {
-            "uri": sft_data_uri,
-            "files": ["sft.jsonl", "eval.jsonl"],
-            "required": needs_sft_data,
-        },  # sft, distill
-        "preference_data_uri": {
-            "uri": preference_data_uri,
-            "files": ["preferences.jsonl"],
-            "required": needs_preference_data,
+    data_files = data_requirements(
+        {
+            "eval_data_uri": (eval_data_uri, needs_eval_data),
+            "sft_data_uri": (sft_data_uri, needs_sft_data),
+            "preference_data_uri": (preference_data_uri, needs_preference_data),
+            "rl_data_uri": (rl_data_uri, needs_rl_data),
         },
-        "rl_data_uri": {"uri": rl_data_uri, "files": rl_data_files(rl_config), "required": needs_rl_data},
-    }
+        rl_config,
+    )
     run_stage(
         "preflight",
         config,

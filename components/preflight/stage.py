@@ -108,6 +108,18 @@ def check_data(data_files: dict[str, dict[str, Any]]) -> int:
     return found
 
 
+def data_requirements(data: dict[str, tuple[str, bool]], rl_config: dict) -> dict[str, dict]:
+    """{parameter: {"uri", "files", "required"}} for the data URIs: `data` maps each parameter to (URI, whether
+    this DAG runs a stage that needs it); the files each must hold (sft_data_uri serves sft and distill)."""
+    files = {
+        "eval_data_uri": ["eval.jsonl"],
+        "sft_data_uri": ["sft.jsonl", "eval.jsonl"],
+        "preference_data_uri": ["preferences.jsonl"],
+        "rl_data_uri": rl_data_files(rl_config),
+    }
+    return {name: {"uri": uri, "files": files[name], "required": required} for name, (uri, required) in data.items()}
+
+
 def rl_data_files(rl_config: dict[str, Any]) -> list[str]:
     """The files the rl stage reads from its data directory: the prompts file and the held-out files."""
     return [rl_config.get("prompts_file", "sft.jsonl"), *rl_config.get("eval", {}).get("files", ["eval.jsonl"])]

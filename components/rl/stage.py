@@ -130,44 +130,8 @@ def run(
     prompts = load_prompts(data_dir, cfg, need_types=bool(cfg.rewards.get("efficacy")))
     eval_records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type, files=cfg.eval.files)
     key = run_key(cfg, {"base_model": base_model, "reward_model": reward_model, "data": data})
-    torch.manual_seed(cfg.seed)
-    model, processor = load_vlm(base_model)
-    set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
-    freeze(model, tuple(cfg.freeze))
-    policy = Policy(model, value_head=cfg.algorithm == "ppo")
-    device = resolve_device(cfg.train.device)
-    reference, _ = load_vlm(base_model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    reference.requires_grad_(False)
-    encoder = ConversationEncoder(
-        processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
-    )
-    rewards = build_rewards(
-        dict(cfg.rewards),
-        reward_model_uri=reward_model or None,
-        min_pixels=cfg.min_pixels,
-        max_pixels=cfg.max_pixels,
-        device=device,
-    )
-    engine = RolloutEngine(
-        encoder,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        batch_size=cfg.rollout.batch_size,
-        max_tokens=cfg.train.max_tokens_per_micro_batch,
-    )
-    trainer = RlTrainer(
-        policy,
-        reference,
-        cfg=cfg,
-        prompts=prompts,
-        image=functools.lru_cache(maxsize=4096)(functools.partial(readers.load_image, data_dir)),
-        engine=engine,
-        rewards=rewards,
-        checkpoints=checkpoint_store("rl", cfg.train, key, output_dir),
-        tracker=tracker,
-        ptx_pool=load_prompts(data_dir, cfg, need_types=False, types=cfg.ptx.types, setting="ptx.types")
-        if cfg.ptx.coef
-        else None,
+    trainer, encoder, processor, rewards = build_trainer(
+        cfg, base_model, reward_model, data_dir, prompts, key, output_dir, tracker
     )
     loop = trainer.loop
     final_rows: list[dict] = []
@@ -208,6 +172,60 @@ def run(
     ]
     finish_report(output_dir, tracker, report(metrics), figures)
     return metrics
+
+
+def build_trainer(
+    cfg: RlConfig,
+    base_model: str,
+    reward_model: str,
+    data_dir: Path,
+    prompts: list[dict],
+    key: str,
+    output_dir: Path,
+    tracker: Tracker,
+):
+    """(trainer, encoder, processor, rewards): the policy (with a value head for PPO) and the frozen reference
+    from the SFT model, the reward callables, the rollout engine and the trainer over them."""
+    torch.manual_seed(cfg.seed)
+    model, processor = load_vlm(base_model)
+    set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
+    freeze(model, tuple(cfg.freeze))
+    policy = Policy(model, value_head=cfg.algorithm == "ppo")
+    device = resolve_device(cfg.train.device)
+    reference, _ = load_vlm(base_model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    reference.requires_grad_(False)
+    encoder = ConversationEncoder(
+        processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
+    )
+    rewards = build_rewards(
+        dict(cfg.rewards),
+        reward_model_uri=reward_model or None,
+        min_pixels=cfg.min_pixels,
+        max_pixels=cfg.max_pixels,
+        device=device,
+    )
+    engine = RolloutEngine(
+        encoder,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        batch_size=cfg.rollout.batch_size,
+        max_tokens=cfg.train.max_tokens_per_micro_batch,
+    )
+    trainer = RlTrainer(
+        policy,
+        reference,
+        cfg=cfg,
+        prompts=prompts,
+        image=functools.lru_cache(maxsize=4096)(functools.partial(readers.load_image, data_dir)),
+        engine=engine,
+        rewards=rewards,
+        checkpoints=checkpoint_store("rl", cfg.train, key, output_dir),
+        tracker=tracker,
+        ptx_pool=load_prompts(data_dir, cfg, need_types=False, types=cfg.ptx.types, setting="ptx.types")
+        if cfg.ptx.coef
+        else None,
+    )
+    return trainer, encoder, processor, rewards
 
 
 def heldout_change(before_scores: list[float], final_rows: list[dict], evals: list[dict], *, seed: int) -> dict:

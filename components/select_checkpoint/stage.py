@@ -33,6 +33,7 @@ from components._shared.eval import readers
 from components._shared.launch.result import RESULT_FILE
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.packing import ConversationEncoder
+from components._shared.model.stage_steps import SCRATCH
 from components._shared.model.vlm import count_parameters, load_vlm, save_vlm, set_pixel_bounds
 from components._shared.platform import storage
 from components._shared.platform.tracking import Tracker
@@ -219,7 +220,7 @@ def run(
         raise ValueError(
             f"no candidates: pass the output directories of the stages in select_checkpoint.stages ({cfg.stages})."
         )
-    data_dir = readers.resolve_data_dir(data, scratch=output_dir / ".scratch")
+    data_dir = readers.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("select_checkpoint.device=cuda but no CUDA GPU is visible; use device: auto or cpu.")
@@ -231,46 +232,12 @@ def run(
         from components._shared.model.reward_models import RewardModelScorer
 
         scorer = RewardModelScorer(reward_model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, device=device)
-    predictions: dict[str, list[dict]] = {}
-    checkpoints_taken: dict[str, int] = {}
-    for candidate in candidates:
-        if candidate.checkpoint is not None and checkpoints_taken.get(candidate.stage, 0) >= cfg.checkpoints_per_stage:
-            candidate.skipped = f"beyond checkpoints_per_stage={cfg.checkpoints_per_stage}"
-            continue
-        try:
-            model, processor = load_candidate(candidate, output_dir / ".scratch")
-        except ValueError as error:
-            candidate.skipped = str(error)
-            continue
-        if candidate.checkpoint is not None:
-            checkpoints_taken[candidate.stage] = checkpoints_taken.get(candidate.stage, 0) + 1
-        model.to(device).eval()
-        candidate.metrics, predictions[candidate.name] = evaluate(model, processor, records, cfg, scorer)
-        judge(candidate, cfg)
-        key = re.sub(r"[^\w\-. :/]", ":", candidate.name)  # MLflow metric names: no '@'
-        tracker.log_metrics(
-            {f"candidate/{key}/{k}": v for k, v in {**candidate.metrics, "score": candidate.score}.items()}
-        )
-        del model
+    predictions = evaluate_candidates(candidates, records, cfg, scorer, device, output_dir / SCRATCH, tracker)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "candidates.json").write_text(json.dumps([c.describe() for c in candidates], indent=2) + "\n")
     winner, runner_up = choose(candidates)  # raises with every candidate's failure when none passes
 
-    model, processor = load_candidate(winner, output_dir / ".scratch")
-    save_vlm(
-        model,
-        processor,
-        output_dir / "model",
-        metadata={
-            "stage": "select_checkpoint",
-            "selected_candidate": winner.name,
-            "score": winner.score,
-            "source": str(winner.checkpoint or winner.model_dir),
-        },
-    )
-    with (output_dir / "eval_predictions.jsonl").open("w") as f:
-        for row in predictions[winner.name]:
-            f.write(json.dumps(row) + "\n")
+    export_winner(winner, predictions[winner.name], output_dir)
     lineage = _stage_results(
         {"clean_data": clean_data, **given, "reward_model": str(Path(reward_model).parent) if reward_model else ""}
     )
@@ -278,34 +245,7 @@ def run(
     if cfg.register_winner:
         # the same selection (config and inputs), retried after it registered, reuses its versions
         key = ckpt.fingerprint(cfg.model_dump(mode="json"), {"data": data, "reward_model": reward_model, **given})
-        tags = {"candidate": winner.name, "stage": winner.stage, "score": f"{winner.score:.6g}"}
-        version = tracker.register_model(
-            output_dir / "model",
-            name=cfg.registry_name,
-            artifact_path="champion",
-            aliases=("champion",),
-            tags=tags,
-            description=f"champion: {winner.name}",
-            key=f"{key}.champion",
-        )
-        if runner_up is not None:
-            runner_dir = output_dir / ".scratch" / "challenger"
-            runner_model, runner_processor = load_candidate(runner_up, output_dir / ".scratch")
-            save_vlm(
-                runner_model,
-                runner_processor,
-                runner_dir,
-                metadata={"stage": "select_checkpoint", "selected_candidate": runner_up.name},
-            )
-            challenger_version = tracker.register_model(
-                runner_dir,
-                name=cfg.registry_name,
-                artifact_path="challenger",
-                aliases=("challenger",),
-                tags={"candidate": runner_up.name, "stage": runner_up.stage, "score": f"{runner_up.score:.6g}"},
-                description=f"challenger: {runner_up.name}",
-                key=f"{key}.challenger",
-            )
+        version, challenger_version = register(cfg, tracker, winner, runner_up, output_dir, key)
     metrics: dict[str, Any] = {
         "selected_candidate": winner.name,
         "selected_stage": winner.stage,
@@ -326,8 +266,104 @@ def run(
         tracker.log_artifact(output_dir / "model" / "README.md", "champion")
     (output_dir / "report.md").write_text(card)
     tracker.log_text(card, "model_card.md")
-    shutil.rmtree(output_dir / ".scratch", ignore_errors=True)
+    shutil.rmtree(output_dir / SCRATCH, ignore_errors=True)
     return metrics
+
+
+def export_winner(winner: Candidate, predictions: list[dict], output_dir: Path) -> None:
+    """model/ (the winner, HF format, with where it came from) and its eval_predictions.jsonl."""
+    model, processor = load_candidate(winner, output_dir / SCRATCH)
+    save_vlm(
+        model,
+        processor,
+        output_dir / "model",
+        metadata={
+            "stage": "select_checkpoint",
+            "selected_candidate": winner.name,
+            "score": winner.score,
+            "source": str(winner.checkpoint or winner.model_dir),
+        },
+    )
+    with (output_dir / "eval_predictions.jsonl").open("w") as f:
+        for row in predictions:
+            f.write(json.dumps(row) + "\n")
+
+
+def evaluate_candidates(
+    candidates: list[Candidate],
+    records: list[dict],
+    cfg: SelectCheckpointConfig,
+    scorer,
+    device,
+    scratch: Path,
+    tracker: Tracker,
+) -> dict[str, list[dict]]:
+    """Score every candidate on the held-out suite and judge it against the gates; returns the predictions by
+    name. A candidate that cannot be loaded, or beyond checkpoints_per_stage, keeps the reason it was skipped."""
+    predictions: dict[str, list[dict]] = {}
+    checkpoints_taken: dict[str, int] = {}
+    for candidate in candidates:
+        if candidate.checkpoint is not None and checkpoints_taken.get(candidate.stage, 0) >= cfg.checkpoints_per_stage:
+            candidate.skipped = f"beyond checkpoints_per_stage={cfg.checkpoints_per_stage}"
+            continue
+        try:
+            model, processor = load_candidate(candidate, scratch)
+        except ValueError as error:
+            candidate.skipped = str(error)
+            continue
+        if candidate.checkpoint is not None:
+            checkpoints_taken[candidate.stage] = checkpoints_taken.get(candidate.stage, 0) + 1
+        model.to(device).eval()
+        candidate.metrics, predictions[candidate.name] = evaluate(model, processor, records, cfg, scorer)
+        judge(candidate, cfg)
+        key = re.sub(r"[^\w\-. :/]", ":", candidate.name)  # MLflow metric names: no '@'
+        tracker.log_metrics(
+            {f"candidate/{key}/{k}": v for k, v in {**candidate.metrics, "score": candidate.score}.items()}
+        )
+        del model
+    return predictions
+
+
+def register(
+    cfg: SelectCheckpointConfig,
+    tracker: Tracker,
+    winner: Candidate,
+    runner_up: Candidate | None,
+    output_dir: Path,
+    key: str,
+) -> tuple[str, str]:
+    """Register the exported winner as `champion` and the runner-up as `challenger`; returns their versions.
+    `key` identifies the selection, so a retried task reuses the versions it registered."""
+    tags = {"candidate": winner.name, "stage": winner.stage, "score": f"{winner.score:.6g}"}
+    version = tracker.register_model(
+        output_dir / "model",
+        name=cfg.registry_name,
+        artifact_path="champion",
+        aliases=("champion",),
+        tags=tags,
+        description=f"champion: {winner.name}",
+        key=f"{key}.champion",
+    )
+    if runner_up is None:
+        return version, ""
+    runner_dir = output_dir / SCRATCH / "challenger"
+    runner_model, runner_processor = load_candidate(runner_up, output_dir / SCRATCH)
+    save_vlm(
+        runner_model,
+        runner_processor,
+        runner_dir,
+        metadata={"stage": "select_checkpoint", "selected_candidate": runner_up.name},
+    )
+    challenger_version = tracker.register_model(
+        runner_dir,
+        name=cfg.registry_name,
+        artifact_path="challenger",
+        aliases=("challenger",),
+        tags={"candidate": runner_up.name, "stage": runner_up.stage, "score": f"{runner_up.score:.6g}"},
+        description=f"challenger: {runner_up.name}",
+        key=f"{key}.challenger",
+    )
+    return version, challenger_version
 
 
 def _stage_results(dirs: dict[str, str]) -> dict[str, dict]:
@@ -361,7 +397,6 @@ def model_card(
     stage_configs: dict[str, dict],
 ) -> str:
     """Markdown: what was selected and registered, how, on what data, by which stages with which settings."""
-    import yaml
 
     registered = (
         f"`{metrics['registered_model']}` version {metrics['registered_version']} (alias `champion`)"
@@ -406,7 +441,15 @@ def model_card(
         *(f"exact_match/{t}" for t in M.QUESTION_TYPES if t != "caption"),
     ]
     lines += _table(candidates, [k for k in keys if any(k in c.metrics for c in candidates)])
-    lines += ["", "## Data lineage", ""]
+    lines += _lineage(lineage, stage_configs)
+    return "\n".join(lines) + "\n"
+
+
+def _lineage(lineage: dict[str, dict], stage_configs: dict[str, dict]) -> list[str]:
+    """The card's data lineage (clean_data's accounting) and each stage's metrics and settings."""
+    import yaml
+
+    lines = ["", "## Data lineage", ""]
     clean = lineage.get("clean_data", {}).get("metrics", {})
     if clean:
         lines.append(
@@ -432,7 +475,7 @@ def model_card(
         if stage in stage_configs:
             lines += ["", "```yaml", yaml.safe_dump(stage_configs[stage], sort_keys=True).strip(), "```"]
         lines.append("")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,10 +37,20 @@ ALLOWED_UP = {
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS = {
-    # The pipeline function is the DAG: one task per stage and its wiring, read top to bottom like the stage list;
-    # KFP needs every task inside the @dsl.pipeline body. build_pipeline is the closure that holds it.
+    # The pipeline function is the DAG: one task per stage and its wiring, read top to bottom like the stage
+    # list; KFP needs every task inside the @dsl.pipeline body, and build_pipeline is the closure that holds it.
     "pipelines/vlm_training.py:build_pipeline",
     "pipelines/vlm_training.py:vlm_training",
+    # A KFP component: 20 typed parameters and their Args documentation (the KFP UI shows them), one call.
+    "components/preflight/component.py:preflight_op",
+    # The synthetic world's generators and the builtin CLIP's training loop: their RNG order decides the data and
+    # the cached helper models bit for bit; lake.py's code even keys that cache. Split with the next recipe change.
+    "components/synth_world/clip.py:train_clip",
+    "components/synth_world/lake.py:write_lake",
+    "components/synth_world/splits.py:write_splits",
+    # Structured pruning: reworked for the newer model generations (the model-family work), split then.
+    "components/distill/prune.py:plan_pruning",
+    "components/distill/prune.py:measure_importance",
 }
 
 

@@ -107,12 +107,7 @@ class ConversationEncoder:
         """Encode `turns` ([{"role": "user"|"assistant", "text": ...}]) with PIL `images`, or with `grids` and
         cached `features` (pre-merger rows per image) instead of pixels; `grids` alone leaves the visual rows to
         be passed to forward_logits as `image_embeds`."""
-        if grids is not None:  # cached features, or image tokens only (visual rows supplied at forward time)
-            pixel_values, grid_list = None, [torch.as_tensor(g, dtype=torch.int64) for g in grids]
-        else:
-            prepared = [self.prepare_image(img) for img in images]
-            pixel_values = torch.cat([p for p, _ in prepared]) if prepared else None
-            grid_list = [g for _, g in prepared]
+        pixel_values, grid_list = self._visual_inputs(images, grids)
         ids: list[int] = []
         labels: list[int] = []
 
@@ -121,14 +116,7 @@ class ConversationEncoder:
             ids.extend(piece)
             labels.extend(piece if train else [IGNORE_INDEX] * len(piece))
 
-        for i, turn in enumerate(turns):
-            text = turn.get("text")
-            found = [t for t in self._specials if isinstance(text, str) and t in text]
-            if found:
-                raise ValueError(
-                    f"sample {sample_id!r} turn {i}: the text contains the control token(s) {found}; they would be "
-                    "read as chat-template / image markers. Remove them from the data (use <image> for images)."
-                )
+        self._check_control_tokens(turns, sample_id)
         add(f"<|im_start|>system\n{self.system_prompt}<|im_end|>\n", train=False)
         placed = 0
         for i, turn in enumerate(turns):
@@ -174,8 +162,11 @@ class ConversationEncoder:
                 f"sample {sample_id!r} has {len(ids)} tokens (text + visual), more than max_length="
                 f"{self.max_length}; lower max_pixels or raise max_length."
             )
-        input_ids = torch.tensor(ids, dtype=torch.int64)
         grid = torch.stack(grid_list) if grid_list else torch.zeros((0, 3), dtype=torch.int64)
+        return self._sample(ids, labels, grid, pixel_values, features, sample_id, meta)
+
+    def _sample(self, ids, labels, grid, pixel_values, features, sample_id: str, meta: dict | None) -> Sample:
+        input_ids = torch.tensor(ids, dtype=torch.int64)
         return Sample(
             input_ids=input_ids,
             labels=torch.tensor(labels, dtype=torch.int64),
@@ -186,6 +177,24 @@ class ConversationEncoder:
             sample_id=sample_id,
             meta=dict(meta or {}),
         )
+
+    def _visual_inputs(self, images, grids) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """(pixel rows or None, one (t, h, w) grid per image): from PIL images, or from given grids (cached
+        features, or image tokens only with the visual rows supplied at forward time)."""
+        if grids is not None:
+            return None, [torch.as_tensor(g, dtype=torch.int64) for g in grids]
+        prepared = [self.prepare_image(img) for img in images]
+        return (torch.cat([p for p, _ in prepared]) if prepared else None), [g for _, g in prepared]
+
+    def _check_control_tokens(self, turns: list[dict], sample_id: str) -> None:
+        for i, turn in enumerate(turns):
+            text = turn.get("text")
+            found = [t for t in self._specials if isinstance(text, str) and t in text]
+            if found:
+                raise ValueError(
+                    f"sample {sample_id!r} turn {i}: the text contains the control token(s) {found}; they would be "
+                    "read as chat-template / image markers. Remove them from the data (use <image> for images)."
+                )
 
     def rope_positions(self, input_ids: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
         """The model's own M-RoPE positions (3, L) for one unpadded sample."""
