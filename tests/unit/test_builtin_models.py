@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import components._shared
+import components._shared.platform
 from components._shared.model.sources import resolve_model, validate_model_dir
 from components.synth_world import builtin_models as bm
 from components.synth_world import tokenizer as wt
@@ -368,7 +368,7 @@ def test_s3_prefix_downloaded_once_per_marker(tmp_path, monkeypatch):
         fetch_dir=fetch_dir,
     )
     monkeypatch.setitem(sys.modules, "components._shared.platform.storage", fake)
-    monkeypatch.setattr(components._shared, "storage", fake, raising=False)
+    monkeypatch.setattr(components._shared.platform, "storage", fake)
     first = resolve_model("s3://bucket/models/tiny/", cache_dir=tmp_path / "cache")
     assert resolve_model("s3://bucket/models/tiny", cache_dir=tmp_path / "cache") == first
     assert state["fetches"] == 1 and (first / "model.safetensors").read_bytes() == b"weights"
