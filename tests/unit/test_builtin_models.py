@@ -368,7 +368,7 @@ def test_s3_prefix_downloaded_once_per_marker(tmp_path, monkeypatch):
         fetch_dir=fetch_dir,
     )
     monkeypatch.setitem(sys.modules, "components._shared.platform.storage", fake)
-    monkeypatch.setattr(components._shared.platform, "storage", fake)
+    monkeypatch.setattr(components._shared.platform, "storage", fake, raising=False)
     first = resolve_model("s3://bucket/models/tiny/", cache_dir=tmp_path / "cache")
     assert resolve_model("s3://bucket/models/tiny", cache_dir=tmp_path / "cache") == first
     assert state["fetches"] == 1 and (first / "model.safetensors").read_bytes() == b"weights"
