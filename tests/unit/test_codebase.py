@@ -14,19 +14,10 @@ import tomllib
 import pytest
 from packaging.requirements import Requirement
 
+from components.stages import STAGES
 from tests.codebase import ROOT, cycles, import_graph, module_name, source_files
 
-STAGE_PACKAGES = (
-    "preflight",
-    "clean_data",
-    "extract_features",
-    "pretrain",
-    "sft",
-    "reward_model",
-    "rl",
-    "distill",
-    "select_checkpoint",
-)
+STAGE_PACKAGES = tuple(STAGES)  # the registry names every stage package
 # _shared's layers: an arrow may only point to a lower layer (launch is beside model/eval, above platform).
 LAYERS = {"platform": 0, "model": 1, "eval": 2, "launch": 1}
 ALLOWED_UP = {
