@@ -7,7 +7,7 @@ embedding-cluster outliers, and a self-judge that drops the worst fraction by th
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -77,12 +77,13 @@ class CleanDataConfig(StageConfig):
     )
 
     # Target processor (visual_tokens column).
-    min_pixels: Annotated[int, Field(ge=28 * 28, description="min_pixels of the target Qwen2.5-VL processor.")] = (
-        4 * 28 * 28
+    patch_size: Literal[14, 16] = Field(
+        14,
+        description="ViT patch of the target model: 14 for Qwen2-VL / Qwen2.5-VL, 16 for Qwen3-VL / Qwen3.5 (images "
+        "resize to multiples of 2x this); preflight checks it against the base model.",
     )
-    max_pixels: Annotated[int, Field(ge=28 * 28, description="max_pixels of the target Qwen2.5-VL processor.")] = (
-        1280 * 28 * 28
-    )
+    min_pixels: Annotated[int, Field(ge=28 * 28, description="min_pixels of the target processor.")] = 4 * 28 * 28
+    max_pixels: Annotated[int, Field(ge=28 * 28, description="max_pixels of the target processor.")] = 1280 * 28 * 28
 
     # Level 1: CLIP image-text agreement.
     clip_enabled: bool = Field(

@@ -326,11 +326,14 @@ def robust_threshold(scores: np.ndarray, z: float) -> float:
 
 
 class CaptionJudge:
-    """Mean caption-token loss of an image-text-to-text VLM ("the model judges its own data")."""
+    """Mean caption-token loss of an image-text-to-text VLM ("the model judges its own data"), with images resized
+    within the stage's [min_pixels, max_pixels] (the budget every later stage uses, not the processor's own)."""
 
-    def __init__(self, model_dir, prompt: str) -> None:
+    def __init__(self, model_dir, prompt: str, *, min_pixels: int, max_pixels: int) -> None:
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        from components._shared.model.families import family_for
 
         self.torch = torch
         self.processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=False)
@@ -342,37 +345,44 @@ class CaptionJudge:
             .to(self.device)
         )
         self.prompt = prompt
+        self.template_kwargs = family_for(self.model).template_kwargs
+        self.images_kwargs = {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}
 
     def _prompt_text(self) -> str:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": self.prompt}]}]
-        return self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.processor.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **self.template_kwargs
+        )
 
     def losses(self, images: Sequence, captions: Sequence[str]) -> np.ndarray:
         """Per-pair mean negative log-likelihood of the caption given image and prompt."""
         torch = self.torch
         prompt = self._prompt_text()
         eos = self.processor.tokenizer.eos_token or ""
-        prompt_batch = self.processor(
-            text=[prompt] * len(images), images=list(images), return_tensors="pt", padding=True
-        )
-        full = self.processor(
-            text=[prompt + c + eos for c in captions], images=list(images), return_tensors="pt", padding=True
-        )
-        prompt_len = prompt_batch["attention_mask"].sum(1)
+
+        def encode(texts: list[str]):
+            return self.processor(
+                text=texts, images=list(images), return_tensors="pt", padding=True, images_kwargs=self.images_kwargs
+            )
+
+        prompt_len = encode([prompt] * len(images))["attention_mask"].sum(1)
+        full = encode([prompt + c + eos for c in captions])
         labels = full["input_ids"].clone()
         positions = torch.arange(labels.shape[1]).unsqueeze(0)
         labels[(positions < prompt_len.unsqueeze(1)) | (full["attention_mask"] == 0)] = -100
+        targets = labels[:, 1:]
+        valid = targets != -100
         with torch.inference_mode():
-            logits = self.model(**full.to(self.device)).logits.float().cpu()
-        token_loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=-100, reduction="none"
-        )
-        counted = (labels[:, 1:] != -100).sum(1).clamp(min=1)
-        return (token_loss.sum(1) / counted).numpy()
+            logits = self.model(**full.to(self.device)).logits[:, :-1]
+            rows = logits[valid.to(logits.device)].float().cpu()  # only the caption rows go to fp32, not B x L x V
+        token_loss = torch.nn.functional.cross_entropy(rows, targets[valid], reduction="none")
+        owner = valid.nonzero()[:, 0]
+        sums = torch.zeros(len(captions)).index_add_(0, owner, token_loss)
+        return (sums / valid.sum(1).clamp(min=1)).numpy()
 
 
 @lru_cache(maxsize=1)
-def load_judge(model_uri: str, prompt: str) -> CaptionJudge:
+def load_judge(model_uri: str, prompt: str, min_pixels: int, max_pixels: int) -> CaptionJudge:
     from components._shared.model.sources import resolve_model
 
-    return CaptionJudge(resolve_model(model_uri), prompt)
+    return CaptionJudge(resolve_model(model_uri), prompt, min_pixels=min_pixels, max_pixels=max_pixels)

@@ -109,7 +109,7 @@ def _self_judge(
 ) -> tuple[list[int], dict[int, float]]:
     if cfg.judge_model is None or not alive:
         return alive, {}
-    judge = filters.load_judge(cfg.judge_model, cfg.judge_prompt)
+    judge = filters.load_judge(cfg.judge_model, cfg.judge_prompt, cfg.min_pixels, cfg.max_pixels)
     images, captions = table.column("image"), table.column("caption")
     losses: dict[int, float] = {}
     with timer("self_judge", len(alive)):

@@ -65,7 +65,11 @@ def _cheap_checks(rec: Record, cfg: CleanDataConfig, timer: Timer) -> Candidate 
         width=decoded.width,
         height=decoded.height,
         visual_tokens=visual_tokens(
-            decoded.height, decoded.width, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels
+            decoded.height,
+            decoded.width,
+            min_pixels=cfg.min_pixels,
+            max_pixels=cfg.max_pixels,
+            patch_size=cfg.patch_size,
         ),
         phash=phash,
         thumb=thumb,

@@ -26,9 +26,14 @@ def layer_map(student_layers: int, teacher_layers: int, kept: list[int] | None =
 
 
 def logit_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Per-token T^2 * KL(teacher_T || student_T), (n,) in fp32."""
-    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    """Per-token T^2 * KL(teacher_T || student_T), (n,) in fp32, over the vocabulary both share.
+
+    Checkpoints of one tokenizer may pad their embedding rows differently (Qwen2.5-VL-7B: 152,064, 3B: 151,936, both
+    for the same 151,665 tokens); the rows past the narrower width belong to no token and are left out.
+    """
+    width = min(student_logits.shape[-1], teacher_logits.shape[-1])
+    t = F.log_softmax(teacher_logits[..., :width].float() / temperature, dim=-1)
+    s = F.log_softmax(student_logits[..., :width].float() / temperature, dim=-1)
     return temperature**2 * (t.exp() * (t - s)).sum(-1)
 
 

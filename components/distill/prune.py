@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from components._shared.model.attention import register as packed_attention
+from components._shared.model.families import family_for
 from components._shared.model.packing import forward_logits, to_device
 from components._shared.model.vlm import qwen_model, student_config
 
@@ -77,8 +78,7 @@ class PrunePlan:
 
 
 def _vision_width(config) -> int:
-    vision = config.vision_config
-    return vision.embed_dim if config.model_type == "qwen2_vl" else vision.hidden_size
+    return family_for(config).vision_width(config.vision_config)
 
 
 def _first_tensor(value):
@@ -210,11 +210,12 @@ def plan_pruning(
     t_kv, head_dim = text.num_key_value_heads, text.hidden_size // text.num_attention_heads
     t_depth, t_vwidth, t_vheads = vision.depth, _vision_width(config), vision.num_heads
     v_head_dim = t_vwidth // t_vheads
-    t_vinter = int(t_vwidth * vision.mlp_ratio) if config.model_type == "qwen2_vl" else vision.intermediate_size
+    family = family_for(config)
+    t_vinter = family.vision_intermediate(vision)
     layers, hidden, intermediate = layers or t_layers, hidden or t_hidden, intermediate or text.intermediate_size
     vision_depth, vision_hidden = vision_depth or t_depth, vision_hidden or t_vwidth
     vision_intermediate = vision_intermediate or (
-        t_vinter * vision_hidden // t_vwidth if config.model_type == "qwen2_vl" else t_vinter
+        t_vinter * vision_hidden // t_vwidth if family.vision_mlp_is_ratio else t_vinter
     )
     checks = [
         ("layers", layers, t_layers),

@@ -206,6 +206,7 @@ def write_outputs(
             "student_init": cfg.student.init,
             "student_param_ratio": metrics["student_param_ratio"],
         },
+        dtype=cfg.train.export_dtype,
     )
     description = {
         "init": cfg.student.init,
@@ -248,6 +249,8 @@ def prepare_student(cfg: DistillConfig, teacher, processor, encode, n_records: i
     teacher.to(device)  # calibrate on the accelerator, in fp32: the importance ranks decide what the student keeps
     student, plan = build_student(cfg, teacher, processor, calibration)
     student.to(torch.float32)  # fp32 master weights whatever the teacher's dtype
+    if not hasattr(student, "qvl_checkpoint_dtype"):  # a new student exports in the teacher checkpoint's dtype
+        student.qvl_checkpoint_dtype = getattr(teacher, "qvl_checkpoint_dtype", torch.float32)
     teacher.to(dtype=teacher_dtype)
     pairs = layer_map(
         qwen_model(student).config.text_config.num_hidden_layers,

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from components._shared.model.attention import PACKED_SDPA
+from components._shared.model.families import family_for
+from components._shared.model.vlm import build_student as random_student
 from components._shared.model.vlm import load_vlm, qwen_model
 from components.distill.config import DistillConfig, StudentConfig
 from components.distill.prune import PrunePlan, measure_importance, plan_pruning, prune
@@ -38,6 +40,18 @@ def build_student(cfg: DistillConfig, teacher, processor, calibration) -> tuple[
         student, student_processor = load_vlm(s.model_uri)
         _check_compatible(student, student_processor, teacher, processor, s.model_uri)
         return student, None
+    family = family_for(teacher)
+    if not family.prunable:
+        if s.init == "prune":
+            raise ValueError(
+                f"distill.student.init=prune: structured pruning knows the Qwen2-VL / Qwen2.5-VL layouts, not this "
+                f"{family.name} teacher's; set distill.student.init: random (same sizes) or model."
+            )
+        sizes = {k: v or None for k, v in student_sizes(s).items()}
+        sizes["layers"] = sizes["layers"] or qwen_model(teacher).config.text_config.num_hidden_layers
+        student = random_student(qwen_model(teacher).config, **sizes)
+        student.generation_config = teacher.generation_config
+        return student, None
     importance = measure_importance(teacher, calibration())
     plan = plan_pruning(teacher, importance, **student_sizes(s))
     if s.init == "prune":
@@ -51,14 +65,18 @@ def _check_compatible(student, student_processor, teacher, processor, uri: str) 
     """A student checkpoint must share the teacher's vocabulary and image tokenisation (logits are compared
     token by token, and both models read the same packed rows)."""
     s, t = qwen_model(student).config, qwen_model(teacher).config
-    if (
-        student_processor.tokenizer.get_vocab() != processor.tokenizer.get_vocab()
-        or s.text_config.vocab_size != t.text_config.vocab_size
-    ):
+    if student_processor.tokenizer.get_vocab() != processor.tokenizer.get_vocab():
         raise ValueError(
             f"distill.student.model_uri={uri!r} has another tokenizer / vocabulary than the teacher; "
             "logit distillation needs the same one (use a checkpoint of the teacher's family)."
         )
+    tokens = len(processor.tokenizer)  # embedding widths may differ (padding rows): logits compare over the tokens
+    for name, config in (("student", s), ("teacher", t)):
+        if config.text_config.vocab_size < tokens:
+            raise ValueError(
+                f"the {name}'s vocab_size {config.text_config.vocab_size} is smaller than its tokenizer ({tokens} "
+                "tokens); the checkpoint is inconsistent."
+            )
     for key in ("patch_size", "spatial_merge_size", "temporal_patch_size"):
         if getattr(s.vision_config, key) != getattr(t.vision_config, key):
             raise ValueError(

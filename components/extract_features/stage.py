@@ -31,6 +31,7 @@ from typing import Any, cast
 import torch
 
 from components._shared.model.device import resolve_device
+from components._shared.model.families import family_for
 from components._shared.model.sources import resolve_model
 from components._shared.platform.tracking import Tracker
 from components.extract_features.config import ExtractFeaturesConfig
@@ -99,25 +100,22 @@ def _vision_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _model_config(model_dir: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
 def load_vision_tower(
     model_dir: Path, *, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.nn.Module, PatchSpec]:
-    """The frozen vision tower of a Qwen2-VL / Qwen2.5-VL checkpoint, merger replaced (_MergeGroupsAsRows)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir)
-    if config.model_type == "qwen2_5_vl":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel as tower_cls,
-        )
-    elif config.model_type == "qwen2_vl":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-            Qwen2VisionTransformerPretrainedModel as tower_cls,
-        )
-    else:
-        raise ValueError(
-            f"base_model {model_dir} is a '{config.model_type}' model; extract_features needs qwen2_5_vl or qwen2_vl."
-        )
+    """The frozen vision tower of a Qwen VL checkpoint, its mergers replaced (_MergeGroupsAsRows)."""
+    config = _model_config(model_dir)
+    try:
+        family = family_for(config)
+    except ValueError as err:
+        raise ValueError(f"base_model {model_dir}: {err}") from None
+    tower_cls = family.vision_tower_class()
     flash = device.type == "cuda" and dtype != torch.float32 and importlib.util.find_spec("flash_attn") is not None
     tower = tower_cls._from_config(
         config.vision_config, attn_implementation="flash_attention_2" if flash else "sdpa", dtype=dtype
@@ -130,17 +128,21 @@ def load_vision_tower(
         )
     merge_size = int(config.vision_config.spatial_merge_size)
     tower.merger = _MergeGroupsAsRows(merge_size * merge_size)
+    for level in range(len(family.cached_levels(config.vision_config))):  # DeepStack: their inputs are cached too
+        tower.deepstack_merger_list[level] = _MergeGroupsAsRows(merge_size * merge_size)
     tower.requires_grad_(False).eval().to(device)
     return tower, PatchSpec.from_model_dir(model_dir, config.vision_config)
 
 
 @torch.no_grad()
 def pre_merger_features(tower: torch.nn.Module, rows: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-    """Per image [tokens_pre_merge, hidden] features of a packed batch (rows of n images, grid_thw [n, 3])."""
+    """Per image [tokens_pre_merge, hidden * levels] features of a packed batch (rows of n images, grid_thw [n, 3]):
+    the last block's output, then each cached DeepStack block's output (Qwen3-VL), side by side."""
     dtype = next(tower.parameters()).dtype
     output = tower(rows.to(dtype), grid_thw=grid_thw)
     hidden = output.last_hidden_state.shape[-1]
-    features = output.pooler_output.reshape(-1, hidden)
+    levels = [output.pooler_output, *(getattr(output, "deepstack_features", None) or [])]
+    features = torch.cat([level.reshape(-1, hidden) for level in levels], dim=-1)
     return list(features.split(grid_thw.prod(-1).tolist()))
 
 
@@ -346,7 +348,8 @@ def run(
         stale.unlink(missing_ok=True)  # a rerun into the same directory must not leave old shards behind
     device = resolve_device(cfg.device)
     backend = choose_backend(cfg.decode_backend, device)
-    tower, spec = load_vision_tower(resolve_model(str(base_model)), dtype=_DTYPES[cfg.dtype], device=device)
+    model_dir = resolve_model(str(base_model))
+    tower, spec = load_vision_tower(model_dir, dtype=_DTYPES[cfg.dtype], device=device)
     tracker.set_tags({"decode_backend": backend})
 
     preparer = BatchPreparer(cfg, backend, device, spec)
@@ -354,6 +357,7 @@ def run(
     captions: dict[str, str] = {}
     duplicates = visual_tokens_total = 0
     hidden_size = int(tower.patch_embed.proj.out_channels)
+    cached_levels = family_for(_model_config(model_dir)).cached_levels(tower.config)
     try:
         for step, (records, images) in enumerate(preparer.batches(iter_records(parts, cfg.batch_size))):
             skipped, tokens = cache_batch(records, images, tower, spec, writer, captions, cfg, device)
@@ -376,6 +380,7 @@ def run(
         "model": str(base_model),
         "dtype": cfg.dtype,
         "hidden_size": hidden_size,
+        "cached_levels": cached_levels,  # DeepStack blocks stored after the last block's rows (Qwen3-VL)
         "merge_size": spec.merge_size,
         "min_pixels": cfg.min_pixels,
         "max_pixels": cfg.max_pixels,

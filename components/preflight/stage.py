@@ -36,6 +36,40 @@ def validate_stage_configs(stage_configs: dict[str, dict[str, Any]]) -> int:
     return len(stage_configs)
 
 
+def check_visual_budget(stage_configs: dict[str, dict[str, Any]]) -> int:
+    """Every stage resizes images within the same [min_pixels, max_pixels]: one visual-token budget for cleaning,
+    the feature cache, training, rollouts and evaluation. Returns max_pixels; raises naming the stages that differ."""
+    from components._shared.platform.presets import validate
+    from components.stages import STAGES, load_config_class
+
+    bounds = {}
+    for stage, data in stage_configs.items():
+        if stage in STAGES:
+            cfg = validate(load_config_class(stage), stage, data or {})
+            if hasattr(cfg, "min_pixels") and hasattr(cfg, "max_pixels"):
+                bounds[stage] = (cfg.min_pixels, cfg.max_pixels)
+    if len(set(bounds.values())) > 1:
+        listed = ", ".join(f"{stage}: {low}..{high}" for stage, (low, high) in bounds.items())
+        raise ValueError(
+            f"the stages resize images differently ({listed}); set min_pixels / max_pixels the same in every "
+            "stage, or images get other visual tokens in training than in cleaning, rollouts and evaluation."
+        )
+    return next(iter(bounds.values()))[1] if bounds else 0
+
+
+def check_patch_size(model_dir: Path, clean_data: dict[str, Any]) -> int:
+    """clean_data counts visual tokens on the base model's grid: its patch_size must be the model's ViT patch."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    patch = (config.get("vision_config") or {}).get("patch_size")
+    wanted = clean_data.get("patch_size", 14)
+    if patch is not None and patch != wanted:
+        raise ValueError(
+            f"clean_data.patch_size={wanted} but the base model's ViT patch is {patch} "
+            f"({config.get('model_type')}); set clean_data.patch_size: {patch}."
+        )
+    return int(patch or wanted)
+
+
 def count_lake_shards(lake_uri: str) -> int:
     """Number of shards (tar/parquet) in the lake; an empty, missing or unreachable lake is an error."""
     from components._shared.platform import storage
@@ -138,6 +172,7 @@ def run(
     """Validate configs, then reach the lake, the data, the tracking server and the models; raise on the first
     failure."""
     metrics: dict[str, Any] = {"configs_validated": validate_stage_configs(stage_configs)}
+    metrics["max_pixels"] = check_visual_budget(stage_configs)
     if cfg.check_lake:
         metrics["lake_shards"] = count_lake_shards(lake_uri)
     if data_files:
@@ -151,6 +186,8 @@ def run(
         for uri in dict.fromkeys(u for u in model_uris if u):
             resolved[uri] = str(resolve_model(uri))
         metrics["models_resolved"] = len(resolved)
+        if model_uris and model_uris[0] and "clean_data" in stage_configs:  # the first URI is the base model
+            metrics["patch_size"] = check_patch_size(Path(resolved[model_uris[0]]), stage_configs["clean_data"] or {})
     (output_dir / "preflight.json").write_text(json.dumps({"metrics": metrics, "models": resolved}, indent=2))
     return metrics
 

@@ -26,6 +26,7 @@ from components._shared.eval import evaluation as E
 from components._shared.eval import readers
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.checkpoint import CheckpointStore
+from components._shared.model.families import VisualTokens, family_for
 from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
@@ -79,12 +80,16 @@ class FeatureStore:
 
     def check(self, model, *, min_pixels: int, max_pixels: int) -> None:
         """The cache must come from this model's ViT at this resolution, or stage 1 trains on the wrong rows."""
-        hidden = qwen_model(model).config.vision_config.hidden_size
-        if self.index.get("hidden_size") != hidden:
+        config = qwen_model(model).config
+        family = family_for(config)
+        hidden = family.vision_width(config.vision_config)
+        levels = family.cached_levels(config.vision_config)
+        if self.index.get("hidden_size") != hidden or self.index.get("cached_levels", []) != levels:
             raise ValueError(
-                f"{self.dir}/index.json: features of width {self.index.get('hidden_size')} from "
-                f"{self.index.get('model')!r}, but this model's vision tower is {hidden} wide; run "
-                "extract_features with the same base model as pretrain."
+                f"{self.dir}/index.json: features of width {self.index.get('hidden_size')} with DeepStack levels "
+                f"{self.index.get('cached_levels', [])} from {self.index.get('model')!r}, but this model's vision "
+                f"tower is {hidden} wide with levels {levels}; run extract_features with the same base model as "
+                "pretrain."
             )
         for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
             if name in self.index and self.index[name] != value:
@@ -151,9 +156,11 @@ def make_loss(cfg: PretrainConfig):
         text_embeds = model.get_input_embeddings()(batch["input_ids"])
         if batch["num_samples"] < 2:  # no negatives in this micro-batch
             return loss_sum + 0.0 * text_embeds.sum(), targets, {"infonce": 0.0}
+        if embeds is None:
+            raise ValueError("pretrain's InfoNCE needs an image in every caption sample; the batch has none.")
         image_token = qwen_model(model).config.image_token_id
         batch = {**batch, "image_mask": batch["input_ids"] == image_token}
-        nce = infonce_loss(cfg.infonce, embeds, batch, text_embeds)
+        nce = infonce_loss(cfg.infonce, embeds.embeds, batch, text_embeds)
         return loss_sum + cfg.infonce.weight * nce * targets, targets, {"infonce": float(nce.detach())}
 
     return loss
@@ -200,15 +207,13 @@ class HeldoutCaptions:
         embeds = image_embeddings(model, batch)
         if embeds is None:
             raise ValueError("pretrain's retrieval samples carry no image inputs; every eval caption needs its image.")
-        per_image = list(
-            embeds.split([int(s.image_grid_thw.prod()) // self.encoder.merge_unit for s in self.image_samples])
-        )
+        per_image = embeds.split([int(s.image_grid_thw.prod()) // self.encoder.merge_unit for s in self.image_samples])
         scores = torch.empty(self.pool, self.pool)
         budget = max(4096, max(s.num_tokens for s in self.pairs))
         for group in plan_micro_batches([s.num_tokens for s in self.pairs], budget):
             micro = [self.pairs[k] for k in group]
             mb = to_device(pack(micro), device)
-            embeds = torch.cat([per_image[k // self.pool] for k in group])
+            embeds = VisualTokens.cat([per_image[k // self.pool] for k in group])
             logits = forward_logits(model, mb, image_embeds=embeds)
             for k, value in zip(group, per_sample_loss(logits, mb).tolist(), strict=True):
                 scores[k // self.pool, k % self.pool] = value
@@ -331,6 +336,7 @@ def run(
                 processor,
                 output_dir / "model",
                 metadata={"stage": "pretrain", "base_model": str(base_model), "selected_step": best["step"]},
+                dtype=(cfg.stage2 if cfg.stage2.enabled else cfg.stage1).train.export_dtype,
             )
             phases = [("stage1", cfg.stage1)] + ([("stage2", cfg.stage2)] if cfg.stage2.enabled else [])
             ckpt.write_pointer(output_dir, [checkpoint_root(name, block, key, output_dir) for name, block in phases])

@@ -158,6 +158,7 @@ def run(
         mean=mean,
         std=std,
         base_model=base_model,
+        dtype=cfg.train.export_dtype,
     )
     figures = [
         Figure("train_loss", "training loss (Bradley-Terry)", history_series(result.history, ["loss"])),

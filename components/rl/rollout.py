@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from components._shared.eval.readers import prompt_turns
+from components._shared.model.generation import own_generation_config
 from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
@@ -23,7 +24,6 @@ from components._shared.model.packing import (
     plan_micro_batches,
     to_device,
 )
-from components._shared.model.vlm import qwen_model
 
 
 @dataclass
@@ -79,10 +79,9 @@ class Policy(torch.nn.Module):
         )
 
 
-def suppressed_tokens(model) -> list[int]:
-    """Vision marker tokens: never sampled (a completion holding one would claim image rows it does not have), and
-    masked the same way when scoring, so sampled and scored distributions stay identical."""
-    config = qwen_model(model).config
+def suppressed_tokens(config) -> list[int]:
+    """Vision marker tokens of a model config: never sampled (a completion holding one would claim image rows it does
+    not have), and masked the same way when scoring, so sampled and scored distributions stay identical."""
     names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
     return sorted({int(getattr(config, n)) for n in names if getattr(config, n, None) is not None})
 
@@ -141,7 +140,7 @@ class RolloutEngine:
         tokenizer = encoder.tokenizer
         self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.end_id
-        self.suppressed = suppressed_tokens(encoder.qwen)
+        self.suppressed = suppressed_tokens(encoder.config)
 
     @torch.no_grad()
     def sample(self, model, records: list[dict], samples_per_prompt: int) -> list[Rollout]:
@@ -163,22 +162,23 @@ class RolloutEngine:
             for b, (_, p) in enumerate(chunk):
                 ids[b, width - p.num_tokens :] = p.input_ids
                 mask[b, width - p.num_tokens :] = 1
-            out = model.generate(
-                input_ids=ids.to(device),
-                attention_mask=mask.to(device),
-                mm_token_type_ids=(ids == self.encoder.image_token_id).to(torch.int32).to(device),
-                pixel_values=torch.cat([p.pixel_values for _, p in chunk]).to(device),
-                image_grid_thw=torch.cat([p.image_grid_thw for _, p in chunk]).to(device),
-                max_new_tokens=self.max_new_tokens,
-                do_sample=True,
-                temperature=self.temperature,
-                top_k=0,
-                top_p=1.0,
-                use_cache=self.use_cache,
-                eos_token_id=self.end_id,
-                pad_token_id=self.pad_id,
-                suppress_tokens=self.suppressed,
-            )
+            with own_generation_config(model):  # the checkpoint's sampling settings would change the distribution
+                out = model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    mm_token_type_ids=(ids == self.encoder.image_token_id).to(torch.int32).to(device),
+                    pixel_values=torch.cat([p.pixel_values for _, p in chunk]).to(device),
+                    image_grid_thw=torch.cat([p.image_grid_thw for _, p in chunk]).to(device),
+                    max_new_tokens=self.max_new_tokens,
+                    do_sample=True,
+                    temperature=self.temperature,
+                    top_k=0,
+                    top_p=1.0,
+                    use_cache=self.use_cache,
+                    eos_token_id=self.end_id,
+                    pad_token_id=self.pad_id,
+                    suppress_tokens=self.suppressed,
+                )
             for (record, prompt), row in zip(chunk, out[:, width:].tolist(), strict=True):
                 finished = self.end_id in row
                 completion = row[: row.index(self.end_id) + 1] if finished else row

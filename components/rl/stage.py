@@ -286,6 +286,7 @@ def export_policy(policy: Policy, processor, output_dir: Path, cfg: RlConfig, ba
         processor,
         output_dir / "model",
         metadata={"stage": "rl", "algorithm": cfg.algorithm, "base_model": str(base_model)},
+        dtype=cfg.train.export_dtype,
     )
     if policy.value_head is not None:
         from safetensors.torch import save_file

@@ -9,40 +9,27 @@ from pydantic import Field, model_validator
 from components._shared.model.train_config import ModuleGroup, OptimConfig, ScheduleConfig, TrainConfig
 from components._shared.platform.config import StageConfig, SubConfig
 
-# LoRA targets by default: LM attention + MLP, the ViT's fused qkv and the merger's two linears.
-# The merger is listed explicitly: LoRA that silently leaves the projector frozen is a known pain with Qwen-VL
-# LoRA recipes.
-DEFAULT_LORA_TARGETS = [
-    r"language_model\.layers\.\d+\.self_attn\.(q_proj|k_proj|v_proj|o_proj)",
-    r"language_model\.layers\.\d+\.mlp\.(gate_proj|up_proj|down_proj)",
-    r"visual\.blocks\.\d+\.attn\.qkv",
-    r"visual\.merger\.mlp\.(0|2)",
-]
-
 
 class LoraConfig(SubConfig):
     r: Annotated[int, Field(ge=1, le=1024)] = 16
     alpha: Annotated[float, Field(gt=0)] = 32.0
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    target_modules: Annotated[
-        list[str],
-        Field(
-            min_length=1,
-            description=(
-                "Regexes (full match on module names) of the Linear layers that get adapters; the defaults include the "
-                "ViT qkv and the merger."
-            ),
+    target_modules: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Regexes (full match on module names) of the Linear layers that get adapters; empty: the model family's "
+            "defaults (LM attention + MLP, Qwen3.5's linear attention, the ViT qkv and every merger)."
         ),
-    ] = Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+    )
     require_targets: Annotated[
         list[str],
         Field(
             description=(
                 "Module-name fragments that must have received adapters; the stage fails instead of silently skipping "
-                "them (e.g. a renamed merger)."
+                "them (e.g. a renamed merger). Empty: the family's (its mergers, the ViT qkv, Qwen3.5's linear_attn)."
             )
         ),
-    ] = Field(default_factory=lambda: ["visual.merger", "attn.qkv"])
+    ] = Field(default_factory=list)
 
 
 class QLoraConfig(SubConfig):

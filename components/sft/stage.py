@@ -28,6 +28,7 @@ from components._shared.eval import metrics as M
 from components._shared.eval import readers
 from components._shared.eval.readers import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
 from components._shared.model import checkpoint as ckpt
+from components._shared.model.families import family_for
 from components._shared.model.packing import ConversationEncoder
 from components._shared.model.stage_steps import (
     SCRATCH,
@@ -59,18 +60,20 @@ def build_model(cfg: SftConfig, base_model: str):
 
     # QLoRA: peft's prepare_model_for_kbit_training is not used; it only upcasts half-precision weights (the
     # trainable ones are fp32 here already) and its input-grad hook breaks bitsandbytes' CPU 4-bit path.
-    pattern = r".*(?:" + "|".join(f"(?:{t})" for t in cfg.lora.target_modules) + r")"
+    family = family_for(model)
+    targets = cfg.lora.target_modules or family.lora_targets
+    required = cfg.lora.require_targets or family.lora_required
+    pattern = r".*(?:" + "|".join(f"(?:{t})" for t in targets) + r")"
     lora = LoraConfig(
         r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=pattern, bias="none"
     )
     model = get_peft_model(model, lora)
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
-    missing = [frag for frag in cfg.lora.require_targets if not any(frag in n for n in adapted)]
+    missing = [frag for frag in required if not any(frag in n for n in adapted)]
     if missing:
         raise ValueError(
-            f"LoRA targets {cfg.lora.target_modules} gave no adapter on {missing}; fix "
-            "lora.target_modules (module names: visual.blocks.N.attn.qkv, visual.merger.mlp.0/2, "
-            "language_model.layers.N.self_attn.q_proj ...) or lora.require_targets."
+            f"LoRA targets {targets} gave no adapter on {missing}; fix lora.target_modules (this {family.name} "
+            f"model's defaults: {family.lora_targets}) or lora.require_targets."
         )
     return model, processor
 
@@ -286,7 +289,7 @@ def save_outputs(
     meta = {"stage": "sft", "mode": cfg.mode, "base_model": str(base_model)}
     if cfg.mode == "full":
         if is_main_process():
-            save_vlm(model, processor, output_dir / "model", metadata=meta)
+            save_vlm(model, processor, output_dir / "model", metadata=meta, dtype=cfg.train.export_dtype)
         return {}
     if is_main_process():
         model.save_pretrained(output_dir / "adapter", safe_serialization=True)
@@ -302,7 +305,13 @@ def save_outputs(
     after = E.answer_logits(merged, samples)
     diff = max(float((a[0] - b[0]).abs().max()) for a, b in zip(before, after, strict=True))
     if is_main_process():
-        save_vlm(merged, processor, output_dir / "model", metadata={**meta, "merged_adapter": True})
+        save_vlm(
+            merged,
+            processor,
+            output_dir / "model",
+            metadata={**meta, "merged_adapter": True},
+            dtype=cfg.train.export_dtype,
+        )
     return {"merge_max_abs_logit_diff": diff}
 
 

@@ -4,6 +4,8 @@
                       ViT depth 2 hidden 64
     demo-qwen2_5-vl   LM hidden 128, 4 layers; ViT depth 4 hidden 128 (see DEMO_QWEN2_5_VL)
     tiny-qwen2-vl     the same scale with the Qwen2-VL classes (2-D RoPE ViT, LayerNorm, no window attention)
+    tiny-qwen3-vl     the same scale with Qwen3-VL's structure (patch 16, DeepStack levels 0-2 of 4 ViT blocks)
+    tiny-qwen3_5      the same scale with Qwen3.5's (3 Gated DeltaNet layers + 1 gated full-attention layer)
     tiny-clip         a CLIPModel trained contrastively on the shapes world (clip.py); the clean_data caption check
 
 Every model is a Hugging Face directory (config.json, model.safetensors, processor files) plus
@@ -22,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from components._shared.model.families import FAMILIES
+from components.synth_world import family_processors
 from components.synth_world import tokenizer as world_tokenizer
 from components.synth_world.clip import (  # noqa: F401 - re-exported: the CLIP half of the builtins
     choose_threshold,
@@ -39,7 +43,7 @@ from components.synth_world.clip import (  # noqa: F401 - re-exported: the CLIP 
 class QwenRecipe:
     """Sizes of a builtin Qwen-VL model. head_dim = hidden / heads; sum(mrope_section) must be head_dim / 2."""
 
-    family: str  # "qwen2_5_vl" or "qwen2_vl"
+    family: str  # a key of components._shared.model.families.FAMILIES
     version: str
     hidden: int
     layers: int
@@ -132,6 +136,40 @@ TINY_QWEN2_VL = QwenRecipe(
     vision_heads=4,
     vision_intermediate=256,
 )
+# Qwen3-VL and Qwen3.5 at the tiny scale, each with its family's structure: patch 16 (128 px -> 8x8 patches,
+# 16 visual tokens like the 112 px of patch 14), a learned position table, interleaved M-RoPE; Qwen3-VL with
+# three DeepStack levels over 4 ViT blocks, Qwen3.5 with 3 linear-attention layers and 1 full-attention layer,
+# head_dim 64 with rotary on a quarter of it (head_dim 256, factor 0.25 in the real checkpoints).
+TINY_QWEN3_VL = QwenRecipe(
+    family="qwen3_vl",
+    version="1",
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    intermediate=128,
+    mrope_section=(3, 3, 2),
+    vision_depth=4,
+    vision_hidden=64,
+    vision_heads=4,
+    vision_intermediate=128,
+    image_pixels=128 * 128,
+)
+TINY_QWEN3_5 = QwenRecipe(
+    family="qwen3_5",
+    version="1",
+    hidden=64,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    intermediate=128,
+    mrope_section=(3, 3, 2),
+    vision_depth=2,
+    vision_hidden=64,
+    vision_heads=4,
+    vision_intermediate=128,
+    image_pixels=128 * 128,
+)
 # 3: lake-like sizes, no centre crop, the lake's mismatches as negatives. 4: four altered captions per picture
 # plus a per-picture softmax against them (held-out lake-mismatch recall 0.70). 5: what v4 missed were shape
 # changes (a red circle captioned as a red square): 8-pixel patches at 96x96 (0.80), three shape-only swaps per
@@ -152,6 +190,8 @@ RECIPES: dict[str, QwenRecipe | ClipRecipe] = {
     "tiny-qwen2_5-vl": TINY_QWEN2_5_VL,
     "demo-qwen2_5-vl": DEMO_QWEN2_5_VL,
     "tiny-qwen2-vl": TINY_QWEN2_VL,
+    "tiny-qwen3-vl": TINY_QWEN3_VL,
+    "tiny-qwen3_5": TINY_QWEN3_5,
     "tiny-clip": TINY_CLIP,
 }
 BUILTIN_NAMES: tuple[str, ...] = tuple(RECIPES)
@@ -207,13 +247,14 @@ def build_world_tokenizer(vocab_size: int = 512, *, seed: int = 0):
 
 
 def qwen_config(recipe: QwenRecipe, tokenizer):
-    """A Qwen2.5-VL / Qwen2-VL config for `recipe`, with token ids taken from `tokenizer`."""
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
-
+    """A config of `recipe.family` at the recipe's sizes, with token ids taken from `tokenizer`; the family gives
+    its own structure (window / full attention blocks, DeepStack levels, the hybrid layer pattern)."""
+    family = FAMILIES[recipe.family]
     head_dim = recipe.hidden // recipe.heads
     if recipe.hidden % recipe.heads or sum(recipe.mrope_section) * 2 != head_dim:
         raise ValueError(
-            f"Recipe {recipe}: hidden must divide by heads and sum(mrope_section) must be head_dim/2={head_dim // 2}."
+            f"Recipe {recipe}: hidden must divide by heads and sum(mrope_section) must be (hidden/heads)/2="
+            f"{head_dim // 2}."
         )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in world_tokenizer.SPECIAL_TOKENS}
     text = {
@@ -233,35 +274,15 @@ def qwen_config(recipe: QwenRecipe, tokenizer):
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
     }
-    vision_common = {
-        "depth": recipe.vision_depth,
-        "num_heads": recipe.vision_heads,
-        "patch_size": world_tokenizer.PATCH_SIZE,
-        "spatial_merge_size": world_tokenizer.MERGE_SIZE,
-        "temporal_patch_size": 2,
-    }
-    if recipe.family == "qwen2_5_vl":
-        vision = dict(
-            vision_common,
-            hidden_size=recipe.vision_hidden,
-            intermediate_size=recipe.vision_intermediate,
-            out_hidden_size=recipe.hidden,
-            window_size=112,
-            fullatt_block_indexes=list(range(1, recipe.vision_depth, 2)),
-        )
-        config_cls = Qwen2_5_VLConfig
-    elif recipe.family == "qwen2_vl":
-        vision = dict(
-            vision_common,
-            embed_dim=recipe.vision_hidden,
-            hidden_size=recipe.hidden,
-            mlp_ratio=recipe.vision_intermediate // recipe.vision_hidden,
-        )
-        config_cls = Qwen2VLConfig
-    else:
-        raise ValueError(f"Unknown Qwen family {recipe.family!r}; use qwen2_5_vl or qwen2_vl.")
-    return config_cls(
-        text_config=text,
+    vision = family.tiny_vision(
+        depth=recipe.vision_depth,
+        hidden=recipe.vision_hidden,
+        heads=recipe.vision_heads,
+        intermediate=recipe.vision_intermediate,
+        out_hidden=recipe.hidden,
+    )
+    return family.config_class()(
+        text_config=family.tiny_text(text),
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -274,7 +295,9 @@ def qwen_config(recipe: QwenRecipe, tokenizer):
 def _build_qwen(recipe: QwenRecipe, dest_dir: Path, *, seed: int) -> dict:
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    tokenizer = build_world_tokenizer(recipe.tokenizer_vocab, seed=seed)
+    tokenizer = family_processors.family_tokenizer(
+        build_world_tokenizer(recipe.tokenizer_vocab, seed=seed), recipe.family
+    )
     config = qwen_config(recipe, tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
@@ -288,7 +311,7 @@ def _build_qwen(recipe: QwenRecipe, dest_dir: Path, *, seed: int) -> dict:
         max_new_tokens=32,
     )
     model.save_pretrained(dest_dir)
-    processor = world_tokenizer.build_processor(
+    processor = family_processors.build_processor(
         tokenizer, family=recipe.family, min_pixels=recipe.image_pixels, max_pixels=recipe.image_pixels
     )
     processor.save_pretrained(dest_dir)
@@ -297,8 +320,8 @@ def _build_qwen(recipe: QwenRecipe, dest_dir: Path, *, seed: int) -> dict:
         "architecture": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
-        "visual_tokens_per_image": world_tokenizer.visual_tokens(
-            112, 112, min_pixels=recipe.image_pixels, max_pixels=recipe.image_pixels
+        "visual_tokens_per_image": family_processors.visual_tokens(
+            processor, 112, 112, min_pixels=recipe.image_pixels, max_pixels=recipe.image_pixels
         ),
     }
 

@@ -186,9 +186,20 @@ def test_distill_killed_mid_run_resumes_to_bit_identical_weights(data_dir, tmp_p
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_logit_kl_compares_the_vocabulary_both_checkpoints_share():
+    torch.manual_seed(0)
+    student, teacher = torch.randn(5, 8), torch.randn(5, 11)  # the teacher's embedding has 3 more padding rows
+    torch.testing.assert_close(logit_kl(student, teacher, 2.0), logit_kl(student, teacher[:, :8], 2.0))
+    torch.testing.assert_close(logit_kl(teacher, student, 2.0), logit_kl(teacher[:, :8], student, 2.0))
+
+
 def test_student_checkpoint_init_and_config_errors(data_dir, tmp_path):
+    """The student checkpoint has the teacher's tokenizer but more embedding rows (as Qwen2.5-VL-7B's 152,064 vs
+    3B's 151,936): accepted, distilled over the shared vocabulary."""
     teacher, _ = load_vlm(BASE)
     small = build_student(teacher.config, layers=1)
+    small.resize_token_embeddings(teacher.config.text_config.vocab_size + 64)
+    assert small.config.text_config.vocab_size == teacher.config.text_config.vocab_size + 64
     _, processor = load_vlm(BASE)
     small.save_pretrained(tmp_path / "small")
     processor.save_pretrained(tmp_path / "small")

@@ -240,6 +240,7 @@ def test_index_and_shards(world, fp32_run):
         "model",
         "dtype",
         "hidden_size",
+        "cached_levels",
         "merge_size",
         "min_pixels",
         "max_pixels",
@@ -248,6 +249,7 @@ def test_index_and_shards(world, fp32_run):
     }
     assert index["model"] == str(world["model_dir"]) and index["dtype"] == "float32"
     assert index["hidden_size"] == 64 and index["merge_size"] == 2 and index["caption_embeddings"] is None
+    assert index["cached_levels"] == []  # Qwen2.5-VL has no DeepStack
     assert set(index["images"]) == {row["image_hash"] for row in world["rows"]}
     files = sorted(p.name for p in out.glob("features-*.safetensors"))
     assert files == ["features-00000.safetensors", "features-00001.safetensors"] and metrics["shards"] == 2
@@ -470,7 +472,7 @@ def test_caption_embeddings(world, tmp_path):
     torch.testing.assert_close(embeddings[first["image_hash"]], torch.nn.functional.normalize(direct, dim=-1)[0])
     assert embeddings[first["image_hash"]].shape == (16,)
     assert not torch.allclose(embeddings[first["image_hash"]], embeddings[world["rows"][1]["image_hash"]])
-    with pytest.raises(ValueError, match="is a 'clip' model; extract_features needs qwen2_5_vl or qwen2_vl"):
+    with pytest.raises(ValueError, match="model_type 'clip' is not supported; this pipeline trains qwen2_vl"):
         run(
             _cfg(),
             clean_data=world["clean"],

@@ -153,16 +153,16 @@ def test_padding_efficiency_of_packed_vs_padded(model_and_encoder):
 
 
 def test_encoder_rejects_bad_conversations(model_and_encoder):
-    _, _, encoder = model_and_encoder
+    model, _, encoder = model_and_encoder
     image = Image.fromarray(np.zeros((56, 56, 3), dtype=np.uint8))
     with pytest.raises(ValueError, match="'bad' turn 0: expected role"):
         encoder.encode([{"role": "system", "text": "x"}], images=[image], sample_id="bad")
     with pytest.raises(ValueError, match="more <image> placeholders than images"):
         encoder.encode([{"role": "user", "text": "<image><image> hi"}], images=[image], sample_id="two")
     with pytest.raises(ValueError, match="max_length"):
-        ConversationEncoder(
-            encoder_processor(encoder), encoder.qwen, min_pixels=3136, max_pixels=50176, max_length=8
-        ).encode([{"role": "user", "text": "<image> hi"}], images=[image], sample_id="long")
+        ConversationEncoder(encoder_processor(encoder), model, min_pixels=3136, max_pixels=50176, max_length=8).encode(
+            [{"role": "user", "text": "<image> hi"}], images=[image], sample_id="long"
+        )
 
 
 def encoder_processor(encoder):

@@ -26,7 +26,7 @@ def lake(tmp_path):
 
 def test_passes_and_counts_on_a_good_setup(tmp_path, lake):
     metrics = _run(tmp_path, lake)
-    assert metrics == {"configs_validated": 2, "lake_shards": 1, "models_resolved": 0}
+    assert metrics == {"configs_validated": 2, "lake_shards": 1, "models_resolved": 0, "max_pixels": 1003520}
     assert (tmp_path / "preflight.json").exists()
 
 
@@ -91,3 +91,22 @@ def test_training_data_is_required_where_the_dag_reads_it(tmp_path, lake):
         _run(tmp_path, lake, data_files=spec(str(data), True))
     (data / "sft.jsonl").write_text("{}\n")
     assert _run(tmp_path, lake, data_files=spec(str(data), True))["data_files"] == 3
+
+
+def test_one_visual_token_budget_for_every_stage():
+    from components.preflight.stage import check_visual_budget
+
+    same = {stage: {"min_pixels": 3136, "max_pixels": 50176} for stage in ("clean_data", "sft", "rl")}
+    assert check_visual_budget(same) == 50176
+    with pytest.raises(ValueError, match=r"resize images differently .*rl: 3136\.\.12544.*same in every stage"):
+        check_visual_budget({**same, "rl": {"min_pixels": 3136, "max_pixels": 12544}})
+
+
+def test_clean_data_counts_visual_tokens_on_the_base_models_grid(tmp_path):
+    from components._shared.model.sources import resolve_model
+    from components.preflight.stage import check_patch_size
+
+    qwen3 = resolve_model("builtin:tiny-qwen3-vl")
+    assert check_patch_size(qwen3, {"patch_size": 16}) == 16
+    with pytest.raises(ValueError, match=r"clean_data.patch_size=14 but the base model's ViT patch is 16 \(qwen3_vl\)"):
+        check_patch_size(qwen3, {})

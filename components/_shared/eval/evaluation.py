@@ -12,6 +12,7 @@ import torch
 
 from components._shared.eval import metrics as M
 from components._shared.eval.readers import prompt_turns
+from components._shared.model.generation import own_generation_config
 from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
@@ -92,22 +93,23 @@ def generate_completions(
             if pixels
             else {}
         )
-        out = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            mm_token_type_ids=(ids == image_token).to(torch.int32).to(device),
-            **vision,
-            max_new_tokens=max_new_tokens,
-            use_cache=True,
-            eos_token_id=end_id,
-            pad_token_id=pad_id,
-            return_dict_in_generate=True,
-            output_logits=first_logits is not None,
-            **sampling,
-            # ZeRO-3 gathers weights in every forward, so every rank keeps stepping until all are done; a plain
-            # copy evaluated on rank 0 alone (sft, reward_model, pretrain after DeepSpeed) must not wait for peers
-            synced_gpus=_zero3_partitioned(model) and torch.distributed.get_world_size() > 1,
-        )
+        with own_generation_config(model):  # only these settings: a checkpoint's repetition_penalty etc. stay out
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                mm_token_type_ids=(ids == image_token).to(torch.int32).to(device),
+                **vision,
+                max_new_tokens=max_new_tokens,
+                use_cache=True,
+                eos_token_id=end_id,
+                pad_token_id=pad_id,
+                return_dict_in_generate=True,
+                output_logits=first_logits is not None,
+                **sampling,
+                # ZeRO-3 gathers weights in every forward, so every rank keeps stepping until all are done; a plain
+                # copy evaluated on rank 0 alone (sft, reward_model, pretrain after DeepSpeed) must not wait for peers
+                synced_gpus=_zero3_partitioned(model) and torch.distributed.get_world_size() > 1,
+            )
         if first_logits is not None:
             first_logits.extend(out.logits[0].float().cpu())
         for row in out.sequences[:, width:]:

@@ -1,9 +1,10 @@
-"""Exact multimodal packing for Qwen2-VL / Qwen2.5-VL: encode, plan micro-batches, pack, forward, per-sample loss.
+"""Exact multimodal packing for every Qwen VL family: encode, plan micro-batches, pack, forward, per-sample loss.
 
 Written by hand because no library packs *multimodal* Qwen samples exactly: the LM needs per-sample M-RoPE
 positions (3 rows from `get_rope_index`) plus a 4th row of text positions that restart per sample, so that
 transformers builds a block-causal mask from them (`attention_mask=None`, `use_cache=False`; with the cache
-on, samples leak into each other). The ViT already keeps images apart (cu_seqlens per image).
+on, samples leak into each other). The ViT already keeps images apart (cu_seqlens per image). Families whose LM
+has recurrent layers (Qwen3.5's linear attention) get the sample lengths too (`Family.prepare_packing`).
 
     encoder = ConversationEncoder(processor, model, min_pixels=..., max_pixels=...)
     samples = [encoder.encode(turns, images=[img]) for ...]           # labels only on assistant turns
@@ -23,11 +24,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from components._shared.model.attention import segment_lengths
+from components._shared.model.chat import ChatTemplate
+from components._shared.model.families import VisualTokens, family_for
+from components._shared.model.families.qwen3_5 import packed_sample_lengths
 from components._shared.model.vlm import qwen_model
 
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
-DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
 @dataclass
@@ -52,12 +56,27 @@ class Sample:
         return int((self.labels != IGNORE_INDEX).sum())
 
 
+class RopeIndex:
+    """The model's own `get_rope_index` without a reference to the model: its class's method bound to an object
+    that holds only the config (the method reads the config and calls sibling methods, never weights)."""
+
+    def __init__(self, qwen) -> None:
+        self.config, self._cls = qwen.config, type(qwen)
+
+    def __getattr__(self, name: str):
+        return getattr(self._cls, name).__get__(self)
+
+    def __call__(self, *args, **kwargs):
+        return self._cls.get_rope_index(self, *args, **kwargs)
+
+
 class ConversationEncoder:
-    """Turns (role, text) conversations with images into Samples, byte-identical to the Qwen chat template.
+    """Turns (role, text) conversations with images into Samples, byte-identical to the checkpoint's chat template.
 
     A user turn holds `<image>` placeholders (LLaVA / ShareGPT style), one per image, in order; without any,
-    the images go in front of the first user turn (Qwen's own order). Only assistant text and its <|im_end|>
-    are labelled.
+    the images go in front of the first user turn (Qwen's own order). The template is the processor's own
+    (model/chat.py finds the assistant text in it); only assistant text and its end-of-turn token are labelled.
+    `system_prompt=None` leaves the system turn to the template (Qwen2/2.5-VL add one, Qwen3 families do not).
     """
 
     def __init__(
@@ -68,18 +87,23 @@ class ConversationEncoder:
         min_pixels: int,
         max_pixels: int,
         max_length: int = 4096,
-        system_prompt: str = DEFAULT_SYSTEM,
+        system_prompt: str | None = None,
     ) -> None:
         self.tokenizer = processor.tokenizer
         self.image_processor = processor.image_processor
-        self.qwen = qwen_model(model)
-        config = self.qwen.config
+        qwen = qwen_model(model)
+        self.config = config = qwen.config
+        self.rope_index = RopeIndex(qwen)  # not the model: an encoder must not keep a dropped model alive
         self.image_token_id = int(config.image_token_id)
         self.merge_unit = int(config.vision_config.spatial_merge_size) ** 2
         self.min_pixels, self.max_pixels, self.max_length = min_pixels, max_pixels, max_length
         self.system_prompt = system_prompt
-        self._vision_start = self.tokenizer.convert_tokens_to_ids("<|vision_start|>")
-        self._vision_end = self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
+        self.template = ChatTemplate(
+            self.tokenizer,
+            getattr(processor, "chat_template", None) or self.tokenizer.chat_template,
+            end_of_turn="<|im_end|>",
+            extra=family_for(config).template_kwargs,
+        )
         self._specials = sorted(
             set(self.tokenizer.all_special_tokens) | {"<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|vision_start|>"}
         )
@@ -108,16 +132,28 @@ class ConversationEncoder:
         cached `features` (pre-merger rows per image) instead of pixels; `grids` alone leaves the visual rows to
         be passed to forward_logits as `image_embeds`."""
         pixel_values, grid_list = self._visual_inputs(images, grids)
+        self._check_control_tokens(turns, sample_id)
+        messages = self._messages(turns, len(grid_list), sample_id)
         ids: list[int] = []
         labels: list[int] = []
-
-        def add(text: str, *, train: bool) -> None:
-            piece = self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        for text, trained in self.template.segments(messages, add_generation_prompt=add_generation_prompt):
+            piece = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             ids.extend(piece)
-            labels.extend(piece if train else [IGNORE_INDEX] * len(piece))
+            labels.extend(piece if trained else [IGNORE_INDEX] * len(piece))
+        ids, labels = self._expand_images(ids, labels, grid_list, sample_id)
+        if len(ids) > self.max_length:
+            raise ValueError(
+                f"sample {sample_id!r} has {len(ids)} tokens (text + visual), more than max_length="
+                f"{self.max_length}; lower max_pixels or raise max_length."
+            )
+        grid = torch.stack(grid_list) if grid_list else torch.zeros((0, 3), dtype=torch.int64)
+        return self._sample(ids, labels, grid, pixel_values, features, sample_id, meta)
 
-        self._check_control_tokens(turns, sample_id)
-        add(f"<|im_start|>system\n{self.system_prompt}<|im_end|>\n", train=False)
+    def _messages(self, turns: list[dict], n_images: int, sample_id: str) -> list[dict]:
+        """Chat-template messages: user content as [image | text] parts at the placeholders, assistant as text."""
+        messages: list[dict] = []
+        if self.system_prompt is not None:
+            messages.append({"role": "system", "content": self.system_prompt})
         placed = 0
         for i, turn in enumerate(turns):
             role, text = turn.get("role"), turn.get("text")
@@ -127,43 +163,46 @@ class ConversationEncoder:
                     f"role={role!r} text={type(text).__name__}."
                 )
             if role == "assistant":
-                add("<|im_start|>assistant\n", train=False)
-                add(f"{text}<|im_end|>", train=True)
-                add("\n", train=False)
+                messages.append({"role": "assistant", "content": text})
                 continue
-            add("<|im_start|>user\n", train=False)
             parts = text.split(IMAGE_PLACEHOLDER)
-            if len(parts) == 1 and placed == 0 and grid_list:
-                parts = [""] * (len(grid_list) + 1)
-                parts[-1] = text
+            if len(parts) == 1 and placed == 0 and n_images:
+                parts = [""] * n_images + [text]
+            content: list[dict] = []
             for j, part in enumerate(parts):
                 if j:
-                    if placed >= len(grid_list):
+                    if placed >= n_images:
                         raise ValueError(
-                            f"sample {sample_id!r}: more {IMAGE_PLACEHOLDER} placeholders than images "
-                            f"({len(grid_list)}); give one image per placeholder."
+                            f"sample {sample_id!r}: more {IMAGE_PLACEHOLDER} placeholders than images ({n_images}); "
+                            "give one image per placeholder."
                         )
-                    n = int(grid_list[placed].prod()) // self.merge_unit
-                    ids.extend([self._vision_start, *[self.image_token_id] * n, self._vision_end])
-                    labels.extend([IGNORE_INDEX] * (n + 2))
+                    content.append({"type": "image"})
                     placed += 1
                     part = part.removeprefix("\n")
-                add(part, train=False)
-            add("<|im_end|>\n", train=False)
-        if placed != len(grid_list):
+                if part:
+                    content.append({"type": "text", "text": part})
+            messages.append({"role": "user", "content": content})
+        if placed != n_images:
             raise ValueError(
-                f"sample {sample_id!r}: {len(grid_list)} image(s) but {placed} {IMAGE_PLACEHOLDER} placeholder(s); "
+                f"sample {sample_id!r}: {n_images} image(s) but {placed} {IMAGE_PLACEHOLDER} placeholder(s); "
                 "put one placeholder per image in the user turns."
             )
-        if add_generation_prompt:
-            add("<|im_start|>assistant\n", train=False)
-        if len(ids) > self.max_length:
+        return messages
+
+    def _expand_images(self, ids: list[int], labels: list[int], grids: list[torch.Tensor], sample_id: str):
+        """Each image's single <|image_pad|> becomes its grid's number of visual tokens (as the processor does)."""
+        slots = [k for k, token in enumerate(ids) if token == self.image_token_id]
+        if len(slots) != len(grids):
             raise ValueError(
-                f"sample {sample_id!r} has {len(ids)} tokens (text + visual), more than max_length="
-                f"{self.max_length}; lower max_pixels or raise max_length."
+                f"sample {sample_id!r}: the chat template wrote {len(slots)} image slot(s) for {len(grids)} image(s)."
             )
-        grid = torch.stack(grid_list) if grid_list else torch.zeros((0, 3), dtype=torch.int64)
-        return self._sample(ids, labels, grid, pixel_values, features, sample_id, meta)
+        out_ids, out_labels, start = [], [], 0
+        for slot, grid in zip(slots, grids, strict=True):
+            n = int(grid.prod()) // self.merge_unit
+            out_ids += [*ids[start:slot], *[self.image_token_id] * n]
+            out_labels += [*labels[start:slot], *[IGNORE_INDEX] * n]
+            start = slot + 1
+        return out_ids + ids[start:], out_labels + labels[start:]
 
     def _sample(self, ids, labels, grid, pixel_values, features, sample_id: str, meta: dict | None) -> Sample:
         input_ids = torch.tensor(ids, dtype=torch.int64)
@@ -201,7 +240,7 @@ class ConversationEncoder:
         if grid.numel() == 0:
             return torch.arange(input_ids.numel()).expand(3, -1).clone()
         token_types = (input_ids == self.image_token_id).to(torch.int32)
-        positions, _ = self.qwen.get_rope_index(input_ids[None], token_types[None], image_grid_thw=grid)
+        positions, _ = self.rope_index(input_ids[None], token_types[None], image_grid_thw=grid)
         return positions[:, 0]
 
 
@@ -304,26 +343,27 @@ def batch_tokens(batch: dict) -> tuple[int, int]:
     return real, int(batch["input_ids"].numel())
 
 
-def image_embeddings(model, batch: dict) -> torch.Tensor | None:
-    """Merged visual tokens (n_image_tokens, hidden) of a batch: merger(cached features) or the full ViT."""
+def image_embeddings(model, batch: dict) -> VisualTokens | None:
+    """The batch's visual tokens (merged rows, + DeepStack levels): the mergers on cached features, or the ViT."""
     qwen = qwen_model(model)
+    family = family_for(qwen.config)
     if "features" in batch:
-        return qwen.visual.merger(batch["features"].to(qwen.visual.merger.mlp[0].weight.dtype))
+        return family.visual_tokens(qwen.visual, batch["features"])
     if "pixel_values" in batch:
-        return torch.cat(list(qwen.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output))
+        return family.pixel_tokens(qwen, batch["pixel_values"], batch["image_grid_thw"])
     return None
 
 
-def forward_logits(model, batch: dict, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+def forward_logits(model, batch: dict, image_embeds: VisualTokens | None = None) -> torch.Tensor:
     """Logits (B, L, V) of a packed or padded batch.
 
-    Pixels go through the model's own forward; cached features (merger only) or precomputed `image_embeds`
-    are spliced into the input embeddings at the image tokens.
+    Pixels go through the model's own forward; cached features (mergers only) or precomputed `image_embeds`
+    reach the model as its `mm_encoder_outputs`, so each family places them (and DeepStack's levels) itself.
     """
     return _forward(model, batch, image_embeds).logits
 
 
-def forward_hidden(model, batch: dict, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+def forward_hidden(model, batch: dict, image_embeds: VisualTokens | None = None) -> torch.Tensor:
     """Last-layer hidden states (B, L, hidden) of the language model for a packed or padded batch (no lm_head)."""
     return _forward(qwen_model(model), batch, image_embeds).last_hidden_state
 
@@ -334,7 +374,10 @@ def forward_outputs(model, batch: dict, **flags):
     return _forward(model, batch, None, **flags)
 
 
-def _forward(model, batch: dict, image_embeds: torch.Tensor | None, **flags):
+def _forward(model, batch: dict, image_embeds: VisualTokens | None, **flags):
+    qwen = qwen_model(model)
+    family = family_for(qwen.config)
+    family.prepare_packing(qwen)
     kwargs = {
         "position_ids": batch["position_ids"],
         "attention_mask": batch["attention_mask"],
@@ -344,18 +387,25 @@ def _forward(model, batch: dict, image_embeds: torch.Tensor | None, **flags):
     if image_embeds is None and "features" in batch:
         image_embeds = image_embeddings(model, batch)
     if image_embeds is not None:
-        qwen = qwen_model(model)
-        embeds = model.get_input_embeddings()(batch["input_ids"])
-        mask = batch["input_ids"] == qwen.config.image_token_id
-        if int(mask.sum()) != image_embeds.shape[0]:
+        n_tokens = int((batch["input_ids"] == qwen.config.image_token_id).sum())
+        if n_tokens != image_embeds.embeds.shape[0]:
             raise ValueError(
-                f"{int(mask.sum())} image tokens but {image_embeds.shape[0]} merged visual rows; the cached features "
-                "were extracted with other min_pixels/max_pixels than the encoder's."
+                f"{n_tokens} image tokens but {image_embeds.embeds.shape[0]} merged visual rows; the cached "
+                "features were extracted with other min_pixels/max_pixels than the encoder's."
             )
-        embeds = embeds.masked_scatter(mask[..., None], image_embeds.to(embeds.dtype))
-        return model(inputs_embeds=embeds, **kwargs)
-    vision = {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
-    return model(input_ids=batch["input_ids"], **vision, **kwargs)
+        kwargs["mm_encoder_outputs"] = {"image": family.encoder_output(image_embeds)}
+    else:
+        kwargs.update({k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch})
+    with packed_sample_lengths(_packed_lengths(batch)):
+        return model(input_ids=batch["input_ids"], **kwargs)
+
+
+def _packed_lengths(batch: dict) -> list[int] | None:
+    """The sample lengths of a packed row (4 position rows, the first restarting per sample), else None."""
+    positions = batch["position_ids"]
+    if batch["attention_mask"] is not None or positions.shape[0] != 4 or positions.shape[1] != 1:
+        return None
+    return segment_lengths(positions[0])
 
 
 def token_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, int]:

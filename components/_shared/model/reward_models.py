@@ -52,11 +52,20 @@ def reward_index(sample: Sample, k: int) -> int:
 
 
 def save_reward_model(
-    model: RewardModel, processor, out_dir: Path, *, score_first_k: int, mean: float, std: float, base_model: str
+    model: RewardModel,
+    processor,
+    out_dir: Path,
+    *,
+    score_first_k: int,
+    mean: float,
+    std: float,
+    base_model: str,
+    dtype: str = "checkpoint",
 ) -> None:
     from safetensors.torch import save_file
 
-    save_vlm(model.backbone, processor, out_dir, metadata={"stage": "reward_model", "base_model": str(base_model)})
+    meta = {"stage": "reward_model", "base_model": str(base_model)}
+    save_vlm(model.backbone, processor, out_dir, metadata=meta, dtype=dtype)
     save_file({k: v.detach().cpu().contiguous() for k, v in model.head.state_dict().items()}, str(out_dir / HEAD_FILE))
     (out_dir / META_FILE).write_text(
         json.dumps({"score_first_k": score_first_k, "reward_mean": mean, "reward_std": std}, indent=2) + "\n"

@@ -67,6 +67,7 @@ def loop_metrics(result: TrainResult) -> dict[str, Any]:
         "padding_efficiency": round(result.padding_efficiency, 4),
         "budget_fill": round(result.budget_fill, 4),
         "tokens_per_second": round(result.tokens / result.seconds, 1) if result.seconds else 0.0,
+        "parameters": result.parameters,  # per module group: trainable / frozen (the run's manifest)
     }
 
 

@@ -88,6 +88,9 @@ class TrainConfig(SubConfig):
         int, Field(ge=16, description="Token budget (text + visual) of one packed micro-batch.")
     ] = 4096
     precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto = bf16 autocast on GPU, fp32 on CPU.")
+    export_dtype: Literal["checkpoint", "float32", "bfloat16", "float16"] = Field(
+        "checkpoint", description="dtype of the exported model/: checkpoint = the base checkpoint's (bf16 for Qwen's)."
+    )
     gradient_checkpointing: bool = False
     backend: Literal["torch", "deepspeed"] = Field(
         "torch", description="torch = plain AdamW loop (per-group clipping); deepspeed = ZeRO engine (global clip)."

@@ -34,6 +34,7 @@ import torch
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.backends import Backend, TorchBackend
 from components._shared.model.device import resolve_device
+from components._shared.model.manifest import check_frozen, frozen_fingerprints, parameter_manifest
 from components._shared.model.packing import (
     Sample,
     batch_tokens,
@@ -82,6 +83,7 @@ class TrainResult:
     budget_fill: float = 0.0  # real tokens / (micro-batches x max_tokens_per_micro_batch)
     tokens: int = 0
     seconds: float = 0.0
+    parameters: dict[str, dict[str, int]] = field(default_factory=dict)  # per group: trainable / frozen (manifest.py)
 
 
 def default_loss(model, batch: dict, samples: list[Sample]) -> tuple[torch.Tensor, int, dict[str, float]]:
@@ -181,6 +183,7 @@ class TrainLoop:
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []
         self._order_cache: dict[tuple[int, int], np.ndarray] = {}
+        self.parameters: dict[str, dict[str, int]] = {}
 
     # -- data position -------------------------------------------------------------------------------------
     def _order(self, phase: int, epoch: int) -> np.ndarray:
@@ -304,6 +307,7 @@ class TrainLoop:
             budget_fill=counts["_tokens"] / counts["_slots"] if counts["_slots"] else 0.0,
             tokens=counts["_tokens"],
             seconds=time.perf_counter() - started,
+            parameters=self.parameters,
         )
 
     def drive(
@@ -318,6 +322,8 @@ class TrainLoop:
         """The loop skeleton: resume, then `step_fn()` per step until train.steps (or `stopped()`), with logging,
         evaluation every eval_every (then `after_eval()`), checkpoints every checkpoint_every and a final
         checkpoint. Returns (the step resumed from or None, the checkpoints written)."""
+        self.parameters = parameter_manifest(self.model)
+        frozen = frozen_fingerprints(self.model)
         resumed = self.try_resume()
         if resumed is None and evaluate is not None:
             self._evaluate(evaluate)
@@ -343,6 +349,7 @@ class TrainLoop:
                 after_eval()
         if resumed != self.step:  # a run resumed from its final checkpoint has nothing new to save
             saved.append(self.save_checkpoint())
+        check_frozen(frozen, self.model)
         return resumed, saved
 
     def _due(self, every: int) -> bool:

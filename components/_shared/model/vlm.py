@@ -1,4 +1,4 @@
-"""Qwen2-VL / Qwen2.5-VL loading, saving, student configs and per-module parameter groups.
+"""Qwen vision-language loading, saving, student configs and per-module parameter groups, for every family.
 
 Every checkpoint a stage writes is a Hugging Face directory (safetensors + processor files), so
 `AutoModelForImageTextToText.from_pretrained(dir)` and `AutoProcessor.from_pretrained(dir)` load it.
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from components._shared.model.attention import register as packed_attention
+from components._shared.model.families import family_for
 from components._shared.model.sources import resolve_model, validate_model_dir
 from components._shared.model.train_config import MODULE_GROUPS
 
-SUPPORTED_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl")
 _VISION_BLOCK = re.compile(r"(?:^|\.)visual\.blocks\.(\d+)\.")
 _LM_LAYER = re.compile(r"(?:^|\.)language_model\.layers\.(\d+)\.")
 
@@ -30,27 +30,60 @@ def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str
 
     path = resolve_model(str(uri))
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{uri}: model_type {model_type!r} is not supported; this pipeline trains {SUPPORTED_MODEL_TYPES} "
-            "checkpoints (Qwen2-VL / Qwen2.5-VL)."
-        )
+    try:
+        family_for(str(model_type))
+    except ValueError as err:
+        raise ValueError(f"{uri}: {err}") from None
     model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=dtype, attn_implementation=packed_attention(), use_safetensors=True, trust_remote_code=False
     ).to(device)
+    model.qvl_checkpoint_dtype = checkpoint_dtype(path)  # what save_vlm exports in (training may run in fp32)
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=False)
     return model, processor
 
 
-def save_vlm(model, processor, out_dir: str | Path, *, metadata: dict[str, Any] | None = None) -> Path:
-    """Save model + processor in HF format (safetensors) and an optional `qvl_model.json`; returns the dir."""
+def checkpoint_dtype(path: Path) -> torch.dtype:
+    """The dtype a checkpoint's weights are stored in (config.json `dtype`, or the legacy `torch_dtype`)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def save_vlm(
+    model, processor, out_dir: str | Path, *, metadata: dict[str, Any] | None = None, dtype: str = "checkpoint"
+) -> Path:
+    """Save model + processor in HF format (safetensors) and an optional `qvl_model.json`; returns the dir.
+
+    `dtype="checkpoint"` writes the weights in the dtype of the checkpoint the model was loaded from (a bf16 7B
+    stays 16.6 GB, not 33 GB of fp32 training weights); "float32" / "bfloat16" / "float16" force one.
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    target = EXPORT_DTYPES[dtype] if dtype != "checkpoint" else getattr(model, "qvl_checkpoint_dtype", None)
+    current = next(model.parameters()).dtype
+    if target is None or target == current or not current.is_floating_point:
+        model.save_pretrained(out_dir, safe_serialization=True)
+    else:  # a cast copy of the weights; the model itself keeps training precision
+        state = {k: v.to(target) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+        model.save_pretrained(out_dir, safe_serialization=True, state_dict=state)
+        _set_config_dtype(out_dir / "config.json", target)
     processor.save_pretrained(out_dir)
     if metadata is not None:
         (out_dir / "qvl_model.json").write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
     return validate_model_dir(out_dir)
+
+
+def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:
+    """config.json's `dtype` (and its sub-configs') say what the weights are stored in, so `dtype="auto"` loads it."""
+    config = json.loads(path.read_text())
+    name = str(dtype).removeprefix("torch.")
+    for section in (config, *(v for v in config.values() if isinstance(v, dict) and "dtype" in v)):
+        section["dtype"] = name
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def set_pixel_bounds(processor, min_pixels: int, max_pixels: int) -> None:
@@ -79,57 +112,53 @@ def student_config(
 ):
     """A smaller config of the same family: fewer / narrower LM layers, optionally fewer / narrower ViT blocks,
     the same vocabulary. The merger's output width follows the LM width; `mrope_section` is rescaled to the new
-    head_dim; `vision_full_attention` (Qwen2.5-VL) names the student blocks with full attention.
+    rotary width; `vision_full_attention` (Qwen2.5-VL) names the student blocks with full attention; the family
+    keeps its own layer pattern (Qwen3.5: linear / full attention) and block-index lists (DeepStack).
     """
+    family = family_for(teacher_config)
     config = teacher_config.__class__.from_dict(teacher_config.to_dict())
     text = config.text_config
     hidden = hidden or text.hidden_size
     heads = heads or text.num_attention_heads
     kv_heads = kv_heads or text.num_key_value_heads
-    if hidden % heads or heads % kv_heads:
+    if (hidden % heads and not family.explicit_head_dim) or heads % kv_heads:
         raise ValueError(
             f"student hidden={hidden}, heads={heads}, kv_heads={kv_heads}: hidden must divide by heads and heads "
             "by kv_heads."
         )
-    head_dim = hidden // heads
-    section = list(text.rope_parameters["mrope_section"])
-    scaled = [max(1, round(s * (head_dim // 2) / sum(section))) for s in section]
-    scaled[0] += head_dim // 2 - sum(scaled)
-    if min(scaled) < 1:
-        raise ValueError(f"student head_dim={head_dim} is too small for a 3-part mrope_section; use fewer heads.")
+    head_dim = int(text.head_dim) if family.explicit_head_dim else hidden // heads
+    section = list(text.rope_parameters.get("mrope_section") or [])
+    if section:
+        half = family.rotary_half(text, head_dim)
+        scaled = [max(1, round(s * half / sum(section))) for s in section]
+        scaled[0] += half - sum(scaled)
+        if min(scaled) < 1:
+            raise ValueError(f"student head_dim={head_dim} is too small for a 3-part mrope_section; use fewer heads.")
+        text.rope_parameters = {**text.rope_parameters, "mrope_section": scaled}
     text.hidden_size = hidden
     text.num_hidden_layers = layers
     text.num_attention_heads = heads
     text.num_key_value_heads = kv_heads
     text.intermediate_size = intermediate or text.intermediate_size
     text.head_dim = head_dim
-    text.layer_types = ["full_attention"] * layers
-    text.max_window_layers = min(getattr(text, "max_window_layers", layers), layers)
-    text.rope_parameters = {**text.rope_parameters, "mrope_section": scaled}
+    text.layer_types = family.student_layer_types(text, layers)
+    if hasattr(text, "max_window_layers"):
+        text.max_window_layers = min(text.max_window_layers, layers)
     if vision_depth is not None:
         vision = config.vision_config
         if not 1 <= vision_depth <= vision.depth:
             raise ValueError(f"student vision_depth={vision_depth} must be between 1 and the teacher's {vision.depth}.")
-        vision.depth = vision_depth
-        if hasattr(vision, "fullatt_block_indexes"):  # Qwen2.5-VL: keep full attention in the last block at least
-            vision.fullatt_block_indexes = [i for i in vision.fullatt_block_indexes if i < vision_depth] or [
-                vision_depth - 1
-            ]
-    _narrow_vision(config, vision_hidden, vision_heads, vision_intermediate)
+        family.cut_vision_depth(vision, vision_depth)
+    _narrow_vision(family, config.vision_config, vision_hidden, vision_heads, vision_intermediate)
     if vision_full_attention is not None and hasattr(config.vision_config, "fullatt_block_indexes"):
         config.vision_config.fullatt_block_indexes = list(vision_full_attention)
-    if config.model_type == "qwen2_vl":  # Qwen2-VL's merger projects to vision_config.hidden_size
-        config.vision_config.hidden_size = hidden
-    else:
-        config.vision_config.out_hidden_size = hidden
+    family.set_merger_output(config, hidden)
     return config
 
 
-def _narrow_vision(config, hidden: int | None, heads: int | None, intermediate: int | None) -> None:
-    """Set the ViT width, heads and MLP width (Qwen2-VL names them embed_dim / mlp_ratio)."""
-    vision = config.vision_config
-    width_name = "embed_dim" if config.model_type == "qwen2_vl" else "hidden_size"
-    old_width = getattr(vision, width_name)
+def _narrow_vision(family, vision, hidden: int | None, heads: int | None, intermediate: int | None) -> None:
+    """Set the ViT width, heads and MLP width through the family (Qwen2-VL names them embed_dim / mlp_ratio)."""
+    old_width = family.vision_width(vision)
     hidden = hidden or old_width
     heads = heads or (vision.num_heads if hidden == old_width else hidden // (old_width // vision.num_heads))
     if hidden % heads or (hidden // heads) % 2:
@@ -137,18 +166,7 @@ def _narrow_vision(config, hidden: int | None, heads: int | None, intermediate: 
             f"student vision_hidden={hidden} with {heads} heads: the width must divide into heads of an "
             "even head_dim (the ViT's 2-D RoPE splits each head in halves)."
         )
-    setattr(vision, width_name, hidden)
-    vision.num_heads = heads
-    if config.model_type == "qwen2_vl":
-        if intermediate:
-            if intermediate % hidden:
-                raise ValueError(
-                    f"student vision_intermediate={intermediate}: Qwen2-VL sets the ViT MLP width as an "
-                    f"integer multiple (mlp_ratio) of vision_hidden={hidden}; use a multiple of it."
-                )
-            vision.mlp_ratio = intermediate // hidden
-    else:
-        vision.intermediate_size = intermediate or vision.intermediate_size
+    family.set_vision_sizes(vision, hidden=hidden, heads=heads, intermediate=intermediate)
 
 
 def build_student(teacher_config, **sizes):
@@ -164,13 +182,14 @@ def count_parameters(model, *, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-def module_group(name: str, *, vision_blocks: int, lm_layers: int) -> str:
+def module_group(name: str, *, vision_blocks: int, lm_layers: int, mergers: tuple[str, ...] = ("merger",)) -> str:
     """Which of MODULE_GROUPS the parameter `name` belongs to (lower = first half of the blocks/layers).
 
-    Patch embedding counts as vision_lower; embeddings as lm_lower; final norm and lm_head as lm_upper.
-    Names of peft-wrapped models (base_model.model..., lora_A/lora_B) resolve the same way.
+    `mergers` are the family's modules under `visual.` that project into the LM (Qwen3-VL: + the DeepStack
+    mergers). Patch and position embedding count as vision_lower; embeddings as lm_lower; final norm and lm_head
+    as lm_upper. Names of peft-wrapped models (base_model.model..., lora_A/lora_B) resolve the same way.
     """
-    if ".merger." in f".{name}":
+    if any(f".visual.{merger}." in f".{name}" for merger in mergers):
         return "merger"
     if match := _VISION_BLOCK.search(name):
         return "vision_lower" if int(match.group(1)) < vision_blocks // 2 else "vision_upper"
@@ -183,14 +202,30 @@ def module_group(name: str, *, vision_blocks: int, lm_layers: int) -> str:
     return "lm_upper"
 
 
-def named_groups(model) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
-    """Trainable parameters by module group (groups with no trainable parameter are left out)."""
+def parameter_groups(model):
+    """(group, name, parameter) for every parameter, trainable or not (the assignment `named_groups` uses)."""
     config = _qwen_config(model)
-    sizes = {"vision_blocks": config.vision_config.depth, "lm_layers": config.text_config.num_hidden_layers}
-    groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+    sizes = {
+        "vision_blocks": config.vision_config.depth,
+        "lm_layers": config.text_config.num_hidden_layers,
+        "mergers": family_for(config).merger_modules,
+    }
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head.weight if head is not None and head.weight is model.get_input_embeddings().weight else None
     for name, param in model.named_parameters():
+        yield ("lm_upper" if param is tied else module_group(name, **sizes)), name, param
+
+
+def named_groups(model) -> dict[str, list[tuple[str, torch.nn.Parameter]]]:
+    """Trainable parameters by module group (groups with no trainable parameter are left out).
+
+    A tied embedding (Qwen2.5-VL-3B, Qwen3-VL-2B, Qwen3.5 <= 4B) is listed once under its input name, but it is
+    the output head too: it belongs to lm_upper with lm_head, so freezing the lower LM layers keeps the head
+    trainable, as it is for an untied checkpoint."""
+    groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+    for group, name, param in parameter_groups(model):
         if param.requires_grad:
-            groups.setdefault(module_group(name, **sizes), []).append((name, param))
+            groups.setdefault(group, []).append((name, param))
     return {g: groups[g] for g in MODULE_GROUPS if g in groups}
 
 
@@ -209,11 +244,11 @@ def freeze(model, groups: tuple[str, ...]) -> int:
 
 
 def qwen_model(model):
-    """The inner Qwen2(.5)-VL model (has `visual`, `language_model`, `get_rope_index`) under any wrapper."""
+    """The inner Qwen VL model (has `visual`, `language_model`, `get_rope_index`) under any wrapper."""
     for module in model.modules():
         if hasattr(module, "get_rope_index") and hasattr(module, "visual"):
             return module
-    raise ValueError(f"{type(model).__name__} contains no Qwen2-VL / Qwen2.5-VL model (no get_rope_index).")
+    raise ValueError(f"{type(model).__name__} contains no Qwen vision-language model (no get_rope_index).")
 
 
 def _qwen_config(model):

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from PIL import Image, ImageOps
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP")
-QWEN_PATCH_FACTOR = 28  # 14 px ViT patch x 2x2 spatial merge
 
 # Magic numbers of formats we recognise but refuse to parse (they are reported as unsupported,
 # everything else that Pillow's allow-listed plugins cannot open is undecodable).
@@ -149,21 +148,21 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def visual_tokens(height: int, width: int, *, min_pixels: int, max_pixels: int) -> int:
-    """Visual tokens Qwen2.5-VL produces for an image of this size (after the 2x2 merge).
+def visual_tokens(height: int, width: int, *, min_pixels: int, max_pixels: int, patch_size: int = 14) -> int:
+    """Visual tokens a Qwen VL model produces for an image of this size (after the 2x2 merge).
 
-    Follows `qwen_vl_utils.smart_resize(h, w, factor=28, min_pixels, max_pixels)`, which is what the
-    training data loader uses: tokens = (h'/28) * (w'/28). Where that function floors a side of a long
-    thin image to 0 (it lacks the processor's `max(factor, ...)` when shrinking), the side is clamped to
-    28 like transformers' Qwen2VLImageProcessor does; for sides >= 14 px the count then equals the
-    processor's `image_grid_thw.prod() // 4`.
+    Follows `qwen_vl_utils.smart_resize(h, w, factor=2 * patch_size, min_pixels, max_pixels)`, which is what the
+    training data loader uses: tokens = (h'/factor) * (w'/factor); the factor is 28 for Qwen2-VL / Qwen2.5-VL
+    (patch 14) and 32 for Qwen3-VL / Qwen3.5 (patch 16). Where that function floors a side of a long thin image to
+    0 (it lacks the processor's `max(factor, ...)` when shrinking), the side is clamped to the factor like
+    transformers' Qwen2VLImageProcessor does; for sides >= one patch the count then equals the processor's
+    `image_grid_thw.prod() // 4`.
     """
     from qwen_vl_utils import smart_resize
 
     if height <= 0 or width <= 0:
         raise ValueError(f"image size must be positive, got {width}x{height}")
-    resized_h, resized_w = smart_resize(
-        height, width, factor=QWEN_PATCH_FACTOR, min_pixels=min_pixels, max_pixels=max_pixels
-    )
-    resized_h, resized_w = max(QWEN_PATCH_FACTOR, resized_h), max(QWEN_PATCH_FACTOR, resized_w)
-    return (resized_h // QWEN_PATCH_FACTOR) * (resized_w // QWEN_PATCH_FACTOR)
+    factor = 2 * patch_size
+    resized_h, resized_w = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    resized_h, resized_w = max(factor, resized_h), max(factor, resized_w)
+    return (resized_h // factor) * (resized_w // factor)

@@ -1,0 +1,126 @@
+"""Qwen3.5 (0.8B-27B dense, MoE as `qwen3_5_moe`; Qwen3.6 / 3.8 reuse the classes): natively multimodal, a hybrid
+LM of Gated DeltaNet linear-attention layers and gated full-attention layers (every 4th), head_dim 256 with
+partial rotary, vocabulary 248,320; the ViT is Qwen3-VL's without DeepStack (patch 16, learned position table).
+
+Packing: the full-attention layers split at the text-position restarts like every family, but a linear-attention
+layer's causal convolution and recurrent state would run on from one packed sample into the next. The layers
+are given the packed row's sample lengths (`packed_sample_lengths`) and run each sample from a zero state, the
+way the varlen kernels do with `cu_seqlens`; without them the samples leak into each other (tests show it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+
+from components._shared.model.families.base import Family
+
+FULL_ATTENTION_INTERVAL = 4
+_SAMPLE_LENGTHS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("packed_lengths", default=None)
+
+
+@contextlib.contextmanager
+def packed_sample_lengths(lengths: list[int] | None):
+    """Within the block, linear-attention layers treat a batch-1 row of sum(lengths) tokens as these samples."""
+    token = _SAMPLE_LENGTHS.set(lengths)
+    try:
+        yield
+    finally:
+        _SAMPLE_LENGTHS.reset(token)
+
+
+def _segmented_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """Gated DeltaNet forward run per packed sample (zero conv history and state for each), else unchanged."""
+    base = super(type(self), self).forward
+    lengths = _SAMPLE_LENGTHS.get()
+    if lengths is None or cache is not None or hidden_states.shape[0] != 1 or sum(lengths) != hidden_states.shape[1]:
+        return base(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    parts = hidden_states.split(lengths, dim=1)
+    return torch.cat([base(part, cache=None, attention_mask=None, **kwargs) for part in parts], dim=1)
+
+
+_PACKED_CLASSES: dict[type, type] = {}
+
+
+def _packed_class(cls: type) -> type:
+    if cls not in _PACKED_CLASSES:
+        _PACKED_CLASSES[cls] = type(f"Packed{cls.__name__}", (cls,), {"forward": _segmented_forward})
+    return _PACKED_CLASSES[cls]
+
+
+class Qwen3_5(Family):
+    name = "qwen3_5"
+    model_types = ("qwen3_5", "qwen3_5_moe")
+    patch_size = 16
+    template_kwargs = {"enable_thinking": False}
+    lora_targets = [
+        *Family.lora_targets[:3],
+        r"language_model\.layers\.\d+\.linear_attn\.(in_proj_qkv|in_proj_z|out_proj)",
+        r"visual\.merger\.linear_fc(1|2)",
+    ]
+    lora_required = ["visual.merger", "attn.qkv", "linear_attn"]
+    grounding = "relative_1000"
+    explicit_head_dim = True
+    prunable = False  # distill: student.init random or model (pruning these layouts is not written yet)
+
+    def cut_vision_depth(self, vision, depth: int) -> None:
+        vision.depth = depth
+
+    def rotary_half(self, text, head_dim: int) -> int:
+        return int(head_dim * text.rope_parameters.get("partial_rotary_factor", 1.0)) // 2
+
+    def student_layer_types(self, text, layers: int) -> list[str]:
+        """The hybrid pattern (3 linear, 1 full), ending on a full-attention layer however few layers remain."""
+        types = [
+            "full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention" for i in range(layers)
+        ]
+        types[-1] = "full_attention"
+        return types
+
+    def config_class(self):
+        from transformers import Qwen3_5Config
+
+        return Qwen3_5Config
+
+    def tiny_vision(self, *, depth: int, hidden: int, heads: int, intermediate: int, out_hidden: int) -> dict:
+        return {
+            "depth": depth,
+            "hidden_size": hidden,
+            "num_heads": heads,
+            "intermediate_size": intermediate,
+            "out_hidden_size": out_hidden,
+            "patch_size": self.patch_size,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,
+        }
+
+    def tiny_text(self, text: dict) -> dict:
+        section = text["rope_parameters"]["mrope_section"]
+        head_dim = 8 * sum(section)  # rotary on a quarter of each head, as in the real checkpoints (factor 0.25)
+        rope = {**text["rope_parameters"], "mrope_interleaved": True, "partial_rotary_factor": 0.25}
+        layers = text["num_hidden_layers"]
+        return {
+            **text,
+            "head_dim": head_dim,
+            "rope_parameters": rope,
+            "layer_types": self.student_layer_types(None, layers),
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": head_dim // 2,
+            "linear_value_head_dim": head_dim // 2,
+            "linear_num_key_heads": text["num_key_value_heads"],
+            "linear_num_value_heads": text["num_attention_heads"],
+        }
+
+    def vision_tower_class(self):
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+        return Qwen3_5VisionModel
+
+    def prepare_packing(self, qwen) -> None:
+        for layer in qwen.language_model.layers:
+            module = getattr(layer, "linear_attn", None)
+            if module is not None and type(module) not in _PACKED_CLASSES.values():
+                module.__class__ = _packed_class(type(module))
