@@ -3,6 +3,7 @@
 qvl lake synth --out runs/world --records 2000
 qvl run --local --preset demo --lake runs/world/lake --out runs/demo
 qvl stage clean_data --config pipelines/presets/tiny.yaml --lake-uri runs/world/lake --output-dir runs/clean
+qvl rehearse --config qwen3.5-0.8b
 qvl compile
 KFP_TOKEN=... qvl submit --host https://kfp.example.com/pipeline --experiment vlm-prod lake_uri=s3://lake/x --wait
 """
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import typer
 
+from pipelines.rehearse import RUN_NAMES
+
+REHEARSAL_RUNS = ", ".join(RUN_NAMES)
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
 lake_app = typer.Typer(help="Data lakes: the synthetic shapes world.", no_args_is_help=True)
 models_app = typer.Typer(help="Builtin helper models of the presets (tokenizer, tiny Qwen-VL, tiny CLIP).")
@@ -109,6 +113,26 @@ def stage(ctx: typer.Context, name: str = typer.Argument(..., help="Stage packag
         )
         raise typer.Exit(0 if not shown else 2)
     load_stage(name).main(list(ctx.args))
+
+
+@app.command("rehearse")
+def rehearse(
+    config: str = typer.Option(..., "--config", help="A real checkpoint: qvl rehearse --list shows them."),
+    stages: str = typer.Option("", help="Comma-separated runs (default: all, and what they need): " + REHEARSAL_RUNS),
+    layers: int = typer.Option(2, min=1, help="LM layers kept (Qwen3.5 keeps its linear/full pattern)."),
+    vision_depth: int = typer.Option(4, min=1, help="ViT blocks kept (full-attention / DeepStack indexes mapped)."),
+    out: Path = typer.Option(Path("runs/rehearsal"), help="Working directory (checkpoint, world, stage outputs)."),
+):
+    """Every model stage for a step or two on a real checkpoint's config (real widths, vocabulary, tokenizer,
+    processor and template; depth cut; random init): pass/fail, seconds and peak memory per stage."""
+    from pipelines.rehearse import rehearse as run_rehearsal
+    from pipelines.rehearse import table
+
+    chosen = [s for s in stages.split(",") if s]
+    results = run_rehearsal(config, out / config, runs=chosen or None, layers=layers, vision_depth=vision_depth)
+    typer.echo(table(config, results))
+    if any(r.status != "passed" for r in results):
+        raise typer.Exit(1)
 
 
 @app.command("compile")

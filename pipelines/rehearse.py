@@ -1,0 +1,170 @@
+"""`qvl rehearse`: a real checkpoint's config through every model stage for a step or two, before GPUs are spent.
+
+    qvl rehearse --config qwen3.5-0.8b [--stages pretrain,sft_lora] [--layers 2] [--vision-depth 4] [--out DIR]
+
+The checkpoint is built by `real_checkpoints.build_checkpoint` (real widths, vocabulary, tokenizer, processor and
+template; depth cut; random init) and the stages run as their pods run them (`python -m components.<stage>`), one
+process each, on a small synthetic world with `pipelines/presets/rehearsal.yaml`. Printed per stage: pass/fail,
+seconds, and the stage process's peak resident memory (its own rusage). A failing stage's log tail is kept in
+OUT/<stage>.log and the stages that need its output are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+# (run, stage, inputs: flag -> template over {world}, {base} and earlier runs' output dirs, config overrides)
+RUNS: list[tuple[str, str, dict[str, str], dict]] = [
+    ("clean_data", "clean_data", {"lake_uri": "{world}/lake"}, {}),
+    ("extract_features", "extract_features", {"clean_data": "{clean_data}", "base_model": "{base}"}, {}),
+    (
+        "pretrain",
+        "pretrain",
+        {"clean_data": "{clean_data}", "features": "{extract_features}", "base_model": "{base}", "data": "{data}"},
+        {},
+    ),
+    ("sft_lora", "sft", {"base_model": "{pretrain}/model", "data": "{data}"}, {"mode": "lora"}),
+    ("sft_full", "sft", {"base_model": "{pretrain}/model", "data": "{data}"}, {"mode": "full"}),
+    ("reward_model", "reward_model", {"base_model": "{sft_lora}/model", "data": "{data}"}, {}),
+    (
+        "rl",
+        "rl",
+        {"base_model": "{sft_lora}/model", "reward_model": "{reward_model}/model", "data": "{data}"},
+        {},
+    ),
+    ("distill", "distill", {"teacher_model": "{rl}/model", "data": "{data}"}, {}),
+    (
+        "select_checkpoint",
+        "select_checkpoint",
+        {
+            "data": "{data}",
+            "pretrain": "{pretrain}",
+            "sft": "{sft_lora}",
+            "rl": "{rl}",
+            "distill": "{distill}",
+            "reward_model": "{reward_model}/model",
+            "clean_data": "{clean_data}",
+        },
+        {},
+    ),
+]
+RUN_NAMES = [r[0] for r in RUNS]
+
+
+@dataclass
+class StageRun:
+    run: str
+    status: str  # passed / failed / skipped
+    seconds: float = 0.0
+    peak_rss_gb: float = 0.0
+    detail: str = ""
+
+
+def stage_configs(base_dir: Path) -> dict[str, dict]:
+    """The rehearsal preset's stage sections, with the settings the checkpoint's family needs."""
+    from components._shared.model.families import family_for
+    from pipelines.presets import load_preset
+
+    config = json.loads((base_dir / "config.json").read_text())
+    family = family_for(str(config["model_type"]))
+    overrides: dict = {"clean_data": {"patch_size": family.patch_size}}
+    if not family.prunable:
+        overrides["distill"] = {"student": {"init": "random"}}
+    return load_preset("rehearsal", overrides).stages
+
+
+def run_one(stage: str, config: dict, out: Path, inputs: dict[str, str], log: Path) -> StageRun:
+    """One stage process; its peak RSS from os.wait4 (the child's own rusage, in KiB on Linux)."""
+    cfg_file = out.parent / f"{out.name}.yaml"
+    cfg_file.write_text(yaml.safe_dump({stage: config}))
+    cmd = [sys.executable, "-m", f"components.{stage}", "--config", str(cfg_file), "--output-dir", str(out)]
+    for name, value in inputs.items():
+        cmd += [f"--{name.replace('_', '-')}", value]
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent}/mlflow.db", "OMP_NUM_THREADS": "2"}
+    started = time.perf_counter()
+    with log.open("w") as handle:
+        proc = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - started
+    code = os.waitstatus_to_exitcode(status)
+    tail = "" if code == 0 else log.read_text()[-600:].strip().splitlines()[-1:]
+    return StageRun(
+        run=out.name,
+        status="passed" if code == 0 else "failed",
+        seconds=round(seconds, 1),
+        peak_rss_gb=round(usage.ru_maxrss / 2**20, 2),
+        detail="" if code == 0 else f"exit {code}: {tail[0] if tail else ''}",
+    )
+
+
+def rehearse(
+    name: str, out: Path, *, runs: list[str] | None = None, layers: int = 2, vision_depth: int = 4, records: int = 120
+) -> list[StageRun]:
+    from components.synth_world.lake import write_world
+    from pipelines.real_checkpoints import build_checkpoint, hub_config
+
+    unknown = sorted(set(runs or []) - set(RUN_NAMES))
+    if unknown:
+        raise ValueError(f"unknown rehearsal stage(s) {unknown}; choose from {', '.join(RUN_NAMES)}.")
+    hub_config(name)  # an unknown name fails here, before anything is built
+    out.mkdir(parents=True, exist_ok=True)
+    base = build_checkpoint(name, out / "checkpoint", layers=layers, vision_depth=vision_depth)
+    world = out / "world"
+    if not (world / "lake").exists():
+        write_world(world, records=records, seed=5)
+    configs = stage_configs(base)
+    values = {"world": str(world), "base": str(base), "data": str(world / "heldout")}
+    wanted = set(RUN_NAMES) if not runs else {need for run in runs for need in (run, *_needs(run))}
+    results: list[StageRun] = []
+    for run, stage, inputs, overrides in RUNS:
+        if run not in wanted:
+            continue
+        missing = [need for need in _direct_needs(inputs) if need not in values]
+        if missing:
+            results.append(StageRun(run, "skipped", detail=f"needs {', '.join(missing)}"))
+            continue
+        flags = {k: v.format(**values) for k, v in inputs.items()}
+        result = run_one(stage, _merge(configs[stage], overrides), out / run, flags, out / f"{run}.log")
+        results.append(result)
+        if result.status == "passed":
+            values[run] = str(out / run)
+    (out / "rehearsal.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    return results
+
+
+def _direct_needs(inputs: dict[str, str]) -> list[str]:
+    """The earlier runs whose outputs these input templates name."""
+    return [v[1:].split("}")[0] for v in inputs.values() if v[1:].split("}")[0] in RUN_NAMES]
+
+
+def _needs(run: str) -> list[str]:
+    """Every run that `run` needs, directly or through the runs it needs."""
+    table = {name: _direct_needs(inputs) for name, _, inputs, _ in RUNS}
+    todo, seen = list(table[run]), []
+    while todo:
+        need = todo.pop()
+        if need not in seen:
+            seen.append(need)
+            todo += table[need]
+    return seen
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    from components._shared.platform.presets import deep_merge
+
+    return deep_merge(base, extra)
+
+
+def table(name: str, results: list[StageRun]) -> str:
+    lines = [f"rehearsal of {name}", f"{'stage':<18} {'result':<8} {'seconds':>8} {'peak RSS':>9}  detail"]
+    for r in results:
+        lines.append(f"{r.run:<18} {r.status:<8} {r.seconds:>8.1f} {r.peak_rss_gb:>7.2f}GB  {r.detail}")
+    return "\n".join(lines)
