@@ -317,3 +317,26 @@ def test_an_encoder_does_not_keep_its_model_alive():
     turns = [{"role": "user", "text": "<image>\nWhat color is the circle?"}]
     again = encoder.encode(turns, images=[_image(128, 128, 0)])
     assert again.position_ids.shape == (3, again.num_tokens) and sample.num_tokens > 0
+
+
+def test_qwen3_5_packed_gradients_are_the_same_with_gradient_checkpointing():
+    """Checkpointing recomputes each layer in backward, after the forward's context is gone: the linear-attention
+    layers must still see the packed samples' lengths there, or the gradients silently change."""
+    from components._shared.model.packing import token_loss
+
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model, processor = load_vlm(BUILTINS["qwen3_5"])
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        batch = pack(_samples(ConversationEncoder(processor, model, **PIXELS))[:3])
+        loss, _ = token_loss(forward_logits(model, batch), batch)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    worst = max(
+        float((grads[0][n] - grads[1][n]).abs().max() / grads[0][n].abs().max().clamp_min(1e-12)) for n in grads[0]
+    )
+    assert worst <= 1e-4

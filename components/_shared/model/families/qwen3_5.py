@@ -5,7 +5,9 @@ partial rotary, vocabulary 248,320; the ViT is Qwen3-VL's without DeepStack (pat
 Packing: the full-attention layers split at the text-position restarts like every family, but a linear-attention
 layer's causal convolution and recurrent state would run on from one packed sample into the next. The layers
 are given the packed row's sample lengths (`packed_sample_lengths`) and run each sample from a zero state, the
-way the varlen kernels do with `cu_seqlens`; without them the samples leak into each other (tests show it).
+way the varlen kernels do with `cu_seqlens`; without them the samples leak into each other (tests show it). The
+decoder layers take the lengths as an argument, so gradient checkpointing, which recomputes a layer during
+backward after the forward's context has ended, recomputes it per sample too (tested: the same gradients).
 """
 
 from __future__ import annotations
@@ -41,12 +43,30 @@ def _segmented_forward(self, hidden_states, cache=None, attention_mask=None, **k
     return torch.cat([base(part, cache=None, attention_mask=None, **kwargs) for part in parts], dim=1)
 
 
+def _layer_call(self, *args, **kwargs):
+    """A decoder layer's call with the sample lengths as an argument: gradient checkpointing keeps the arguments
+    and recomputes the layer in backward, after the forward's context is gone."""
+    lengths = _SAMPLE_LENGTHS.get()
+    if lengths is not None:
+        kwargs["packed_lengths"] = lengths
+    return super(type(self), self).__call__(*args, **kwargs)
+
+
+def _layer_forward(self, *args, packed_lengths=None, **kwargs):
+    base = super(type(self), self).forward
+    if packed_lengths is None:
+        return base(*args, **kwargs)
+    with packed_sample_lengths(packed_lengths):
+        return base(*args, **kwargs)
+
+
 _PACKED_CLASSES: dict[type, type] = {}
+_METHODS = {"linear": {"forward": _segmented_forward}, "layer": {"__call__": _layer_call, "forward": _layer_forward}}
 
 
-def _packed_class(cls: type) -> type:
+def _packed_class(cls: type, kind: str) -> type:
     if cls not in _PACKED_CLASSES:
-        _PACKED_CLASSES[cls] = type(f"Packed{cls.__name__}", (cls,), {"forward": _segmented_forward})
+        _PACKED_CLASSES[cls] = type(f"Packed{cls.__name__}", (cls,), dict(_METHODS[kind]))
     return _PACKED_CLASSES[cls]
 
 
@@ -120,7 +140,10 @@ class Qwen3_5(Family):
         return Qwen3_5VisionModel
 
     def prepare_packing(self, qwen) -> None:
+        packed = set(_PACKED_CLASSES.values())
         for layer in qwen.language_model.layers:
             module = getattr(layer, "linear_attn", None)
-            if module is not None and type(module) not in _PACKED_CLASSES.values():
-                module.__class__ = _packed_class(type(module))
+            if module is None or type(module) in packed:
+                continue
+            module.__class__ = _packed_class(type(module), "linear")
+            layer.__class__ = _packed_class(type(layer), "layer")
