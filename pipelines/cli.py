@@ -4,6 +4,7 @@ qvl lake synth --out runs/world --records 2000
 qvl run --local --preset demo --lake runs/world/lake --out runs/demo
 qvl stage clean_data --config pipelines/presets/tiny.yaml --lake-uri runs/world/lake --output-dir runs/clean
 qvl rehearse --config qwen3.5-0.8b
+qvl plan --preset prod-7b
 qvl compile
 KFP_TOKEN=... qvl submit --host https://kfp.example.com/pipeline --experiment vlm-prod lake_uri=s3://lake/x --wait
 """
@@ -132,6 +133,24 @@ def rehearse(
     results = run_rehearsal(config, out / config, runs=chosen or None, layers=layers, vision_depth=vision_depth)
     typer.echo(table(config, results))
     if any(r.status != "passed" for r in results):
+        raise typer.Exit(1)
+
+
+@app.command("plan")
+def plan_(
+    preset: str = typer.Option("prod-7b", help="Preset name or YAML path."),
+    config: str = typer.Option("", "--config", help="The base model's checkpoint name (default: from the preset)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+):
+    """Memory per GPU of every training stage of a preset on its cluster profile; exit 1 if a stage cannot fit."""
+    from pipelines.plan import plan, refusals, table, to_json
+
+    name, plans = plan(preset, config or None)
+    typer.echo(to_json(plans) if as_json else table(name, preset, plans))
+    problems = refusals(plans)
+    for line in problems:
+        typer.echo(f"does not fit: {line}", err=True)
+    if problems:
         raise typer.Exit(1)
 
 

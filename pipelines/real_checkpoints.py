@@ -64,18 +64,23 @@ def qwen3_5_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
-def reduced_config(name: str, *, layers: int, vision_depth: int):
-    """The checkpoint's config with `layers` LM layers and `vision_depth` ViT blocks; block-index lists (full
-    attention, DeepStack) and the layer pattern (Qwen3.5) are mapped onto the cut depth, never dropped."""
+def model_config(name: str):
+    """The checkpoint's transformers config at its full depth."""
     import tempfile
 
     from transformers import AutoConfig
 
-    from components._shared.model.families import family_for
-
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(hub_config(name)))
-        config = AutoConfig.from_pretrained(tmp)
+        return AutoConfig.from_pretrained(tmp)
+
+
+def reduced_config(name: str, *, layers: int, vision_depth: int):
+    """The checkpoint's config with `layers` LM layers and `vision_depth` ViT blocks; block-index lists (full
+    attention, DeepStack) and the layer pattern (Qwen3.5) are mapped onto the cut depth, never dropped."""
+    from components._shared.model.families import family_for
+
+    config = model_config(name)
     family = family_for(config)
     text, vision = config.text_config, config.vision_config
     text.layer_types = family.student_layer_types(text, layers)

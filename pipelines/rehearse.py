@@ -65,6 +65,7 @@ class StageRun:
     status: str  # passed / failed / skipped
     seconds: float = 0.0
     peak_rss_gb: float = 0.0
+    planned_gb: float = 0.0  # `qvl plan`'s estimate for this run on the CPU (0: a stage that does not train)
     detail: str = ""
 
 
@@ -132,12 +133,28 @@ def rehearse(
             results.append(StageRun(run, "skipped", detail=f"needs {', '.join(missing)}"))
             continue
         flags = {k: v.format(**values) for k, v in inputs.items()}
-        result = run_one(stage, _merge(configs[stage], overrides), out / run, flags, out / f"{run}.log")
+        config = _merge(configs[stage], overrides)
+        result = run_one(stage, config, out / run, flags, out / f"{run}.log")
+        result.planned_gb = round(_planned(stage, config, base), 2)
         results.append(result)
         if result.status == "passed":
             values[run] = str(out / run)
     (out / "rehearsal.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     return results
+
+
+def _planned(stage: str, config: dict, base: Path) -> float:
+    """The memory planner's CPU estimate of a training stage on this checkpoint (pipelines/plan.py)."""
+    from transformers import AutoConfig
+
+    from pipelines.plan import TRAINING_STAGES, meta_model, plan_stage
+    from pipelines.presets import load_preset
+
+    if stage not in TRAINING_STAGES:
+        return 0.0
+    model_config = AutoConfig.from_pretrained(base)
+    profile = load_preset("rehearsal").cluster_profile().stages[stage]
+    return plan_stage(stage, config, profile, meta_model(model_config), model_config, device="cpu").total_gb
 
 
 def _direct_needs(inputs: dict[str, str]) -> list[str]:
@@ -164,7 +181,11 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def table(name: str, results: list[StageRun]) -> str:
-    lines = [f"rehearsal of {name}", f"{'stage':<18} {'result':<8} {'seconds':>8} {'peak RSS':>9}  detail"]
+    lines = [
+        f"rehearsal of {name}",
+        f"{'stage':<18} {'result':<8} {'seconds':>8} {'peak RSS':>9} {'planned':>9}  detail",
+    ]
     for r in results:
-        lines.append(f"{r.run:<18} {r.status:<8} {r.seconds:>8.1f} {r.peak_rss_gb:>7.2f}GB  {r.detail}")
+        planned = f"{r.planned_gb:>7.2f}GB" if r.planned_gb else f"{'-':>9}"
+        lines.append(f"{r.run:<18} {r.status:<8} {r.seconds:>8.1f} {r.peak_rss_gb:>7.2f}GB {planned}  {r.detail}")
     return "\n".join(lines)

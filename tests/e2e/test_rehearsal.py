@@ -1,6 +1,7 @@
 """`qvl rehearse` on the smallest real config of the newest family (Qwen3.5-0.8B: real widths, vocabulary 248,320,
 its tokenizer, processor and template; 2 LM layers, 2 ViT blocks): the stages up to LoRA SFT pass, each with its
-seconds and peak memory, and the result loads with the Auto classes. The full table is docs/benchmarks.md."""
+seconds and peak memory, `qvl plan`'s estimate is within 25% of the measured peak, and the result loads with the
+Auto classes. The full table is docs/benchmarks.md."""
 
 import json
 
@@ -18,6 +19,9 @@ def test_rehearsal_of_qwen3_5_runs_the_stages_up_to_lora_sft_at_real_shapes(tmp_
     assert [r.run for r in results] == ["clean_data", "extract_features", "pretrain", "sft_lora"]
     assert all(r.status == "passed" for r in results), [(r.run, r.detail) for r in results]
     assert all(r.seconds > 0 and r.peak_rss_gb > 0.3 for r in results)
+    planned = {r.run: r.planned_gb / r.peak_rss_gb for r in results if r.planned_gb}
+    assert set(planned) == {"pretrain", "sft_lora"}  # the training runs; qvl plan's estimate within 25%
+    assert all(0.75 <= ratio <= 1.25 for ratio in planned.values()), planned
     assert json.loads((tmp_path / "rehearsal.json").read_text())[-1]["run"] == "sft_lora"
     model_dir = tmp_path / "sft_lora" / "model"
     assert AutoConfig.from_pretrained(model_dir).text_config.vocab_size == 248320

@@ -1,0 +1,54 @@
+"""`qvl plan`: parameters counted from the real config on the meta device, memory per GPU by the stage's settings
+and cluster profile, refusals that name the setting to change. The estimate against measured memory is checked
+by the rehearsal (tests/e2e/test_rehearsal.py, within 25%)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.plan import gpu_memory_gb, plan, refusals, table
+from pipelines.presets import preset_path
+
+
+def _extending_prod_7b(tmp_path, text: str) -> str:
+    (tmp_path / "prod-7b.yaml").write_text(preset_path("prod-7b").read_text())
+    (tmp_path / "p.yaml").write_text("extends: prod-7b\n" + text)
+    return str(tmp_path / "p.yaml")
+
+
+def test_prod_7b_is_planned_per_stage_and_the_stages_that_cannot_fit_are_refused_with_the_fix():
+    name, plans = plan("prod-7b")
+    assert name == "qwen2.5-vl-7b"
+    by_stage = {p.stage: p for p in plans}
+    assert set(by_stage) == {"pretrain", "sft", "reward_model", "rl", "distill"}
+    pretrain, sft = by_stage["pretrain"], by_stage["sft"]
+    assert 8.2e9 < pretrain.params_total < 8.4e9  # Qwen2.5-VL-7B: 8.29B with its 152,064-row untied embeddings
+    assert pretrain.gpus == 16 and pretrain.zero == "ZeRO-3" and pretrain.fits
+    assert pretrain.weights_gb == pytest.approx(4 * pretrain.params_total / 16 / 2**30)
+    assert sft.params_trainable < 0.03 * sft.params_total  # LoRA r=64
+    assert by_stage["distill"].params_trainable < 0.5 * pretrain.params_total  # the 3B student
+    assert all(p.activations_checkpointed_gb < p.activations_gb for p in plans)
+    lines = refusals(plans)
+    assert any(line.startswith("sft: ") and "set sft.train.zero_stage: 3" in line for line in lines)
+    rl = next(line for line in lines if line.startswith("rl: "))
+    assert "kubernetes.stages.rl.accelerator_type" in rl and "gpus / nodes" not in rl  # rl runs one process
+    assert "qwen2.5-vl-7b" in table(name, "prod-7b", plans)
+
+
+def test_the_fix_the_planner_names_makes_the_stage_fit(tmp_path):
+    preset = _extending_prod_7b(tmp_path, "sft: {train: {zero_stage: 3}}\nreward_model: {train: {zero_stage: 3}}\n")
+    _, plans = plan(preset)
+    fits = {p.stage: p.fits for p in plans}
+    assert fits["sft"] and fits["reward_model"] and not refusals([p for p in plans if p.stage == "sft"])
+
+
+def test_gpu_memory_is_read_from_the_accelerator_label():
+    assert gpu_memory_gb("NVIDIA-H100-80GB-HBM3") == 80 and gpu_memory_gb("NVIDIA-H200") == 141
+    assert gpu_memory_gb(None) is None
+
+
+def test_a_base_model_on_s3_that_is_no_known_checkpoint_needs_its_name(tmp_path):
+    preset = _extending_prod_7b(tmp_path, "base_model_uri: s3://models/my-own-vlm\n")
+    with pytest.raises(ValueError, match="give --config NAME"):
+        plan(preset)
+    assert plan(preset, "qwen3-vl-8b")[0] == "qwen3-vl-8b"
