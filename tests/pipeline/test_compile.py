@@ -133,3 +133,22 @@ def test_a_preset_can_extend_another_and_change_only_some_settings(tmp_path):
     (tmp_path / "c.yaml").write_text("extends: missing\n")
     with pytest.raises(ValueError, match="extends 'missing'"):
         load_preset(tmp_path / "c.yaml")
+
+
+@pytest.mark.parametrize("preset", ["prod-qwen3-vl-8b", "prod-qwen3.5-9b"])
+def test_the_newer_families_prod_presets_compile_to_their_committed_yaml_and_fit_their_gpus(preset, tmp_path):
+    """Golden like prod-7b's, and `qvl plan` says every training stage fits the profile's GPUs."""
+    from pipelines.plan import plan, refusals
+
+    committed = COMPILED.parent / f"vlm_training-{preset}.yaml"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("QVL_IMAGE_REGISTRY", raising=False)
+        out = compile_pipeline(preset, tmp_path / "p.yaml")
+    assert _normalize(out.read_text()) == _normalize(committed.read_text()), (
+        f"{committed} is stale: run `qvl compile --preset {preset} --out {committed}` and commit it."
+    )
+    name, plans = plan(preset)
+    assert name in ("qwen3-vl-8b", "qwen3.5-9b") and refusals(plans) == []
+    spec = _normalize(committed.read_text())[0]
+    defaults = spec["root"]["inputDefinitions"]["parameters"]["clean_data_config"]["defaultValue"]
+    assert defaults["patch_size"] == 16
