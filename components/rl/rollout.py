@@ -130,6 +130,18 @@ def split_by_sample(values: torch.Tensor, samples: list[Sample]) -> list[torch.T
     return list(values.split([s.num_targets for s in samples]))
 
 
+def _check_prompt_images(record: dict, prompt: Sample, merge_unit: int, image_token_id: int) -> None:
+    """A rollout prompt must carry its image, with as many image tokens as its pixels give (the trainer later scores
+    the rollout on these very pixel rows: the same preprocessing by construction, checked here)."""
+    tokens = int((prompt.input_ids == image_token_id).sum())
+    expected = int(prompt.image_grid_thw.prod(-1).sum()) // merge_unit if prompt.image_grid_thw.numel() else 0
+    if prompt.pixel_values is None or not expected or tokens != expected:
+        raise ValueError(
+            f"rl record {record.get('id')!r}: its rollout prompt has {tokens} image tokens for {expected} visual "
+            "rows; every RL prompt needs its image (the 'image' field of rl.jsonl)."
+        )
+
+
 class RolloutEngine:
     def __init__(
         self, encoder: ConversationEncoder, *, max_new_tokens: int, temperature: float, batch_size: int, max_tokens: int
@@ -152,6 +164,8 @@ class RolloutEngine:
             )
             for r in records
         ]
+        for record, prompt in zip(records, prompts, strict=True):
+            _check_prompt_images(record, prompt, self.encoder.merge_unit, self.encoder.image_token_id)
         jobs = [(r, p) for r, p in zip(records, prompts, strict=True) for _ in range(samples_per_prompt)]
         rollouts: list[Rollout] = []
         for start in range(0, len(jobs), self.batch_size):

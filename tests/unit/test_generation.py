@@ -77,3 +77,18 @@ def test_with_the_checkpoints_sampling_settings_they_would_differ(hub_like, monk
     sampled, scored = _sampled_and_scored(*hub_like, monkeypatch)
     worst = max(float((a - b).abs().max()) for a, b in zip(sampled, scored, strict=True))
     assert worst > 1e-3  # the repetition penalty leaks in: 80x the tolerance the equality holds to
+
+
+def test_every_rollout_carries_its_image_preprocessed_as_the_trainer_does(hub_like):
+    model, processor = hub_like
+    encoder = ConversationEncoder(processor, model, min_pixels=56 * 56, max_pixels=112 * 112)
+    engine = RolloutEngine(encoder, max_new_tokens=3, temperature=1.0, batch_size=4, max_tokens=4096)
+    records = _records(3)
+    rollouts = engine.sample(model, records, samples_per_prompt=2)
+    for rollout in rollouts:
+        pixels, grid = encoder.prepare_image(rollout.record["pil"])  # what SFT and the scorer feed the model
+        assert torch.equal(rollout.sample.pixel_values, pixels) and torch.equal(rollout.sample.image_grid_thw[0], grid)
+        assert int((rollout.sample.input_ids == encoder.image_token_id).sum()) == int(grid.prod()) // 4
+    text_only = encoder.encode([{"role": "user", "text": "What color?"}], add_generation_prompt=True)
+    with pytest.raises(ValueError, match="rl record 'r0': its rollout prompt has 0 image tokens for 0 visual rows"):
+        rollout_module._check_prompt_images(records[0], text_only, encoder.merge_unit, encoder.image_token_id)
