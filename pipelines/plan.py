@@ -13,7 +13,8 @@ gradients and two AdamW moments per trainable parameter (the stages train in fp3
 ZeRO-2 shards gradients and optimizer states over the data-parallel GPUs, ZeRO-3 the weights too; activations per
 LM layer and token 2 bytes x (18 hidden + 6 intermediate), per ViT block and patch the same over the vision widths,
 one layer's worth plus the layer inputs with checkpointing; logits bf16 plus fp32 rows for the loss. On the CPU
-(`device="cpu"`, what `qvl rehearse` runs) activations are fp32 and the process adds BASELINE_GB.
+(`device="cpu"`, what `qvl rehearse` runs) activations are fp32, the process adds BASELINE_GB, and its peak may be
+the export instead of training (the weights, a cast copy and its serialization buffer: LoRA's peak).
 """
 
 from __future__ import annotations
@@ -227,7 +228,9 @@ def plan_stage(
     vocab = config.text_config.vocab_size
     logits = tokens * vocab * (2 * width + 8)  # logits and their gradient, fp32 rows of the loss (all tokens: a bound)
     activations = saved if train["gradient_checkpointing"] else plain
-    total = weights + grads + optimizer + frozen + activations + logits + (BASELINE_GB * GB if device == "cpu" else 0)
+    total = weights + grads + optimizer + frozen + activations + logits
+    if device == "cpu":  # the process also exports: a cast copy of the weights and its serialization buffer
+        total = max(total, weights + frozen + 4 * params) + BASELINE_GB * GB
     gpu = gpu_memory_gb(profile.accelerator_type) if device == "gpu" else None
     fix = ""
     if suggest_fix and gpu is not None and total / GB > 0.9 * gpu:

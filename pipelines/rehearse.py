@@ -5,14 +5,16 @@
 The checkpoint is built by `real_checkpoints.build_checkpoint` (real widths, vocabulary, tokenizer, processor and
 template; depth cut; random init) and the stages run as their pods run them (`python -m components.<stage>`), one
 process each, on a small synthetic world with `pipelines/presets/rehearsal.yaml`. Printed per stage: pass/fail,
-seconds, and the stage process's peak resident memory (its own rusage). A failing stage's log tail is kept in
-OUT/<stage>.log and the stages that need its output are skipped.
+seconds, the stage process's peak resident memory (its own rusage) and `qvl plan`'s estimate of it. A failing
+stage's log is OUT/<stage>.log and the stages that need its output are skipped. Intermediate checkpoints are
+deleted once a stage passed (at real widths they are GBs per step); the exports (model/) stay.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -139,6 +141,7 @@ def rehearse(
         results.append(result)
         if result.status == "passed":
             values[run] = str(out / run)
+            shutil.rmtree(out / run / "checkpoints", ignore_errors=True)  # fp32 weights + optimizer: GBs per step
     (out / "rehearsal.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     return results
 
