@@ -137,7 +137,10 @@ def trainable(stage: str, cfg: dict, model, config) -> tuple[int, int, int, list
         if cfg["mode"] == "full":
             return minus(cfg["freeze"]), 0, 0, ["full"]
         targets = cfg["lora"]["target_modules"] or family_for(config).lora_targets
-        return _lora_parameters(model, targets, cfg["lora"]["r"]), 0, 0, [f"{cfg['mode']} r={cfg['lora']['r']}"]
+        notes = [f"{cfg['mode']} r={cfg['lora']['r']}"]
+        if cfg["mode"] == "qlora":
+            notes.append("4-bit LM counted at fp32: a bound")
+        return _lora_parameters(model, targets, cfg["lora"]["r"]), 0, 0, notes
     if stage == "reward_model":
         return minus(cfg["freeze"]) + hidden + 1, 0, 0, ["backbone + scalar head"]
     if stage == "rl":
