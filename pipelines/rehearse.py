@@ -7,7 +7,7 @@ template; depth cut; random init) and the stages run as their pods run them (`py
 process each, on a small synthetic world with `pipelines/presets/rehearsal.yaml`. Printed per stage: pass/fail,
 seconds, the stage process's peak resident memory (its own rusage) and `qvl plan`'s estimate of it. A failing
 stage's log is OUT/<stage>.log and the stages that need its output are skipped. Intermediate checkpoints are
-deleted once a stage passed (at real widths they are GBs per step); the exports (model/) stay.
+kept outside the stage outputs and deleted once a stage passed (GBs per step at real widths); the exports stay.
 """
 
 from __future__ import annotations
@@ -135,13 +135,13 @@ def rehearse(
             results.append(StageRun(run, "skipped", detail=f"needs {', '.join(missing)}"))
             continue
         flags = {k: v.format(**values) for k, v in inputs.items()}
-        config = _merge(configs[stage], overrides)
+        config = _merge(configs[stage], {**overrides, **_checkpoints_outside(stage, out / "_checkpoints" / run)})
         result = run_one(stage, config, out / run, flags, out / f"{run}.log")
         result.planned_gb = round(_planned(stage, config, base), 2)
         results.append(result)
         if result.status == "passed":
             values[run] = str(out / run)
-            shutil.rmtree(out / run / "checkpoints", ignore_errors=True)  # fp32 weights + optimizer: GBs per step
+            shutil.rmtree(out / "_checkpoints" / run, ignore_errors=True)  # fp32 weights + optimizer: GBs per step
     (out / "rehearsal.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     return results
 
@@ -158,6 +158,16 @@ def _planned(stage: str, config: dict, base: Path) -> float:
     model_config = AutoConfig.from_pretrained(base)
     profile = load_preset("rehearsal").cluster_profile().stages[stage]
     return plan_stage(stage, config, profile, meta_model(model_config), model_config, device="cpu").total_gb
+
+
+def _checkpoints_outside(stage: str, root: Path) -> dict:
+    """train.checkpoint_uri outside the stage output, so the rehearsal can drop them and the outputs stay intact."""
+    from pipelines.plan import TRAINING_STAGES
+
+    if stage not in TRAINING_STAGES:
+        return {}
+    train = {"train": {"checkpoint_uri": str(root)}}
+    return {"stage1": train, "stage2": train} if stage == "pretrain" else train
 
 
 def _direct_needs(inputs: dict[str, str]) -> list[str]:
