@@ -12,20 +12,12 @@ import pytest
 import torch
 from PIL import Image
 
+from components.stages import DAG_ORDER
+
 pytestmark = pytest.mark.e2e
 
 FAMILIES = {"tiny-qwen2-vl": "qwen2_vl", "tiny-qwen3-vl": "qwen3_vl", "tiny-qwen3_5": "qwen3_5"}
-STAGES = {
-    "preflight",
-    "clean_data",
-    "extract_features",
-    "pretrain",
-    "sft",
-    "reward_model",
-    "rl",
-    "distill",
-    "select_checkpoint",
-}
+STAGES = {"preflight", *DAG_ORDER}
 
 
 @pytest.fixture(scope="module")

@@ -96,7 +96,14 @@ class Family:
         return Qwen2_5_VLConfig
 
     def tiny_vision(self, *, depth: int, hidden: int, heads: int, intermediate: int, out_hidden: int) -> dict:
-        """A small vision config of this family's real structure (used by the builtins and rehearsals)."""
+        """A small vision config of this family's real structure (used by the builtins)."""
+        return {
+            **self._vision_sizes(depth, hidden, heads, intermediate, out_hidden),
+            "window_size": 112,
+            "fullatt_block_indexes": list(range(1, depth, 2)),
+        }
+
+    def _vision_sizes(self, depth: int, hidden: int, heads: int, intermediate: int, out_hidden: int) -> dict:
         return {
             "depth": depth,
             "hidden_size": hidden,
@@ -106,8 +113,6 @@ class Family:
             "patch_size": self.patch_size,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
-            "window_size": 112,
-            "fullatt_block_indexes": list(range(1, depth, 2)),
         }
 
     def tiny_text(self, text: dict) -> dict:

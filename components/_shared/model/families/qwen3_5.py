@@ -106,14 +106,7 @@ class Qwen3_5(Family):
 
     def tiny_vision(self, *, depth: int, hidden: int, heads: int, intermediate: int, out_hidden: int) -> dict:
         return {
-            "depth": depth,
-            "hidden_size": hidden,
-            "num_heads": heads,
-            "intermediate_size": intermediate,
-            "out_hidden_size": out_hidden,
-            "patch_size": self.patch_size,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
+            **self._vision_sizes(depth, hidden, heads, intermediate, out_hidden),
             "num_position_embeddings": 64,
         }
 

@@ -36,14 +36,7 @@ class Qwen3_VL(Family):
 
     def tiny_vision(self, *, depth: int, hidden: int, heads: int, intermediate: int, out_hidden: int) -> dict:
         return {
-            "depth": depth,
-            "hidden_size": hidden,
-            "num_heads": heads,
-            "intermediate_size": intermediate,
-            "out_hidden_size": out_hidden,
-            "patch_size": self.patch_size,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
+            **self._vision_sizes(depth, hidden, heads, intermediate, out_hidden),
             "num_position_embeddings": 64,  # an 8x8 learned grid (2304 = 48x48 in the real checkpoints)
             # three levels spread over the blocks like the real [5, 11, 17] of 24: [0, 1, 2] of 4
             "deepstack_visual_indexes": sorted({max(0, depth * (k + 1) // 4 - 1) for k in range(3)}),
