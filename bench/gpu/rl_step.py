@@ -122,7 +122,7 @@ def main() -> None:
         model, reference, processor = build_models(args, device)
         policy = Policy(model, value_head=args.algorithm == "ppo")
         encoder = ConversationEncoder(processor, model, min_pixels=args.pixels, max_pixels=args.pixels)
-        prompts = load_prompts(data, cfg, need_types=True)
+        prompts = load_prompts(data, cfg)
         engine = RolloutEngine(
             encoder,
             max_new_tokens=args.max_new_tokens,

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from components._shared.eval import evaluation as E
-from components._shared.eval import metrics as M
 from components._shared.eval import readers
+from components._shared.eval import tasks as T
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.attention import PACKED_SDPA
 from components._shared.model.device import resolve_device
@@ -343,6 +343,9 @@ def _for_export(cfg: DistillConfig, student, teacher):
     return student
 
 
+PER_TASK = ("exact_match/", "task/", "benchmark/")  # the per-task and per-benchmark scores of the suite
+
+
 def comparison(teacher, student, teacher_summary: dict[str, float], evals: list[dict]) -> dict[str, Any]:
     """Sizes and held-out scores of teacher and student (the student's from its first and last eval)."""
     before, after = evals[0], evals[-1]
@@ -358,8 +361,8 @@ def comparison(teacher, student, teacher_summary: dict[str, float], evals: list[
         "heldout_kl_final": after.get("heldout_kl", float("nan")),
         **{f"teacher_{k}": teacher_summary[k] for k in SUITE_KEYS if k in teacher_summary},
         **{f"student_{k}": after[k] for k in SUITE_KEYS if k in after},
-        **{f"teacher_{k}": v for k, v in teacher_summary.items() if k.startswith("exact_match/")},
-        **{f"student_{k}": v for k, v in after.items() if k.startswith("exact_match/")},
+        **{f"teacher_{k}": v for k, v in teacher_summary.items() if k.startswith(PER_TASK)},
+        **{f"student_{k}": v for k, v in after.items() if k.startswith(PER_TASK)},
     }
 
 
@@ -378,7 +381,10 @@ def report(metrics: dict[str, Any]) -> str:
         "| metric | teacher | student |",
         "|---|---|---|",
     ]
-    keys = [*SUITE_KEYS[1:], *(f"exact_match/{t}" for t in M.QUESTION_TYPES)]
+    extra = sorted(
+        {k.removeprefix("teacher_") for k in metrics if k.startswith(("teacher_task/", "teacher_benchmark/"))}
+    )
+    keys = [*SUITE_KEYS[1:], *(f"exact_match/{t}" for t in T.SYNTHETIC_TASKS), *extra]
     for k in keys:
         if f"teacher_{k}" in metrics and f"student_{k}" in metrics:
             lines.append(f"| {k} | {metrics[f'teacher_{k}']:.3f} | {metrics[f'student_{k}']:.3f} |")

@@ -118,45 +118,83 @@ def model_uris_in(stage_configs: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def check_data(data_files: dict[str, dict[str, Any]]) -> int:
-    """Require the files under each needed data URI ({parameter: {"uri", "files", "required"}}); returns how many
-    files were found. An empty URI that a stage of this DAG needs is an error naming the pipeline parameter."""
+    """Require the files under each needed data URI ({parameter: {"uri", "roles", "names", "required"}}): those its
+    dataset.yaml lists for the roles (validated), else the synthetic world's names; returns how many were found. An
+    empty URI that a stage of this DAG needs is an error naming the pipeline parameter."""
     from components._shared.platform import storage
 
     found = 0
     for parameter, spec in data_files.items():
-        uri, names = spec.get("uri") or "", spec.get("files") or []
+        uri = spec.get("uri") or ""
         if not uri:
             if spec.get("required"):
                 raise ValueError(
                     f"pipeline parameter {parameter} is empty, but a stage of this DAG reads it; pass "
-                    f"{parameter}=s3://bucket/prefix (a directory with {', '.join(names)} and images)."
+                    f"{parameter}=s3://bucket/prefix (a data directory: docs/data.md)."
                 )
             continue
-        for name in names:
+        for name in required_files(uri, spec.get("roles") or [], spec.get("names") or {}):
             if not storage.exists(storage.join(uri, name)):
                 raise ValueError(
                     f"{storage.join(uri, name)} does not exist; the training data at {uri} needs {name} "
-                    "(`qvl lake synth --out DIR` writes DIR/heldout with eval.jsonl and sft.jsonl)."
+                    "(its dataset.yaml, or without one the synthetic world's files: `qvl lake synth --out DIR` "
+                    "writes DIR/heldout with eval.jsonl and sft.jsonl)."
                 )
             found += 1
     return found
 
 
+def required_files(uri: str, roles: list[str], names: dict[str, list[str]]) -> list[str]:
+    """The files the roles read from the data at `uri`: dataset.yaml's (and the manifest itself), else the defaults."""
+    import tempfile
+    from pathlib import Path
+
+    from components._shared.eval import readers
+    from components._shared.platform import storage
+
+    manifest_uri = storage.join(uri, readers.MANIFEST)
+    if storage.exists(manifest_uri):
+        with tempfile.TemporaryDirectory() as scratch:
+            (Path(scratch) / readers.MANIFEST).write_bytes(storage.read_bytes(manifest_uri))
+            manifest = readers.manifest(Path(scratch))
+        prefix = [readers.MANIFEST]
+    else:
+        manifest, prefix = readers.Manifest(), []
+    files = [f for role in roles for f in manifest.files(role, names.get(role))]
+    paths = [f.path for f in files] + [f.annotations for f in files if f.annotations]
+    return list(dict.fromkeys(prefix + paths))
+
+
+DATA_ROLES = {
+    "eval_data_uri": ["eval"],
+    "sft_data_uri": ["sft", "eval"],  # sft and distill
+    "preference_data_uri": ["preferences"],
+    "rl_data_uri": ["rl", "eval"],
+}
+
+
 def data_requirements(data: dict[str, tuple[str, bool]], rl_config: dict) -> dict[str, dict]:
-    """{parameter: {"uri", "files", "required"}} for the data URIs: `data` maps each parameter to (URI, whether
-    this DAG runs a stage that needs it); the files each must hold (sft_data_uri serves sft and distill)."""
-    files = {
-        "eval_data_uri": ["eval.jsonl"],
-        "sft_data_uri": ["sft.jsonl", "eval.jsonl"],
-        "preference_data_uri": ["preferences.jsonl"],
-        "rl_data_uri": rl_data_files(rl_config),
+    """{parameter: {"uri", "roles", "names", "required"}} for the data URIs: `data` maps each parameter to (URI,
+    whether this DAG runs a stage that needs it); the roles each serves and the rl stage's file settings."""
+    return {
+        name: {
+            "uri": uri,
+            "roles": DATA_ROLES[name],
+            "names": rl_data_files(rl_config) if name == "rl_data_uri" else {},
+            "required": required,
+        }
+        for name, (uri, required) in data.items()
     }
-    return {name: {"uri": uri, "files": files[name], "required": required} for name, (uri, required) in data.items()}
 
 
-def rl_data_files(rl_config: dict[str, Any]) -> list[str]:
-    """The files the rl stage reads from its data directory: the prompts file and the held-out files."""
-    return [rl_config.get("prompts_file", "sft.jsonl"), *rl_config.get("eval", {}).get("files", ["eval.jsonl"])]
+def rl_data_files(rl_config: dict[str, Any]) -> dict[str, list[str]]:
+    """The rl stage's own file settings by role (prompts_file, eval.files); unset ones follow dataset.yaml."""
+    out = {}
+    if rl_config.get("prompts_file"):
+        out["rl"] = [rl_config["prompts_file"]]
+    if (rl_config.get("eval") or {}).get("files"):
+        out["eval"] = list(rl_config["eval"]["files"])
+    return out
 
 
 def run(

@@ -167,14 +167,16 @@ def make_loss(cfg: PretrainConfig):
 
 
 class HeldoutCaptions:
-    """Held-out caption loss and image->text retrieval R@1 on eval.jsonl's caption records."""
+    """Held-out caption loss and image->text retrieval R@1 on the held-out caption records (the first reference)."""
 
     def __init__(self, cfg: PretrainConfig, encoder: ConversationEncoder, data_dir: Path) -> None:
-        records = [r for r in readers.load_eval_records(data_dir) if r["type"] == "caption"]
+        records = [
+            r for r in readers.load_eval_records(data_dir) if r["type"] == "caption" or r.get("scorer") == "cider_d"
+        ]
         if len(records) < 2:
             raise ValueError(
-                f"{data_dir}/eval.jsonl has {len(records)} caption records; pretrain needs >= 2 to "
-                "measure held-out caption loss and retrieval."
+                f"the held-out data in {data_dir} has {len(records)} caption records (task caption, or a task scored "
+                "by cider_d); pretrain needs >= 2 to measure held-out caption loss and retrieval."
             )
         self.cfg, self.encoder = cfg, encoder
 

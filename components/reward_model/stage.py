@@ -49,11 +49,9 @@ from components.reward_model.config import RewardModelConfig
 
 
 def load_pairs(data_dir: Path, max_records: int | None) -> list[dict]:
-    records = readers.read_jsonl(data_dir / "preferences.jsonl", ("id", "image", "prompt", "chosen", "rejected"))
-    for r in records:
-        if r["chosen"] == r["rejected"]:
-            raise ValueError(f"preference record {r['id']!r}: chosen and rejected are the same text; fix or drop it.")
-    return records[:max_records] if max_records else records
+    """Preference pairs of the data directory (readers.load_preferences: preferences.jsonl or dataset.yaml's files,
+    TRL's prompt / chosen / rejected layout)."""
+    return readers.load_preferences(data_dir, max_records)
 
 
 def is_heldout(record_id: str, fraction: float) -> bool:

@@ -153,13 +153,13 @@ class GateConfig(SubConfig):
 
 
 class RlEvalConfig(SubConfig):
-    files: list[str] = Field(
-        default_factory=lambda: ["eval.jsonl"],
+    files: list[str] | None = Field(
+        None,
         min_length=1,
         description=(
-            "Held-out question files in the data directory: eval.jsonl records, or conversation records like the "
-            "prompts file's (e.g. rl.jsonl when the policy trains on sft.jsonl: more unseen questions, narrower "
-            "intervals on the efficacy change). Never the prompts file."
+            "Held-out question files in the data directory (any format of docs/data.md, e.g. rl.jsonl when the "
+            "policy trains on sft.jsonl: more unseen questions, narrower intervals on the efficacy change). Never the "
+            "prompts file. None: dataset.yaml's eval files, else eval.jsonl."
         ),
     )
     per_type: Annotated[int | None, Field(ge=1)] = 50
@@ -175,12 +175,17 @@ class RlConfig(StageConfig):
         default_factory=lambda: {"efficacy": 1.0},
         description=(f"Reward weights by name ({', '.join(REWARD_NAMES)}); the step reward is their weighted sum."),
     )
-    prompts_file: str = Field(
-        "sft.jsonl",
-        description="Prompt records in the data directory (LLaVA format "
-        "with a `type`; the first gpt turn is the reference).",
+    prompts_file: str | None = Field(
+        None,
+        description=(
+            "Prompt records in the data directory (any question or conversation format of docs/data.md; the first "
+            "assistant turn or `answer` is the reference, the record's task scores it). None: dataset.yaml's rl "
+            "files, else sft.jsonl."
+        ),
     )
-    prompt_types: list[str] = Field(default_factory=list, description="Question types to train on; empty = all.")
+    prompt_types: list[str] = Field(
+        default_factory=list, description="Tasks (question types) to train on; empty = all."
+    )
     max_records: Annotated[int | None, Field(ge=1)] = None
     freeze: list[ModuleGroup] = Field(default_factory=list)
     min_pixels: Annotated[int, Field(ge=28 * 28)] = 56 * 56
@@ -222,7 +227,7 @@ class RlConfig(StageConfig):
                 "ter.grad_ema needs the torch backend (DeepSpeed owns the gradients); set ter.grad_ema: 0 "
                 "or train.backend: torch."
             )
-        if self.prompts_file in self.eval.files:
+        if self.prompts_file and self.prompts_file in (self.eval.files or ["eval.jsonl"]):
             raise ValueError(
                 f"eval.files holds the prompts file {self.prompts_file!r}: the policy trains on those "
                 "questions, so they are not held out; drop it from eval.files or train on another file."

@@ -4,7 +4,8 @@
 each completion ended with <|im_end|> rather than running into max_new_tokens). `build_rewards` picks the
 configured ones from REWARD_BUILDERS by name; the RL stage sums them with their weights.
 
-Task efficacy (TER; docs/references.md), per question type:
+Task efficacy: on any task but the synthetic world's, the record's task scorer (eval/tasks.py; grounding earns its
+IoU). On the synthetic world's question types (TER; docs/references.md):
 - VQA types: answer accuracy (exact match; grounding: the box IoU, so near misses earn part of the reward)
   times a length factor that only starts to bite past 1.5x the question's length,
   `1 - min(1, max(0, len - 1.5 * question_len) / (1.5 * question_len))` (words);
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from components._shared.eval import metrics as M
+from components._shared.eval import tasks as T
+from components._shared.eval.scorers import ngram_overlap
 from components._shared.model.reward_models import RewardModelScorer
 
 RewardFn = Callable[..., list[float]]
@@ -44,24 +47,6 @@ def length_factor(answer: str, question: str) -> float:
     return 1.0 - min(1.0, over / allowed)
 
 
-def ngram_overlap(prediction: str, reference: str, max_n: int = 4) -> float:
-    """Mean over n = 1..max_n (those the reference has) of the clipped n-gram F1."""
-    pred, ref = M.cider_tokens(prediction), M.cider_tokens(reference)
-    scores = []
-    for n in range(1, max_n + 1):
-        ref_grams = Counter(tuple(ref[i : i + n]) for i in range(len(ref) - n + 1))
-        if not ref_grams:
-            break
-        pred_grams = Counter(tuple(pred[i : i + n]) for i in range(len(pred) - n + 1))
-        matched = sum((pred_grams & ref_grams).values())
-        if not matched:
-            scores.append(0.0)
-            continue
-        precision, recall = matched / sum(pred_grams.values()), matched / sum(ref_grams.values())
-        scores.append(2 * precision * recall / (precision + recall))
-    return sum(scores) / len(scores) if scores else 0.0
-
-
 def repeated_ngram_ratio(text: str, n: int = 2) -> float:
     """Share of the text's n-grams that repeat an earlier one (0 for text shorter than n + 1 words)."""
     tokens = M.cider_tokens(text)
@@ -78,8 +63,17 @@ def word_f1(prediction: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def efficacy(record: dict, answer: str) -> float:
+    """The efficacy of one answer to a prompt record: the synthetic world's shaped efficacy for its builtin tasks,
+    else the record's task scorer (partial credit where it has one: a box's IoU); a grounding record with a pixel
+    box needs its frame (ConversationEncoder.box_frame)."""
+    if record["type"] in T.BUILTIN_TASKS:
+        return task_efficacy(record["type"], answer, record["answer"], record["question"])
+    return T.reward(answer, record)
+
+
 def task_efficacy(question_type: str, answer: str, reference: str, question: str) -> float:
-    """The efficacy of one answer in [0, 1] (see the module docstring)."""
+    """The efficacy of one answer to a synthetic-world question in [0, 1] (see the module docstring)."""
     if question_type == "caption":
         return ngram_overlap(answer, reference) * (1.0 - repeated_ngram_ratio(answer))
     if question_type == "ocr":
@@ -88,7 +82,7 @@ def task_efficacy(question_type: str, answer: str, reference: str, question: str
         pred, gold = M.parse_box(answer), M.parse_box(reference)
         accuracy = M.box_iou(pred, gold) if pred is not None and gold is not None else 0.0
     else:
-        accuracy = M.score_answer(question_type, answer, reference)
+        accuracy = M.exact_match(answer, reference)
     return accuracy * length_factor(answer, question)
 
 
@@ -107,7 +101,7 @@ class EfficacyCache:
                 self.hits += 1
             else:
                 self.misses += 1
-                self.values[key] = task_efficacy(record["type"], answer, record["answer"], record["question"])
+                self.values[key] = efficacy(record, answer)
             out.append(self.values[key])
         return out
 
@@ -122,12 +116,15 @@ class EfficacyCache:
 def format_reward(
     prompts: list[str], completions: list[str], *, records: list[dict], finished: list[bool], **_: Any
 ) -> list[float]:
-    """1 for a complete answer (ended by <|im_end|>, not empty, a parsable box for grounding questions), else 0."""
+    """1 for a complete answer (ended by <|im_end|>, not empty, in the form its task reads: a box the scorer parses
+    in any Qwen generation's form for grounding, an option letter for multiple choice), else 0."""
     out = []
     for record, answer, done in zip(records, completions, finished, strict=True):
         ok = done and bool(answer.strip())
         if ok and record["type"] == "grounding":
             ok = M.parse_box(answer) is not None
+        elif ok and record["type"] not in T.BUILTIN_TASKS:
+            ok = T.parses(answer, record)
         out.append(float(ok))
     return out
 

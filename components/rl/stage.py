@@ -34,6 +34,7 @@ import torch
 from components._shared.eval import evaluation as E
 from components._shared.eval import metrics as M
 from components._shared.eval import readers
+from components._shared.eval import tasks as T
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.device import resolve_device
 from components._shared.model.packing import ConversationEncoder
@@ -49,25 +50,29 @@ from components._shared.model.vlm import freeze, load_vlm, save_vlm, set_pixel_b
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.rl.config import RlConfig
-from components.rl.rewards import EfficacyCache, build_rewards, task_efficacy
+from components.rl.rewards import EfficacyCache, build_rewards, efficacy
 from components.rl.rollout import Policy, RolloutEngine
 from components.rl.trainer import RlTrainer
 
 
 def load_prompts(
-    data_dir: Path, cfg: RlConfig, *, need_types: bool, types: list[str] | None = None, setting: str = "prompt_types"
+    data_dir: Path, cfg: RlConfig, *, types: list[str] | None = None, setting: str = "prompt_types"
 ) -> list[dict]:
-    """Prompt records {"id", "image", "question", "answer", "type"} from the prompts file (LLaVA format), of
-    `types` (default `prompt_types`; empty = every type); a type no record has is an error naming `setting`."""
+    """Prompt records (readers.load_questions: "id", "image", "question", "answer", "type" = the task, ...) from the
+    prompts file(s), of `types` (default `prompt_types`; empty = every task); a task no record has is an error
+    naming `setting`. Held-out files are never prompt files."""
     types = cfg.prompt_types if types is None else types
     prompts, seen_types = [], set()
-    for r in readers.conversation_questions(data_dir, cfg.prompts_file, label="rl prompt"):
+    records = readers.conversation_questions(data_dir, cfg.prompts_file, label="rl prompt")
+    held_out = {f.path for f in readers.manifest(data_dir).files("eval", cfg.eval.files)}
+    overlap = sorted(held_out & {r["file"] for r in records})
+    if overlap:
+        raise ValueError(
+            f"rl: {overlap} are both prompt and held-out files; the policy would train on its held-out questions. "
+            "Name other files in dataset.yaml (rl / eval) or in rl.prompts_file / rl.eval.files."
+        )
+    for r in records:
         seen_types.add(r["type"])
-        if need_types and r["type"] not in M.QUESTION_TYPES:
-            raise ValueError(
-                f"rl prompt {r['id']!r} has type {r['type']!r}; the efficacy reward needs one of "
-                f"{M.QUESTION_TYPES}. Fix the record or drop the efficacy reward."
-            )
         if types and r["type"] not in types:
             continue
         prompts.append(r)
@@ -76,12 +81,11 @@ def load_prompts(
     absent = sorted(set(types) - seen_types)
     if absent:
         raise ValueError(
-            f"rl {setting} names question type(s) {absent} that no record of {cfg.prompts_file} has "
-            f"(it has {sorted(seen_types)}{' within max_records' if cfg.max_records else ''}); fix or "
-            "drop them."
+            f"rl {setting} names task(s) {absent} that no prompt record has (they have {sorted(seen_types)}"
+            f"{' within max_records' if cfg.max_records else ''}); fix or drop them."
         )
     if not prompts:
-        raise ValueError(f"no rl prompts in {data_dir / cfg.prompts_file} (question types {types or 'all'}).")
+        raise ValueError(f"no rl prompts in {data_dir} (tasks {types or 'all'}).")
     return prompts
 
 
@@ -90,28 +94,19 @@ def heldout_eval(model, encoder: ConversationEncoder, records: list[dict], cfg: 
     answers = E.generate_answers(
         model, encoder, records, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
     )
-    rows = []
-    for r, a in zip(records, answers, strict=True):
-        rows.append(
-            {
-                "id": r["id"],
-                "type": r["type"],
-                "question": r["question"],
-                "answer": r["answer"],
-                "prediction": a,
-                "score": M.score_answer(r["type"], a, r["answer"]),
-                "efficacy": task_efficacy(r["type"], a, r["answer"], r["question"]),
-                "tokens": len(encoder.tokenizer(a, add_special_tokens=False)["input_ids"]),
-            }
-        )
+    rows = E.score_rows(encoder, records, answers)
+    for r, row, a in zip(records, rows, answers, strict=True):
+        row["efficacy"] = efficacy({**r, **encoder.box_frame(r)}, a)
+        row["tokens"] = len(encoder.tokenizer(a, add_special_tokens=False)["input_ids"])
     by_type: dict[str, list[float]] = defaultdict(list)
     for row in rows:
         by_type[row["type"]].append(row["efficacy"])
-    summary = M.summarize(rows)
+    summary = T.summarize(rows)
     return {
         "efficacy": float(np.mean([row["efficacy"] for row in rows])),
         **{f"efficacy/{t}": float(np.mean(v)) for t, v in by_type.items()},
         "vqa_exact_match": summary.get("vqa_exact_match", 0.0),
+        **{k: v for k, v in summary.items() if k.startswith(("task/", "benchmark/"))},
         "answer_tokens": float(np.mean([row["tokens"] for row in rows])),
     }, rows
 
@@ -127,7 +122,7 @@ def run(
         )
     output_dir = Path(output_dir)
     data_dir = readers.resolve_data_dir(data, scratch=output_dir / SCRATCH)
-    prompts = load_prompts(data_dir, cfg, need_types=bool(cfg.rewards.get("efficacy")))
+    prompts = load_prompts(data_dir, cfg)
     eval_records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type, files=cfg.eval.files)
     key = run_key(cfg, {"base_model": base_model, "reward_model": reward_model, "data": data})
     trainer, encoder, processor, rewards = build_trainer(
@@ -221,9 +216,7 @@ def build_trainer(
         rewards=rewards,
         checkpoints=checkpoint_store("rl", cfg.train, key, output_dir),
         tracker=tracker,
-        ptx_pool=load_prompts(data_dir, cfg, need_types=False, types=cfg.ptx.types, setting="ptx.types")
-        if cfg.ptx.coef
-        else None,
+        ptx_pool=load_prompts(data_dir, cfg, types=cfg.ptx.types, setting="ptx.types") if cfg.ptx.coef else None,
     )
     return trainer, encoder, processor, rewards
 
@@ -260,6 +253,8 @@ def heldout_change(before_scores: list[float], final_rows: list[dict], evals: li
             for suffix, key in (("", "gain"), ("_ci_low", "ci_low"), ("_ci_high", "ci_high"))
         },
         "mean_length_ratio": after["answer_tokens"] / max(before["answer_tokens"], 1e-9),
+        **{k: v for k, v in after.items() if k.startswith(("task/", "benchmark/"))},  # the final policy's
+        **{f"{k}_before": v for k, v in before.items() if k.startswith(("task/", "benchmark/"))},
     }
 
 
@@ -308,6 +303,7 @@ def rollout_row(r) -> dict[str, Any]:
         "finished": r.finished,
         "reward": r.reward,
         "rewards": r.rewards,
+        **({"scorer": r.record["scorer"]} if r.record.get("scorer") else {}),
     }
 
 
@@ -333,7 +329,8 @@ def report(metrics: dict[str, Any]) -> str:
         "| type | efficacy before | after | change [95% paired CI] |",
         "|---|---|---|---|",
     ]
-    for t in M.QUESTION_TYPES:
+    found = {k.removeprefix("efficacy/").removesuffix("_before") for k in metrics if k.startswith("efficacy/")}
+    for t in [*(t for t in T.SYNTHETIC_TASKS if t in found), *sorted(found - set(T.SYNTHETIC_TASKS))]:
         if f"efficacy/{t}_before" in metrics:
             gain = (
                 f"{metrics[f'efficacy_gain/{t}']:+.3f} [{metrics[f'efficacy_gain/{t}_ci_low']:+.3f}, "

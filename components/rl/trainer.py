@@ -126,7 +126,8 @@ class RlTrainer:
 
     def _next_step(self) -> dict[str, float]:
         indices, _ = self.loop.next_indices()
-        return self.rl_step([{**self.prompts[i], "pil": self.image(self.prompts[i]["image"])} for i in indices])
+        records = [{**self.prompts[i], "pil": self.image(self.prompts[i]["image"])} for i in indices]
+        return self.rl_step([{**r, **self.engine.encoder.box_frame(r)} for r in records])
 
     def _check_divergence(self) -> None:
         window = max(1, self.loop.train.eval_every or len(self.loop.history))

@@ -6,13 +6,11 @@ export it, register it in MLflow (alias champion; the runner-up challenger) and 
                       --reward-model OUT/reward_model/model --clean-data OUT/clean_data --output-dir OUT/select
 In the pipeline:  components/select_checkpoint/component.py calls run_stage("select_checkpoint", ...).
 
-Candidates: each named stage's output model/ and its newest `checkpoints_per_stage` intermediate checkpoints
-(a checkpoint's trainable weights over the stage's output model; one holding LoRA or ZeRO shards, or identical to
-the output, is listed as skipped with the reason). Each is scored on eval.jsonl: VQA exact match per type,
-grounding accuracy (IoU >= 0.5), ANLS, CIDEr-D, the reward model's standardised score of its answers, parameters
-and generation latency (ms per answer). score = sum(weights x metrics); the winner is the best-scoring candidate
-that passes every gate (ties: fewer parameters). Writes model/ (the winner, HF format), candidates.json (every
-candidate with its metrics, score, gates or skip reason), model_card.md, eval_predictions.jsonl, report.md.
+Candidates: each named stage's output model/ and its newest `checkpoints_per_stage` intermediate checkpoints (one
+holding LoRA or ZeRO shards, or identical to the output, is listed as skipped with the reason). Each is scored on the
+held-out data per task and benchmark (docs/data.md; the synthetic world's VQA, grounding, ANLS, CIDEr-D), by the
+reward model, parameters and latency (ms per answer). score = sum(weights x metrics); the winner is the best that
+passes every gate (ties: fewer parameters). Writes model/, candidates.json, model_card.md, eval_predictions.jsonl.
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ from typing import Any
 import torch
 
 from components._shared.eval import evaluation as E
-from components._shared.eval import metrics as M
 from components._shared.eval import readers
+from components._shared.eval import tasks as T
 from components._shared.launch.result import RESULT_FILE
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.packing import ConversationEncoder
@@ -37,7 +35,7 @@ from components._shared.model.stage_steps import SCRATCH
 from components._shared.model.vlm import count_parameters, load_vlm, save_vlm, set_pixel_bounds
 from components._shared.platform import storage
 from components._shared.platform.tracking import Tracker
-from components.select_checkpoint.config import SelectCheckpointConfig
+from components.select_checkpoint.config import SUITE_METRICS, SelectCheckpointConfig
 
 IGNORED_CHECKPOINT_KEYS = ("value_head.", "distill_projections.")  # training-only modules (rl's critic, distill's maps)
 
@@ -184,6 +182,15 @@ def judge(candidate: Candidate, cfg: SelectCheckpointConfig) -> None:
             candidate.failed_gates.append(f"{k} {m.get(k, float('nan')):.4g} > {bound:g}")
 
 
+def check_weighted_metrics(candidates: list[Candidate], cfg: SelectCheckpointConfig) -> None:
+    """A weight on a metric no candidate has would score them all 0 on it silently: name what the data yields."""
+    have = {k for c in candidates if not c.skipped for k in c.metrics}
+    missing = sorted(k for k, w in cfg.weights.items() if w and k not in have)
+    if have and missing:
+        offered = sorted(k for k in have if k.startswith(("benchmark/", "task/")) or k in SUITE_METRICS)
+        raise ValueError(f"select_checkpoint.weights name {missing}; the held-out data does not yield them: {offered}.")
+
+
 def choose(candidates: list[Candidate]) -> tuple[Candidate, Candidate | None]:
     """(winner, runner-up) among evaluated candidates passing every gate; NoCandidatePasses otherwise."""
     passing = [c for c in candidates if not c.skipped and not c.failed_gates]
@@ -235,6 +242,7 @@ def run(
     predictions = evaluate_candidates(candidates, records, cfg, scorer, device, output_dir / SCRATCH, tracker)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "candidates.json").write_text(json.dumps([c.describe() for c in candidates], indent=2) + "\n")
+    check_weighted_metrics(candidates, cfg)
     winner, runner_up = choose(candidates)  # raises with every candidate's failure when none passes
 
     export_winner(winner, predictions[winner.name], output_dir)
@@ -438,7 +446,8 @@ def model_card(
         "reward_model_score",
         "parameters",
         "latency_ms",
-        *(f"exact_match/{t}" for t in M.QUESTION_TYPES if t != "caption"),
+        *(f"exact_match/{t}" for t in T.SYNTHETIC_TASKS if t != "caption"),
+        *sorted({k for c in candidates for k in c.metrics if k.startswith(("task/", "benchmark/"))}),
     ]
     lines += _table(candidates, [k for k in keys if any(k in c.metrics for c in candidates)])
     lines += _lineage(lineage, stage_configs)

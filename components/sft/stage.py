@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from components._shared.eval import evaluation as E
-from components._shared.eval import metrics as M
 from components._shared.eval import readers
+from components._shared.eval import tasks as T
 from components._shared.eval.readers import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.families import family_for
@@ -125,6 +125,11 @@ def quick_eval_set(eval_records: list[dict], size: int) -> list[dict]:
     return picked[:size]
 
 
+def quick_key(key: str) -> bool:
+    """A per-task score of the quick eval (exact_match/<builtin task>, task/<task>)."""
+    return key.startswith(("exact_match/", "task/")) and key.count("/") == 1
+
+
 def type_weights(cfg: SftConfig, records: list[dict], pool: list[int]):
     """The difficulty scheduler's weights over `pool`, from the latest quick eval's per-type exact match."""
     counts: dict[str, int] = defaultdict(int)
@@ -135,11 +140,8 @@ def type_weights(cfg: SftConfig, records: list[dict], pool: list[int]):
         if not cfg.difficulty_scheduler.enabled or not evals:
             return None
         latest, sched = evals[-1], cfg.difficulty_scheduler
-        measured = {
-            t: sched.floor + (1.0 - latest[f"exact_match/{t}"]) ** sched.sharpness
-            for t in counts
-            if f"exact_match/{t}" in latest
-        }
+        scores = {k.split("/")[1]: v for k, v in latest.items() if quick_key(k)}
+        measured = {t: sched.floor + (1.0 - scores[t]) ** sched.sharpness for t in counts if t in scores}
         if not measured:
             return None
         neutral = sum(measured.values()) / len(measured)  # types the quick eval does not measure (e.g. captions)
@@ -203,7 +205,7 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
         "trainable_parameters": trainable,
         "vqa_exact_match_initial": (result.evals or [{}])[0].get("vqa_exact_match", float("nan")),
         **summary,
-        **M.majority_baseline(train_answers(records), rows),
+        **T.majority_baseline(train_answers(records), rows),
         **calibration,
         **saved,
     }
@@ -234,7 +236,7 @@ def build_loop(
         summary, _ = E.evaluate_vqa(
             loop.backend.module, encoder, quick, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
         )
-        return {k: v for k, v in summary.items() if k == "vqa_exact_match" or k.startswith("exact_match/")}
+        return {k: v for k, v in summary.items() if k == "vqa_exact_match" or quick_key(k)}
 
     loop = TrainLoop(
         model,
@@ -251,10 +253,10 @@ def build_loop(
 
 
 def train_answers(records: list[dict]) -> dict[str, list[str]]:
-    """The last assistant answer of each training record, by question type (the majority baseline's input)."""
+    """The last assistant answer of each training record, by task (the majority baseline's input)."""
     answers: dict[str, list[str]] = defaultdict(list)
     for r in records:
-        if r["type"] in M.QUESTION_TYPES:
+        if r["type"] != "unknown":
             answers[r["type"]].append(next(t["text"] for t in reversed(r["turns"]) if t["role"] == "assistant"))
     return answers
 
@@ -315,6 +317,17 @@ def save_outputs(
     return {"merge_max_abs_logit_diff": diff}
 
 
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def task_keys(metrics: dict[str, Any]) -> list[tuple[str, str]]:
+    """(task, its score's metric key) in report order: the synthetic world's, then the others by name."""
+    builtin = [(t, f"exact_match/{t}") for t in T.SYNTHETIC_TASKS if f"exact_match/{t}" in metrics]
+    others = sorted((k.split("/")[1], k) for k in metrics if k.startswith("task/") and k.count("/") == 1)
+    return builtin + others
+
+
 def report(metrics: dict[str, Any]) -> str:
     lines = [
         "# SFT",
@@ -322,15 +335,20 @@ def report(metrics: dict[str, Any]) -> str:
         f"mode: {metrics['mode']}, steps: {metrics['steps']}, train loss "
         f"{metrics['train_loss_first']:.3f} -> {metrics['train_loss_final']:.3f}",
         "",
-        "| type | exact match | majority baseline | n |",
+        "| task | score | majority baseline | n |",
         "|---|---|---|---|",
     ]
-    for t in M.QUESTION_TYPES:
-        if f"exact_match/{t}" in metrics:
-            lines.append(
-                f"| {t} | {metrics[f'exact_match/{t}']:.3f} | {metrics.get(f'majority/{t}', 0.0):.3f} | "
-                f"{int(metrics.get(f'count/{t}', 0))} |"
-            )
+    for t, key in task_keys(metrics):
+        lines.append(
+            f"| {t} | {metrics[key]:.3f} | {_cell(metrics.get(f'majority/{t}'))} | "
+            f"{int(metrics.get(f'count/{t}', 0))} |"
+        )
+    benchmarks = sorted(k.split("/")[1] for k in metrics if k.startswith("benchmark/") and k.count("/") == 1)
+    if benchmarks:
+        lines += ["", "| benchmark | score | n |", "|---|---|---|"]
+        lines += [
+            f"| {b} | {metrics[f'benchmark/{b}']:.3f} | {int(metrics[f'benchmark/{b}/count'])} |" for b in benchmarks
+        ]
     lines += [
         "",
         f"VQA exact match {metrics.get('vqa_exact_match', 0):.3f} vs majority baseline "

@@ -86,8 +86,8 @@ def test_eval_records_are_validated(tmp_path: Path):
     )
     with pytest.raises(ValueError, match="leaves the data directory"):
         readers.load_eval_records(tmp_path)
-    (tmp_path / "eval.jsonl").write_text('{"id": "q2", "image": "x.png"}\n')
-    with pytest.raises(ValueError, match=r"eval.jsonl:1 \(id='q2'\): missing field\(s\) \['question'"):
+    (tmp_path / "eval.jsonl").write_text('{"id": "q2", "image": "x.png", "question": "?"}\n')
+    with pytest.raises(ValueError, match=r"eval.jsonl:1 \(id='q2'\): a flat record needs 'answer'"):
         readers.load_eval_records(tmp_path)
 
 
@@ -136,7 +136,9 @@ def test_eval_records_join_files_of_both_formats(tmp_path: Path):
     (tmp_path / "dup.jsonl").write_text(json.dumps({"id": "e1", **flat}) + "\n")
     with pytest.raises(ValueError, match="'e1' is in both eval.jsonl and dup.jsonl"):
         readers.load_eval_records(tmp_path, files=["eval.jsonl", "dup.jsonl"])
-    two_images = {**conversation, "images": ["x.png", "x.png"]}
+    two_images = {**flat, "images": ["x.png", "x.png"], "question": "<image> or <image>?"}
     (tmp_path / "multi.jsonl").write_text(json.dumps({"id": "m0", **two_images}) + "\n")
-    with pytest.raises(ValueError, match="multi.jsonl: eval record 'm0' has 2 images"):
+    with pytest.raises(
+        ValueError, match=r"multi.jsonl:1 \(id='m0'\): 2 images; a held-out or RL question needs exactly one"
+    ):
         readers.load_eval_records(tmp_path, files=["multi.jsonl"])

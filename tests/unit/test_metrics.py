@@ -1,11 +1,10 @@
-"""Eval metrics: exact match, box IoU/grounding, ANLS, CIDEr-D, summaries and the majority baseline."""
+"""Metric primitives: exact match, box IoU/grounding, ANLS, CIDEr-D, the majority answer, the paired bootstrap."""
 
 import math
 
 import pytest
 
 from components._shared.eval.metrics import (
-    QUESTION_TYPES,
     anls,
     box_iou,
     cider_d,
@@ -13,13 +12,9 @@ from components._shared.eval.metrics import (
     exact_match,
     grounding_correct,
     levenshtein,
-    majority_answer,
-    majority_baseline,
     normalize_answer,
     paired_bootstrap,
     parse_box,
-    score_answer,
-    summarize,
 )
 
 # --- exact match ------------------------------------------------------------------------------
@@ -234,135 +229,6 @@ def test_cider_d_matches_pycocoevalcap():
     score, per_id = cider_d(cands, refs)
     assert score == pytest.approx(float(ref_score), rel=1e-9)
     assert [per_id[k] for k in CAPTIONS] == pytest.approx([float(s) for s in ref_scores], rel=1e-9)
-
-
-# --- per-record scoring, summaries and the baseline -------------------------------------------
-
-
-def test_score_answer_dispatch():
-    assert QUESTION_TYPES == (
-        "caption",
-        "color",
-        "count",
-        "shape",
-        "position",
-        "relation",
-        "grounding",
-        "ocr",
-    )
-    assert score_answer("color", "Yellow.", "yellow") == 1.0
-    assert score_answer("count", "3", "3") == 1.0
-    assert score_answer("grounding", "(10,30),(50,70)", "(9,29),(51,71)") == 1.0
-    assert score_answer("ocr", "fsh", "fish") == 0.0  # exact match; ANLS is reported separately
-    assert score_answer("caption", "An image.", "an image") == 1.0
-
-
-def test_score_answer_unknown_type():
-    with pytest.raises(ValueError, match=r"'colour'.*caption, color, count"):
-        score_answer("colour", "red", "red")
-
-
-def _rec(i, qtype, prediction, answer):
-    return {"id": str(i), "type": qtype, "prediction": prediction, "answer": answer}
-
-
-RECORDS = [
-    _rec(1, "color", "Yellow.", "yellow"),
-    _rec(2, "color", "blue", "yellow"),
-    _rec(3, "count", "3", "3"),
-    _rec(4, "grounding", "(9,29),(51,71)", "(9,29),(51,71)"),
-    _rec(5, "grounding", "left", "(9,29),(51,71)"),
-    _rec(6, "ocr", "fsh", "fish"),
-    _rec(7, "ocr", "boat", "boat"),
-    _rec(8, "caption", CAPTIONS["a"], CAPTIONS["a"]),
-    _rec(9, "caption", "A dog.", CAPTIONS["b"]),
-    _rec(10, "caption", CAPTIONS["c"], CAPTIONS["c"]),
-]
-
-
-def test_summarize():
-    out = summarize(RECORDS)
-    cider = cider_d({r["id"]: r["prediction"] for r in RECORDS[7:]}, {r["id"]: [r["answer"]] for r in RECORDS[7:]})[0]
-    assert out == pytest.approx(
-        {
-            "exact_match/color": 0.5,
-            "exact_match/count": 1.0,
-            "exact_match/grounding": 0.5,
-            "exact_match/ocr": 0.5,
-            "exact_match/caption": 2 / 3,
-            "count/color": 2.0,
-            "count/count": 1.0,
-            "count/grounding": 2.0,
-            "count/ocr": 2.0,
-            "count/caption": 3.0,
-            "vqa_exact_match": 4 / 7,  # 1+0+1+1+0+0+1 over the 7 non-caption records
-            "grounding_accuracy": 0.5,
-            "anls": (0.75 + 1.0) / 2,
-            "cider_d": cider,
-        }
-    )
-    assert cider > 3.0
-
-
-def test_summarize_omits_absent_types():
-    out = summarize([_rec(1, "shape", "circle", "circle")])
-    assert out == {"exact_match/shape": 1.0, "count/shape": 1.0, "vqa_exact_match": 1.0}
-
-
-def test_summarize_errors():
-    with pytest.raises(ValueError, match="'colour'"):
-        summarize([_rec(1, "colour", "red", "red")])
-    with pytest.raises(ValueError, match="prediction"):
-        summarize([{"id": "1", "type": "color", "answer": "red"}])
-    with pytest.raises(ValueError, match="none"):
-        summarize([])
-    with pytest.raises(ValueError, match="duplicate"):
-        summarize([_rec(1, "caption", "a", "a"), _rec(1, "caption", "b", "b")])
-
-
-def test_majority_answer_ties_are_deterministic():
-    assert majority_answer(["Red", "blue", "red.", "blue"]) == "blue"  # 2-2 tie -> lexicographic
-    assert majority_answer(["3", "2", "3"]) == "3"
-    assert majority_answer([]) == ""
-
-
-def test_majority_baseline():
-    train = {
-        "color": ["yellow", "Yellow.", "blue"],
-        "count": ["2", "3", "3"],
-        "grounding": ["(9,29),(51,71)", "(9,29),(51,71)", "(0,0),(5,5)"],
-        "ocr": ["fish"],
-        # no "shape" answers: the baseline predicts "" and scores 0
-    }
-    evals = [
-        _rec(1, "color", "", "yellow"),
-        _rec(2, "color", "", "blue"),
-        _rec(3, "count", "", "3"),
-        _rec(4, "count", "", "2"),
-        _rec(5, "grounding", "", "(10,30),(50,70)"),
-        _rec(6, "ocr", "", "boat"),
-        _rec(7, "shape", "", "circle"),
-        _rec(8, "caption", "", "An image."),
-    ]
-    out = majority_baseline(train, evals)
-    assert out == pytest.approx(
-        {
-            "majority/color": 0.5,
-            "majority/count": 0.5,
-            "majority/grounding": 1.0,
-            "majority/ocr": 0.0,
-            "majority/shape": 0.0,
-            "majority/caption": 0.0,
-            "vqa_majority_baseline": 3 / 7,
-        }
-    )
-
-
-def test_majority_baseline_errors():
-    with pytest.raises(ValueError, match="'colour'"):
-        majority_baseline({"colour": ["red"]}, [])
-    with pytest.raises(ValueError, match="'colour'"):
-        majority_baseline({}, [_rec(1, "colour", "", "red")])
 
 
 # --- paired before/after change ---------------------------------------------------------------

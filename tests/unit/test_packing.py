@@ -156,13 +156,31 @@ def test_encoder_rejects_bad_conversations(model_and_encoder):
     model, _, encoder = model_and_encoder
     image = Image.fromarray(np.zeros((56, 56, 3), dtype=np.uint8))
     with pytest.raises(ValueError, match="'bad' turn 0: expected role"):
-        encoder.encode([{"role": "system", "text": "x"}], images=[image], sample_id="bad")
+        encoder.encode([{"role": "tool", "text": "x"}], images=[image], sample_id="bad")
+    with pytest.raises(ValueError, match="'late' turn 1: expected role 'user' or 'assistant' \\(or 'system' first\\)"):
+        encoder.encode(
+            [{"role": "user", "text": "<image> hi"}, {"role": "system", "text": "x"}], images=[image], sample_id="late"
+        )
     with pytest.raises(ValueError, match="more <image> placeholders than images"):
         encoder.encode([{"role": "user", "text": "<image><image> hi"}], images=[image], sample_id="two")
     with pytest.raises(ValueError, match="max_length"):
         ConversationEncoder(encoder_processor(encoder), model, min_pixels=3136, max_pixels=50176, max_length=8).encode(
             [{"role": "user", "text": "<image> hi"}], images=[image], sample_id="long"
         )
+
+
+def test_a_system_turn_replaces_the_templates_default_and_is_never_trained(model_and_encoder):
+    _, _, encoder = model_and_encoder
+    image = Image.fromarray(np.zeros((56, 56, 3), dtype=np.uint8))
+    turns = [{"role": "user", "text": "<image> What is it?"}, {"role": "assistant", "text": "A square."}]
+    plain = encoder.encode(turns, images=[image], sample_id="plain")
+    own = encoder.encode([{"role": "system", "text": "Answer in one word."}, *turns], images=[image], sample_id="own")
+    text = encoder.tokenizer.decode(own.input_ids)
+    assert "<|im_start|>system\nAnswer in one word.<|im_end|>" in text
+    assert "You are a helpful assistant." in encoder.tokenizer.decode(plain.input_ids)
+    assert "You are a helpful assistant." not in text
+    trained = encoder.tokenizer.decode(own.input_ids[own.labels != -100])
+    assert trained == encoder.tokenizer.decode(plain.input_ids[plain.labels != -100]) == "A square.<|im_end|>"
 
 
 def encoder_processor(encoder):

@@ -67,13 +67,21 @@ def test_model_uris_are_found_in_stage_configs():
     assert model_uris_in(configs) == ["builtin:tiny-clip", "s3://m/clip", "s3://m/qwen-3b"]
 
 
-def test_rl_data_must_hold_the_prompts_file_and_every_held_out_file():
-    assert rl_data_files({}) == ["sft.jsonl", "eval.jsonl"]
-    assert rl_data_files({"prompts_file": "mine.jsonl", "eval": {"files": ["eval.jsonl", "rl.jsonl"]}}) == [
-        "mine.jsonl",
-        "eval.jsonl",
-        "rl.jsonl",
-    ]
+def test_rl_data_must_hold_the_prompts_file_and_every_held_out_file(tmp_path):
+    from components.preflight.stage import required_files
+
+    assert rl_data_files({}) == {}
+    settings = rl_data_files({"prompts_file": "mine.jsonl", "eval": {"files": ["eval.jsonl", "rl.jsonl"]}})
+    assert required_files(str(tmp_path), ["rl", "eval"], settings) == ["mine.jsonl", "eval.jsonl", "rl.jsonl"]
+    assert required_files(str(tmp_path), ["rl", "eval"], {}) == ["sft.jsonl", "eval.jsonl"]
+    (tmp_path / "dataset.yaml").write_text(
+        "rl: [{path: widgets.parquet, task: widget_count}]\n"
+        "eval: [{path: q.json, format: vqav2, annotations: a.json}]\ntasks: {widget_count: exact_match}\n"
+    )
+    assert required_files(str(tmp_path), ["rl", "eval"], {}) == ["dataset.yaml", "widgets.parquet", "q.json", "a.json"]
+    (tmp_path / "dataset.yaml").write_text("rl: [{path: w.jsonl, taks: x}]\n")
+    with pytest.raises(ValueError, match=r"dataset.yaml: rl\[0\].taks: Extra inputs are not permitted"):
+        required_files(str(tmp_path), ["rl"], {})
 
 
 def test_training_data_is_required_where_the_dag_reads_it(tmp_path, lake):
@@ -81,8 +89,8 @@ def test_training_data_is_required_where_the_dag_reads_it(tmp_path, lake):
     data.mkdir()
     (data / "eval.jsonl").write_text("{}\n")
     spec = lambda uri, required: {  # noqa: E731
-        "eval_data_uri": {"uri": uri, "files": ["eval.jsonl"], "required": required},
-        "sft_data_uri": {"uri": uri, "files": ["sft.jsonl", "eval.jsonl"], "required": required},
+        "eval_data_uri": {"uri": uri, "roles": ["eval"], "required": required},
+        "sft_data_uri": {"uri": uri, "roles": ["sft", "eval"], "required": required},
     }
     assert _run(tmp_path, lake, data_files=spec("", False))["data_files"] == 0  # DAG cut before pretrain
     with pytest.raises(ValueError, match="pipeline parameter eval_data_uri is empty"):
@@ -91,6 +99,9 @@ def test_training_data_is_required_where_the_dag_reads_it(tmp_path, lake):
         _run(tmp_path, lake, data_files=spec(str(data), True))
     (data / "sft.jsonl").write_text("{}\n")
     assert _run(tmp_path, lake, data_files=spec(str(data), True))["data_files"] == 3
+    (data / "dataset.yaml").write_text("sft: [llava.json]\n")  # the manifest's files replace sft.jsonl
+    with pytest.raises(ValueError, match="heldout/llava.json does not exist"):
+        _run(tmp_path, lake, data_files=spec(str(data), True))
 
 
 def test_one_visual_token_budget_for_every_stage():

@@ -102,5 +102,5 @@ def test_bad_pairs_are_rejected(tmp_path):
     (tmp_path / "preferences.jsonl").write_text(
         json.dumps({"id": "p1", "image": "a.png", "prompt": "q", "chosen": "same", "rejected": "same"}) + "\n"
     )
-    with pytest.raises(ValueError, match="'p1': chosen and rejected are the same text"):
+    with pytest.raises(ValueError, match=r"preferences.jsonl:1 \(id='p1'\): chosen and rejected are the same text"):
         load_pairs(tmp_path, None)

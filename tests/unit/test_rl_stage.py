@@ -239,19 +239,18 @@ def test_prompt_and_ptx_pools_take_their_own_question_types(data_dir):
     """RL prompts come from `prompt_types`; the ptx pool from `ptx.types` (empty = every type), so the anchor can
     hold the types RL does not train without restraining the ones it does."""
     cfg = _cfg("ter", prompt_types=["caption", "grounding"], ptx={"coef": 1.0, "types": ["count", "color"]})
-    every = load_prompts(data_dir, _cfg("ter"), need_types=True)
+    every = load_prompts(data_dir, _cfg("ter"))
     assert len({r["type"] for r in every}) >= 6
-    assert {r["type"] for r in load_prompts(data_dir, cfg, need_types=True)} == {"caption", "grounding"}
-    ptx_pool = load_prompts(data_dir, cfg, need_types=False, types=cfg.ptx.types)
+    assert {r["type"] for r in load_prompts(data_dir, cfg)} == {"caption", "grounding"}
+    ptx_pool = load_prompts(data_dir, cfg, types=cfg.ptx.types)
     assert {r["type"] for r in ptx_pool} == {"count", "color"}
     assert len(ptx_pool) == sum(r["type"] in ("count", "color") for r in every)
-    assert len(load_prompts(data_dir, cfg, need_types=False, types=[])) == len(every)
+    assert len(load_prompts(data_dir, cfg, types=[])) == len(every)
     with pytest.raises(
         ValueError,
-        match=r"rl ptx.types names question type\(s\) \['colour'\] that no record of "
-        r"sft.jsonl has \(it has \['caption', ",
+        match=r"rl ptx.types names task\(s\) \['colour'\] that no prompt record has \(they have \['caption', ",
     ):
-        load_prompts(data_dir, cfg, need_types=False, types=["color", "colour"], setting="ptx.types")
+        load_prompts(data_dir, cfg, types=["color", "colour"], setting="ptx.types")
 
 
 def test_bad_prompts_and_settings_are_rejected_with_the_fix(data_dir, tmp_path):
@@ -274,8 +273,16 @@ def test_bad_prompts_and_settings_are_rejected_with_the_fix(data_dir, tmp_path):
         )
         + "\n"
     )
-    with pytest.raises(ValueError, match="rl prompt 'x1' has type 'weather'"):
-        load_prompts(bad, _cfg("ter"), need_types=True)
+    with pytest.raises(ValueError, match=r"sft.jsonl:1 \(id='x1'\): unknown task 'weather'. Declare it in"):
+        load_prompts(bad, _cfg("ter"))
+    (bad / "rl.jsonl").write_text((bad / "sft.jsonl").read_text().replace("weather", "color"))
+    with pytest.raises(ValueError, match=r"\['rl.jsonl'\] are both prompt and held-out files"):
+        load_prompts(
+            bad,
+            _cfg("ter", prompts_file="rl.jsonl", eval={"files": ["eval.jsonl"]}).model_copy(
+                update={"eval": _cfg("ter").eval.model_copy(update={"files": ["rl.jsonl"]})}
+            ),
+        )
 
 
 def _stage_cli(config: dict, data_dir, base, out, **env):

@@ -70,6 +70,43 @@ def test_config_rejects_unknown_metrics():
     with pytest.raises(ValidationError, match="weights are all 0"):
         SelectCheckpointConfig(weights={"anls": 0.0})
     SelectCheckpointConfig(weights={"exact_match/ocr": 1.0}, max_gates={"parameters": 1e9})
+    with pytest.raises(ValidationError, match=r"unknown metric\(s\) \['benchmark/doc vqa'\].*benchmark/<name>"):
+        SelectCheckpointConfig(min_gates={"benchmark/doc vqa": 0.4})
+
+
+def test_the_config_knows_the_synthetic_tasks():
+    from components._shared.eval.tasks import SYNTHETIC_TASKS
+    from components.select_checkpoint.config import QUESTION_TYPES
+
+    assert QUESTION_TYPES == SYNTHETIC_TASKS  # the config imports pydantic only, so it keeps its own copy
+
+
+def test_gates_and_weights_per_benchmark():
+    from components.select_checkpoint.stage import check_weighted_metrics
+
+    cfg = SelectCheckpointConfig(
+        weights={"benchmark/docvqa": 1.0, "benchmark/pope/f1": 0.5},
+        min_gates={"benchmark/refcoco": 0.68, "benchmark/docvqa": 0.45},
+    )
+    candidates = [
+        _candidate("sft", **{"benchmark/docvqa": 0.50, "benchmark/pope/f1": 0.8, "benchmark/refcoco": 0.70}),  # 0.9
+        _candidate("rl", **{"benchmark/docvqa": 0.60, "benchmark/pope/f1": 0.9, "benchmark/refcoco": 0.60}),  # gated
+        _candidate("distill", **{"benchmark/docvqa": 0.44, "benchmark/pope/f1": 1.0, "benchmark/refcoco": 0.90}),
+    ]
+    for c in candidates:
+        judge(c, cfg)
+    check_weighted_metrics(candidates, cfg)
+    assert candidates[0].score == pytest.approx(0.9)
+    assert candidates[1].failed_gates == ["benchmark/refcoco 0.6 < 0.68"]
+    assert candidates[2].failed_gates == ["benchmark/docvqa 0.44 < 0.45"]
+    assert choose(candidates)[0].name == "sft"
+    synthetic = SelectCheckpointConfig()  # weights the synthetic world's metrics: none in this data
+    with pytest.raises(
+        ValueError,
+        match=r"weights name \['anls', 'cider_d', 'grounding_accuracy', 'vqa_exact_match'\].*"
+        r"does not yield them: \['benchmark/docvqa', 'benchmark/pope/f1', 'benchmark/refcoco', 'parameters'\]",
+    ):
+        check_weighted_metrics(candidates, synthetic)
 
 
 @pytest.fixture(scope="module")

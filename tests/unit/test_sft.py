@@ -106,7 +106,9 @@ def test_qlora_quantises_the_lm_but_not_vision_or_lm_head(data_dir, tmp_path):
 
 def test_bad_records_and_config_are_rejected_with_the_fix(tmp_path):
     (tmp_path / "sft.jsonl").write_text(json.dumps({"id": "r1", "conversations": [{"from": "bot", "value": "x"}]}))
-    with pytest.raises(ValueError, match="'r1' turn 0: expected from=human\\|gpt"):
+    with pytest.raises(
+        ValueError, match="sft.jsonl:1 \\(id='r1'\\): conversations\\[0\\]: role 'bot'; use from=system\\|human\\|gpt"
+    ):
         load_sft_records(tmp_path)
     with pytest.raises(ValueError, match="curriculum steps sum to 3 but train.steps=4"):
         _cfg("lora", curriculum=[{"name": "basic", "steps": 3}])

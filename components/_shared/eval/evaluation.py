@@ -1,4 +1,4 @@
-"""The held-out eval suite every model stage reports: VQA by type, grounding, ANLS, CIDEr-D, held-out loss, ECE.
+"""The held-out eval suite every model stage reports: scores per task and benchmark (eval/tasks.py), held-out loss, ECE.
 
 Records come from eval/readers.py (`load_eval_records`). Generation is greedy, batched with left padding and
 the KV cache.
@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from components._shared.eval import metrics as M
+from components._shared.eval import tasks as T
 from components._shared.eval.readers import prompt_turns
 from components._shared.model.generation import own_generation_config
 from components._shared.model.packing import (
@@ -189,20 +189,28 @@ def fit_temperature(pairs, correct: list[float], grid: tuple[float, ...] | None 
     return best, expected_calibration_error(confidences(pairs, best), correct)
 
 
+def score_rows(encoder: ConversationEncoder, records: list[dict], answers: list[str]) -> list[dict]:
+    """Per-record rows {"id", "type", "question", "answer", "prediction", "score"} (+ "answers" for several
+    references, "benchmark", "scorer", "choices", a pixel "box" with its frame), each scored by its record's task
+    (eval/tasks.py)."""
+    rows = []
+    for r, a in zip(records, answers, strict=True):
+        scored = {**r, **encoder.box_frame(r)}
+        row = {"id": r["id"], "type": r["type"], "question": r["question"], "answer": r["answer"], "prediction": a}
+        row["score"] = T.score(a, scored)
+        for key in ("benchmark", "scorer", "choices", "box", "box_convention", "image_size", "model_size"):
+            if scored.get(key):
+                row[key] = scored[key]
+        if len(r.get("answers", ())) > 1:
+            row["answers"] = r["answers"]
+        rows.append(row)
+    return rows
+
+
 def evaluate_vqa(
     model, encoder: ConversationEncoder, records: list[dict], *, batch_size: int = 16, max_new_tokens: int = 48
 ) -> tuple[dict[str, float], list[dict]]:
-    """Suite metrics (metrics.summarize) and the per-record predictions."""
+    """Suite metrics (tasks.summarize: per task and per benchmark) and the per-record predictions."""
     answers = generate_answers(model, encoder, records, batch_size=batch_size, max_new_tokens=max_new_tokens)
-    rows = [
-        {
-            "id": r["id"],
-            "type": r["type"],
-            "question": r["question"],
-            "answer": r["answer"],
-            "prediction": a,
-            "score": M.score_answer(r["type"], a, r["answer"]),
-        }
-        for r, a in zip(records, answers, strict=True)
-    ]
-    return M.summarize(rows), rows
+    rows = score_rows(encoder, records, answers)
+    return T.summarize(rows), rows

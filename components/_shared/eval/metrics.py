@@ -1,17 +1,15 @@
-"""Evaluation metrics for the held-out VQA set: exact match, grounding IoU, ANLS and CIDEr-D.
-
-Pure Python (no torch): the eval stage and the tests import this on CPU. `summarize` turns scored
-records into the flat metric dict logged to MLflow; `majority_baseline` gives the floor to beat.
+"""Metric primitives: answer normalisation, exact match, boxes and IoU, ANLS, CIDEr-D, the majority answer and
+the paired bootstrap. Pure Python (no torch). The per-task scorers built on them are eval/scorers.py, their table and
+the metric summary eval/tasks.py.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
-QUESTION_TYPES = ("caption", "color", "count", "shape", "position", "relation", "grounding", "ocr")
 Box = tuple[float, float, float, float]
 
 _QUOTES = "\"'`\u201c\u201d\u2018\u2019"
@@ -170,92 +168,10 @@ def cider_d(candidates: Mapping[str, str], references: Mapping[str, Sequence[str
     return sum(scores.values()) / len(scores), scores
 
 
-def _check_type(question_type: str) -> str:
-    if question_type not in QUESTION_TYPES:
-        raise ValueError(f"unknown question type {question_type!r}; known types: {', '.join(QUESTION_TYPES)}")
-    return question_type
-
-
-def score_answer(question_type: str, pred: str, gold: str) -> float:
-    """Per-record score: grounding -> IoU >= 0.5, every other type -> normalized exact match."""
-    if _check_type(question_type) == "grounding":
-        return grounding_correct(pred, gold)
-    return exact_match(pred, gold)
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
-
-
-def summarize(records: Iterable[Mapping[str, str]]) -> dict[str, float]:
-    """Flat metrics over records {"id", "type", "prediction", "answer"}; keys appear only if their set is non-empty.
-
-    - `exact_match/<type>`: mean `score_answer` over that type (so grounding is IoU >= 0.5).
-    - `vqa_exact_match`: mean `score_answer` over all non-caption records (record-weighted).
-    - `grounding_accuracy`: fraction of grounding records with IoU >= 0.5.
-    - `anls`: mean ANLS (tau 0.5) over ocr records.  `cider_d`: corpus CIDEr-D over caption records.
-    - `count/<type>`: number of records of that type.
-    """
-    by_type: dict[str, list[Mapping[str, str]]] = defaultdict(list)
-    for rec in records:
-        missing = [k for k in ("id", "type", "prediction", "answer") if k not in rec]
-        if missing:
-            raise ValueError(f"record {rec!r} lacks keys {missing}")
-        by_type[_check_type(rec["type"])].append(rec)
-    if not by_type:
-        raise ValueError("summarize needs at least one record, got none")
-    out: dict[str, float] = {}
-    vqa: list[float] = []
-    for qtype in (t for t in QUESTION_TYPES if t in by_type):
-        recs = by_type[qtype]
-        scores = [score_answer(qtype, r["prediction"], r["answer"]) for r in recs]
-        out[f"exact_match/{qtype}"] = _mean(scores)
-        out[f"count/{qtype}"] = float(len(recs))
-        if qtype != "caption":
-            vqa.extend(scores)
-    if vqa:
-        out["vqa_exact_match"] = _mean(vqa)
-    if "grounding" in by_type:
-        out["grounding_accuracy"] = out["exact_match/grounding"]
-    if "ocr" in by_type:
-        out["anls"] = _mean([anls(r["prediction"], r["answer"]) for r in by_type["ocr"]])
-    if "caption" in by_type:
-        caps = by_type["caption"]
-        if len({r["id"] for r in caps}) != len(caps):
-            raise ValueError("caption records have duplicate ids; CIDEr-D needs one candidate per id")
-        refs = {r["id"]: [r["answer"]] if isinstance(r["answer"], str) else list(r["answer"]) for r in caps}
-        out["cider_d"] = cider_d({r["id"]: r["prediction"] for r in caps}, refs)[0]
-    return out
-
-
 def majority_answer(answers: Iterable[str]) -> str:
     """Most frequent normalized answer (ties -> lexicographically smallest); "" when there are none."""
     counts = Counter(normalize_answer(a) for a in answers)
     return min(counts, key=lambda a: (-counts[a], a)) if counts else ""
-
-
-def majority_baseline(
-    train_answers_by_type: Mapping[str, Sequence[str]], eval_records: Iterable[Mapping[str, str]]
-) -> dict[str, float]:
-    """Score "always answer the type's most frequent training answer" on the eval records.
-
-    Returns `majority/<type>` for every type present in the eval records and
-    `vqa_majority_baseline`, averaged like `vqa_exact_match` (all non-caption records).
-    """
-    for qtype in train_answers_by_type:
-        _check_type(qtype)
-    guesses = {t: majority_answer(train_answers_by_type.get(t, ())) for t in QUESTION_TYPES}
-    by_type: dict[str, list[float]] = defaultdict(list)
-    for rec in eval_records:
-        if "type" not in rec or "answer" not in rec:
-            raise ValueError(f"eval record {rec!r} needs 'type' and 'answer'")
-        qtype = _check_type(rec["type"])
-        by_type[qtype].append(score_answer(qtype, guesses[qtype], rec["answer"]))
-    out = {f"majority/{t}": _mean(by_type[t]) for t in QUESTION_TYPES if t in by_type}
-    vqa = [s for t, scores in by_type.items() if t != "caption" for s in scores]
-    if vqa:
-        out["vqa_majority_baseline"] = _mean(vqa)
-    return out
 
 
 def paired_bootstrap(

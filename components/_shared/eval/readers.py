@@ -1,21 +1,26 @@
-"""Data readers of the model stages: data directories (local or s3://), JSONL files, conversation records,
-held-out question files and the images they name.
+"""Data readers of the model stages: data directories (local or s3://), their dataset.yaml, the records of each
+role (sft conversations, held-out and RL questions, preference pairs) and the images they name.
 
-Conversation records are LLaVA-style {"id", "image"|"images", "conversations": [{"from","value"}]} (or
-role/content turns); held-out files hold {"id","image","question","answer","type"} or conversation records
-with a `type`. Every error names the file, line or record id and how to fix it.
+A data directory describes itself in dataset.yaml (docs/data.md): per role the files to read, each with its format,
+task, benchmark name and image folder, and the tasks it declares (name -> scorer). Without one the synthetic world's
+names are read: sft.jsonl, eval.jsonl, preferences.jsonl. The formats are eval/formats.py's. Every error names the
+file, line or record id and how to fix it.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from collections import defaultdict
 from pathlib import Path
+from typing import Literal
 
 from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field
 
-from components._shared.eval import metrics as M
+from components._shared.eval import formats as F
+from components._shared.eval import tasks as T
+from components._shared.eval.benchmarks import BENCHMARKS
 
 
 def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
@@ -33,58 +38,174 @@ def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
     return path
 
 
-def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
-    """Records of a JSONL file; a clear error names the line and the missing field."""
-    if not path.is_file():
-        raise ValueError(f"{path} does not exist; the data directory must hold {path.name}.")
-    records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
+MANIFEST = "dataset.yaml"
+CONSUMED = {"image", "images", "conversations", "messages", "task", "system", "question", "answer", "answers",
+            "choices", "options", "box", "prompt", "chosen", "rejected", "question_id"}  # fmt: skip
+BENCHMARK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+ROLES_DEFAULT = {"sft": "sft.jsonl", "eval": "eval.jsonl", "rl": "sft.jsonl", "preferences": "preferences.jsonl"}
+
+
+class DataFile(BaseModel):
+    """One data file of dataset.yaml: its path in the data directory and how to read it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    path: str = Field(min_length=1)
+    format: Literal[
+        "auto", "llava", "sharegpt", "messages", "flat", "preference",
+        "vqav2", "textvqa", "docvqa", "chartqa", "refcoco", "mmbench", "pope",
+    ] = "auto"  # fmt: skip
+    annotations: str | None = Field(None, description="The benchmark's second file (VQAv2's annotations).")
+    task: str | None = Field(None, description="The task of records that name none (their 'task' / 'type').")
+    benchmark: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Name of the file's results (default its stem)."
+    )
+    images: str = Field("", description="Directory (in the data directory) that relative image paths start from.")
+
+
+class Manifest(BaseModel):
+    """dataset.yaml: the data directory's own description; without one, the synthetic world's file names."""
+
+    model_config = ConfigDict(extra="forbid")
+    tasks: dict[str, str] = Field(default_factory=dict, description="Task name -> scorer (eval/tasks.py SCORERS).")
+    sft: list[DataFile | str] = Field(default_factory=list)
+    eval: list[DataFile | str] = Field(default_factory=list)
+    rl: list[DataFile | str] = Field(default_factory=list)
+    preferences: list[DataFile | str] = Field(default_factory=list)
+
+    def files(self, role: str, names: list[str] | tuple[str, ...] | None = None) -> list[DataFile]:
+        """The files `role` reads: `names` (a stage setting) or the manifest's list, else the default file."""
+        listed = [DataFile(path=f) if isinstance(f, str) else f for f in getattr(self, role)]
+        if names:
+            known = {f.path: f for r in ("sft", "eval", "rl", "preferences") for f in self.files(r)}
+            return [known.get(n, DataFile(path=n)) for n in names]
+        if listed:
+            return [
+                f if f.benchmark or role != "eval" else f.model_copy(update={"benchmark": _default_name(f)})
+                for f in listed
+            ]
+        return [DataFile(path=ROLES_DEFAULT[role])]
+
+
+def _stem(path: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", Path(path).stem).lstrip("_.-") or "data"
+
+
+def _default_name(spec: DataFile) -> str:
+    """A file's benchmark name: the benchmark format's own (docvqa, pope, ...), else the file's stem."""
+    return spec.format if spec.format in BENCHMARKS else _stem(spec.path)
+
+
+def manifest(data_dir: Path) -> Manifest:
+    """The data directory's dataset.yaml (or dataset.json), validated; an empty manifest when there is none."""
+    import yaml
+    from pydantic import ValidationError
+
+    for name in (MANIFEST, "dataset.json"):
+        path = data_dir / name
+        if path.is_file():
+            try:
+                raw = yaml.safe_load(path.read_text()) or {}
+                result = Manifest.model_validate(raw)
+            except yaml.YAMLError as error:
+                raise ValueError(f"{path}: not valid YAML ({error}).") from error
+            except ValidationError as error:
+                raise ValueError(f"{path}: {_describe(error)}; see docs/data.md for the fields.") from error
+            for task in result.tasks:
+                if task in T.BUILTIN_TASKS:
+                    raise ValueError(f"{path}: task {task!r} is a builtin task; give your task another name.")
+                T.resolve(task, result.tasks, where=f"{path} tasks")
+            return result
+    return Manifest()
+
+
+def _raw_id(raw) -> str | None:
+    """The id a raw record or benchmark item gives itself, for error messages."""
+    if not isinstance(raw, dict):
+        return None
+    value = next((raw[k] for k in ("id", "question_id", "questionId", "index") if raw.get(k) is not None), None)
+    return None if value is None else str(value)
+
+
+def _describe(error) -> str:
+    """pydantic's errors as `eval[0].fromat: Extra inputs are not permitted` (the str branch of a file entry left
+    out when the entry is a mapping)."""
+    lines = []
+    for e in error.errors():
+        loc = [part for part in e["loc"] if part not in ("DataFile", "str")]
+        if "str" in e["loc"] and isinstance(e.get("input"), dict):
             continue
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+        lines.append(f"{where}: {e['msg']}")
+    return "; ".join(lines)
+
+
+def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
+    """Every record of one file through `convert(raw, spec) -> record`; all bad records reported at once."""
+    out, bad = [], []
+    benchmark = BENCHMARKS.get(spec.format)
+    if benchmark is None:
+        items = F.iter_file(data_dir / spec.path)
+    else:
+        annotations = data_dir / spec.annotations if spec.annotations else None
+        items = benchmark.items(data_dir / spec.path, annotations)
+    for n, (source, raw) in enumerate(items):
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{n}: not valid JSON ({error.msg}); fix or remove that line.") from error
-        missing = [k for k in required if k not in record]
-        if missing:
-            raise ValueError(f"{path}:{n} (id={record.get('id')!r}): missing field(s) {missing}.")
-        records.append(record)
-    return records
+            if not isinstance(raw, dict):
+                raise F.RecordError(f"a {type(raw).__name__}, not a record object")
+            if benchmark is not None:
+                raw, shape = benchmark.record(raw), "flat"
+            else:
+                shape = F.detect(raw) if spec.format == "auto" else spec.format
+            record = convert(raw, shape, spec)
+        except KeyError as error:
+            bad.append(f"{source}: the {spec.format} item has no field {error}")
+            continue
+        except F.RecordError as error:
+            bad.append(f"{source} (id={_raw_id(raw)!r}): {error}")
+            continue
+        for key, value in raw.items():  # the record's own labels (a preference pair's kind, a benchmark category)
+            if key not in record and key not in CONSUMED and isinstance(value, str | int | float | bool):
+                record[key] = value
+        record["id"] = str(raw.get("id", raw.get("question_id", f"{_stem(spec.path)}:{n}")))
+        record["source"], record["file"] = source, spec.path
+        out.append(record)
+    if bad:
+        shown = "\n  ".join(bad[: F.MAX_REPORTED])
+        more = f"\n  ... and {len(bad) - F.MAX_REPORTED} more" if len(bad) > F.MAX_REPORTED else ""
+        raise ValueError(f"{len(bad)} bad {what} record(s) in {spec.path}; fix or drop them:\n  {shown}{more}")
+    ids = [r["id"] for r in out]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"{spec.path}: record id {dup!r} appears more than once; ids must be unique.")
+    return out
 
 
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+def _task_name(raw: dict, spec: DataFile) -> str | None:
+    return raw.get("task") or raw.get("type") or spec.task
 
 
-def load_conversations(data_dir: Path, max_records: int | None = None, *, file_name: str = "sft.jsonl") -> list[dict]:
-    """sft.jsonl (or `file_name`) as [{"id", "images": [paths], "turns": [{"role","text"}], "difficulty", "type"}]."""
-    records = []
-    for raw in read_jsonl(data_dir / file_name, ("id", "conversations")):
-        images = raw.get("images") or ([raw["image"]] if raw.get("image") else [])
-        turns = []
-        for i, turn in enumerate(raw["conversations"]):
-            role = ROLES.get(turn.get("from") or turn.get("role"))
-            text = turn.get("value", turn.get("content"))
-            if role is None or not isinstance(text, str):
-                raise ValueError(
-                    f"conversation record {raw['id']!r} turn {i}: expected from=human|gpt (or role=user|assistant) "
-                    f"and a string value, got {turn!r}."
-                )
-            turns.append({"role": role, "text": text})
-        if not any(t["role"] == "assistant" for t in turns):
-            raise ValueError(
-                f"conversation record {raw['id']!r} has no gpt/assistant turn to learn from; drop or fix it."
-            )
-        records.append(
-            {
-                "id": raw["id"],
-                "images": images,
-                "turns": turns,
-                "difficulty": raw.get("difficulty", "all"),
-                "type": raw.get("type", "unknown"),
-            }
-        )
-        if max_records and len(records) >= max_records:
-            break
+def _conversation(raw: dict, shape: str, spec: DataFile) -> dict:
+    if shape in ("flat", "preference"):
+        raise F.RecordError(f"a {shape} record where a conversation is expected (conversations / messages)")
+    images, turns = F.conversation(raw, spec.images)
+    return {
+        "images": images,
+        "turns": turns,
+        "difficulty": raw.get("difficulty", "all"),
+        "type": _task_name(raw, spec) or "unknown",
+    }
+
+
+def load_conversations(
+    data_dir: Path, max_records: int | None = None, *, file_name: str | None = None, role: str = "sft"
+) -> list[dict]:
+    """Conversation records {"id", "images", "turns": [{"role": system|user|assistant, "text"}], "difficulty",
+    "type", "source"} of the role's files (dataset.yaml, else sft.jsonl), any chat shape (formats.py)."""
+    info = manifest(data_dir)
+    records: list[dict] = []
+    for spec in info.files(role, [file_name] if file_name else None):
+        records += _read(data_dir, spec, _conversation, "conversation")
+    records = records[:max_records] if max_records else records
     text_only = [r["id"] for r in records if not r["images"]]
     if text_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(
@@ -95,19 +216,93 @@ def load_conversations(data_dir: Path, max_records: int | None = None, *, file_n
     return records
 
 
+def _question(tasks: dict[str, str]):
+    def convert(raw: dict, shape: str, spec: DataFile) -> dict:
+        if shape == "preference":
+            raise F.RecordError("a preference record where a question is expected")
+        q = F.question(raw, spec.images)
+        name = _task_name(raw, spec) or (spec.format if spec.format in BENCHMARKS else None)
+        declared = {spec.format: BENCHMARKS[spec.format].scorer, **tasks} if spec.format in BENCHMARKS else tasks
+        if name is None:
+            raise F.RecordError("no task: give the record a 'task' (or 'type') or set the file's task in dataset.yaml")
+        try:
+            task = T.resolve(str(name), declared, where="")
+        except ValueError as error:
+            raise F.RecordError(str(error)) from None
+        images = q.pop("images")
+        benchmark = raw.get("benchmark") or spec.benchmark
+        if benchmark is not None and not (isinstance(benchmark, str) and BENCHMARK_NAME.match(benchmark)):
+            raise F.RecordError(f"benchmark {benchmark!r}: use letters, digits, '_', '.', '-' (a metric name part)")
+        record = {"image": images[0], **q, "answer": q["answers"][0], "type": task.name, "benchmark": benchmark}
+        if not task.builtin:
+            record["scorer"] = task.scorer
+        if task.scorer == "multiple_choice" and "choices" not in record:
+            raise F.RecordError("a multiple_choice task needs 'choices' (a list or {letter: text}, or A..D columns)")
+        return record
+
+    return convert
+
+
+def load_questions(
+    data_dir: Path, files: list[str] | tuple[str, ...] | None = None, *, role: str = "eval"
+) -> list[dict]:
+    """Question records {"id", "image", "question", "answer", "answers", "type" (the task), "scorer", "benchmark",
+    optional "choices" / "box", "source"} of the role's files; ids unique across them."""
+    info = manifest(data_dir)
+    records: list[dict] = []
+    seen: dict[str, str] = {}
+    for spec in info.files(role, files):
+        for record in _read(data_dir, spec, _question(info.tasks), "question"):
+            if record["id"] in seen:
+                raise ValueError(
+                    f"record id {record['id']!r} is in both {seen[record['id']]} and {spec.path}; "
+                    "held-out ids must be unique across files."
+                )
+            seen[record["id"]] = spec.path
+            records.append(record)
+    return records
+
+
+def conversation_questions(data_dir: Path, file_name: str | None, *, label: str = "rl prompt") -> list[dict]:
+    """RL prompts as question records: `file_name`, else dataset.yaml's rl files, else sft.jsonl."""
+    return load_questions(data_dir, [file_name] if file_name else None, role="rl")
+
+
+def _preference(raw: dict, shape: str, spec: DataFile) -> dict:
+    pair = F.preference(raw, spec.images)
+    return {"image": pair.pop("images")[0], **pair}
+
+
+def load_preferences(data_dir: Path, max_records: int | None = None) -> list[dict]:
+    """Preference pairs {"id", "image", "prompt", "chosen", "rejected", "source"} (dataset.yaml's preferences files,
+    else preferences.jsonl)."""
+    records: list[dict] = []
+    for spec in manifest(data_dir).files("preferences"):
+        records += _read(data_dir, spec, _preference, "preference")
+    return records[:max_records] if max_records else records
+
+
 MAX_IMAGE_PIXELS = 89_478_485  # Pillow's default bomb limit, enforced by imaging.decode_image
 
 
-def load_image(root: Path, reference: str) -> Image.Image:
-    """An image named by a data record: a path inside the data directory, or an s3:// object. Decoded through
-    the same guarded decoder as the lake (format allow-list, decompression-bomb limit)."""
+def load_image(root: Path, reference: F.ImageRef) -> Image.Image:
+    """An image named by a data record: a path inside the data directory, an s3:// object, bytes (a data: URI) or a
+    Parquet cell. Decoded through the same guarded decoder as the lake (format allow-list, decompression-bomb
+    limit, EXIF orientation applied, RGB)."""
     from components._shared.platform import storage
     from components._shared.platform.imaging import ImageRejected, decode_image
 
-    if storage.is_s3(reference):
-        data = storage.read_bytes(reference)
+    if isinstance(reference, F.ParquetImage):
+        data, path_in_cell = F.read_parquet_image(reference)
+        name = f"{Path(reference.path).name} row {reference.row} column {reference.column!r}"
+        if data is None and path_in_cell:
+            return load_image(root, path_in_cell)
+    elif isinstance(reference, bytes):
+        data, name = reference, f"<{len(reference)} bytes>"
+    elif storage.is_s3(reference):
+        data, name = storage.read_bytes(reference), reference
     else:
-        path = (root / reference).resolve()
+        path, name = (root / reference).resolve(), reference
         if root.resolve() not in path.parents:
             raise ValueError(
                 f"image path {reference!r} leaves the data directory {root}; use paths inside it or s3:// URIs."
@@ -116,79 +311,24 @@ def load_image(root: Path, reference: str) -> Image.Image:
             raise ValueError(f"image {reference!r} does not exist under the data directory {root}.")
         data = path.read_bytes()
     try:
-        return decode_image(data, max_image_pixels=MAX_IMAGE_PIXELS).image
+        return decode_image(data or b"", max_image_pixels=MAX_IMAGE_PIXELS).image
     except ImageRejected as error:
-        raise ValueError(f"image {reference!r} cannot be used: {error}") from error
+        raise ValueError(f"image {name!r} cannot be used: {error}") from error
 
 
 def load_eval_records(
-    data_dir: Path, *, per_type: int | None = None, files: tuple[str, ...] | list[str] = ("eval.jsonl",)
+    data_dir: Path, *, per_type: int | None = None, files: tuple[str, ...] | list[str] | None = None
 ) -> list[dict]:
-    """Held-out questions {"id", "image", "question", "answer", "type", "pil"} from `files` in the data directory,
-    at most `per_type` of each question type (file order), images loaded. A file holds eval.jsonl records
-    ({"id","image","question","answer","type"}) or LLaVA conversation records with a `type` and one image (as
-    sft.jsonl / rl.jsonl: the first human turn is the question, the first gpt turn the answer)."""
-    records: list[dict] = []
-    seen: dict[str, str] = {}
-    for file_name in files:
-        for record in _eval_file_records(data_dir, file_name):
-            if record["id"] in seen:
-                raise ValueError(
-                    f"eval record id {record['id']!r} is in both {seen[record['id']]} and {file_name}; "
-                    "held-out ids must be unique across eval files."
-                )
-            seen[record["id"]] = file_name
-            records.append(record)
-    counts: dict[str, int] = defaultdict(int)
+    """Held-out question records (load_questions) with their image loaded as "pil", at most `per_type` of each
+    task per benchmark (file order)."""
+    counts: dict[tuple, int] = defaultdict(int)
     kept = []
-    for record in records:
-        if record["type"] not in M.QUESTION_TYPES:
-            raise ValueError(
-                f"eval record {record['id']!r}: unknown type {record['type']!r}; use one of {M.QUESTION_TYPES}."
-            )
-        if per_type is None or counts[record["type"]] < per_type:
-            counts[record["type"]] += 1
+    for record in load_questions(data_dir, files):
+        key = (record["benchmark"], record["type"])
+        if per_type is None or counts[key] < per_type:
+            counts[key] += 1
             kept.append({**record, "pil": load_image(data_dir, record["image"])})
     return kept
-
-
-def _eval_file_records(data_dir: Path, file_name: str) -> list[dict]:
-    """One eval file's records in eval.jsonl's flat form (conversation records converted)."""
-    path = data_dir / file_name
-    first = "{}"
-    if path.is_file():
-        with path.open() as lines:
-            first = next((line for line in lines if line.strip()), first)
-    try:
-        conversation_format = "conversations" in json.loads(first)
-    except json.JSONDecodeError:
-        conversation_format = False  # read_jsonl names the line
-    if not conversation_format:
-        return read_jsonl(path, ("id", "image", "question", "answer", "type"))
-    return conversation_questions(data_dir, file_name, label="eval record")
-
-
-def conversation_questions(data_dir: Path, file_name: str, *, label: str) -> list[dict]:
-    """A conversation file (sft.jsonl / rl.jsonl format) as {"id", "image", "question", "answer", "type"}: the first
-    human turn (without its <image> marker) and the first gpt turn; a record needs exactly one image."""
-    out = []
-    for r in load_conversations(data_dir, file_name=file_name):
-        if len(r["images"]) != 1:
-            raise ValueError(f"{file_name}: {label} {r['id']!r} has {len(r['images'])} images; each needs exactly one.")
-        question = next((t["text"] for t in r["turns"] if t["role"] == "user"), None)
-        if question is None:
-            raise ValueError(f"{file_name}: {label} {r['id']!r} has no human turn to ask.")
-        answer = next(t["text"] for t in r["turns"] if t["role"] == "assistant")
-        out.append(
-            {
-                "id": r["id"],
-                "image": r["images"][0],
-                "question": question.replace("<image>", "").strip(),
-                "answer": answer,
-                "type": r["type"],
-            }
-        )
-    return out
 
 
 def prompt_turns(question: str) -> list[dict]:

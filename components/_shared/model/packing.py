@@ -76,7 +76,9 @@ class ConversationEncoder:
     A user turn holds `<image>` placeholders (LLaVA / ShareGPT style), one per image, in order; without any,
     the images go in front of the first user turn (Qwen's own order). The template is the processor's own
     (model/chat.py finds the assistant text in it); only assistant text and its end-of-turn token are labelled.
-    `system_prompt=None` leaves the system turn to the template (Qwen2/2.5-VL add one, Qwen3 families do not).
+    A conversation's own first `system` turn is rendered as the template renders system messages (never trained);
+    without one, `system_prompt=None` leaves the system turn to the template (Qwen2/2.5-VL add one, Qwen3 families
+    do not).
     """
 
     def __init__(
@@ -107,6 +109,27 @@ class ConversationEncoder:
         self._specials = sorted(
             set(self.tokenizer.all_special_tokens) | {"<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|vision_start|>"}
         )
+
+    def model_image_size(self, image) -> tuple[int, int]:
+        """(width, height) of `image` as the model sees it, resized by the Qwen image processor's rule."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        factor = int(self.image_processor.patch_size) * int(self.image_processor.merge_size)
+        height, width = smart_resize(
+            image.height, image.width, factor=factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels
+        )
+        return width, height
+
+    def box_frame(self, record: dict) -> dict:
+        """The grounding scorer's frame of a question record with a pixel "box": the family's box convention, the
+        image's size and the size the model sees it at ({} for records without a box)."""
+        if record.get("box") is None:
+            return {}
+        return {
+            "box_convention": family_for(self.config).grounding,
+            "image_size": record["pil"].size,
+            "model_size": self.model_image_size(record["pil"]),
+        }
 
     def prepare_image(self, image) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values, grid_thw (3,)) of a PIL image, resized exactly as the Qwen image processor does."""
@@ -152,18 +175,18 @@ class ConversationEncoder:
     def _messages(self, turns: list[dict], n_images: int, sample_id: str) -> list[dict]:
         """Chat-template messages: user content as [image | text] parts at the placeholders, assistant as text."""
         messages: list[dict] = []
-        if self.system_prompt is not None:
+        if self.system_prompt is not None and not (turns and turns[0].get("role") == "system"):
             messages.append({"role": "system", "content": self.system_prompt})
         placed = 0
         for i, turn in enumerate(turns):
             role, text = turn.get("role"), turn.get("text")
-            if role not in ("user", "assistant") or not isinstance(text, str):
+            if role not in ("system", "user", "assistant") or not isinstance(text, str) or (role == "system" and i):
                 raise ValueError(
-                    f"sample {sample_id!r} turn {i}: expected role 'user' or 'assistant' with a text string, got "
-                    f"role={role!r} text={type(text).__name__}."
+                    f"sample {sample_id!r} turn {i}: expected role 'user' or 'assistant' (or 'system' first) with a "
+                    f"text string, got role={role!r} text={type(text).__name__}."
                 )
-            if role == "assistant":
-                messages.append({"role": "assistant", "content": text})
+            if role in ("system", "assistant"):
+                messages.append({"role": role, "content": text})
                 continue
             parts = text.split(IMAGE_PLACEHOLDER)
             if len(parts) == 1 and placed == 0 and n_images:
