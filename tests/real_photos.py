@@ -326,3 +326,37 @@ def write_dag_dataset(root: Path) -> Path:
     write_preferences(root, paths)
     (root / "dataset.yaml").write_text(DAG_MANIFEST)
     return root
+
+
+def write_photo_lake(lake: Path) -> dict[str, str | None]:
+    """A one-shard WebDataset lake of the photos in their awkward encodings with hand-written captions, plus the
+    defects real lakes have: the same photo re-encoded (a near duplicate), a truncated JPEG, an exact duplicate and an
+    empty caption. Returns {key: the reason
+    clean_data must reject it for, or None}."""
+    import tarfile
+
+    lake.mkdir(parents=True, exist_ok=True)
+    root = lake.parent / "photo-images"
+    paths = write_images(root)
+    members: list[tuple[str, bytes, str]] = []  # (key, image bytes with extension, caption)
+    expected: dict[str, str | None] = {}
+    for k, (name, path) in enumerate(paths.items()):
+        members.append((f"{k:04d}.{path.rsplit('.', 1)[1]}", (root / path).read_bytes(), PHOTOS[name][1][0]))
+        expected[f"{k:04d}"] = None
+    gray = (root / "images" / "camera_gray.jpg").read_bytes()
+    members.append(("0005.jpg", gray, PHOTOS["camera"][1][0]))  # the 16-bit PNG's photo again, as 8-bit JPEG
+    expected["0005"] = "near_duplicate"
+    members.append(("0006.jpg", (root / paths["astronaut"]).read_bytes()[:4000], PHOTOS["astronaut"][1][1]))
+    expected["0006"] = "truncated_image"
+    members.append(("0007.webp", (root / paths["chelsea"]).read_bytes(), PHOTOS["chelsea"][1][1]))
+    expected["0007"] = "exact_duplicate"
+    members.append(("0008.png", _png_bytes("coffee"), "   "))
+    expected["0008"] = "empty_caption"
+    with tarfile.open(lake / "00000.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        for member, data, caption in members:
+            key = member.split(".")[0]
+            for name, payload in ((member, data), (f"{key}.txt", caption.encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    return expected

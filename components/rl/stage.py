@@ -341,6 +341,10 @@ def report(metrics: dict[str, Any]) -> str:
             lines.append(
                 f"| {t} | {metrics[f'efficacy/{t}_before']:.3f} | {metrics[f'efficacy/{t}_after']:.3f} | {gain} |"
             )
+    benchmarks = sorted(k for k in metrics if k.startswith("benchmark/") and f"{k}_before" in metrics)
+    if benchmarks:
+        lines += ["", "| benchmark | before | after |", "|---|---|---|"]
+        lines += [f"| {k[10:]} | {metrics[f'{k}_before']:.3f} | {metrics[k]:.3f} |" for k in benchmarks]
     lines += [
         "",
         "Seconds per phase: "

@@ -58,7 +58,9 @@ def test_rl_rewards_the_custom_tasks_answers_with_its_scorer(run):
     assert rows and {row["type"] for row in rows} == {"photo_qa"} and {row["scorer"] for row in rows} == {"exact_match"}
     for row in rows:
         assert row["rewards"]["efficacy"] == scorers.exact_match(row["completion"], {"answer": row["reference"]})
-    assert "benchmark/photo_qa" in summary["stages"]["rl"]["metrics"]
+    rl = summary["stages"]["rl"]["metrics"]
+    assert {"benchmark/photo_qa", "benchmark/photo_qa_before"} <= set(rl)
+    assert "| photo_qa |" in open(f"{rl_dir}/report.md").read()
 
 
 def test_select_scores_and_gates_per_benchmark(run):

@@ -50,6 +50,7 @@ def test_llava_array_pretty_printed_and_jsonl_read_the_same(photos, tmp_path):
     assert records[0]["source"] == "llava.json:2"  # the line the record starts on in the pretty-printed array
     pair = records[-1]
     assert pair["images"] == [paths["chelsea"], paths["rocket"]] and pair["turns"][0]["text"].count("<image>") == 2
+    shutil.copytree(root / "images", tmp_path / "images")
     one_line = tmp_path / "one_line.json"  # LLaVA's release files are one line: no AttributeError, no "not JSON"
     one_line.write_text(json.dumps(P.llava_records(paths)))
     assert len(readers.load_conversations(tmp_path, file_name="one_line.json")) == 6
@@ -87,6 +88,18 @@ def test_parquet_images_are_read_lazily_across_row_groups(photos):
         assert isinstance(ref, readers.F.ParquetImage)
         image = readers.load_image(root, ref)
         assert np.array_equal(np.asarray(image), np.asarray(P.photo(name)))  # lossless PNG bytes, row by row
+
+
+def test_a_pair_differing_in_whitespace_and_an_empty_answer_are_refused(tmp_path):
+    P.photo("coffee").save(tmp_path / "c.png")
+    pair = {"id": "p", "image": "c.png", "prompt": "Describe it.", "chosen": "A cup.", "rejected": "A  cup. "}
+    (tmp_path / "preferences.jsonl").write_text(json.dumps(pair) + "\n")
+    with pytest.raises(ValueError, match=r"preferences.jsonl:1 \(id='p'\): chosen and rejected are the same text"):
+        readers.load_preferences(tmp_path)
+    question = {"id": "q", "image": "c.png", "question": "What is it?", "answer": " ", "task": "exact_match"}
+    (tmp_path / "eval.jsonl").write_text(json.dumps(question) + "\n")
+    with pytest.raises(ValueError, match=r"eval.jsonl:1 \(id='q'\): the answer is empty"):
+        readers.load_eval_records(tmp_path)
 
 
 def test_preferences_in_trl_layout_with_a_data_uri(photos):
@@ -163,11 +176,25 @@ BAD_RECORDS = [  # (record, the reason its line must be reported with; None: a g
     ),
     ({"id": "web", "image": "https://example.com/a.png", "conversations": [HUMAN, GPT]}, "web URL"),
     ({"id": "tool", "conversations": [{"from": "tool", "value": "x"}, GPT]}, "role 'tool'"),
+    ({"id": "missing", "image": "gone.png", "conversations": [HUMAN, GPT]}, "image 'gone.png' does not exist"),
+    ({"id": "not-an-image", "image": "notes.png", "conversations": [HUMAN, GPT]}, "'notes.png' is unreadable"),
+    (
+        {"id": "typo", "imgae": "a.png", "conversations": [{"from": "human", "value": "hi"}, GPT]},
+        "field 'imgae' holds an image path",
+    ),
+    (
+        {"id": "empty", "image": "a.png", "conversations": [HUMAN, {"from": "gpt", "value": " "}]},
+        "turn 1 .assistant. is empty",
+    ),
 ]
 BAD_LINES = [(json.dumps(record), reason) for record, reason in BAD_RECORDS]
 
 
 def test_every_bad_record_is_reported_with_its_line(tmp_path):
+    """All of them at once and before any training: missing or unreadable images are found by reading every header."""
+    P.photo("chelsea").save(tmp_path / "a.png")
+    P.photo("rocket").save(tmp_path / "b.png")
+    (tmp_path / "notes.png").write_text("not a picture")
     (tmp_path / "sft.jsonl").write_text("\n".join(line for line, _ in BAD_LINES) + "\n")
     with pytest.raises(ValueError) as caught:
         readers.load_conversations(tmp_path)

@@ -6,6 +6,7 @@ import signal
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from components._shared.eval import readers
@@ -276,6 +277,7 @@ def test_bad_prompts_and_settings_are_rejected_with_the_fix(data_dir, tmp_path):
     with pytest.raises(ValueError, match=r"sft.jsonl:1 \(id='x1'\): unknown task 'weather'. Declare it in"):
         load_prompts(bad, _cfg("ter"))
     (bad / "rl.jsonl").write_text((bad / "sft.jsonl").read_text().replace("weather", "color"))
+    Image.new("RGB", (56, 56)).save(bad / "a.png")
     with pytest.raises(ValueError, match=r"\['rl.jsonl'\] are both prompt and held-out files"):
         load_prompts(
             bad,
@@ -330,3 +332,20 @@ def test_rl_killed_mid_run_resumes_to_bit_identical_weights(algorithm, data_dir,
         "heldout_improved",
     ):
         assert metrics[key] == first[key], key
+
+
+def test_the_report_lists_each_benchmark_before_and_after():
+    from components.rl.stage import report
+
+    metrics = {
+        "algorithm": "ter", "steps": 3, "stopped_early": "", "efficacy_before": 0.1, "efficacy_after": 0.2,
+        "vqa_exact_match_before": 0.0, "vqa_exact_match_after": 0.0, "efficacy_gain": 0.1, "efficacy_gain_ci_low": 0.0,
+        "efficacy_gain_ci_high": 0.2, "heldout_improved": 2, "heldout_worsened": 1, "mean_length_ratio": 1.0,
+        "kl_final": 0.01, "rollout_tokens_per_second": 100.0, "seconds_rollout": 1.0,
+        "efficacy/photo_qa_before": 0.1, "efficacy/photo_qa_after": 0.2,
+        "benchmark/photo_qa": 0.4, "benchmark/photo_qa_before": 0.2, "benchmark/photo_qa/count": 5.0,
+        "benchmark/pope": 0.6, "benchmark/pope_before": 0.5, "benchmark/pope/f1": 0.7, "benchmark/pope/f1_before": 0.6,
+    }  # fmt: skip
+    text = report(metrics)
+    assert "| photo_qa | 0.200 | 0.400 |" in text and "| pope | 0.500 | 0.600 |" in text
+    assert "| photo_qa | 0.100 | 0.200 |" in text  # the efficacy table of the custom task

@@ -119,6 +119,15 @@ def test_summarize_per_task_and_per_benchmark():
     assert out["exact_match/color"] == 1.0 and out["benchmark/heldout"] == 1.0
     assert out["vqa_exact_match"] == 1.0  # only the builtin rows: a benchmark's own scale is not mixed in
     assert "count/docvqa" in out and "grounding_accuracy" not in out
+    assert out["anls"] == pytest.approx((1 + 6 / 7) / 2)  # the suite's ANLS covers DocVQA-style tasks too
+    boxes = [
+        _rec(7, "grounding", "(0,0),(10,10)", "(0,0),(10,10)"),  # the synthetic world's: a hit
+        _rec(8, "refcoco", "[0, 0, 10, 4]", "(0,0),(10,10)", scorer="grounding", benchmark="refcoco"),  # IoU 0.4
+        _rec(9, "ocr", "fsh", "fish"),  # ANLS 0.75
+    ]
+    out = summarize(rows + boxes)
+    assert out["grounding_accuracy"] == 0.5 and out["exact_match/grounding"] == 1.0 and out["benchmark/refcoco"] == 0
+    assert out["anls"] == pytest.approx((1 + 6 / 7 + 0.75) / 3)
 
 
 def test_summarize_uses_a_rows_given_score():

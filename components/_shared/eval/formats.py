@@ -343,6 +343,9 @@ def conversation(raw: dict, image_root: str = "") -> tuple[list[ImageRef], list[
         raise RecordError(f"{len(images)} image(s) but {markers} {IMAGE_MARKER} marker(s); give one marker per image")
     if not any(t["role"] == "assistant" for t in turns):
         raise RecordError("no gpt/assistant turn to learn from")
+    empty = next((i for i, t in enumerate(turns) if t["role"] != "system" and not t["text"].strip()), None)
+    if empty is not None:
+        raise RecordError(f"turn {empty} ({turns[empty]['role']}) is empty; drop the turn or write it")
     return images, turns
 
 
@@ -405,6 +408,8 @@ def question(raw: dict, image_root: str = "") -> dict:
         )
     if len(images) != 1:
         raise RecordError(f"{len(images)} images; a held-out or RL question needs exactly one")
+    if not any(a.strip() for a in answers) and raw.get("box") is None:
+        raise RecordError("the answer is empty; give the reference answer")
     choices = choices_of(raw)
     out: dict[str, Any] = {
         "images": images,
@@ -452,8 +457,8 @@ def preference(raw: dict, image_root: str = "") -> dict:
     if len(images) != 1:
         raise RecordError(f"{len(images)} images; a preference pair needs exactly one")
     chosen, rejected = _side(raw["chosen"], "chosen"), _side(raw["rejected"], "rejected")
-    if chosen == rejected:
-        raise RecordError("chosen and rejected are the same text")
+    if " ".join(chosen.split()) == " ".join(rejected.split()):
+        raise RecordError("chosen and rejected are the same text (up to whitespace)")
     return {"images": images, "prompt": _strip_markers(prompt), "chosen": chosen, "rejected": rejected}
 
 

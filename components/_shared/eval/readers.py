@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
@@ -157,6 +157,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
             else:
                 shape = F.detect(raw) if spec.format == "auto" else spec.format
             record = convert(raw, shape, spec)
+            _check_images(data_dir, raw, record)
         except KeyError as error:
             bad.append(f"{source}: the {spec.format} item has no field {error}")
             continue
@@ -173,11 +174,65 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
         shown = "\n  ".join(bad[: F.MAX_REPORTED])
         more = f"\n  ... and {len(bad) - F.MAX_REPORTED} more" if len(bad) > F.MAX_REPORTED else ""
         raise ValueError(f"{len(bad)} bad {what} record(s) in {spec.path}; fix or drop them:\n  {shown}{more}")
-    ids = [r["id"] for r in out]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise ValueError(f"{spec.path}: record id {dup!r} appears more than once; ids must be unique.")
+    repeated = [i for i, count in Counter(r["id"] for r in out).items() if count > 1]
+    if repeated:
+        raise ValueError(f"{spec.path}: record id(s) {repeated[:5]} appear more than once; ids must be unique.")
     return out
+
+
+_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+
+
+def _check_images(data_dir: Path, raw: dict, record: dict) -> None:
+    """Before any training: every image a record names exists and its header decodes (s3:// objects are read when
+    used), and no field outside image / images holds an image path (a misspelled key would train text only)."""
+    refs = record.get("images") or ([record["image"]] if "image" in record else [])
+    if not refs:
+        stray = [k for k, v in raw.items() if isinstance(v, str) and v.lower().endswith(_IMAGE_SUFFIXES)]
+        if stray:
+            raise F.RecordError(
+                f"field {stray[0]!r} holds an image path ({raw[stray[0]]!r}); name it 'image' or 'images'"
+            )
+    for ref in refs:
+        problem = probe_image(data_dir, ref)
+        if problem:
+            raise F.RecordError(problem)
+
+
+def probe_image(root: Path, reference: F.ImageRef) -> str | None:
+    """Why the image cannot be used, from its header (the format allow-list and size as the decoder checks them), or
+    None. s3:// references are not fetched here."""
+    import io
+
+    from components._shared.platform import storage
+    from components._shared.platform.imaging import ALLOWED_FORMATS
+
+    if isinstance(reference, str) and storage.is_s3(reference):
+        return None
+    try:
+        if isinstance(reference, F.ParquetImage):
+            data, path_in_cell = F.read_parquet_image(reference)
+            if not data:
+                return None if path_in_cell is None else probe_image(root, path_in_cell)
+            source: Any = io.BytesIO(data)
+        elif isinstance(reference, bytes):
+            source = io.BytesIO(reference)
+        else:
+            path = (root / reference).resolve()
+            if root.resolve() not in path.parents:
+                return f"image path {reference!r} leaves the data directory; use paths inside it or s3:// URIs"
+            if not path.is_file():
+                return f"image {reference!r} does not exist under the data directory"
+            source = path
+        with Image.open(source, formats=list(ALLOWED_FORMATS)) as image:
+            width, height = image.size
+    except Exception as error:  # noqa: BLE001 - any failure to read an untrusted header is the record's problem
+        return (
+            f"image {reference if isinstance(reference, str) else type(reference).__name__!r} is unreadable ({error})"
+        )
+    if width * height > MAX_IMAGE_PIXELS:
+        return f"image {reference!r} declares {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} limit"
+    return None
 
 
 def _task_name(raw: dict, spec: DataFile) -> str | None:
