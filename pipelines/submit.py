@@ -103,10 +103,14 @@ def read_params_file(path: Path) -> list[str]:
 
     Keys that are not pipeline parameters fail, listing the valid ones; pairs given after these override them.
     """
+    from components._shared.platform import strict_yaml
+
     try:
-        data = yaml.safe_load(Path(path).read_text())  # JSON is YAML
-    except (OSError, yaml.YAMLError) as err:
+        data = strict_yaml.load(Path(path).read_text(), f"--params-file {path}")  # JSON is YAML
+    except OSError as err:
         raise SubmitError(f"--params-file {path}: {err}") from None
+    except ValueError as err:
+        raise SubmitError(str(err)) from None
     if not isinstance(data, dict):
         raise SubmitError(
             f'--params-file {path}: expected a mapping of pipeline parameters, e.g. {{"lake_uri": "s3://bucket/lake"}}.'

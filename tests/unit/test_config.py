@@ -79,3 +79,37 @@ def test_overrides_parse_dotted_paths_and_yaml_scalars():
 
 def test_deep_merge_merges_nested_and_replaces_leaves():
     assert deep_merge({"a": {"b": 1, "c": 2}, "d": 1}, {"a": {"b": 5}, "d": [1]}) == {"a": {"b": 5, "c": 2}, "d": [1]}
+
+
+def test_non_finite_numbers_are_refused_everywhere():
+    """inf / nan validate nowhere (a LoRA alpha of inf trained NaN losses to a 'succeeded' run before)."""
+    for bad in ({"ratio": float("inf")}, {"optim": {"lr": float("nan")}}, {"ratio": "-inf"}):
+        with pytest.raises(ValueError, match="finite number"):
+            validate(Example, "example", bad)
+    from components.sft.config import SftConfig
+
+    with pytest.raises(ValueError, match=r"sft.lora.alpha.*finite"):
+        validate(SftConfig, "sft", {"lora": {"alpha": float("inf")}})
+    with pytest.raises(ValueError, match=r"sft.optim.eps.*finite"):
+        validate(SftConfig, "sft", {"optim": {"eps": float("inf")}})
+
+
+def test_duplicate_keys_and_alias_bombs_are_refused(tmp_path):
+    from components._shared.platform.presets import read_preset_yaml
+
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("sft:\n  mode: lora\nrl: {}\nsft:\n  mode: full\n")
+    with pytest.raises(ValueError, match=r"twice.yaml: not a valid config \(the key 'sft' is given twice.*line 4"):
+        read_preset_yaml(twice)
+    bomb = tmp_path / "bomb.yaml"  # the 449-byte kind: each level holds the one before nine times
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    bomb.write_text("\n".join(levels) + "\n")
+    with pytest.raises(ValueError, match="aliases expand it past 100,000 nodes") as caught:
+        read_preset_yaml(bomb)
+    assert len(str(caught.value)) < 3000
+    shared = tmp_path / "shared.yaml"  # what presets do with aliases: share a block
+    shared.write_text("base: &gpu {gpus: 8, nodes: 1}\nsft: {kubernetes: *gpu}\nrl: {kubernetes: *gpu}\n")
+    assert read_preset_yaml(shared)["rl"] == {"kubernetes": {"gpus": 8, "nodes": 1}}
+    with pytest.raises(ValueError, match="not valid YAML"):
+        parse_overrides(["sft.lora.r=[1, 2"])

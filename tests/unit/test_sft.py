@@ -183,3 +183,13 @@ def test_quick_eval_set_covers_every_question_type():
     assert [r["type"] for r in picked] == ["color", "count", "ocr"] * 2 + ["color"]
     with pytest.raises(ValueError, match="eval_every > 0"):
         _cfg("lora", difficulty_scheduler={"enabled": True})
+
+
+def test_a_diverging_run_stops_and_exports_nothing(data_dir, tmp_path):
+    from components._shared.model.training import NonFiniteTraining
+
+    cfg = _cfg("full", train={"steps": 6, "samples_per_step": 8, "max_tokens_per_micro_batch": 256, "threads": 1})
+    cfg = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"lr": 1e30})})
+    with pytest.raises(NonFiniteTraining, match=r"step \d: .* is not finite"):
+        _run(cfg, data_dir, tmp_path)
+    assert not (tmp_path / "model").exists()

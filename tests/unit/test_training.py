@@ -171,3 +171,13 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+
+
+def test_a_non_finite_loss_or_gradient_norm_stops_the_run():
+    from components._shared.model.training import NonFiniteTraining, check_finite
+
+    check_finite({"loss": 1.0, "grad_norm/lm_upper": 3.0, "kl": float("nan")}, 1)  # only losses and norms count
+    with pytest.raises(NonFiniteTraining, match=r"step 4: \{'loss': nan\} is not finite; nothing of this step"):
+        check_finite({"loss": float("nan"), "lr": 0.1}, 4)
+    with pytest.raises(NonFiniteTraining, match="grad_norm/merger"):
+        check_finite({"loss": 1.0, "grad_norm/merger": float("inf")}, 2)

@@ -104,3 +104,12 @@ def test_loading_refuses_other_model_types(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
         load_vlm(str(tmp_path))
+
+
+def test_a_model_with_a_non_finite_weight_is_never_exported(tmp_path):
+    model, processor = load_vlm("builtin:tiny-qwen2_5-vl")
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "merger" in n).view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match=r"refusing to export: 1 weight tensor\(s\) hold non-finite values.*merger"):
+        save_vlm(model, processor, tmp_path / "model")
+    assert not (tmp_path / "model").exists()

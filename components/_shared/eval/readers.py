@@ -97,17 +97,16 @@ def _default_name(spec: DataFile) -> str:
 
 def manifest(data_dir: Path) -> Manifest:
     """The data directory's dataset.yaml (or dataset.json), validated; an empty manifest when there is none."""
-    import yaml
     from pydantic import ValidationError
+
+    from components._shared.platform import strict_yaml
 
     for name in (MANIFEST, "dataset.json"):
         path = data_dir / name
         if path.is_file():
+            raw = strict_yaml.load(path.read_text(), str(path)) or {}
             try:
-                raw = yaml.safe_load(path.read_text()) or {}
                 result = Manifest.model_validate(raw)
-            except yaml.YAMLError as error:
-                raise ValueError(f"{path}: not valid YAML ({error}).") from error
             except ValidationError as error:
                 raise ValueError(f"{path}: {_describe(error)}; see docs/data.md for the fields.") from error
             for task in result.tasks:

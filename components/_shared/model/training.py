@@ -331,6 +331,7 @@ class TrainLoop:
         while self.step < self.train.steps and not stopped():
             metrics = step_fn()
             self.step += 1
+            check_finite(metrics, self.step)
             metrics["step"] = self.step
             self.history.append(metrics)
             if self.step % self.train.log_every == 0 or self.step == self.train.steps:
@@ -424,6 +425,25 @@ class TrainLoop:
             "_real": real,
             "_positions": positions,
         }
+
+
+class NonFiniteTraining(ValueError):
+    """A step's loss or gradient norm is inf / nan: the stage stops before anything of it is saved."""
+
+
+def check_finite(metrics: dict[str, float], step: int) -> None:
+    """Stop at the first step whose loss (any "...loss..." metric) or gradient norm is not finite; the weights it
+    produced are never checkpointed or exported."""
+    bad = {
+        k: v
+        for k, v in metrics.items()
+        if ("loss" in k or k.startswith("grad_norm")) and isinstance(v, float) and not math.isfinite(v)
+    }
+    if bad:
+        raise NonFiniteTraining(
+            f"step {step}: {bad} is not finite; nothing of this step is saved. Lower optim.lr, check lora.alpha / "
+            "optim.eps / the loss weights, or train in float32 (train.precision)."
+        )
 
 
 def _barrier() -> None:

@@ -61,6 +61,7 @@ def save_vlm(
     `dtype="checkpoint"` writes the weights in the dtype of the checkpoint the model was loaded from (a bf16 7B
     stays 16.6 GB, not 33 GB of fp32 training weights); "float32" / "bfloat16" / "float16" force one.
     """
+    check_finite_weights(model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = EXPORT_DTYPES[dtype] if dtype != "checkpoint" else getattr(model, "qvl_checkpoint_dtype", None)
@@ -75,6 +76,21 @@ def save_vlm(
     if metadata is not None:
         (out_dir / "qvl_model.json").write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
     return validate_model_dir(out_dir)
+
+
+def check_finite_weights(model) -> None:
+    """Refuse to export a model any of whose floating-point tensors holds inf / nan (it would load and answer
+    garbage); the error names the tensors."""
+    bad = [
+        name
+        for name, tensor in model.state_dict().items()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
+    if bad:
+        raise ValueError(
+            f"refusing to export: {len(bad)} weight tensor(s) hold non-finite values ({bad[:3]}); the training "
+            "diverged. Lower the learning rate or check the stage's loss weights."
+        )
 
 
 def _set_config_dtype(path: Path, dtype: torch.dtype) -> None:

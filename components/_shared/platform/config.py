@@ -43,9 +43,10 @@ def coerce_whole_floats(model_cls: type[BaseModel], data: Any) -> Any:
 
 
 class StageConfig(BaseModel):
-    """Stage settings: unknown keys are errors, values are immutable once validated."""
+    """Stage settings: unknown keys are errors, numbers are finite (no inf / nan anywhere), values are immutable
+    once validated."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
     seed: int = Field(0, ge=0, description="Seed for every random choice the stage makes.")
 
@@ -58,7 +59,7 @@ class StageConfig(BaseModel):
 class SubConfig(BaseModel):
     """A nested block of a stage config (same strictness, same float coercion)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from components._shared.platform import strict_yaml
 from components._shared.platform.config import format_validation_error
 
 
@@ -38,7 +39,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 
 def _scalar(raw: str) -> Any:
     """A YAML scalar, with `2e-5` read as a number (YAML 1.1 wants `2.0e-5`)."""
-    value = yaml.safe_load(raw)
+    value = yaml.load(raw, Loader=strict_yaml.StrictLoader)  # noqa: S506 - safe: a SafeLoader without aliases
     if isinstance(value, str):
         try:
             return float(value)
@@ -75,7 +76,7 @@ def read_preset_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     preset can start from another one and change only some settings."""
     if path in seen:
         raise ValueError(f"presets extend each other in a cycle: {' -> '.join(p.stem for p in (*seen, path))}.")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = strict_yaml.load(path.read_text(), str(path)) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level.")
     parent = data.pop("extends", None)

@@ -1,0 +1,60 @@
+"""YAML as configs need it: PyYAML's safe loader without the two ways a file can say something else than it looks
+like. A key given twice is an error (safe_load keeps the last one silently), and aliases (`*name`, which presets
+use to share a Kubernetes profile) may not expand the document past MAX_EXPANDED_NODES (a 449-byte file of nested
+aliases expands to hundreds of millions of characters). Errors are capped in length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+MAX_ERROR_CHARS = 2000
+MAX_EXPANDED_NODES = 100_000
+
+
+def _expanded_size(node, memo: dict[int, int]) -> int:
+    """Nodes of the document with every alias expanded (each distinct node measured once)."""
+    key = id(node)
+    if key not in memo:
+        memo[key] = 1  # a node inside itself (a recursive alias) counts once
+        if isinstance(node, yaml.SequenceNode):
+            memo[key] = 1 + sum(_expanded_size(child, memo) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            memo[key] = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
+    return memo[key]
+
+
+class StrictLoader(yaml.SafeLoader):
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None and _expanded_size(node, {}) > MAX_EXPANDED_NODES:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"its aliases expand it past {MAX_EXPANDED_NODES:,} nodes; write it out", node.start_mark
+            )
+        return node
+
+    def construct_mapping(self, node, deep=False):
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, list | dict):
+                continue  # unhashable: the base class reports it
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load(text: str, where: str) -> Any:
+    """The YAML (or JSON) document in `text`; a ValueError naming `where` and the line for anything wrong."""
+    try:
+        return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as error:
+        message = " ".join(str(error).split())
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[:MAX_ERROR_CHARS] + f"... ({len(message) - MAX_ERROR_CHARS} more characters)"
+        raise ValueError(f"{where}: not a valid config ({message})") from None
