@@ -56,7 +56,7 @@ def load_preset(name_or_path: str | Path = "tiny", overrides: dict[str, Any] | N
     from components.stages import STAGES, load_config_class
 
     path = preset_path(name_or_path)
-    data = deep_merge(read_preset_yaml(path), overrides or {})
+    data = deep_merge(read_preset_yaml(path, search=(PRESET_DIR,)), overrides or {})
     unknown = set(data) - TOP_LEVEL_KEYS - set(STAGES)
     if unknown:
         raise ValueError(

@@ -9,18 +9,17 @@ import sys
 import pytest
 
 from components._shared.eval import scorers
-from pipelines.presets import PRESET_DIR
 from tests import real_photos as P
 
 pytestmark = pytest.mark.e2e
 
-PRESET = f"""\
-extends: {PRESET_DIR / "tiny.yaml"}
+PRESET = """\
+extends: tiny               # a preset of the project's, from a preset file kept anywhere
 sft:
   curriculum: []            # the photos carry no difficulty levels
 select_checkpoint:
-  weights: {{benchmark/photo_qa: 1.0, benchmark/photo_mc: 0.5, benchmark/photo_captions/cider_d: 0.05}}
-  min_gates: {{benchmark/photo_qa: 0.0, benchmark/photo_refs: 0.0}}
+  weights: {benchmark/photo_qa: 1.0, benchmark/photo_mc: 0.5, benchmark/photo_captions/cider_d: 0.05}
+  min_gates: {benchmark/photo_qa: 0.0, benchmark/photo_refs: 0.0}
 """
 BENCHMARKS = {"photo_qa", "photo_vqa", "photo_pope", "photo_refs", "photo_captions", "photo_mc"}
 

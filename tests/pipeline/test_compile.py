@@ -133,6 +133,9 @@ def test_a_preset_can_extend_another_and_change_only_some_settings(tmp_path):
     (tmp_path / "c.yaml").write_text("extends: missing\n")
     with pytest.raises(ValueError, match="extends 'missing'"):
         load_preset(tmp_path / "c.yaml")
+    (tmp_path / "mine.yaml").write_text("extends: tiny\nsft: {mode: full}\n")  # a project preset, from anywhere
+    mine = load_preset(tmp_path / "mine.yaml")
+    assert mine.stages["sft"]["mode"] == "full" and mine.stages["rl"] == load_preset("tiny").stages["rl"]
 
 
 @pytest.mark.parametrize("preset", ["prod-qwen3-vl-8b", "prod-qwen3.5-9b"])

@@ -131,3 +131,15 @@ def test_a_broken_release_file_names_the_item(bench_dir, tmp_path):
     (tmp_path / "q.json").write_text(json.dumps({"questions": []}))
     with pytest.raises(ValueError, match="vqav2 needs its annotations file"):
         readers.load_eval_records(tmp_path)
+
+
+def test_dataset_yaml_offers_every_record_shape_and_benchmark_format():
+    import typing
+
+    from components._shared.eval.benchmarks import BENCHMARKS
+    from components._shared.eval.formats import RECORD_FORMATS
+    from components._shared.eval.tasks import SCORERS
+
+    offered = set(typing.get_args(readers.DataFile.model_fields["format"].annotation))
+    assert offered == set(RECORD_FORMATS) | set(BENCHMARKS)
+    assert {b.scorer for b in BENCHMARKS.values()} <= set(SCORERS)

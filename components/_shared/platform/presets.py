@@ -71,9 +71,10 @@ def read_section(config_file: Path | None, section: str) -> dict[str, Any]:
     return data
 
 
-def read_preset_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A YAML config file merged over the file its `extends: NAME` names (NAME.yaml beside it; recursive), so a
-    preset can start from another one and change only some settings."""
+def read_preset_yaml(path: Path, seen: tuple[Path, ...] = (), search: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML config file merged over the file its `extends: NAME` names (NAME.yaml beside it, else in a `search`
+    folder such as the project's presets; recursive), so a preset can start from another one and change only some
+    settings."""
     if path in seen:
         raise ValueError(f"presets extend each other in a cycle: {' -> '.join(p.stem for p in (*seen, path))}.")
     data = strict_yaml.load(path.read_text(), str(path)) or {}
@@ -82,10 +83,12 @@ def read_preset_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     parent = data.pop("extends", None)
     if parent is None:
         return data
-    parent_path = path.parent / (parent if str(parent).endswith((".yaml", ".yml")) else f"{parent}.yaml")
-    if not parent_path.exists():
-        raise ValueError(f"{path}: extends '{parent}', but {parent_path} does not exist.")
-    return deep_merge(read_preset_yaml(parent_path, (*seen, path)), data)
+    name = parent if str(parent).endswith((".yaml", ".yml")) else f"{parent}.yaml"
+    candidates = [path.parent / name, *(folder / name for folder in search)]
+    parent_path = next((c for c in candidates if c.exists()), None)
+    if parent_path is None:
+        raise ValueError(f"{path}: extends '{parent}', but none of {[str(c) for c in candidates]} exists.")
+    return deep_merge(read_preset_yaml(parent_path, (*seen, path), search), data)
 
 
 def validate(config_cls, section: str, data: dict[str, Any]):
