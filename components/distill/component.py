@@ -19,7 +19,7 @@ def distill_op(
 
     Args:
         teacher: Output of rl (its model/ directory is the frozen teacher).
-        sft_data_uri: Conversations (sft.jsonl) to distill on and held-out questions (eval.jsonl); dir or s3://.
+        sft_data_uri: Conversations to distill on and held-out questions (sft.jsonl / eval.jsonl or dataset.yaml).
         config: DistillConfig as a dict.
         model: model/ (the student, HF format), student.json, checkpoints/, eval_predictions.jsonl.
         metrics: student_score_ratio, student_param_ratio, teacher and student held-out suites, speedup.

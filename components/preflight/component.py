@@ -43,13 +43,13 @@ def preflight_op(
         rl_config: The rl section.
         distill_config: The distill section.
         select_checkpoint_config: The select_checkpoint section.
-        eval_data_uri: Held-out data (must hold eval.jsonl).
-        sft_data_uri: SFT data (must hold sft.jsonl and eval.jsonl).
+        eval_data_uri: Held-out data (must hold eval.jsonl, or its dataset.yaml's files).
+        sft_data_uri: SFT data (must hold sft.jsonl and eval.jsonl, or its dataset.yaml's files).
         needs_eval_data: Whether this DAG runs pretrain (then eval_data_uri must be set).
         needs_sft_data: Whether this DAG runs sft (then sft_data_uri must be set).
         preference_data_uri: Preference pairs (must hold preferences.jsonl).
         needs_preference_data: Whether this DAG runs reward_model (then preference_data_uri must be set).
-        rl_data_uri: RL prompts (must hold the rl section's prompts_file and its eval.files).
+        rl_data_uri: RL prompts (must hold its dataset.yaml's files, or the rl section's prompts_file / eval.files).
         needs_rl_data: Whether this DAG runs rl (then rl_data_uri must be set).
         report: preflight.json with what was checked and where the models resolved to.
         experiment: MLflow experiment name.

@@ -23,7 +23,7 @@ def pretrain_op(
         clean_data: Output of clean_data (kept/part-*.parquet: images and captions).
         features: Output of extract_features (cached pre-merger ViT features).
         base_model_uri: The model to start from (local dir, s3:// prefix, builtin:NAME).
-        eval_data_uri: Held-out data (eval.jsonl + images) for caption loss and retrieval.
+        eval_data_uri: Held-out data (eval.jsonl or dataset.yaml's, with images) for caption loss and retrieval.
         config: PretrainConfig as a dict.
         model: model/ (HF format), checkpoints/, report.md.
         metrics: Held-out caption loss before/after, retrieval R@1, throughput.

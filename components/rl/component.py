@@ -21,7 +21,8 @@ def rl_op(
     Args:
         sft_model: Output of sft (its model/ directory is the initial policy and the frozen reference).
         reward_model: Output of reward_model (used when config.rewards gives reward_model a weight).
-        rl_data_uri: Prompts (config.prompts_file, default sft.jsonl) and eval.jsonl; a directory or s3:// prefix.
+        rl_data_uri: Prompts and held-out questions (dataset.yaml's rl / eval files, else sft.jsonl / eval.jsonl;
+            docs/data.md); a directory or s3:// prefix.
         config: RlConfig as a dict.
         model: model/ (the policy, HF format), value_head.safetensors (PPO), rollouts.jsonl, eval_predictions.jsonl.
         metrics: algorithm, efficacy_before/after, mean_length_ratio, kl_final, the per-phase timing split.

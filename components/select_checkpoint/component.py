@@ -36,7 +36,7 @@ def select_checkpoint_op(
         reward_model: Output of reward_model (scores every candidate's answers).
         rl: Output of rl (a candidate).
         distill: Output of distill (a candidate).
-        eval_data_uri: Held-out questions (eval.jsonl with images); dir or s3://.
+        eval_data_uri: Held-out questions (eval.jsonl or dataset.yaml's eval files, with images); dir or s3://.
         config: SelectCheckpointConfig as a dict.
         clean_data_config: The clean_data section (quoted in the model card, as are the five below).
         pretrain_config: The pretrain section.

@@ -19,7 +19,7 @@ def sft_op(
 
     Args:
         pretrained: Output of pretrain (its model/ directory is the base).
-        sft_data_uri: Conversations (sft.jsonl) and held-out questions (eval.jsonl) with images; dir or s3://.
+        sft_data_uri: Conversations and held-out questions (sft.jsonl / eval.jsonl or dataset.yaml); dir or s3://.
         config: SftConfig as a dict.
         model: model/ (merged, HF format), adapter/, checkpoints/, eval_predictions.jsonl, calibration.json.
         metrics: VQA exact match per type vs the majority baseline, padding efficiency, ECE before/after.
