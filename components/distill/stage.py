@@ -343,7 +343,7 @@ def _for_export(cfg: DistillConfig, student, teacher):
     return student
 
 
-PER_TASK = ("exact_match/", "task/", "benchmark/")  # the per-task and per-benchmark scores of the suite
+PER_TASK = ("exact_match/", *T.PER_DATA)  # the per-task and per-benchmark scores of the suite
 
 
 def comparison(teacher, student, teacher_summary: dict[str, float], evals: list[dict]) -> dict[str, Any]:

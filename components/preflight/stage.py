@@ -146,17 +146,12 @@ def check_data(data_files: dict[str, dict[str, Any]]) -> int:
 
 def required_files(uri: str, roles: list[str], names: dict[str, list[str]]) -> list[str]:
     """The files the roles read from the data at `uri`: dataset.yaml's (and the manifest itself), else the defaults."""
-    import tempfile
-    from pathlib import Path
-
     from components._shared.eval import readers
     from components._shared.platform import storage
 
     manifest_uri = storage.join(uri, readers.MANIFEST)
     if storage.exists(manifest_uri):
-        with tempfile.TemporaryDirectory() as scratch:
-            (Path(scratch) / readers.MANIFEST).write_bytes(storage.read_bytes(manifest_uri))
-            manifest = readers.manifest(Path(scratch))
+        manifest = readers.parse_manifest(storage.read_bytes(manifest_uri).decode("utf-8"), manifest_uri)
         prefix = [readers.MANIFEST]
     else:
         manifest, prefix = readers.Manifest(), []

@@ -96,7 +96,7 @@ def heldout_eval(model, encoder: ConversationEncoder, records: list[dict], cfg: 
     )
     rows = E.score_rows(encoder, records, answers)
     for r, row, a in zip(records, rows, answers, strict=True):
-        row["efficacy"] = efficacy({**r, **encoder.box_frame(r)}, a)
+        row["efficacy"] = efficacy({**r, **row}, a)  # the row carries a pixel box's frame
         row["tokens"] = len(encoder.tokenizer(a, add_special_tokens=False)["input_ids"])
     by_type: dict[str, list[float]] = defaultdict(list)
     for row in rows:
@@ -106,7 +106,7 @@ def heldout_eval(model, encoder: ConversationEncoder, records: list[dict], cfg: 
         "efficacy": float(np.mean([row["efficacy"] for row in rows])),
         **{f"efficacy/{t}": float(np.mean(v)) for t, v in by_type.items()},
         "vqa_exact_match": summary.get("vqa_exact_match", 0.0),
-        **{k: v for k, v in summary.items() if k.startswith(("task/", "benchmark/"))},
+        **{k: v for k, v in summary.items() if k.startswith(T.PER_DATA)},
         "answer_tokens": float(np.mean([row["tokens"] for row in rows])),
     }, rows
 
@@ -253,8 +253,8 @@ def heldout_change(before_scores: list[float], final_rows: list[dict], evals: li
             for suffix, key in (("", "gain"), ("_ci_low", "ci_low"), ("_ci_high", "ci_high"))
         },
         "mean_length_ratio": after["answer_tokens"] / max(before["answer_tokens"], 1e-9),
-        **{k: v for k, v in after.items() if k.startswith(("task/", "benchmark/"))},  # the final policy's
-        **{f"{k}_before": v for k, v in before.items() if k.startswith(("task/", "benchmark/"))},
+        **{k: v for k, v in after.items() if k.startswith(T.PER_DATA)},  # the final policy's
+        **{f"{k}_before": v for k, v in before.items() if k.startswith(T.PER_DATA)},
     }
 
 

@@ -187,7 +187,7 @@ def check_weighted_metrics(candidates: list[Candidate], cfg: SelectCheckpointCon
     have = {k for c in candidates if not c.skipped for k in c.metrics}
     missing = sorted(k for k, w in cfg.weights.items() if w and k not in have)
     if have and missing:
-        offered = sorted(k for k in have if k.startswith(("benchmark/", "task/")) or k in SUITE_METRICS)
+        offered = sorted(k for k in have if k.startswith(T.PER_DATA) or k in SUITE_METRICS)
         raise ValueError(f"select_checkpoint.weights name {missing}; the held-out data does not yield them: {offered}.")
 
 
@@ -447,7 +447,7 @@ def model_card(
         "parameters",
         "latency_ms",
         *(f"exact_match/{t}" for t in T.SYNTHETIC_TASKS if t != "caption"),
-        *sorted({k for c in candidates for k in c.metrics if k.startswith(("task/", "benchmark/"))}),
+        *sorted({k for c in candidates for k in c.metrics if k.startswith(T.PER_DATA)}),
     ]
     lines += _table(candidates, [k for k in keys if any(k in c.metrics for c in candidates)])
     lines += _lineage(lineage, stage_configs)

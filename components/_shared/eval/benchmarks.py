@@ -141,8 +141,8 @@ def _xywh(box) -> list[float]:
 
 def _refcoco_items(path: Path, _: Path | None) -> Rows:
     """MDETR's COCO-style final_refcoco*.json, else rows (JSON lines / Parquet, lmms-eval's layout)."""
-    if path.suffix == ".json" and path.read_text(encoding="utf-8").lstrip().startswith("{"):
-        data = _json(path)
+    data = _json(path) if path.suffix == ".json" else None
+    if isinstance(data, dict):
         boxes = {a["image_id"]: a["bbox"] for a in data.get("annotations", [])}
         for i, image in enumerate(data["images"]):
             yield (

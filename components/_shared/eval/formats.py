@@ -21,6 +21,7 @@ Video is not read (a video part is refused with its source): decoding and sampli
 from __future__ import annotations
 
 import base64
+import bisect
 import json
 import re
 from collections.abc import Iterator
@@ -179,24 +180,14 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, dict]]:
 
 def read_parquet_image(ref: ParquetImage) -> tuple[bytes | None, str | None]:
     """(bytes, path) of a Parquet image cell; a struct cell may hold a path instead of bytes."""
-    value = _row_group_column(ref.path, _group_of(ref.path, ref.row), ref.column)[
-        ref.row - _group_start(ref.path, ref.row)
-    ]
+    offsets = _group_offsets(ref.path)
+    group = bisect.bisect_right(offsets, ref.row) - 1
+    value = _row_group_column(ref.path, group, ref.column)[ref.row - offsets[group]]
     if ref.index is not None:
         value = value[ref.index]
     if isinstance(value, dict):
         return value.get("bytes"), value.get("path")
     return value, None
-
-
-def _group_start(path: str, row: int) -> int:
-    return _group_offsets(path)[_group_of(path, row)]
-
-
-def _group_of(path: str, row: int) -> int:
-    import bisect
-
-    return bisect.bisect_right(_group_offsets(path), row) - 1
 
 
 _OFFSETS: dict[str, list[int]] = {}

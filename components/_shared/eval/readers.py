@@ -57,7 +57,7 @@ class DataFile(BaseModel):
     annotations: str | None = Field(None, description="The benchmark's second file (VQAv2's annotations).")
     task: str | None = Field(None, description="The task of records that name none (their 'task' / 'type').")
     benchmark: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Name of the file's results (default its stem)."
+        None, pattern=BENCHMARK_NAME.pattern, description="Name of the file's results (default its stem)."
     )
     images: str = Field("", description="Directory (in the data directory) that relative image paths start from.")
 
@@ -97,24 +97,29 @@ def _default_name(spec: DataFile) -> str:
 
 def manifest(data_dir: Path) -> Manifest:
     """The data directory's dataset.yaml (or dataset.json), validated; an empty manifest when there is none."""
+    for name in (MANIFEST, "dataset.json"):
+        path = data_dir / name
+        if path.is_file():
+            return parse_manifest(path.read_text(), str(path))
+    return Manifest()
+
+
+def parse_manifest(text: str, where: str) -> Manifest:
+    """A dataset.yaml's text, validated (fields, task names and their scorers); errors name `where`."""
     from pydantic import ValidationError
 
     from components._shared.platform import strict_yaml
 
-    for name in (MANIFEST, "dataset.json"):
-        path = data_dir / name
-        if path.is_file():
-            raw = strict_yaml.load(path.read_text(), str(path)) or {}
-            try:
-                result = Manifest.model_validate(raw)
-            except ValidationError as error:
-                raise ValueError(f"{path}: {_describe(error)}; see docs/data.md for the fields.") from error
-            for task in result.tasks:
-                if task in T.BUILTIN_TASKS:
-                    raise ValueError(f"{path}: task {task!r} is a builtin task; give your task another name.")
-                T.resolve(task, result.tasks, where=f"{path} tasks")
-            return result
-    return Manifest()
+    raw = strict_yaml.load(text, where) or {}
+    try:
+        result = Manifest.model_validate(raw)
+    except ValidationError as error:
+        raise ValueError(f"{where}: {_describe(error)}; see docs/data.md for the fields.") from error
+    for task in result.tasks:
+        if task in T.BUILTIN_TASKS:
+            raise ValueError(f"{where}: task {task!r} is a builtin task; give your task another name.")
+        T.resolve(task, result.tasks, where=f"{where} tasks")
+    return result
 
 
 def _raw_id(raw) -> str | None:
@@ -217,12 +222,10 @@ def probe_image(root: Path, reference: F.ImageRef) -> str | None:
         elif isinstance(reference, bytes):
             source = io.BytesIO(reference)
         else:
-            path = (root / reference).resolve()
-            if root.resolve() not in path.parents:
-                return f"image path {reference!r} leaves the data directory; use paths inside it or s3:// URIs"
-            if not path.is_file():
-                return f"image {reference!r} does not exist under the data directory"
-            source = path
+            try:
+                source = local_image_path(root, reference)
+            except ValueError as error:
+                return str(error).rstrip(".")
         with Image.open(source, formats=list(ALLOWED_FORMATS)) as image:
             width, height = image.size
     except Exception as error:  # noqa: BLE001 - any failure to read an untrusted header is the record's problem
@@ -339,6 +342,18 @@ def load_preferences(data_dir: Path, max_records: int | None = None) -> list[dic
 MAX_IMAGE_PIXELS = 89_478_485  # Pillow's default bomb limit, enforced by imaging.decode_image
 
 
+def local_image_path(root: Path, reference: str) -> Path:
+    """The file an image path names, inside the data directory; a ValueError when it leaves it or is missing."""
+    path = (root / reference).resolve()
+    if root.resolve() not in path.parents:
+        raise ValueError(
+            f"image path {reference!r} leaves the data directory {root}; use paths inside it or s3:// URIs."
+        )
+    if not path.is_file():
+        raise ValueError(f"image {reference!r} does not exist under the data directory {root}.")
+    return path
+
+
 def load_image(root: Path, reference: F.ImageRef) -> Image.Image:
     """An image named by a data record: a path inside the data directory, an s3:// object, bytes (a data: URI) or a
     Parquet cell. Decoded through the same guarded decoder as the lake (format allow-list, decompression-bomb
@@ -356,14 +371,7 @@ def load_image(root: Path, reference: F.ImageRef) -> Image.Image:
     elif storage.is_s3(reference):
         data, name = storage.read_bytes(reference), reference
     else:
-        path, name = (root / reference).resolve(), reference
-        if root.resolve() not in path.parents:
-            raise ValueError(
-                f"image path {reference!r} leaves the data directory {root}; use paths inside it or s3:// URIs."
-            )
-        if not path.is_file():
-            raise ValueError(f"image {reference!r} does not exist under the data directory {root}.")
-        data = path.read_bytes()
+        data, name = local_image_path(root, reference).read_bytes(), reference
     try:
         return decode_image(data or b"", max_image_pixels=MAX_IMAGE_PIXELS).image
     except ImageRejected as error:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -200,8 +201,6 @@ def multiple_choice(prediction: str, record: Record) -> float:
 
 def ngram_overlap(prediction: str, reference: str, max_n: int = 4) -> float:
     """Mean over n = 1..max_n (those the reference has) of the clipped n-gram F1 (CIDEr's tokenisation)."""
-    from collections import Counter
-
     pred, ref = M.cider_tokens(prediction), M.cider_tokens(reference)
     scores = []
     for n in range(1, max_n + 1):

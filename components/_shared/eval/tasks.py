@@ -132,6 +132,9 @@ def parses(prediction: str, record: Mapping[str, Any]) -> bool:
     return True if check is None else bool(check(prediction, record))
 
 
+PER_DATA = ("task/", "benchmark/")  # the prefixes of the metrics of a data set's own tasks and benchmarks
+
+
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
@@ -149,23 +152,23 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     rows = list(rows)
     if not rows:
         raise ValueError("summarize needs at least one record, got none")
-    by_task: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
-    scored: dict[int, float] = {}
+    by_task: dict[str, list[int]] = defaultdict(list)  # task -> row indices
+    scored: list[float] = []
     tasks: dict[str, Task] = {}
     for i, row in enumerate(rows):
         missing = [k for k in ("id", "type", "prediction") if k not in row]
         if missing or ("answer" not in row and "answers" not in row):
             raise ValueError(f"record {row!r} lacks keys {missing or ['answer']}")
-        task = tasks.setdefault(row["type"], task_of(row))
-        by_task[task.name].append(row)
-        scored[i] = float(row["score"]) if "score" in row else score(row["prediction"], row)
+        if row["type"] not in tasks:
+            tasks[row["type"]] = task_of(row)
+        by_task[row["type"]].append(i)
+        scored.append(float(row["score"]) if "score" in row else score(row["prediction"], row))
     out: dict[str, float] = {}
     vqa: list[float] = []
     order = [t for t in SYNTHETIC_TASKS if t in by_task] + sorted(t for t in by_task if t not in BUILTIN_TASKS)
-    index = {id(row): i for i, row in enumerate(rows)}
     for name in order:
-        task, task_rows = tasks[name], by_task[name]
-        values = [scored[index[id(r)]] for r in task_rows]
+        task, task_rows = tasks[name], [rows[i] for i in by_task[name]]
+        values = [scored[i] for i in by_task[name]]
         if task.builtin:
             out[f"exact_match/{name}"] = _mean(values)
             if name != "caption":
@@ -191,7 +194,7 @@ def summarize(rows: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     return out
 
 
-def _benchmarks(rows: list, scored: dict[int, float], tasks: dict[str, Task]) -> dict[str, float]:
+def _benchmarks(rows: list, scored: list[float], tasks: dict[str, Task]) -> dict[str, float]:
     out: dict[str, float] = {}
     by_benchmark: dict[str, list[int]] = defaultdict(list)
     for i, row in enumerate(rows):
