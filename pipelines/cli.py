@@ -12,6 +12,7 @@ KFP_TOKEN=... qvl submit --host https://kfp.example.com/pipeline --experiment vl
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -239,8 +240,20 @@ def submit(
     typer.echo(f"Run {run_id} {state}.")
 
 
+@app.callback()
+def _global_options(
+    debug: bool = typer.Option(False, "--debug", help="Show the traceback of any error (also QVL_DEBUG=1)."),
+) -> None:
+    if debug:
+        os.environ["QVL_DEBUG"] = "1"
+
+
 def main() -> None:
-    app(sys.argv[1:])
+    """The `qvl` console script: a user mistake prints one `error: ...` line and exits 2 (user_errors.py)."""
+    from components._shared.platform.user_errors import reported
+
+    with reported():
+        app(sys.argv[1:])
 
 
 if __name__ == "__main__":

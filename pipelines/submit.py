@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from pipelines import credentials
+
 # Pipeline parameters settable as `key=value` (the stage configs are set through dotted preset settings).
 PIPELINE_PARAMS = (
     "lake_uri",
@@ -138,6 +140,8 @@ def prepare(preset: str, pairs: list[str], workdir: Path) -> Prepared:
 
     params, overrides = split_pairs(pairs)
     try:
+        credentials.check(params, "the run's parameters")  # stored on the server and shown in the UI
+        credentials.check(overrides, "the settings given on the command line")
         resolved = load_preset(preset, overrides)  # validates every stage; errors name the setting
     except ValueError as err:
         raise SubmitError(str(err)) from None

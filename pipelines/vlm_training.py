@@ -18,6 +18,7 @@ from components.rl.component import rl_op
 from components.select_checkpoint.component import select_checkpoint_op
 from components.sft.component import sft_op
 from components.stages import DAG_ORDER
+from pipelines import credentials
 from pipelines.k8s import apply_profile, apply_task_policy
 from pipelines.presets import load_preset
 
@@ -34,6 +35,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
     if until is not None and until not in DAG_ORDER:
         raise ValueError(f"until='{until}' is not a stage; choose one of: {', '.join(DAG_ORDER)}.")
     p = load_preset(preset)
+    credentials.check(p.model_dump(mode="json"), f"preset '{p.name}'")  # its settings become YAML defaults
     last = DAG_ORDER.index(until) if until else len(DAG_ORDER) - 1
     wanted = set(DAG_ORDER[: last + 1])
     cluster = p.cluster_profile()

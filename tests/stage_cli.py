@@ -15,11 +15,12 @@ import yaml
 
 
 def run_stage_cli(
-    stage: str, config: dict, out: Path, inputs: dict[str, object], **env: object
+    stage: str, config: dict, out: Path, inputs: dict[str, object], *, beside: Path | None = None, **env: object
 ) -> subprocess.CompletedProcess:
-    """`config` is the stage's section (written beside `out`); `inputs` become --flag values; one torch thread;
-    MLflow in a sqlite file beside `out`."""
-    cfg_file = out.parent / f"{out.name}.yaml"
+    """`config` is the stage's section (written beside `out`, or in `beside`); `inputs` become --flag values;
+    one torch thread; MLflow in a sqlite file there too."""
+    beside = beside or out.parent
+    cfg_file = beside / f"{out.name}.yaml"
     cfg_file.write_text(yaml.safe_dump({stage: config}))
     cmd = [sys.executable, "-m", f"components.{stage}", "--config", str(cfg_file), "--output-dir", str(out)]
     for name, value in inputs.items():
@@ -27,7 +28,7 @@ def run_stage_cli(
     environ = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "MLFLOW_TRACKING_URI": f"sqlite:///{out.parent}/mlflow.db",
+        "MLFLOW_TRACKING_URI": f"sqlite:///{beside}/mlflow.db",
         **{k: str(v) for k, v in env.items()},
     }
     return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=900, check=False)

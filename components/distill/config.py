@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.platform import storage
 from components._shared.platform.config import StageConfig, SubConfig
 
 
@@ -30,6 +31,11 @@ class StudentConfig(SubConfig):
     vision_hidden: Annotated[int, Field(ge=0, description="ViT width (a multiple of the ViT head_dim).")] = 0
     vision_intermediate: Annotated[int, Field(ge=0, description="ViT MLP width.")] = 0
     calibration_samples: Annotated[int, Field(ge=1, description="Training samples that rank channels (prune).")] = 64
+
+    @field_validator("model_uri")
+    @classmethod
+    def _local_s3_or_builtin(cls, value: str) -> str:
+        return storage.check_location(value, "student.model_uri", builtin=True) if value else value
 
 
 class LossConfig(SubConfig):

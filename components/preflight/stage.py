@@ -144,6 +144,47 @@ def check_data(data_files: dict[str, dict[str, Any]]) -> int:
     return found
 
 
+# the stages that read each data parameter: their on_bad_record decides what preflight does with a bad record
+DATA_READERS = {
+    "eval_data_uri": ["pretrain", "select_checkpoint"],
+    "sft_data_uri": ["sft", "distill"],
+    "preference_data_uri": ["reward_model"],
+    "rl_data_uri": ["rl"],
+}
+
+
+def check_records(data_files: dict[str, dict[str, Any]], stage_configs: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """Read every record of each local data directory the DAG uses, as its stages will (fields, images' headers,
+    ids): one error lists the bad records of all of them, unless every stage reading that data skips bad records
+    (on_bad_record: skip), when they are counted instead. s3:// data is checked by each stage at its start."""
+    from components._shared.eval import readers
+    from components._shared.platform import bad_records, storage
+
+    loaders = {
+        "sft": lambda d, names: readers.load_conversations(d, file_name=(names or [None])[0]),
+        "eval": lambda d, names: readers.load_questions(d, names, role="eval"),
+        "rl": lambda d, names: readers.load_questions(d, names, role="rl"),
+        "preferences": lambda d, names: readers.load_preferences(d),
+    }
+    checked, skipped, problems = 0, set(), []
+    for parameter, spec in data_files.items():
+        uri = spec.get("uri") or ""
+        if not uri or storage.is_s3(uri) or not Path(uri).is_dir():
+            continue
+        readers_of = [(stage_configs.get(s) or {}) for s in DATA_READERS.get(parameter, []) if s in stage_configs]
+        skip = bool(readers_of) and all(c.get("on_bad_record") == "skip" for c in readers_of)
+        with bad_records.policy("skip" if skip else "fail") as ledger:
+            for role in spec.get("roles") or []:
+                try:
+                    checked += len(loaders[role](Path(uri), (spec.get("names") or {}).get(role)))
+                except ValueError as err:
+                    problems.append(f"{parameter} ({uri}), {role} records: {err}")
+        skipped |= {f"{uri}/{source}" for source in ledger.skipped}  # a file two parameters share: counted once
+    if problems:
+        raise ValueError("\n".join(problems))
+    return {"records_checked": checked, "records_to_skip": len(skipped)}
+
+
 def required_files(uri: str, roles: list[str], names: dict[str, list[str]]) -> list[str]:
     """The files the roles read from the data at `uri`: dataset.yaml's (and the manifest itself), else the defaults."""
     from components._shared.eval import readers
@@ -210,6 +251,7 @@ def run(
         metrics["lake_shards"] = count_lake_shards(lake_uri)
     if data_files:
         metrics["data_files"] = check_data(data_files)
+        metrics.update(check_records(data_files, stage_configs))
     if cfg.check_tracking:
         metrics["tracking"] = check_tracking_server(cfg.timeout_s)
     resolved = {}

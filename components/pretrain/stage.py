@@ -245,6 +245,7 @@ def train_phase(
             checkpoint_root(name, block, key, output_dir),
             keep=block.train.keep_checkpoints,
             scratch=output_dir / SCRATCH,
+            key=key,
         ),
         tracker=_Prefixed(tracker, name),
         loss_fn=make_loss(cfg),

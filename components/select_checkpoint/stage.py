@@ -93,7 +93,8 @@ def find_candidates(stage_dirs: dict[str, str], per_stage: int) -> list[Candidat
             [
                 (str(p.parent), str(p.relative_to(root / "checkpoints")), p)
                 for p in (root / "checkpoints").rglob("step-*")
-                if (p / storage.COMMIT_MARKER).is_file()
+                # not another run's, set aside by checkpoint.py as <root>.stale-<key>
+                if (p / storage.COMMIT_MARKER).is_file() and ".stale-" not in p.relative_to(root).as_posix()
             ]
             if (root / "checkpoints").is_dir()
             else []

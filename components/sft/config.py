@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from components._shared.model.train_config import ModuleGroup, OptimConfig, ScheduleConfig, TrainConfig
 from components._shared.platform.config import StageConfig, SubConfig
@@ -30,6 +31,16 @@ class LoraConfig(SubConfig):
             )
         ),
     ] = Field(default_factory=list)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _regexes_compile(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"lora.target_modules: {pattern!r} is not a valid regex ({err}).") from None
+        return value
 
 
 class QLoraConfig(SubConfig):

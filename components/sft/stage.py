@@ -40,7 +40,14 @@ from components._shared.model.stage_steps import (
     trained_module,
 )
 from components._shared.model.training import Phase, TrainLoop, is_main_process
-from components._shared.model.vlm import count_parameters, freeze, load_vlm, save_vlm, set_pixel_bounds
+from components._shared.model.vlm import (
+    check_complete,
+    count_parameters,
+    freeze,
+    load_vlm,
+    save_vlm,
+    set_pixel_bounds,
+)
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.sft.config import SftConfig
@@ -96,14 +103,16 @@ def _load_4bit(cfg: SftConfig, base_model: str):
         bnb_4bit_compute_dtype=getattr(torch, cfg.qlora.compute_dtype),
         llm_int8_skip_modules=["model.visual", "lm_head"],
     )
-    model = AutoModelForImageTextToText.from_pretrained(
+    model, loading = AutoModelForImageTextToText.from_pretrained(
         path,
         quantization_config=quant,
         use_safetensors=True,
         trust_remote_code=False,
         dtype=torch.float32,
         attn_implementation=packed_attention(),
+        output_loading_info=True,
     )
+    check_complete(base_model, loading)
     for module in model.modules():
         # bitsandbytes repacks 4-bit weights in place for CPU inference (eval mode, no grad) and training on a
         # repacked weight then fails; held-out evals run between training steps, so keep the trainable layout.

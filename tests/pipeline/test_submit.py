@@ -174,6 +174,8 @@ def test_wait_gives_up_after_the_timeout():
         (["lake_uri=s3://x", "sft_config={}"], "Stage settings are dotted: sft.SETTING=VALUE"),
         (["sft.lora.r=16"], "lake_uri is required"),
         (["lake_uri"], "'lake_uri' is not key=value"),
+        (["lake_uri=s3://x", "experiment=ghp_" + "a1B2" * 9], "experiment: a GitHub token"),
+        (["lake_uri=s3://u:hunter2pass@host/x"], "lake_uri: a URL with a password"),
     ],
 )
 def test_bad_arguments_fail_before_any_request(args, says):
@@ -181,6 +183,7 @@ def test_bad_arguments_fail_before_any_request(args, says):
         result = _submit(api, "--experiment", "e", *args)
     assert result.exit_code == 2, result.output
     assert says in result.output
+    assert "a1B2a1B2" not in result.output and "hunter2pass" not in result.output  # a credential is never echoed
     assert api.requests == []
 
 

@@ -300,7 +300,9 @@ def test_concurrent_resolution_builds_once(tmp_path):
 def _fake_model_dir(path: Path) -> Path:
     path.mkdir(parents=True)
     (path / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
-    (path / "model.safetensors").write_bytes(b"weights")
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.zeros(2)}, str(path / "model.safetensors"))
     return path
 
 
@@ -316,6 +318,10 @@ def test_local_dir_validation(tmp_path):
         resolve_model(str(no_config))
     with pytest.raises(ValueError, match="does not exist"):
         resolve_model(str(tmp_path / "missing"))
+    (good / "pytorch_model.bin").unlink()
+    (good / "model.safetensors").write_bytes(b"weights")  # a truncated download: named before any load
+    with pytest.raises(ValueError, match=r"good/model.safetensors is not a readable safetensors file"):
+        resolve_model(str(good))
 
 
 @pytest.mark.parametrize("uri", ["hf://Qwen/Qwen2.5-VL-3B", "gs://bucket/model", "builtin:gpt-9", ""])
@@ -371,7 +377,8 @@ def test_s3_prefix_downloaded_once_per_marker(tmp_path, monkeypatch):
     monkeypatch.setattr(components._shared.platform, "storage", fake, raising=False)
     first = resolve_model("s3://bucket/models/tiny/", cache_dir=tmp_path / "cache")
     assert resolve_model("s3://bucket/models/tiny", cache_dir=tmp_path / "cache") == first
-    assert state["fetches"] == 1 and (first / "model.safetensors").read_bytes() == b"weights"
+    assert state["fetches"] == 1
+    assert (first / "model.safetensors").read_bytes() == (remote / "model.safetensors").read_bytes()
     state["marker"] = b'{"files": {"config.json": {}}, "v": 2}'  # republished: a new cache entry
     assert resolve_model("s3://bucket/models/tiny", cache_dir=tmp_path / "cache") != first
     assert state["fetches"] == 2

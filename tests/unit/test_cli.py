@@ -36,8 +36,8 @@ def test_stage_with_an_invalid_setting_names_it(tmp_path):
         app,
         ["stage", "clean_data", "--config", str(cfg), "--lake-uri", str(tmp_path), "--output-dir", str(tmp_path / "o")],
     )
-    assert result.exit_code != 0
-    assert "clean_data.min_side" in str(result.exception)
+    assert result.exit_code == 2  # one message, no traceback (platform/user_errors.py)
+    assert "error: " in result.stderr and "clean_data.min_side" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_run_refuses_non_local_and_unknown_stage(tmp_path):

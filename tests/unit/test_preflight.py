@@ -98,10 +98,14 @@ def test_training_data_is_required_where_the_dag_reads_it(tmp_path, lake):
     with pytest.raises(ValueError, match="heldout/sft.jsonl does not exist"):
         _run(tmp_path, lake, data_files=spec(str(data), True))
     (data / "sft.jsonl").write_text("{}\n")
-    assert _run(tmp_path, lake, data_files=spec(str(data), True))["data_files"] == 3
+    with pytest.raises(ValueError, match=r"(?s)sft_data_uri .*sft records: 1 bad conversation.*sft.jsonl:1 .*unknown"):
+        _run(tmp_path, lake, data_files=spec(str(data), True))  # every record read before any GPU is asked for
+    skipping = {s: {"on_bad_record": "skip"} for s in ("pretrain", "select_checkpoint", "sft", "distill")}
+    counted = _run(tmp_path, lake, data_files=spec(str(data), True), stage_configs=skipping)
+    assert counted["data_files"] == 3 and counted["records_to_skip"] == 2 and counted["records_checked"] == 0
     (data / "dataset.yaml").write_text("sft: [llava.json]\n")  # the manifest's files replace sft.jsonl
     with pytest.raises(ValueError, match="heldout/llava.json does not exist"):
-        _run(tmp_path, lake, data_files=spec(str(data), True))
+        _run(tmp_path, lake, data_files=spec(str(data), True), stage_configs=skipping)
 
 
 def test_one_visual_token_budget_for_every_stage():

@@ -101,7 +101,9 @@ def test_loading_refuses_other_model_types(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (tmp_path / "model.safetensors").write_bytes(b"")
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
         load_vlm(str(tmp_path))
 

@@ -57,7 +57,7 @@ ImageRef = str | bytes | ParquetImage
 # ------------------------------------------------------------------------------------------ containers ---
 
 
-def iter_file(path: Path) -> Iterator[tuple[str, dict]]:
+def iter_file(path: Path) -> Iterator[tuple[str, Any]]:
     """(source, raw record) of a data file, in file order; the container is chosen by the file's suffix."""
     if not path.is_file():
         raise ValueError(f"{path} does not exist; name a file inside the data directory.")
@@ -72,24 +72,42 @@ def iter_file(path: Path) -> Iterator[tuple[str, dict]]:
         raise ValueError(f"{path}: unknown data file type {suffix!r}; use .jsonl, .json (an array) or .parquet.")
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
-    with path.open(encoding="utf-8") as lines:
-        for n, line in enumerate(lines, 1):
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    """(source, record) per non-blank line; a line that is not UTF-8 or not JSON comes as an `Unparsable`, so the
+    reader reports it with every other bad record."""
+    with path.open("rb") as lines:
+        for n, raw in enumerate(lines, 1):
+            source = f"{path.name}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield (
+                    source,
+                    Unparsable(f"not UTF-8 text (byte {error.start} of the line); re-encode the file as UTF-8"),
+                )
+                continue
             if not line.strip():
                 continue
-            source = f"{path.name}:{n}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{source}: not valid JSON ({error.msg}); fix or remove that line.") from error
+                yield source, Unparsable(f"not valid JSON ({error.msg}); fix or remove that line")
+                continue
             if isinstance(record, list) and n == 1:
                 raise ValueError(f"{source}: a JSON array on a .jsonl line; name the file .json (one array) instead.")
             yield source, record
 
 
+class Unparsable(str):
+    """A data line that could not be read, with the reason (reported like any other bad record)."""
+
+
 def _iter_json_array(path: Path) -> Iterator[tuple[str, dict]]:
     """Items of a top-level JSON array with the line each starts on (raw_decode walks the array item by item)."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path.name}: not UTF-8 text (byte {error.start}); re-encode the file as UTF-8.") from None
     decoder = json.JSONDecoder()
     pos = _skip_space(text, 0)
     if pos < len(text) and text[pos] == "{":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from components._shared.eval import formats as F
 from components._shared.eval import tasks as T
 from components._shared.eval.benchmarks import BENCHMARKS
+from components._shared.platform import bad_records
 
 
 def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
@@ -144,16 +145,21 @@ def _describe(error) -> str:
 
 
 def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
-    """Every record of one file through `convert(raw, spec) -> record`; all bad records reported at once."""
-    out, bad = [], []
+    """Every record of one file through `convert(raw, spec) -> record`. All bad records are reported at once
+    (a ValueError listing them), or dropped and counted under `on_bad_record: skip` (platform/bad_records.py)."""
+    out: list[dict] = []
+    bad: list[tuple[str, str]] = []  # (source, reason)
     benchmark = BENCHMARKS.get(spec.format)
     if benchmark is None:
         items = F.iter_file(data_dir / spec.path)
     else:
         annotations = data_dir / spec.annotations if spec.annotations else None
         items = benchmark.items(data_dir / spec.path, annotations)
+    seen: set[str] = set()
     for n, (source, raw) in enumerate(items):
         try:
+            if isinstance(raw, F.Unparsable):
+                raise F.RecordError(str(raw))
             if not isinstance(raw, dict):
                 raise F.RecordError(f"a {type(raw).__name__}, not a record object")
             if benchmark is not None:
@@ -162,25 +168,32 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
                 shape = F.detect(raw) if spec.format == "auto" else spec.format
             record = convert(raw, shape, spec)
             _check_images(data_dir, raw, record)
+            record_id = str(raw.get("id", raw.get("question_id", f"{_stem(spec.path)}:{n}")))
+            if record_id in seen:
+                raise F.RecordError(f"id {record_id!r} appears more than once; ids must be unique")
         except KeyError as error:
-            bad.append(f"{source}: the {spec.format} item has no field {error}")
+            bad.append((source, f"the {spec.format} item has no field {error}"))
             continue
         except F.RecordError as error:
-            bad.append(f"{source} (id={_raw_id(raw)!r}): {error}")
+            bad.append((f"{source} (id={_raw_id(raw)!r})" if isinstance(raw, dict) else source, str(error)))
             continue
+        seen.add(record_id)
         for key, value in raw.items():  # the record's own labels (a preference pair's kind, a benchmark category)
             if key not in record and key not in CONSUMED and isinstance(value, str | int | float | bool):
                 record[key] = value
-        record["id"] = str(raw.get("id", raw.get("question_id", f"{_stem(spec.path)}:{n}")))
-        record["source"], record["file"] = source, spec.path
+        record["id"], record["source"], record["file"] = record_id, source, spec.path
         out.append(record)
-    if bad:
-        shown = "\n  ".join(bad[: F.MAX_REPORTED])
+    ledger = bad_records.current()
+    if bad and ledger is not None and ledger.skipping:
+        for source, reason in bad:
+            ledger.skip(source, reason)
+    elif bad:
+        shown = "\n  ".join(f"{source}: {reason}" for source, reason in bad[: F.MAX_REPORTED])
         more = f"\n  ... and {len(bad) - F.MAX_REPORTED} more" if len(bad) > F.MAX_REPORTED else ""
-        raise ValueError(f"{len(bad)} bad {what} record(s) in {spec.path}; fix or drop them:\n  {shown}{more}")
-    repeated = [i for i, count in Counter(r["id"] for r in out).items() if count > 1]
-    if repeated:
-        raise ValueError(f"{spec.path}: record id(s) {repeated[:5]} appear more than once; ids must be unique.")
+        raise ValueError(
+            f"{len(bad)} bad {what} record(s) in {spec.path}; fix or drop them (or set on_bad_record: skip to train "
+            f"without them, counted in the metrics):\n  {shown}{more}"
+        )
     return out
 
 

@@ -36,23 +36,42 @@ def stage_main(
     for name in inputs:
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, required=True, help=f"Input '{name}'.")
     parser.add_argument("overrides", nargs="*", help="Dotted key=value overrides of the config.")
+    parser.add_argument("--debug", action="store_true", help="Show the traceback of any error (also QVL_DEBUG=1).")
     args = parser.parse_args(argv)
+    from components._shared.launch.result import RESULT_FILE
+    from components._shared.platform.user_errors import reported
 
+    hint = str(Path(args.output_dir) / RESULT_FILE) if not args.output_dir.startswith("s3://") else ""
+    with reported(debug=args.debug, log_hint=hint):
+        return _run_section(parser, args, config_cls, run, section, inputs)
+
+
+def _run_section(parser, args, config_cls, run, section: str, inputs: tuple[str, ...]) -> dict[str, Any]:
+    from components._shared.platform.storage import check_location
+
+    check_location(args.output_dir, "--output-dir")
+    for name in inputs:
+        check_location(getattr(args, name), f"--{name.replace('_', '-')}", builtin=True)
     data = read_section(args.config, section)
     if args.config_json:
         try:
-            data = deep_merge(data, json.loads(args.config_json))
+            given = json.loads(args.config_json)
         except json.JSONDecodeError as err:
             parser.error(f"--config-json is not valid JSON: {err}")
+        if not isinstance(given, dict):
+            parser.error(f"--config-json must be a JSON object (the '{section}' section), got {type(given).__name__}.")
+        data = deep_merge(data, given)
     data = deep_merge(data, parse_overrides(args.overrides))
     cfg = validate(config_cls, section, data)
 
     import tempfile
 
     from components._shared.launch.runner import execute
-    from components._shared.platform import storage
+    from components._shared.platform import locks, storage
 
-    with tempfile.TemporaryDirectory(prefix=f"qvl-{section}-") as scratch:
+    with locks.scope(), tempfile.TemporaryDirectory(prefix=f"qvl-{section}-") as scratch:
+        if storage.is_s3(args.output_dir):
+            locks.hold(args.output_dir, purpose=f"{section} output")
         # An s3:// output is written locally first, then published: files first, commit marker last.
         local_out = Path(scratch) / "out" if storage.is_s3(args.output_dir) else Path(args.output_dir)
         metrics = execute(

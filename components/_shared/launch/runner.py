@@ -19,7 +19,7 @@ from typing import Any
 from components._shared.launch.plan import LaunchPlan, check_config, plan_from_env
 from components._shared.launch.result import _record, flatten_metrics
 from components._shared.launch.torchrun import run_local_torchrun
-from components._shared.platform import storage
+from components._shared.platform import bad_records, locks, storage
 from components._shared.platform.presets import validate
 
 
@@ -37,19 +37,26 @@ def execute(
     """Run `run(cfg, **inputs, output_dir=..., tracker=...)` inside the stage's tracker and record the result.
 
     `record_as` names the entry in the run summary and the MLflow stage run; None records and tracks nothing
-    (one shard of a fan-out: its merge task reports for it).
+    (one shard of a fan-out: its merge task reports for it). The output directory is locked for the run
+    (platform/locks.py): a second run into it fails at once, naming this one.
     """
-    from contextlib import nullcontext
-
-    from components._shared.platform.mlflow_tracking import stage_tracker
-    from components._shared.platform.tracking import NullTracker
-
     if os.environ.get("RANK", "0").strip() not in ("", "0"):
         # torchrun: every rank trains; only rank 0 writes the record and the commit marker (and logs).
         record_as = None
     verify_inputs(inputs)
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    with locks.scope():
+        # first: a second run into this output fails here, before any work, and writes nothing into it
+        locks.hold(output_dir, purpose=f"{stage} output")
+        return _execute_held(stage, cfg, run, inputs, output_dir, experiment, artifacts, record_as)
+
+
+def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifacts, record_as) -> dict[str, Any]:
+    from contextlib import nullcontext
+
+    from components._shared.platform.mlflow_tracking import stage_tracker
+    from components._shared.platform.tracking import NullTracker
+
     artifacts = {"output": str(output_dir), **(artifacts or {})}
     started = time.time()
     params = cfg.model_dump(mode="json")
@@ -57,8 +64,9 @@ def execute(
         tracking = (
             stage_tracker(record_as, experiment=experiment, params=params) if record_as else nullcontext(NullTracker())
         )
-        with tracking as tracker:
+        with tracking as tracker, bad_records.policy(getattr(cfg, "on_bad_record", "fail")) as ledger:
             metrics = run(cfg, **inputs, output_dir=output_dir, tracker=tracker)
+            metrics = {**metrics, **ledger.metrics()}  # records skipped under on_bad_record: skip, per reason
             tracker.log_metrics(flatten_metrics(metrics))
     except BaseException as err:
         if record_as:

@@ -6,10 +6,14 @@ A checkpoint is a directory `step-NNNNNNN/` under the stage's checkpoint locatio
     rng.safetensors         torch CPU (and CUDA) generator states
     state.json              step, data position, python / numpy RNG, metric history, anything the stage adds
     deepspeed/              with the DeepSpeed backend, the engine's own checkpoint instead of the two .pt/.safetensors
+    key.json                the key of the run that wrote it (`fingerprint`: config, inputs by content, version)
     _COMMITTED.json         written last (sizes + sha256 of everything above)
 
 Readers only see committed directories and verify every file before loading, so a process killed while
-writing a checkpoint leaves a directory that is never loaded (and is removed on the next save).
+writing a checkpoint leaves a directory that is never loaded (and is removed on the next save). A store opened
+with a key resumes only checkpoints of that key: a local root holding another key's checkpoints (a finished run
+with other settings or data in the same output directory) is moved aside to ROOT.stale-<key>, kept, and noted
+in `SET_ASIDE` for the stage's report.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from components._shared.platform import s3_client, storage
+from components._shared.platform import locks, s3_client, storage
 
 STEP_PREFIX = "step-"
+KEY_FILE = "key.json"
+SET_ASIDE: list[dict[str, str]] = []  # this process's set-aside roots, for the report (stage_steps.finish_report)
 
 
 def step_name(step: int) -> str:
@@ -60,13 +66,22 @@ def set_rng_state(tensors: dict[str, torch.Tensor], states: dict[str, Any]) -> N
 class CheckpointStore:
     """Saves and finds committed checkpoints under `root` (a local directory or an s3:// prefix)."""
 
-    def __init__(self, root: str | Path, *, keep: int = 2, scratch: str | Path | None = None) -> None:
+    def __init__(
+        self, root: str | Path, *, keep: int = 2, scratch: str | Path | None = None, key: str | None = None
+    ) -> None:
+        """`key` (a stage's `fingerprint`): checkpoints are stamped with it and only its own are resumed; the
+        root is held for this run (platform/locks.py). None: unkeyed, unlocked (library use, tests)."""
         self.root = str(root)
         self.keep = keep
+        self.key = key
         self.remote = storage.is_s3(self.root)
         self.scratch = Path(scratch or tempfile.gettempdir()) if self.remote else Path(self.root)
+        if key is not None:
+            locks.hold(self.root, purpose="checkpoints")
         if not self.remote:
             Path(self.root).mkdir(parents=True, exist_ok=True)
+            if key is not None and _rank() == 0:
+                self._set_aside_foreign()
 
     def staging_dir(self, step: int, *, shared: bool = False) -> Path:
         """A fresh, empty directory to write checkpoint `step` into (removes leftovers of killed writes).
@@ -85,6 +100,8 @@ class CheckpointStore:
 
     def commit(self, staging: Path, step: int) -> str:
         """Publish a fully written staging dir as checkpoint `step` (marker last) and prune old ones."""
+        if self.key is not None:
+            (staging / KEY_FILE).write_text(json.dumps({"key": self.key}) + "\n")
         if self.remote:
             uri = storage.join(self.root, step_name(step))
             storage.publish_dir(staging, uri)
@@ -100,7 +117,32 @@ class CheckpointStore:
         return uri
 
     def committed(self) -> list[str]:
-        return [u for u in storage.list_committed(self.root) if Path(u.rstrip("/")).name.startswith(STEP_PREFIX)]
+        """This store's committed checkpoints, oldest first (with a key: only those stamped with it)."""
+        found = [u for u in storage.list_committed(self.root) if Path(u.rstrip("/")).name.startswith(STEP_PREFIX)]
+        return found if self.key is None else [u for u in found if checkpoint_key(u) == self.key]
+
+    def _set_aside_foreign(self) -> None:
+        """Move a local root that holds other keys' checkpoints to ROOT.stale-<key>, kept whole."""
+        root = Path(self.root)
+        found = [u for u in storage.list_committed(root) if Path(u).name.startswith(STEP_PREFIX)]
+        foreign = sorted({checkpoint_key(u) or "unkeyed" for u in found} - {self.key})
+        if not foreign:
+            return
+        target = root.with_name(f"{root.name}.stale-{foreign[0]}")
+        for n in range(2, 1000):
+            if not target.exists():
+                break
+            target = root.with_name(f"{root.name}.stale-{foreign[0]}-{n}")
+        os.replace(root, target)
+        root.mkdir()
+        note = {"root": str(root), "kept_at": str(target), "old_key": ", ".join(foreign), "new_key": str(self.key)}
+        SET_ASIDE.append(note)
+        print(
+            f"NOTE: {root} held checkpoints of another run (key {note['old_key']}: other settings, data or input "
+            f"models than this run's {self.key}); they were set aside, kept at {target}, and this run trains "
+            "from its own start.",
+            flush=True,
+        )
 
     def latest(self) -> str | None:
         found = self.committed()
@@ -129,18 +171,56 @@ class CheckpointStore:
 
 
 def fingerprint(config: dict[str, Any], inputs: dict[str, Any]) -> str:
-    """A short hash of a stage's config and inputs (a committed input directory by its files' sha256s, anything
-    else by its value): the same run, retried, gets the same checkpoint location; any change gets a new one."""
+    """A short hash of a stage's config, its inputs by content (`content_identity`) and the package version: the
+    same run, retried (or its data moved), gets the same key; any change of settings, data or models a new one."""
     import hashlib
 
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    digest.update(f"\nversion={_package_version()}".encode())
     for name, value in sorted(inputs.items()):
-        identity = str(value)
-        marker = Path(str(value)) / storage.COMMIT_MARKER
-        if not storage.is_s3(str(value)) and marker.is_file():
-            identity = json.dumps(json.loads(marker.read_text())["files"], sort_keys=True)
-        digest.update(f"\n{name}={identity}".encode())
+        digest.update(f"\n{name}={content_identity(value)}".encode())
     return digest.hexdigest()[:16]
+
+
+def content_identity(value: Any) -> str:
+    """What an input is, independent of where it is: a committed directory by its marker's sha256s, any other
+    local directory or file by the sha256 of every file, an s3:// prefix by its objects' sizes and ETags; other
+    values (builtin:..., empty) as themselves."""
+    text = str(value or "")
+    if storage.is_s3(text):
+        if storage.is_committed(text):
+            return json.dumps(storage.read_marker(text)["files"], sort_keys=True)
+        return json.dumps(storage.list_etags(text), sort_keys=True)
+    path = Path(text) if text else None
+    if path is None or not path.exists():
+        return text
+    if (path / storage.COMMIT_MARKER).is_file():
+        return json.dumps(json.loads((path / storage.COMMIT_MARKER).read_text())["files"], sort_keys=True)
+    if path.is_file():
+        return storage.sha256_file(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name not in storage.LOCK_FILES)
+    return json.dumps({p.relative_to(path).as_posix(): storage.sha256_file(p) for p in files}, sort_keys=True)
+
+
+def checkpoint_key(uri: str) -> str | None:
+    """The key a committed checkpoint was stamped with (None: written before keys, or by an unkeyed store)."""
+    try:
+        return str(json.loads(storage.read_bytes(storage.join(uri, KEY_FILE)))["key"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("qwen-vl-pipeline")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0").strip() or 0)
 
 
 def location(checkpoint_uri: str | None, stage: str, key: str, output_dir: Path) -> str:

@@ -66,7 +66,32 @@ def validate_model_dir(path: Path) -> Path:
         )
     if not any(path.glob("*.safetensors")):
         raise ValueError(f"Model directory {path} has no *.safetensors weights; save the model with save_pretrained.")
+    _check_readable(path)
     return path
+
+
+def _check_readable(path: Path) -> None:
+    """config.json is a JSON object and every *.safetensors header parses, with at least one tensor in all: a
+    truncated download or a stray file is named here, not as a decoder traceback mid-load."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"{path / 'config.json'} is not valid JSON ({err}); re-download or re-save the model."
+        ) from None
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ValueError(f"{path / 'config.json'} has no model_type; it is not a transformers model config.")
+    tensors = 0
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                tensors += len(list(handle.keys()))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{file} is not a readable safetensors file ({err}); re-download or re-save it.") from None
+    if tensors == 0:
+        raise ValueError(f"Model directory {path} holds no tensors in its *.safetensors files; it has no weights.")
 
 
 def describe(uri: str, *, cache_dir: Path | None = None) -> dict:

@@ -6,8 +6,8 @@
     metrics = {**loop_metrics(result), ...}
     finish_report(output_dir, tracker, report(metrics), [Figure("train_loss", "training loss", series)])
 
-- `run_key`: the checkpoint key, a hash of the stage config and its input URIs (a run with other settings or
-  inputs never resumes this one's checkpoints).
+- `run_key`: the checkpoint key, a hash of the stage config and its inputs by content (a run with other settings,
+  data or models never resumes this one's checkpoints; checkpoint.py sets another key's aside).
 - `trained_module`: with DeepSpeed, a plain module rebuilt from the fp32 masters (ZeRO-3 partitions the engine's
   module between forwards, which evaluation, merging and saving cannot use); else the loop's own module.
 - `finish_report`: report.md with its figures (rank 0), the scratch directory removed, the text logged to MLflow.
@@ -24,6 +24,7 @@ from typing import Any
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.train_config import TrainConfig
 from components._shared.model.training import TrainLoop, TrainResult, is_main_process
+from components._shared.platform import bad_records
 from components._shared.platform.reports import Series, figure
 from components._shared.platform.tracking import Tracker
 
@@ -31,7 +32,7 @@ SCRATCH = ".scratch"  # downloads and checkpoint staging inside the output direc
 
 
 def run_key(cfg, inputs: dict[str, str]) -> str:
-    """The key of this run's checkpoints: the stage config and the URIs of its inputs."""
+    """The key of this run's checkpoints: the stage config, its inputs by content and the package version."""
     return ckpt.fingerprint(cfg.model_dump(mode="json"), inputs)
 
 
@@ -41,6 +42,7 @@ def checkpoint_store(stage: str, train: TrainConfig, key: str, output_dir: Path)
         ckpt.location(train.checkpoint_uri, stage, key, output_dir),
         keep=train.keep_checkpoints,
         scratch=output_dir / SCRATCH,
+        key=key,
     )
 
 
@@ -82,7 +84,17 @@ class Figure:
 
 
 def finish_report(output_dir: Path, tracker: Tracker, text: str, figures: list[Figure]) -> str:
-    """Write report.md (the text, then the figures) on rank 0, remove the scratch directory, log the report."""
+    """Write report.md (the text, notes on checkpoints set aside and records skipped, the figures) on rank 0,
+    remove the scratch directory, log the report."""
+    for note in ckpt.SET_ASIDE:
+        text += (
+            f"\n**Checkpoints set aside**: `{note['root']}` held checkpoints of another run (key {note['old_key']}; "
+            f"this run's key is {note['new_key']}: other settings, data or input models). They were not resumed; "
+            f"they are kept at `{note['kept_at']}`.\n"
+        )
+    ckpt.SET_ASIDE.clear()
+    ledger = bad_records.current()
+    text += ledger.report() if ledger is not None else ""
     if is_main_process():
         lines: list[str] = []
         for f in figures:

@@ -10,6 +10,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
+from components._shared.platform import storage
 from components._shared.platform.config import SubConfig
 
 # The parameter groups of a Qwen VLM (model/vlm.py assigns every trainable parameter to exactly one): the one
@@ -36,7 +37,7 @@ class OptimConfig(SubConfig):
         description="Peak learning rate per module group, e.g. {vision_lower: 1e-6, merger: 1e-4}.",
     )
     weight_decay: Annotated[float, Field(ge=0, le=1.0)] = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
     eps: Annotated[float, Field(gt=0)] = 1e-8
     max_grad_norm: Annotated[float, Field(gt=0, description="Gradient clip of every group without an override.")] = 1.0
     group_max_grad_norm: dict[str, Annotated[float, Field(gt=0)]] = Field(
@@ -115,3 +116,8 @@ class TrainConfig(SubConfig):
         int, Field(ge=0, description="torch intra-op threads; 0 leaves the default. Exact resume needs the same count.")
     ] = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @field_validator("checkpoint_uri")
+    @classmethod
+    def _local_or_s3(cls, value: str | None) -> str | None:
+        return storage.check_location(value, "train.checkpoint_uri") if value else value

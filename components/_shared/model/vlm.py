@@ -34,12 +34,32 @@ def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str
         family_for(str(model_type))
     except ValueError as err:
         raise ValueError(f"{uri}: {err}") from None
-    model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=dtype, attn_implementation=packed_attention(), use_safetensors=True, trust_remote_code=False
-    ).to(device)
+    model, loading = AutoModelForImageTextToText.from_pretrained(
+        path,
+        dtype=dtype,
+        attn_implementation=packed_attention(),
+        use_safetensors=True,
+        trust_remote_code=False,
+        output_loading_info=True,
+    )
+    check_complete(uri, loading)
+    model = model.to(device)
     model.qvl_checkpoint_dtype = checkpoint_dtype(path)  # what save_vlm exports in (training may run in fp32)
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=False)
     return model, processor
+
+
+def check_complete(uri: str | Path, loading: dict[str, Any]) -> None:
+    """Refuse a checkpoint that lacks weights the model needs (transformers would initialise them randomly and
+    only log it) or whose tensors have other shapes than its config says."""
+    missing, mismatched = sorted(loading.get("missing_keys") or ()), list(loading.get("mismatched_keys") or ())
+    if missing or mismatched:
+        shown = missing[:5] or [str(m) for m in mismatched[:5]]
+        raise ValueError(
+            f"{uri}: the checkpoint lacks {len(missing)} weight(s) and has {len(mismatched)} of another shape than "
+            f"its config.json says (e.g. {shown}); it would train from random weights there. Use a complete "
+            "checkpoint (all *.safetensors shards and the index) whose config matches it."
+        )
 
 
 def checkpoint_dtype(path: Path) -> torch.dtype:

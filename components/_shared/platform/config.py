@@ -7,7 +7,7 @@ base class turns such floats back into ints where the field is an int, and nowhe
 from __future__ import annotations
 
 import typing
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -48,7 +48,16 @@ class StageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
-    seed: int = Field(0, ge=0, description="Seed for every random choice the stage makes.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed for every random choice the stage makes (0 to 2**32-1).")
+    on_bad_record: Literal["fail", "skip"] = Field(
+        "fail",
+        description=(
+            "A bad record in the stage's data files (sft / eval / rl / preference records: unparsable, missing fields, "
+            "missing or undecodable image, empty answer, repeated id): fail = stop before training with every one "
+            "listed; skip = train without them, counted per reason in the metrics (data/skipped/<reason>) and listed "
+            "in the report. clean_data accounts for lake records itself."
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod

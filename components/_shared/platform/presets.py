@@ -64,11 +64,14 @@ def read_section(config_file: Path | None, section: str) -> dict[str, Any]:
     if config_file is None:
         return {}
     data = read_preset_yaml(Path(config_file))
+    found = data
     if section in data:
-        return data[section] or {}
-    if "stages" in data and section in (data["stages"] or {}):
-        return data["stages"][section] or {}
-    return data
+        found = data[section] or {}
+    elif isinstance(data.get("stages"), dict) and section in data["stages"]:
+        found = data["stages"][section] or {}
+    if not isinstance(found, dict):
+        raise ValueError(f"{config_file}: the '{section}' section must be a mapping of settings, got {found!r:.80}.")
+    return found
 
 
 def read_preset_yaml(path: Path, seen: tuple[Path, ...] = (), search: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -77,13 +80,20 @@ def read_preset_yaml(path: Path, seen: tuple[Path, ...] = (), search: tuple[Path
     settings."""
     if path in seen:
         raise ValueError(f"presets extend each other in a cycle: {' -> '.join(p.stem for p in (*seen, path))}.")
-    data = strict_yaml.load(path.read_text(), str(path)) or {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8.") from None
+    data = strict_yaml.load(text, str(path)) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level.")
     parent = data.pop("extends", None)
     if parent is None:
         return data
-    name = parent if str(parent).endswith((".yaml", ".yml")) else f"{parent}.yaml"
+    if not isinstance(parent, str) or not parent.strip() or len(parent) > 255 or "\x00" in parent:
+        shown = repr(parent) if len(repr(parent)) <= 80 else f"{repr(parent)[:60]}... ({len(str(parent))} characters)"
+        raise ValueError(f"{path}: extends: {shown} is not a preset name or file name; give e.g. `extends: tiny`.")
+    name = parent if parent.endswith((".yaml", ".yml")) else f"{parent}.yaml"
     candidates = [path.parent / name, *(folder / name for folder in search)]
     parent_path = next((c for c in candidates if c.exists()), None)
     if parent_path is None:

@@ -29,6 +29,7 @@ from typing import IO, Any
 from components._shared.platform import s3_client
 
 COMMIT_MARKER = "_COMMITTED.json"
+LOCK_FILES = (".qvl-lock", ".qvl-lock.json")  # platform/locks.py: the OS lock and its holder; never committed
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 
 
@@ -38,6 +39,26 @@ class IntegrityError(ValueError):
 
 def is_s3(uri: str | Path) -> bool:
     return str(uri).startswith("s3://")
+
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
+
+
+def check_location(value: str, setting: str, *, builtin: bool = False) -> str:
+    """`value` if it is a local path or an s3:// URI (or builtin:NAME where `builtin`); else a ValueError naming
+    the setting. http(s)://, gs://, hf:// ... are refused rather than written into a folder named 'http:'."""
+    text = str(value)
+    found = _SCHEME.match(text)
+    if builtin and text.startswith("builtin:"):
+        return text
+    if found and not text.startswith("s3://"):
+        raise ValueError(
+            f"{setting}={text!r}: only local paths and s3:// URIs are supported here, not {found.group(1)}:// "
+            "(copy it to S3 or to a local / mounted path first)."
+        )
+    if text.startswith("s3://"):
+        split_s3(text)  # a malformed bucket is an error here, not at the first request
+    return text
 
 
 def split_s3(uri: str) -> tuple[str, str]:
@@ -111,6 +132,18 @@ def list_files(prefix_uri: str | Path, *, suffix: str | None = None) -> list[str
                 if not o["Key"].endswith("/") and (suffix is None or o["Key"].endswith(suffix))
             ]
     return sorted(out)
+
+
+def list_etags(prefix_uri: str) -> dict[str, str]:
+    """Every object under an S3 prefix as {key relative to the prefix: "size:ETag"} (its content's identity)."""
+    bucket, key = split_s3(str(prefix_uri))
+    prefix = key.rstrip("/") + "/" if key else ""
+    out: dict[str, str] = {}
+    with s3_client.errors(str(prefix_uri)):
+        for page in s3_client.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for o in page.get("Contents", []):
+                out[o["Key"][len(prefix) :]] = f"{o['Size']}:{o['ETag']}"
+    return out
 
 
 def read_bytes(uri: str | Path) -> bytes:
@@ -268,7 +301,11 @@ def _marker_for(source: Path) -> tuple[list[Path], dict[str, Any]]:
     """The files of a directory (marker excluded) and the `_COMMITTED.json` content that lists them."""
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is not a directory.")
-    files = sorted(p for p in source.rglob("*") if p.is_file() and p.relative_to(source).as_posix() != COMMIT_MARKER)
+    files = sorted(
+        p
+        for p in source.rglob("*")
+        if p.is_file() and p.relative_to(source).as_posix() != COMMIT_MARKER and p.name not in LOCK_FILES
+    )
     marker = {
         "files": {
             p.relative_to(source).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in files

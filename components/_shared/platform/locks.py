@@ -1,0 +1,217 @@
+"""One writer per output directory and checkpoint root.
+
+    with locks.scope():                          # runner.execute opens one per stage run
+        locks.hold(output_dir, purpose="sft output")   # raises LockHeld naming the holder, at once
+        ...                                      # CheckpointStore holds its root the same way
+    # released here (and by the OS / the lease's expiry if the process dies)
+
+- A local directory is locked with `filelock` (an OS lock on DIR/.qvl-lock, released when the process dies);
+  DIR/.qvl-lock.json names the holder (pid, host, purpose, start) while it is held. Both files are left out of
+  commit markers.
+- An s3:// prefix is locked by a lease object PREFIX.qvl-lock.json created with a conditional write
+  (If-None-Match: *), renewed every lease/5 with If-Match on its ETag, and taken over only once it has
+  expired (a holder killed without releasing). This needs an S3 that honours conditional writes (AWS S3,
+  MinIO and SeaweedFS do).
+- Only rank 0 of a torchrun job takes locks (all ranks write one output together). Outside a `scope()`,
+  `hold` is a no-op: the library can be used without the CLI's locking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from components._shared.platform import storage
+
+LOCK_FILE, HOLDER_FILE = storage.LOCK_FILES
+S3_SUFFIX = ".qvl-lock.json"
+LEASE_S = float(os.environ.get("QVL_S3_LEASE_S", "300"))
+_HELD_CODES = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
+
+
+class LockHeld(RuntimeError):
+    """Another run writes this output directory or checkpoint root."""
+
+
+class OutputUnusable(RuntimeError):
+    """The output location cannot be written (read-only, not a directory, ...)."""
+
+
+def holder(purpose: str) -> dict[str, Any]:
+    """Who holds a lock: this process, its host (the pod name on Kubernetes) and what for."""
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "purpose": purpose,
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
+        "kfp_run": os.environ.get("KFP_RUN_ID", ""),
+    }
+
+
+def describe(who: dict[str, Any]) -> str:
+    return f"pid {who.get('pid')} on {who.get('host')} ({who.get('purpose')}, since {who.get('started')})"
+
+
+class LocalLock:
+    """An OS lock on a local directory, with a holder file beside it."""
+
+    def __init__(self, directory: str | Path, *, holder: dict[str, Any]) -> None:
+        from filelock import FileLock, Timeout
+
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe = self.directory / f".qvl-write-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise OutputUnusable(
+                f"{self.directory} is not writable ({err.strerror or err}); choose a writable --output-dir "
+                "(or train.checkpoint_uri), or fix its permissions."
+            ) from err
+        self.lock = FileLock(str(self.directory / LOCK_FILE), timeout=0)
+        try:
+            self.lock.acquire()
+        except Timeout:
+            raise LockHeld(
+                f"{self.directory} is in use by {describe(_read_json(self.directory / HOLDER_FILE))}: one run "
+                "writes an output or checkpoint folder at a time. Wait for it to finish, stop it, or choose another "
+                "--output-dir."
+            ) from None
+        storage.write_bytes(self.directory / HOLDER_FILE, json.dumps(holder, indent=1).encode())
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            (self.directory / HOLDER_FILE).unlink()
+        self.lock.release()
+
+
+class S3Lease:
+    """A lease object PREFIX.qvl-lock.json, created conditionally and renewed in a background thread."""
+
+    def __init__(self, prefix: str, *, holder: dict[str, Any], lease_s: float = LEASE_S, renew: bool = True) -> None:
+        self.bucket, key = storage.split_s3(prefix.rstrip("/"))
+        self.key, self.uri, self.lease_s = key + S3_SUFFIX, prefix.rstrip("/") + S3_SUFFIX, lease_s
+        self.holder = holder
+        self.etag = self._create()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if renew:
+            self._thread = threading.Thread(target=self._renew_loop, name="qvl-s3-lease", daemon=True)
+            self._thread.start()
+
+    def _body(self) -> bytes:
+        return json.dumps({**self.holder, "expires": time.time() + self.lease_s}, indent=1).encode()
+
+    def _put(self, **condition: str) -> str | None:
+        """Write the lease under `condition`; its ETag, or None when the condition failed (someone else holds it)."""
+        from botocore.exceptions import ClientError
+
+        from components._shared.platform import s3_client
+
+        try:
+            reply = s3_client.client().put_object(Bucket=self.bucket, Key=self.key, Body=self._body(), **condition)
+        except ClientError as err:
+            if str(err.response.get("Error", {}).get("Code")) in _HELD_CODES:
+                return None
+            with s3_client.errors(self.uri):
+                raise
+        return str(reply["ETag"])
+
+    def read(self) -> tuple[str, str] | None:
+        """(body, ETag) of the lease object now, or None when there is none."""
+        from botocore.exceptions import ClientError
+
+        from components._shared.platform import s3_client
+
+        try:
+            reply = s3_client.client().get_object(Bucket=self.bucket, Key=self.key)
+        except ClientError as err:
+            if str(err.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound"):
+                return None
+            with s3_client.errors(self.uri):
+                raise
+        return reply["Body"].read().decode(), str(reply["ETag"])
+
+    def _create(self) -> str:
+        etag = self._put(IfNoneMatch="*")
+        if etag is not None:
+            return etag
+        current = self.read()
+        if current is not None:
+            who = json.loads(current[0])
+            if float(who.get("expires", 0)) > time.time():
+                left = float(who["expires"]) - time.time()
+                raise LockHeld(
+                    f"{self.uri.removesuffix(S3_SUFFIX)} is in use by {describe(who)}; its lease runs {left:.0f} s "
+                    f"more ({self.uri}). Wait for that run, stop it, or choose another location."
+                )
+            etag = self._put(IfMatch=current[1])  # expired: its holder died; take it over atomically
+        else:
+            etag = self._put(IfNoneMatch="*")  # released between our two requests
+        if etag is None:
+            raise LockHeld(f"{self.uri.removesuffix(S3_SUFFIX)} was just taken by another run; see {self.uri}.")
+        return etag
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.lease_s / 5):
+            etag = self._put(IfMatch=self.etag)
+            if etag is None:
+                print(f"WARNING: lost the lease {self.uri}: another run may now write there.", flush=True)
+                return
+            self.etag = etag
+
+    def release(self) -> None:
+        from components._shared.platform import s3_client
+
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        current = self.read()
+        if current is not None and current[1] == self.etag:
+            with s3_client.errors(self.uri):
+                s3_client.client().delete_object(Bucket=self.bucket, Key=self.key)
+
+
+_held: list[tuple[str, LocalLock | S3Lease]] | None = None
+
+
+@contextlib.contextmanager
+def scope() -> Iterator[None]:
+    """Locks taken by `hold` inside are released when it closes (innermost scope of this process)."""
+    global _held
+    outer, _held = _held, []
+    try:
+        yield
+    finally:
+        held, _held = _held, outer
+        for _, lock in reversed(held):
+            lock.release()
+
+
+def hold(target: str | Path, *, purpose: str) -> None:
+    """Take the one-writer lock of a local directory or s3:// prefix for the rest of the open scope; no-op on
+    ranks > 0, outside a scope, or when this process already holds it or a folder above it."""
+    if _held is None or os.environ.get("RANK", "0").strip() not in ("", "0"):
+        return
+    name = str(target).rstrip("/") if storage.is_s3(target) else str(Path(target).resolve())
+    if any(name == held or name.startswith(held + "/") for held, _ in _held):
+        return
+    who = holder(purpose)
+    lock = S3Lease(name, holder=who) if storage.is_s3(name) else LocalLock(name, holder=who)
+    _held.append((name, lock))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"pid": "?", "host": "?", "purpose": "unknown: its holder file is missing", "started": "?"}

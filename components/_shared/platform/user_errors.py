@@ -1,0 +1,55 @@
+"""User mistakes end a command with one message, not a traceback.
+
+    with reported(debug=args.debug, log_hint="OUT/run_summary.json"):
+        ...the command...
+
+A bad setting, record, path or model is raised as ValueError (pydantic's ValidationError, RecordError,
+IntegrityError, NonFiniteTraining are ValueErrors), OSError (missing or unwritable files, S3 refused or
+unreachable) or a lock error; those print `error: <message>` and exit 2. Anything else is a defect of this
+project and keeps its traceback. `--debug` (or QVL_DEBUG=1) shows the traceback for every error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+from components._shared.platform.locks import LockHeld, OutputUnusable
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, LockHeld, OutputUnusable)
+MAX_MESSAGE = 4000  # characters: an error about a huge input must not flood the terminal
+EXIT_USER_ERROR = 2
+
+
+def debug_enabled(flag: bool = False) -> bool:
+    return flag or os.environ.get("QVL_DEBUG", "").strip().lower() in ("1", "true", "yes")
+
+
+def message(err: BaseException) -> str:
+    """The error's text, capped at MAX_MESSAGE characters."""
+    text = str(err) or type(err).__name__
+    if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
+        text = f"{text} ({err.filename})"
+    if len(text) > MAX_MESSAGE:
+        text = text[:MAX_MESSAGE] + f" ... [{len(text) - MAX_MESSAGE} more characters]"
+    return text
+
+
+@contextlib.contextmanager
+def reported(*, debug: bool = False, log_hint: str = "") -> Iterator[None]:
+    """Turn a user error raised inside into `error: ...` on stderr and exit code 2 (unless debugging)."""
+    try:
+        yield
+    except USER_ERRORS as err:
+        if debug_enabled(debug):
+            raise
+        hint = f" The traceback is in {log_hint}." if log_hint else ""
+        print(f"error: {message(err)}\n(rerun with --debug or QVL_DEBUG=1 for the traceback.{hint})", file=sys.stderr)
+        raise SystemExit(EXIT_USER_ERROR) from None
+    except KeyboardInterrupt:
+        if debug_enabled(debug):
+            raise
+        print("interrupted.", file=sys.stderr)
+        raise SystemExit(130) from None

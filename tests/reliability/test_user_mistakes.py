@@ -1,0 +1,217 @@
+"""User mistakes end in one message that names what to fix, never a traceback or a silent acceptance (issue 21).
+
+Each case runs the sft stage's command line in process (`components.sft.stage.main`), as `qvl stage sft` does:
+exit code 2, `error: ...` on stderr naming the file / record / setting, no traceback; `--debug` shows it.
+"""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from components._shared.model.sources import resolve_model
+from components.sft.stage import main as sft_main
+from components.synth_world.splits import write_splits
+from pipelines import credentials
+
+BASE = "builtin:tiny-qwen2_5-vl"
+SFT = {
+    "mode": "full",
+    "min_pixels": 3136,
+    "max_pixels": 3136,
+    "calibration": {"enabled": False},
+    "train": {"steps": 1, "samples_per_step": 2, "max_tokens_per_micro_batch": 512, "threads": 1},
+    "eval": {"per_type": 1, "batch_size": 8, "max_new_tokens": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("world")
+    write_splits(root, seed=3, eval_per_type=1, sft_records=8, preference_pairs=4)
+    return root
+
+
+def _data(world: Path, tmp_path: Path, edit) -> Path:
+    data = tmp_path / "data"
+    shutil.copytree(world, data)
+    edit(data)
+    return data
+
+
+def _append(name: str, payload: bytes):
+    return lambda d: (d / name).write_bytes((d / name).read_bytes() + payload)
+
+
+def _model(tmp_path: Path, edit) -> Path:
+    model = tmp_path / "model"
+    shutil.copytree(resolve_model(BASE), model)
+    (model / "_COMMITTED.json").unlink(missing_ok=True)
+    edit(model)
+    return model
+
+
+def _drop_vision_weights(model: Path) -> None:
+    for file in model.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        save_file({k: v for k, v in tensors.items() if "visual" not in k}, str(file), metadata={"format": "pt"})
+
+
+def _empty_weights(model: Path) -> None:
+    for file in model.glob("*.safetensors"):
+        file.unlink()
+    save_file({}, str(model / "model.safetensors"))
+
+
+def _run(tmp_path, capsys, *, data, base=BASE, extra=(), config=None, config_text=None):
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(config_text if config_text is not None else json.dumps({"sft": config or SFT}))
+    argv = ["--config", str(cfg), "--output-dir", str(tmp_path / "out"), "--base-model", str(base)]
+    argv += ["--data", str(data), *extra]
+    with pytest.raises(SystemExit) as exit_info:
+        sft_main(argv)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+CASES = {
+    "jsonl line is an array": (dict(data=_append("sft.jsonl", b"[1, 2]\n")), r"sft.jsonl:9: a list, not a record"),
+    "jsonl line is a number": (dict(data=_append("sft.jsonl", b"3\n")), r"sft.jsonl:9: a int, not a record"),
+    "invalid utf-8": (dict(data=_append("sft.jsonl", b'{"id": "\xff"}\n')), r"sft.jsonl:9: not UTF-8 text"),
+    "invalid json": (dict(data=_append("sft.jsonl", b'{"id": \n')), r"sft.jsonl:9: not valid JSON"),
+    "eval answer null": (
+        dict(
+            data=lambda d: (d / "eval.jsonl").write_text(
+                (d / "eval.jsonl").read_text().replace('"answer": "', '"answer": null, "x": "', 1)
+            )
+        ),
+        r"eval.jsonl:1 \(id='eval-\w+-00000'\): answers must be a string",
+    ),
+    "config-json not an object": (dict(extra=["--config-json", "[1]"]), r"--config-json must be a JSON object"),
+    "extends too long": (dict(config_text="extends: " + "a" * 5000 + "\n"), r"is not a preset name"),
+    "duplicate preset section": (dict(config_text="sft: {}\nsft: {}\n"), r"'sft' appears twice|given twice|twice"),
+    "bad lora regex": (
+        dict(extra=["mode=lora", "lora.target_modules=['(']"]),
+        r"lora.target_modules: '\(' is not a valid regex",
+    ),
+    "seed 2**64": (dict(extra=[f"seed={2**64}"]), r"sft.seed: Input should be less than 4294967296"),
+    "betas out of range": (dict(extra=["optim.betas=[1.5, 0.9]"]), r"sft.optim.betas.0: Input should be less than 1"),
+    "lora alpha inf": (
+        dict(extra=["mode=lora", "lora.alpha=.inf"]),
+        r"sft.lora.alpha: Input should be a finite number",
+    ),
+    "checkpoint uri http": (
+        dict(extra=["train.checkpoint_uri=http://x/y"]),
+        r"train.checkpoint_uri='http://x/y': only local paths and s3://",
+    ),
+    "data uri http": (dict(data="http://example.com/data"), r"--data='http://example.com/data': only local paths"),
+    "data missing": (dict(data="/nonexistent/data"), r"data directory '/nonexistent/data' does not exist"),
+    "garbage safetensors": (
+        dict(base=lambda m: (m / "model.safetensors").write_bytes(b"garbage" * 10)),
+        r"model.safetensors is not a readable safetensors file",
+    ),
+    "garbage config.json": (
+        dict(base=lambda m: (m / "config.json").write_text("{not json")),
+        r"config.json is not valid JSON",
+    ),
+    "weights hold no tensors": (dict(base=_empty_weights), r"holds no tensors"),
+    "weights lack the vision tower": (dict(base=_drop_vision_weights), r"the checkpoint lacks \d+ weight\(s\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_user_mistake_is_one_message_naming_what_to_fix(case, world, tmp_path, capsys):
+    kwargs, says = CASES[case]
+    kwargs = dict(kwargs)
+    if callable(kwargs.get("data")):
+        kwargs["data"] = _data(world, tmp_path, kwargs["data"])
+    kwargs.setdefault("data", world)
+    if callable(kwargs.get("base")):
+        kwargs["base"] = _model(tmp_path, kwargs["base"])
+    code, err = _run(tmp_path, capsys, **kwargs)
+    assert code == 2, err
+    found = re.search(r"^(python -m components.sft: )?error: ", err, re.MULTILINE)
+    assert found, err[-2000:]
+    ours = err[found.start() :]  # (libraries log above it: transformers' load report)
+    assert "Traceback" not in ours
+    assert re.search(says, ours), ours[:2000]
+    assert len(ours) < 6000
+    assert not (tmp_path / "out" / "model").exists()  # nothing was exported
+
+
+def test_debug_shows_the_traceback(world, tmp_path, capsys):
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(json.dumps({"sft": SFT}))
+    argv = ["--config", str(cfg), "--output-dir", str(tmp_path / "out"), "--base-model", BASE]
+    with pytest.raises(ValueError, match="sft.seed"):
+        sft_main([*argv, "--data", str(world), "--debug", f"seed={2**64}"])
+
+
+def test_skip_policy_trains_without_bad_records_and_counts_them(world, tmp_path, capsys):
+    def spoil(d: Path) -> None:
+        lines = (d / "sft.jsonl").read_text().splitlines()
+        broken = json.loads(lines[0])
+        broken["image"] = "images/missing.png"
+        empty = json.loads(lines[1])
+        empty["conversations"][-1]["value"] = "  "
+        (d / "sft.jsonl").write_text(
+            "\n".join([json.dumps(broken), json.dumps(empty), *lines[2:], "[1]", lines[3]]) + "\n"
+        )
+
+    data = _data(world, tmp_path, spoil)
+    code, err = _run(tmp_path, capsys, data=data)
+    assert code == 2 and "4 bad conversation record(s)" in err  # fail (the default) lists all four at once
+    config = {**SFT, "on_bad_record": "skip"}
+    cfg = tmp_path / "skip.yaml"
+    cfg.write_text(json.dumps({"sft": config}))
+    sft_main(["--config", str(cfg), "--output-dir", str(tmp_path / "ok"), "--base-model", BASE, "--data", str(data)])
+    out = capsys.readouterr().out
+    metrics = json.loads(out[out.index("\n{") + 1 :] if not out.startswith("{") else out)
+    assert metrics["data/skipped_records"] == 4
+    assert metrics["data/skipped/image"] == 1 and metrics["data/skipped/empty"] == 1
+    assert metrics["data/skipped/not_an_object"] == 1 and metrics["data/skipped/duplicate_id"] == 1
+    report = (tmp_path / "ok" / "report.md").read_text()
+    assert "Records skipped" in report and "sft.jsonl:10" in report and "sft.jsonl:1 " in report
+
+
+@pytest.mark.parametrize(
+    ("settings", "kind"),
+    [
+        ({"lake_uri": "s3://AKIAIOSFODNN7EXAMPLE@bucket/x"}, "an AWS access key id"),
+        ({"stages": {"sft": {"note": "ghp_" + "a1B2" * 9}}}, "a GitHub token"),
+        ({"stages": {"rl": {"tracking": "https://user:s3cretpass@mlflow.internal"}}}, "a URL with a password"),
+        ({"kubernetes": {"hf_token": "hf_" + "x" * 34}}, "kubernetes.hf_token"),
+        ({"kubernetes": {"api_key": "0123456789abcdef"}}, "a setting named like a secret"),
+    ],
+)
+def test_credential_like_values_are_named_and_never_shown(settings, kind):
+    with pytest.raises(ValueError) as err:
+        credentials.check(settings, "preset 'x'")
+    assert kind in str(err.value) and "Kubernetes secret" in str(err.value)
+    for value in json.dumps(settings).split('"'):
+        if len(value) > 12:
+            assert value not in str(err.value)
+
+
+def test_ordinary_settings_and_the_shipped_presets_are_not_flagged():
+    from pipelines.presets import PRESET_DIR, load_preset
+
+    assert (
+        credentials.findings({"max_new_tokens": 48, "tokens_per_second": "12345678", "s3_secret": "qvl-s3-credentials"})
+        == []
+    )
+    for preset in sorted(PRESET_DIR.glob("*.yaml")):
+        assert credentials.findings(load_preset(preset.stem).model_dump(mode="json")) == [], preset.name
+
+
+def test_compile_refuses_a_preset_with_a_credential(tmp_path):
+    from pipelines.compile import compile_pipeline
+
+    preset = tmp_path / "leaky.yaml"
+    jwt = "eyJhbGciOiJIUzI1.eyJzdWIiOiIxMjM0.SflKxwRJSMeKKF2QT4"
+    preset.write_text(f"extends: tiny\nbase_model_uri: builtin:tiny-qwen2_5-vl\nkubernetes:\n  token: {jwt}\n")
+    with pytest.raises(ValueError, match="kubernetes.token"):
+        compile_pipeline(str(preset), tmp_path / "out.yaml")
+    assert not (tmp_path / "out.yaml").exists()
