@@ -57,6 +57,7 @@ def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifac
     from components._shared.platform.mlflow_tracking import stage_tracker
     from components._shared.platform.tracking import NullTracker
 
+    output_dir.mkdir(parents=True, exist_ok=True)  # (rank 0's lock made it; other ranks may get here first)
     artifacts = {"output": str(output_dir), **(artifacts or {})}
     started = time.time()
     params = cfg.model_dump(mode="json")

@@ -122,7 +122,8 @@ class CheckpointStore:
         return found if self.key is None else [u for u in found if checkpoint_key(u) == self.key]
 
     def _set_aside_foreign(self) -> None:
-        """Move a local root that holds other keys' checkpoints to ROOT.stale-<key>, kept whole."""
+        """Move the checkpoints of other keys out of a local root into ROOT.stale-<key>/, kept whole (the root
+        itself stays: it may hold this run's lock)."""
         root = Path(self.root)
         found = [u for u in storage.list_committed(root) if Path(u).name.startswith(STEP_PREFIX)]
         foreign = sorted({checkpoint_key(u) or "unkeyed" for u in found} - {self.key})
@@ -133,8 +134,10 @@ class CheckpointStore:
             if not target.exists():
                 break
             target = root.with_name(f"{root.name}.stale-{foreign[0]}-{n}")
-        os.replace(root, target)
-        root.mkdir()
+        target.mkdir(parents=True)
+        for child in sorted(root.iterdir()):
+            if child.name.startswith((STEP_PREFIX, f".{STEP_PREFIX}")) and checkpoint_key(str(child)) != self.key:
+                os.replace(child, target / child.name)
         note = {"root": str(root), "kept_at": str(target), "old_key": ", ".join(foreign), "new_key": str(self.key)}
         SET_ASIDE.append(note)
         print(
