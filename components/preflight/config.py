@@ -14,3 +14,14 @@ class PreflightConfig(StageConfig):
     check_tracking: bool = Field(True, description="Reach the MLflow tracking server (HTTP URIs only).")
     resolve_models: bool = Field(True, description="Resolve (download or build) every model URI into the cache.")
     timeout_s: Annotated[float, Field(gt=0, le=600, description="Network timeout per check, seconds.")] = 20.0
+    records_download_mb: Annotated[
+        float,
+        Field(
+            ge=0,
+            description=(
+                "Read every record of s3:// training data (and its images' headers) here when the prefix holds at "
+                "most this many MB; a larger one is left to each stage's own check at its start (counted in "
+                "records_unchecked_uris)."
+            ),
+        ),
+    ] = 4096.0

@@ -153,36 +153,75 @@ DATA_READERS = {
 }
 
 
-def check_records(data_files: dict[str, dict[str, Any]], stage_configs: dict[str, dict[str, Any]]) -> dict[str, int]:
-    """Read every record of each local data directory the DAG uses, as its stages will (fields, images' headers,
-    ids): one error lists the bad records of all of them, unless every stage reading that data skips bad records
-    (on_bad_record: skip), when they are counted instead. s3:// data is checked by each stage at its start."""
-    from components._shared.eval import readers
-    from components._shared.platform import bad_records, storage
+def check_records(
+    data_files: dict[str, dict[str, Any]],
+    stage_configs: dict[str, dict[str, Any]],
+    *,
+    download_mb: float = 4096.0,
+    scratch: Path | None = None,
+) -> dict[str, int]:
+    """Read every record of each data directory the DAG uses, as its stages will (fields, images' headers, ids):
+    one error lists the bad records of all of them, unless every stage reading that data skips bad records
+    (on_bad_record: skip), when they are counted instead. An s3:// prefix is downloaded for it when it holds at
+    most `download_mb` MB; a larger one is left to each stage's check at its start (records_unchecked_uris)."""
+    import tempfile
 
-    loaders = {
-        "sft": lambda d, names: readers.load_conversations(d, file_name=(names or [None])[0]),
-        "eval": lambda d, names: readers.load_questions(d, names, role="eval"),
-        "rl": lambda d, names: readers.load_questions(d, names, role="rl"),
-        "preferences": lambda d, names: readers.load_preferences(d),
-    }
+    from components._shared.platform import bad_records
+
     checked, skipped, problems = 0, set(), []
-    for parameter, spec in data_files.items():
-        uri = spec.get("uri") or ""
-        if not uri or storage.is_s3(uri) or not Path(uri).is_dir():
-            continue
-        readers_of = [(stage_configs.get(s) or {}) for s in DATA_READERS.get(parameter, []) if s in stage_configs]
-        skip = bool(readers_of) and all(c.get("on_bad_record") == "skip" for c in readers_of)
-        with bad_records.policy("skip" if skip else "fail") as ledger:
-            for role in spec.get("roles") or []:
-                try:
-                    checked += len(loaders[role](Path(uri), (spec.get("names") or {}).get(role)))
-                except ValueError as err:
-                    problems.append(f"{parameter} ({uri}), {role} records: {err}")
-        skipped |= {f"{uri}/{source}" for source in ledger.skipped}  # a file two parameters share: counted once
+    with tempfile.TemporaryDirectory(prefix="qvl-preflight-", dir=scratch) as downloads:
+        local = _local_data(data_files, download_mb, Path(downloads))
+        for parameter, spec in data_files.items():
+            uri = spec.get("uri") or ""
+            directory = local.get(uri)
+            if directory is None:
+                continue
+            readers_of = [(stage_configs.get(s) or {}) for s in DATA_READERS.get(parameter, []) if s in stage_configs]
+            skip = bool(readers_of) and all(c.get("on_bad_record") == "skip" for c in readers_of)
+            with bad_records.policy("skip" if skip else "fail") as ledger:
+                for role in spec.get("roles") or []:
+                    try:
+                        checked += len(_load_role(role, directory, (spec.get("names") or {}).get(role)))
+                    except ValueError as err:
+                        problems.append(f"{parameter} ({uri}), {role} records: {err}")
+            skipped |= {f"{uri}/{source}" for source in ledger.skipped}  # a file two parameters share: counted once
     if problems:
         raise ValueError("\n".join(problems))
-    return {"records_checked": checked, "records_to_skip": len(skipped)}
+    unchecked = sum(1 for directory in local.values() if directory is None)
+    return {"records_checked": checked, "records_to_skip": len(skipped), "records_unchecked_uris": unchecked}
+
+
+def _local_data(data_files: dict[str, dict[str, Any]], download_mb: float, downloads: Path) -> dict[str, Path | None]:
+    """{uri: a local directory of it} for the data URIs: local ones as they are, s3:// ones of at most
+    `download_mb` MB downloaded into `downloads`, larger ones None (their stages check them)."""
+    from components._shared.eval import readers
+    from components._shared.platform import storage
+
+    local: dict[str, Path | None] = {}
+    for uri in dict.fromkeys(spec.get("uri") or "" for spec in data_files.values()):
+        if not uri:
+            continue
+        if not storage.is_s3(uri):
+            local[uri] = Path(uri) if Path(uri).is_dir() else None
+            continue
+        size_mb = sum(int(v.split(":", 1)[0]) for v in storage.list_etags(uri).values()) / 1e6
+        if size_mb > download_mb:
+            print(f"preflight: {uri} holds {size_mb:.0f} MB (> records_download_mb); its stages check its records.")
+            local[uri] = None
+        else:
+            local[uri] = readers.resolve_data_dir(uri, scratch=downloads / str(len(local)))
+    return local
+
+
+def _load_role(role: str, directory: Path, names: list[str] | None) -> list[dict]:
+    """The records a stage reads for `role` ('sft', 'eval', 'rl', 'preferences'), checked as it checks them."""
+    from components._shared.eval import readers
+
+    if role == "sft":
+        return readers.load_conversations(directory, file_name=names[0] if names else None)
+    if role == "preferences":
+        return readers.load_preferences(directory)
+    return readers.load_questions(directory, names, role=role)
 
 
 def required_files(uri: str, roles: list[str], names: dict[str, list[str]]) -> list[str]:
@@ -251,7 +290,9 @@ def run(
         metrics["lake_shards"] = count_lake_shards(lake_uri)
     if data_files:
         metrics["data_files"] = check_data(data_files)
-        metrics.update(check_records(data_files, stage_configs))
+        metrics.update(
+            check_records(data_files, stage_configs, download_mb=cfg.records_download_mb, scratch=output_dir)
+        )
     if cfg.check_tracking:
         metrics["tracking"] = check_tracking_server(cfg.timeout_s)
     resolved = {}

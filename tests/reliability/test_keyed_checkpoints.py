@@ -6,6 +6,7 @@ an output directory (or checkpoint root) in use fails at once, naming the holder
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -115,8 +116,6 @@ def test_a_second_run_into_an_output_in_use_fails_at_once_naming_the_holder(worl
     cmd = [sys.executable, "-m", "components.sft", "--config", str(cfg_file), "--output-dir", str(out)]
     cmd += ["--base-model", BASE, "--data", str(worlds / "w1")]
     env = {"OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
-    import os
-
     first = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     holder = out / locks.HOLDER_FILE
     deadline = time.time() + 120
@@ -144,7 +143,7 @@ def test_local_lock_is_exclusive_reentrant_and_released(tmp_path):
         locks.hold(tmp_path / "out", purpose="test")
         locks.hold(tmp_path / "out" / "checkpoints", purpose="test")  # inside a held folder: no second lock
         holder = json.loads((tmp_path / "out" / locks.HOLDER_FILE).read_text())
-        assert holder["pid"] == __import__("os").getpid()
+        assert holder["pid"] == os.getpid()
         probe = subprocess.run(
             [sys.executable, "-c", _HOLD_SNIPPET, str(tmp_path / "out")], capture_output=True, text=True, check=False
         )
@@ -186,22 +185,37 @@ def test_unwritable_output_stage_cli_says_so_without_traceback(worlds, tmp_path)
     assert time.time() - started < quick  # found before the work, not after it
 
 
-def test_s3_lease_is_exclusive_taken_over_when_expired_and_released(s3_env, monkeypatch):
+def test_s3_lease_is_exclusive_taken_over_when_expired_and_released(s3_env):
     root = f"{s3_env.uri}/ckpt/sft-abc"
     with locks.scope():
         locks.hold(root, purpose="checkpoints")
-        body = json.loads(
-            s3_env.client().get_object(Bucket=s3_env.bucket, Key="ckpt/sft-abc.qvl-lock.json")["Body"].read()
-        )
-        assert body["pid"] == __import__("os").getpid() and body["expires"] > time.time()
-        with pytest.raises(locks.LockHeld, match="in use"):
-            locks.S3Lease(root, holder=locks.holder("other"))
+        lease = s3_env.client().get_object(Bucket=s3_env.bucket, Key="ckpt/sft-abc.qvl-lock.json")
+        body = json.loads(lease["Body"].read())
+        assert body["pid"] == os.getpid() and body["expires"] > time.time()
     listing = s3_env.client().list_objects_v2(Bucket=s3_env.bucket, Prefix="ckpt/")
     assert listing.get("KeyCount", 0) == 0  # released
 
+    alive = locks.S3Lease(root, holder=locks.holder("first"), lease_s=2.0)  # renews every 0.4 s
+    started = time.time()
+    with pytest.raises(locks.LockHeld, match=r"in use by pid \d+ .*\(first, .*renews its lease"):
+        locks.S3Lease(root, holder=locks.holder("second"))
+    assert time.time() - started < 2.0  # refused on seeing a renewal, before the lease could run out
+    alive.release()
+
     stale = locks.S3Lease(root, holder=locks.holder("crashed"), lease_s=0.5, renew=False)
-    time.sleep(1.0)  # its holder died: the lease ran out
+    time.sleep(1.0)  # its holder stopped renewing: the lease ran out
     taken = locks.S3Lease(root, holder=locks.holder("retry"))
-    assert "retry" in json.loads(taken.read()[0])["purpose"]
+    assert json.loads(taken.read()[0])["purpose"] == "retry"
     taken.release()
     del stale
+
+
+def test_s3_lease_of_a_killed_process_is_taken_over_at_once(s3_env):
+    root = f"{s3_env.uri}/out/sft"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    who = {**locks.holder("killed run"), "pid": int(gone.stdout)}
+    locks.S3Lease(root, holder=who, lease_s=3600, renew=False)  # an hour left, but its process is dead
+    started = time.time()
+    retry = locks.S3Lease(root, holder=locks.holder("retry"))
+    assert time.time() - started < 5 and json.loads(retry.read()[0])["purpose"] == "retry"
+    retry.release()

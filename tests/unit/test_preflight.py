@@ -1,5 +1,6 @@
 """Preflight: every problem it exists to catch fails fast with a message that names it."""
 
+import json
 import socket
 
 import pytest
@@ -125,3 +126,25 @@ def test_clean_data_counts_visual_tokens_on_the_base_models_grid(tmp_path):
     assert check_patch_size(qwen3, {"patch_size": 16}) == 16
     with pytest.raises(ValueError, match=r"clean_data.patch_size=14 but the base model's ViT patch is 16 \(qwen3_vl\)"):
         check_patch_size(qwen3, {})
+
+
+def test_s3_training_data_is_read_whole_before_any_gpu_unless_too_large(tmp_path, s3_env):
+    from components._shared.platform import storage
+    from components.preflight.stage import check_records
+    from components.synth_world.splits import write_splits
+
+    data = tmp_path / "heldout"
+    write_splits(data, seed=5, eval_per_type=1, sft_records=6, preference_pairs=2)
+    lines = (data / "sft.jsonl").read_text().splitlines()
+    broken = json.loads(lines[2])
+    broken["image"] = "images/not-there.png"
+    (data / "sft.jsonl").write_text("\n".join([*lines[:2], json.dumps(broken), *lines[3:]]) + "\n")
+    uri = f"{s3_env.uri}/data/heldout"
+    storage.publish_dir(data, uri)
+    files = {"sft_data_uri": {"uri": uri, "roles": ["sft", "eval"], "required": True}}
+    with pytest.raises(ValueError, match=r"(?s)sft_data_uri \(s3://.*sft.jsonl:3 .*not-there.png"):
+        check_records(files, {"sft": {}}, scratch=tmp_path)
+    counted = check_records(files, {"sft": {"on_bad_record": "skip"}, "distill": {"on_bad_record": "skip"}})
+    assert counted["records_to_skip"] == 1 and counted["records_checked"] > 5
+    assert check_records(files, {}, download_mb=0.001)["records_unchecked_uris"] == 1  # left to the stages
+    assert not list(tmp_path.glob("qvl-preflight-*"))  # the download is removed

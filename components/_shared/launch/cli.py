@@ -41,8 +41,8 @@ def stage_main(
     from components._shared.launch.result import RESULT_FILE
     from components._shared.platform.user_errors import reported
 
-    hint = str(Path(args.output_dir) / RESULT_FILE) if not args.output_dir.startswith("s3://") else ""
-    with reported(debug=args.debug, log_hint=hint):
+    log_file = None if args.output_dir.startswith("s3://") else Path(args.output_dir) / RESULT_FILE
+    with reported(debug=args.debug, log_file=log_file):
         return _run_section(parser, args, config_cls, run, section, inputs)
 
 

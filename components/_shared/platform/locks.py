@@ -9,9 +9,10 @@
   DIR/.qvl-lock.json names the holder (pid, host, purpose, start) while it is held. Both files are left out of
   commit markers.
 - An s3:// prefix is locked by a lease object PREFIX.qvl-lock.json created with a conditional write
-  (If-None-Match: *), renewed every lease/5 with If-Match on its ETag, and taken over only once it has
-  expired (a holder killed without releasing). This needs an S3 that honours conditional writes (AWS S3,
-  MinIO and SeaweedFS do).
+  (If-None-Match: *), renewed every lease/5 (lease: QVL_S3_LEASE_S, 60 s) with If-Match on its ETag. A second
+  run waits while the lease runs: it stops as soon as it sees a renewal (the holder is alive) and takes the
+  lease over, atomically, once it expired or when its holder was a process of this host that no longer exists
+  (a killed run, rerun). This needs an S3 that honours conditional writes (AWS S3, MinIO, SeaweedFS do).
 - Only rank 0 of a torchrun job takes locks (all ranks write one output together). Outside a `scope()`,
   `hold` is a no-op: the library can be used without the CLI's locking.
 """
@@ -33,7 +34,7 @@ from components._shared.platform import storage
 
 LOCK_FILE, HOLDER_FILE = storage.LOCK_FILES
 S3_SUFFIX = ".qvl-lock.json"
-LEASE_S = float(os.environ.get("QVL_S3_LEASE_S", "300"))
+LEASE_S = float(os.environ.get("QVL_S3_LEASE_S", "60"))
 _HELD_CODES = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
 
 
@@ -109,7 +110,8 @@ class S3Lease:
             self._thread.start()
 
     def _body(self) -> bytes:
-        return json.dumps({**self.holder, "expires": time.time() + self.lease_s}, indent=1).encode()
+        body = {**self.holder, "lease_s": self.lease_s, "expires": time.time() + self.lease_s}
+        return json.dumps(body, indent=1).encode()
 
     def _put(self, **condition: str) -> str | None:
         """Write the lease under `condition`; its ETag, or None when the condition failed (someone else holds it)."""
@@ -142,24 +144,32 @@ class S3Lease:
         return reply["Body"].read().decode(), str(reply["ETag"])
 
     def _create(self) -> str:
-        etag = self._put(IfNoneMatch="*")
-        if etag is not None:
-            return etag
-        current = self.read()
-        if current is not None:
-            who = json.loads(current[0])
-            if float(who.get("expires", 0)) > time.time():
-                left = float(who["expires"]) - time.time()
+        """Create the lease, or take over one whose holder is gone: expired, or a dead process on this host (a
+        run killed and rerun here). A live holder renews its lease every lease/5: seeing that ETag change while
+        waiting for the expiry means it is alive, and this run stops at once."""
+        seen: str | None = None
+        while True:
+            etag = self._put(IfNoneMatch="*")
+            if etag is not None:
+                return etag
+            current = self.read()
+            if current is None:
+                continue  # released between our two requests
+            who, tag = json.loads(current[0]), current[1]
+            left = float(who.get("expires", 0)) - time.time()
+            if left <= 0 or _dead_here(who):
+                etag = self._put(IfMatch=tag)  # atomic: only one of several waiting runs takes it
+                if etag is not None:
+                    return etag
+                seen = None
+                continue
+            if seen is not None and tag != seen:
                 raise LockHeld(
-                    f"{self.uri.removesuffix(S3_SUFFIX)} is in use by {describe(who)}; its lease runs {left:.0f} s "
-                    f"more ({self.uri}). Wait for that run, stop it, or choose another location."
+                    f"{self.uri.removesuffix(S3_SUFFIX)} is in use by {describe(who)}, which renews its lease "
+                    f"({self.uri}). Wait for that run, stop it, or choose another location."
                 )
-            etag = self._put(IfMatch=current[1])  # expired: its holder died; take it over atomically
-        else:
-            etag = self._put(IfNoneMatch="*")  # released between our two requests
-        if etag is None:
-            raise LockHeld(f"{self.uri.removesuffix(S3_SUFFIX)} was just taken by another run; see {self.uri}.")
-        return etag
+            seen = tag
+            time.sleep(min(left + 0.05, max(0.1, float(who.get("lease_s", LEASE_S)) / 10)))
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.lease_s / 5):
@@ -208,6 +218,19 @@ def hold(target: str | Path, *, purpose: str) -> None:
     who = holder(purpose)
     lock = S3Lease(name, holder=who) if storage.is_s3(name) else LocalLock(name, holder=who)
     _held.append((name, lock))
+
+
+def _dead_here(who: dict[str, Any]) -> bool:
+    """The holder ran on this host and its process is gone (killed without releasing)."""
+    if who.get("host") != socket.gethostname() or not isinstance(who.get("pid"), int) or who["pid"] == os.getpid():
+        return False
+    try:
+        os.kill(who["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _read_json(path: Path) -> dict[str, Any]:

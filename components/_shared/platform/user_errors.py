@@ -1,6 +1,6 @@
 """User mistakes end a command with one message, not a traceback.
 
-    with reported(debug=args.debug, log_hint="OUT/run_summary.json"):
+    with reported(debug=args.debug, log_file=OUT / "_stage_result.json"):
         ...the command...
 
 A bad setting, record, path or model is raised as ValueError (pydantic's ValidationError, RecordError,
@@ -15,6 +15,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 from components._shared.platform.locks import LockHeld, OutputUnusable
 
@@ -38,14 +39,15 @@ def message(err: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def reported(*, debug: bool = False, log_hint: str = "") -> Iterator[None]:
-    """Turn a user error raised inside into `error: ...` on stderr and exit code 2 (unless debugging)."""
+def reported(*, debug: bool = False, log_file: Path | None = None) -> Iterator[None]:
+    """Turn a user error raised inside into `error: ...` on stderr and exit code 2 (unless debugging); names
+    `log_file` as the place of the traceback when it exists by then."""
     try:
         yield
     except USER_ERRORS as err:
         if debug_enabled(debug):
             raise
-        hint = f" The traceback is in {log_hint}." if log_hint else ""
+        hint = f" The traceback is in {log_file}." if log_file is not None and log_file.is_file() else ""
         print(f"error: {message(err)}\n(rerun with --debug or QVL_DEBUG=1 for the traceback.{hint})", file=sys.stderr)
         raise SystemExit(EXIT_USER_ERROR) from None
     except KeyboardInterrupt:
