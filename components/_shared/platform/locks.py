@@ -191,33 +191,33 @@ class S3Lease:
                 s3_client.client().delete_object(Bucket=self.bucket, Key=self.key)
 
 
-_held: list[tuple[str, LocalLock | S3Lease]] | None = None
+_scopes: list[list[tuple[str, LocalLock | S3Lease]]] = []  # open scopes of this process, innermost last
 
 
 @contextlib.contextmanager
 def scope() -> Iterator[None]:
-    """Locks taken by `hold` inside are released when it closes (innermost scope of this process)."""
-    global _held
-    outer, _held = _held, []
+    """Locks taken by `hold` inside are released when it closes."""
+    held: list[tuple[str, LocalLock | S3Lease]] = []
+    _scopes.append(held)
     try:
         yield
     finally:
-        held, _held = _held, outer
+        _scopes.remove(held)
         for _, lock in reversed(held):
             lock.release()
 
 
 def hold(target: str | Path, *, purpose: str) -> None:
-    """Take the one-writer lock of a local directory or s3:// prefix for the rest of the open scope; no-op on
-    ranks > 0, outside a scope, or when this process already holds it or a folder above it."""
-    if _held is None or os.environ.get("RANK", "0").strip() not in ("", "0"):
+    """Take the one-writer lock of a local directory or s3:// prefix for the rest of the innermost open scope;
+    no-op on ranks > 0, outside a scope, or when this process already holds it or a folder above it."""
+    if not _scopes or os.environ.get("RANK", "0").strip() not in ("", "0"):
         return
     name = str(target).rstrip("/") if storage.is_s3(target) else str(Path(target).resolve())
-    if any(name == held or name.startswith(held + "/") for held, _ in _held):
+    if any(name == held or name.startswith(held + "/") for scope_ in _scopes for held, _ in scope_):
         return
     who = holder(purpose)
     lock = S3Lease(name, holder=who) if storage.is_s3(name) else LocalLock(name, holder=who)
-    _held.append((name, lock))
+    _scopes[-1].append((name, lock))
 
 
 def _dead_here(who: dict[str, Any]) -> bool:
