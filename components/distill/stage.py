@@ -101,7 +101,10 @@ def run(
     records = readers.load_conversations(data_dir, cfg.max_records)
     eval_records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     store = checkpoint_store(
-        "distill", cfg.train, run_key(cfg, {"teacher_model": teacher_model, "data": data}), output_dir
+        "distill",
+        cfg.train,
+        run_key(cfg, {"teacher_model": teacher_model, "data": data, "student_model": cfg.student.model_uri}),
+        output_dir,
     )
     teacher, processor = load_vlm(teacher_model)
     teacher.requires_grad_(False).eval()

@@ -102,8 +102,17 @@ def test_training_data_is_required_where_the_dag_reads_it(tmp_path, lake):
     with pytest.raises(ValueError, match=r"(?s)sft_data_uri .*sft records: 1 bad conversation.*sft.jsonl:1 .*unknown"):
         _run(tmp_path, lake, data_files=spec(str(data), True))  # every record read before any GPU is asked for
     skipping = {s: {"on_bad_record": "skip"} for s in ("pretrain", "select_checkpoint", "sft", "distill")}
+    with pytest.raises(ValueError, match=r"every record of sft.jsonl is bad \(1 skipped"):
+        _run(tmp_path, lake, data_files=spec(str(data), True), stage_configs=skipping)  # a wrong file, not a few bad
+    conversation = {"id": "s1", "conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "yes"}]}
+    (data / "sft.jsonl").write_text("{}\n" + json.dumps(conversation) + "\n")
+    from PIL import Image
+
+    Image.new("RGB", (32, 32)).save(data / "e1.png")
+    question = {"id": "e1", "image": "e1.png", "question": "Hi?", "answer": "yes", "task": "yes_no"}
+    (data / "eval.jsonl").write_text("{}\n" + json.dumps(question) + "\n")
     counted = _run(tmp_path, lake, data_files=spec(str(data), True), stage_configs=skipping)
-    assert counted["data_files"] == 3 and counted["records_to_skip"] == 2 and counted["records_checked"] == 0
+    assert counted["data_files"] == 3 and counted["records_to_skip"] == 2 and counted["records_checked"] == 3
     (data / "dataset.yaml").write_text("sft: [llava.json]\n")  # the manifest's files replace sft.jsonl
     with pytest.raises(ValueError, match="heldout/llava.json does not exist"):
         _run(tmp_path, lake, data_files=spec(str(data), True), stage_configs=skipping)

@@ -185,8 +185,14 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
         out.append(record)
     ledger = bad_records.current()
     if bad and ledger is not None and ledger.skipping:
-        for source, reason in bad:
-            ledger.skip(source, reason)
+        name = Path(spec.path).name
+        for source, reason in bad:  # keyed by the file's path in the data dir: same-named files never collide
+            ledger.skip(spec.path + source[len(name) :] if source.startswith(name) else source, reason)
+        if not out:
+            raise ValueError(
+                f"every record of {spec.path} is bad ({len(bad)} skipped under on_bad_record: skip), e.g. "
+                f"{bad[0][0]}: {bad[0][1]}; fix the file."
+            )
     elif bad:
         shown = "\n  ".join(f"{source}: {reason}" for source, reason in bad[: F.MAX_REPORTED])
         more = f"\n  ... and {len(bad) - F.MAX_REPORTED} more" if len(bad) > F.MAX_REPORTED else ""

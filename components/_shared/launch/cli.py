@@ -84,6 +84,7 @@ def _run_section(parser, args, config_cls, run, section: str, inputs: tuple[str,
             record_as=section,
         )
         if storage.is_s3(args.output_dir) and os.environ.get("RANK", "0").strip() in ("", "0"):
+            locks.check_not_lost()
             storage.publish_dir(local_out, args.output_dir)  # rank 0 only: it alone wrote the outputs
     print(json.dumps(metrics, indent=2, sort_keys=True, default=str))
     return metrics

@@ -100,6 +100,7 @@ class CheckpointStore:
 
     def commit(self, staging: Path, step: int) -> str:
         """Publish a fully written staging dir as checkpoint `step` (marker last) and prune old ones."""
+        locks.check_not_lost()  # another run took the root's lease: never write over its checkpoints
         if self.key is not None:
             (staging / KEY_FILE).write_text(json.dumps({"key": self.key}) + "\n")
         if self.remote:

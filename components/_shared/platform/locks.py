@@ -10,9 +10,11 @@
   commit markers.
 - An s3:// prefix is locked by a lease object PREFIX.qvl-lock.json created with a conditional write
   (If-None-Match: *), renewed every lease/5 (lease: QVL_S3_LEASE_S, 60 s) with If-Match on its ETag. A second
-  run waits while the lease runs: it stops as soon as it sees a renewal (the holder is alive) and takes the
-  lease over, atomically, once it expired or when its holder was a process of this host that no longer exists
-  (a killed run, rerun). This needs an S3 that honours conditional writes (AWS S3, MinIO, SeaweedFS do).
+  run stops as soon as it sees a renewal (the holder is alive); it takes the lease over, atomically, when its
+  holder was a process of this host, boot and pid namespace that no longer exists (a killed run, rerun), or
+  after seeing it unrenewed for two renewal periods on its own clock (a holder elsewhere that died: a KFP retry
+  in a new pod waits ~24 s). A holder whose lease was taken stops at its next commit (`check_not_lost`). This
+  needs an S3 that honours conditional writes (AWS S3, MinIO, SeaweedFS do).
 - Only rank 0 of a torchrun job takes locks (all ranks write one output together). Outside a `scope()`,
   `hold` is a no-op: the library can be used without the CLI's locking.
 """
@@ -50,7 +52,7 @@ def holder(purpose: str) -> dict[str, Any]:
     """Who holds a lock: this process, its host (the pod name on Kubernetes) and what for."""
     return {
         "pid": os.getpid(),
-        "host": socket.gethostname(),
+        **_machine(),
         "purpose": purpose,
         "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "kfp_run": os.environ.get("KFP_RUN_ID", ""),
@@ -102,6 +104,7 @@ class S3Lease:
         self.bucket, key = storage.split_s3(prefix.rstrip("/"))
         self.key, self.uri, self.lease_s = key + S3_SUFFIX, prefix.rstrip("/") + S3_SUFFIX, lease_s
         self.holder = holder
+        self.lost = False
         self.etag = self._create()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,35 +122,31 @@ class S3Lease:
 
         from components._shared.platform import s3_client
 
-        try:
-            reply = s3_client.client().put_object(Bucket=self.bucket, Key=self.key, Body=self._body(), **condition)
-        except ClientError as err:
-            if str(err.response.get("Error", {}).get("Code")) in _HELD_CODES:
-                return None
-            with s3_client.errors(self.uri):
+        with s3_client.errors(self.uri):
+            try:
+                reply = s3_client.client().put_object(Bucket=self.bucket, Key=self.key, Body=self._body(), **condition)
+            except ClientError as err:
+                if str(err.response.get("Error", {}).get("Code")) in _HELD_CODES:
+                    return None
                 raise
         return str(reply["ETag"])
 
     def read(self) -> tuple[str, str] | None:
         """(body, ETag) of the lease object now, or None when there is none."""
-        from botocore.exceptions import ClientError
-
         from components._shared.platform import s3_client
 
         try:
-            reply = s3_client.client().get_object(Bucket=self.bucket, Key=self.key)
-        except ClientError as err:
-            if str(err.response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound"):
-                return None
             with s3_client.errors(self.uri):
-                raise
-        return reply["Body"].read().decode(), str(reply["ETag"])
+                reply = s3_client.client().get_object(Bucket=self.bucket, Key=self.key)
+                return reply["Body"].read().decode(), str(reply["ETag"])
+        except FileNotFoundError:
+            return None
 
     def _create(self) -> str:
-        """Create the lease, or take over one whose holder is gone: expired, or a dead process on this host (a
-        run killed and rerun here). A live holder renews its lease every lease/5: seeing that ETag change while
-        waiting for the expiry means it is alive, and this run stops at once."""
-        seen: str | None = None
+        """Create the lease, or take over one whose holder is gone: a dead process of this host and pid namespace
+        (a run killed and rerun here), or a lease seen unchanged for two of its renewal periods on this machine's
+        own clock (the holder stopped renewing). Seeing it renewed means the holder is alive: stop at once."""
+        seen, since = None, 0.0
         while True:
             etag = self._put(IfNoneMatch="*")
             if etag is not None:
@@ -156,9 +155,9 @@ class S3Lease:
             if current is None:
                 continue  # released between our two requests
             who, tag = json.loads(current[0]), current[1]
-            left = float(who.get("expires", 0)) - time.time()
-            if left <= 0 or _dead_here(who):
-                etag = self._put(IfMatch=tag)  # atomic: only one of several waiting runs takes it
+            period = max(0.05, float(who.get("lease_s", LEASE_S)) / 5)  # the holder renews this often
+            if _dead_here(who) or (tag == seen and time.monotonic() - since >= 2 * period):
+                etag = self._put(IfMatch=tag)  # atomic: only one of several waiting runs takes it over
                 if etag is not None:
                     return etag
                 seen = None
@@ -168,14 +167,20 @@ class S3Lease:
                     f"{self.uri.removesuffix(S3_SUFFIX)} is in use by {describe(who)}, which renews its lease "
                     f"({self.uri}). Wait for that run, stop it, or choose another location."
                 )
-            seen = tag
-            time.sleep(min(left + 0.05, max(0.1, float(who.get("lease_s", LEASE_S)) / 10)))
+            if seen is None:
+                seen, since = tag, time.monotonic()
+            time.sleep(period / 2)
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.lease_s / 5):
-            etag = self._put(IfMatch=self.etag)
+            try:
+                etag = self._put(IfMatch=self.etag)
+            except Exception as err:  # a flaky S3: try again next period (the lease outlives two misses)
+                print(f"WARNING: could not renew the lease {self.uri}: {err}", flush=True)
+                continue
             if etag is None:
-                print(f"WARNING: lost the lease {self.uri}: another run may now write there.", flush=True)
+                self.lost = True
+                print(f"ERROR: lost the lease {self.uri}: another run took it; this run stops at its next commit.")
                 return
             self.etag = etag
 
@@ -203,8 +208,11 @@ def scope() -> Iterator[None]:
         yield
     finally:
         _scopes.remove(held)
-        for _, lock in reversed(held):
-            lock.release()
+        for name, lock in reversed(held):
+            try:
+                lock.release()
+            except Exception as err:  # the OS lock dies with the process, a lease expires: never mask the result
+                print(f"WARNING: could not release the lock of {name}: {err}", flush=True)
 
 
 def hold(target: str | Path, *, purpose: str) -> None:
@@ -220,9 +228,30 @@ def hold(target: str | Path, *, purpose: str) -> None:
     _scopes[-1].append((name, lock))
 
 
+def check_not_lost() -> None:
+    """Raise LockHeld when a lease this process holds was taken by another run (called before each commit)."""
+    for scope_ in _scopes:
+        for name, lock in scope_:
+            if isinstance(lock, S3Lease) and lock.lost:
+                raise LockHeld(f"{name}: another run took this run's lease; stopping before writing over its work.")
+
+
+def _machine() -> dict[str, Any]:
+    """What makes a pid comparable: the same host name, boot and pid namespace (not just a shared host name)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        boot, namespace = "", 0
+    return {"host": socket.gethostname(), "boot_id": boot, "pid_ns": namespace}
+
+
 def _dead_here(who: dict[str, Any]) -> bool:
-    """The holder ran on this host and its process is gone (killed without releasing)."""
-    if who.get("host") != socket.gethostname() or not isinstance(who.get("pid"), int) or who["pid"] == os.getpid():
+    """The holder was a process of this machine's pid namespace that no longer exists (killed, not released)."""
+    here = _machine()
+    if not here["boot_id"] or any(who.get(k) != v for k, v in here.items()):
+        return False
+    if not isinstance(who.get("pid"), int) or who["pid"] == os.getpid():
         return False
     try:
         os.kill(who["pid"], 0)

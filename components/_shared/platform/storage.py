@@ -304,7 +304,10 @@ def _marker_for(source: Path) -> tuple[list[Path], dict[str, Any]]:
     files = sorted(
         p
         for p in source.rglob("*")
-        if p.is_file() and p.relative_to(source).as_posix() != COMMIT_MARKER and p.name not in LOCK_FILES
+        if p.is_file()
+        and p.relative_to(source).as_posix() != COMMIT_MARKER
+        and p.name not in LOCK_FILES
+        and not any(".stale-" in part for part in p.relative_to(source).parts)  # another run's, set aside
     )
     marker = {
         "files": {

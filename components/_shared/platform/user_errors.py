@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,12 +43,14 @@ def message(err: BaseException) -> str:
 def reported(*, debug: bool = False, log_file: Path | None = None) -> Iterator[None]:
     """Turn a user error raised inside into `error: ...` on stderr and exit code 2 (unless debugging); names
     `log_file` as the place of the traceback when it exists by then."""
+    started = time.time()
     try:
         yield
     except USER_ERRORS as err:
         if debug_enabled(debug):
             raise
-        hint = f" The traceback is in {log_file}." if log_file is not None and log_file.is_file() else ""
+        written = log_file is not None and log_file.is_file() and log_file.stat().st_mtime >= started - 1
+        hint = f" The traceback is in {log_file}." if written else ""
         print(f"error: {message(err)}\n(rerun with --debug or QVL_DEBUG=1 for the traceback.{hint})", file=sys.stderr)
         raise SystemExit(EXIT_USER_ERROR) from None
     except KeyboardInterrupt:
