@@ -191,15 +191,13 @@ def content_identity(value: Any) -> str:
     local directory or file by the sha256 of every file, an s3:// prefix by its objects' sizes and ETags; other
     values (builtin:..., empty) as themselves."""
     text = str(value or "")
-    if storage.is_s3(text):
-        if storage.is_committed(text):
-            return json.dumps(storage.read_marker(text)["files"], sort_keys=True)
-        return json.dumps(storage.list_etags(text), sort_keys=True)
-    path = Path(text) if text else None
-    if path is None or not path.exists():
+    if not text or not (storage.is_s3(text) or Path(text).exists()):
         return text
-    if (path / storage.COMMIT_MARKER).is_file():
-        return json.dumps(json.loads((path / storage.COMMIT_MARKER).read_text())["files"], sort_keys=True)
+    if storage.is_committed(text):  # local or s3://: the marker already holds every file's sha256
+        return json.dumps(storage.read_marker(text)["files"], sort_keys=True)
+    if storage.is_s3(text):
+        return json.dumps(storage.list_etags(text), sort_keys=True)
+    path = Path(text)
     if path.is_file():
         return storage.sha256_file(path)
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.name not in storage.LOCK_FILES)
