@@ -32,12 +32,13 @@ MIN_PIXELS, MAX_PIXELS, FACTOR = 56 * 56, 1280 * 28 * 28, 28
 SIZES = [(1200, 840), (1024, 1024), (900, 1110), (1280, 800)]
 
 
-def make_jpegs(count: int, seed: int = 0) -> list[bytes]:
-    """Photo-like ~1 MP JPEGs: gradients, filled shapes, a little sensor noise, quality 90."""
+def make_jpegs(count: int, seed: int = 0, sizes: list[tuple[int, int]] = SIZES) -> list[bytes]:
+    """Photo-like JPEGs (~1 MP by default; `sizes` cycles width x height): gradients, filled shapes, a little sensor
+    noise, quality 90."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(count):
-        width, height = SIZES[i % len(SIZES)]
+        width, height = sizes[i % len(sizes)]
         y, x = np.mgrid[0:height, 0:width].astype(np.float32)
         c0, c1 = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
         ramp = (x / width * 0.6 + y / height * 0.4)[..., None]

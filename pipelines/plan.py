@@ -12,7 +12,8 @@ An estimate, written by hand (no library plans multimodal packed training), from
 gradients and two AdamW moments per trainable parameter (the stages train in fp32 with bf16 autocast on GPUs);
 ZeRO-2 shards gradients and optimizer states over the data-parallel GPUs, ZeRO-3 the weights too; activations per
 LM layer and token 2 bytes x (18 hidden + 6 intermediate), per ViT block and patch the same over the vision widths,
-one layer's worth plus the layer inputs with checkpointing; logits bf16 plus fp32 rows for the loss. On the CPU
+one layer's worth plus the layer inputs with checkpointing; the loss's logits for one chunk of
+`train.loss_chunk_tokens` rows (`logits_bytes`). On the CPU
 (`device="cpu"`, what `qvl rehearse` runs) activations are fp32, the process adds BASELINE_GB, and its peak may be
 the export instead of training (the weights, a cast copy and its serialization buffer: LoRA's peak).
 """
@@ -210,6 +211,15 @@ def activation_bytes(config, tokens: int, *, checkpointed: bool, bytes_per_value
     return inputs + per_layer + per_block
 
 
+def logits_bytes(tokens: int, vocab: int, chunk: int, width: int) -> float:
+    """The LM-head loss's logits memory of one micro-batch: chunked (train.loss_chunk_tokens > 0), one chunk's fp32
+    logits with the loss's copies of them (~4, bench/logits_memory.py); else the whole micro-batch's logits in the
+    compute dtype and their gradient plus the fp32 rows of the loss (all tokens: a bound)."""
+    if chunk > 0:
+        return min(chunk, tokens) * vocab * 16
+    return tokens * vocab * (2 * width + 8)
+
+
 def plan_stage(
     stage: str, cfg: dict, profile, model, config, *, device: str = "gpu", suggest_fix: bool = True
 ) -> StagePlan:
@@ -231,7 +241,7 @@ def plan_stage(
     plain = activation_bytes(config, tokens, checkpointed=False, bytes_per_value=width)
     saved = activation_bytes(config, tokens, checkpointed=True, bytes_per_value=width)
     vocab = config.text_config.vocab_size
-    logits = tokens * vocab * (2 * width + 8)  # logits and their gradient, fp32 rows of the loss (all tokens: a bound)
+    logits = logits_bytes(tokens, vocab, int(train.get("loss_chunk_tokens", 1024)), width)
     activations = saved if train["gradient_checkpointing"] else plain
     total = weights + grads + optimizer + frozen + activations + logits
     if device == "cpu":  # the process also exports: a cast copy of the weights and its serialization buffer

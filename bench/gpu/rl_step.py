@@ -129,6 +129,7 @@ def main() -> None:
             temperature=1.0,
             batch_size=64,
             max_tokens=cfg.train.max_tokens_per_micro_batch,
+            chunk_rows=cfg.train.loss_chunk_tokens,
         )
         rewards = build_rewards(
             dict(cfg.rewards), reward_model_uri=None, min_pixels=args.pixels, max_pixels=args.pixels, device=device

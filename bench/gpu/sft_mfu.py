@@ -14,8 +14,9 @@ no fp32 master copy: ~66 GB for 8.3B parameters with torch AdamW), built directl
 Data: synthetic SFT samples built without a tokenizer (`packing.Sample`: random text ids below the special tokens,
 <|vision_start|> + image pads + <|vision_end|>, labels on the answer only, M-RoPE positions from the model's own
 `get_rope_index`, random pixel values of a random image size), packed first-fit-decreasing
-(`plan_micro_batches`, at most `--budget` tokens) into one `pack` row per optimizer step; loss = `token_loss` /
-target tokens. `--warmup` steps are untimed; each timed step is synchronised and the median step time counts.
+(`plan_micro_batches`, at most `--budget` tokens) into one `pack` row per optimizer step; loss = the stages'
+`sequence_loss` (the LM head in `--loss-chunk` rows, never the whole logits) / target tokens. `--warmup` steps are
+untimed; each timed step is synchronised and the median step time counts.
 
 MFU = model FLOPs per step / median step time / peak FLOP/s (`--peak-tflops`; default 989 = H200 bf16 dense).
 Model FLOPs per step (PaLM convention: attention counted non-causal, recomputation by --grad-ckpt not counted):
@@ -56,13 +57,12 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `components` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from components._shared.model.head_loss import sequence_loss
 from components._shared.model.packing import (
     IGNORE_INDEX,
     Sample,
-    forward_logits,
     pack,
     plan_micro_batches,
-    token_loss,
 )
 from components._shared.model.vlm import qwen_model
 
@@ -279,6 +279,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--budget", type=int, default=None, help="tokens per packed micro-batch (default 4096; 1024 with --tiny)"
     )
+    parser.add_argument(
+        "--loss-chunk",
+        type=int,
+        default=1024,
+        help="target rows per LM-head chunk in the loss (train.loss_chunk_tokens); 0 = the whole logits at once",
+    )
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (recompute not counted)")
     parser.add_argument("--freeze-vision", action="store_true", help="train the LM (and nothing of the ViT)")
     parser.add_argument("--optim", default="adamw", choices=("adamw", "adamw-fused", "adamw8bit"))
@@ -342,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         try:
             optimizer.zero_grad(set_to_none=True)
-            loss_sum, n_targets = token_loss(forward_logits(model, batch), batch)
+            loss_sum, n_targets = sequence_loss(model, batch, chunk_rows=args.loss_chunk)
             loss = loss_sum / max(n_targets, 1)
             loss.backward()
             optimizer.step()
@@ -391,6 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
         "attn": args.attn if not args.tiny else "sdpa_packed",
         "optim": args.optim,
         "grad_ckpt": args.grad_ckpt,
+        "loss_chunk": args.loss_chunk,
         "freeze_vision": args.freeze_vision,
         "params": sum(p.numel() for p in model.parameters()),
         "lm_params_no_embed": int(flops[0]["lm_params"]),

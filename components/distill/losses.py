@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from components._shared.model.head_loss import fused_head_loss
 from components._shared.model.packing import IGNORE_INDEX
 
 
@@ -45,6 +46,40 @@ def attention_kl(student_attention: torch.Tensor, teacher_attention: torch.Tenso
     return (t * ((t + eps).log() - (s + eps).log())).sum(-1)
 
 
+def head_kl_ce(
+    student_rows: torch.Tensor,
+    teacher_rows: torch.Tensor,
+    heads: tuple[torch.nn.Module, torch.nn.Module],
+    targets: torch.Tensor,
+    data_answer: torch.Tensor,
+    *,
+    weights,
+    chunk_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weights.kl * sum KL + weights.ce * sum CE on data answers, per-row KL, per-row CE) over the response rows'
+    last hidden states, the heads run `chunk_rows` rows at a time (the teacher's logits of a chunk under no_grad)."""
+    student_head, teacher_head = heads
+    kls: list[torch.Tensor] = []
+    ces: list[torch.Tensor] = []
+    answer = data_answer.float()
+
+    def row_loss(logits: torch.Tensor, rows: slice) -> torch.Tensor:
+        with torch.no_grad():
+            teacher_logits = teacher_head(teacher_rows[rows])
+        kl = logit_kl(logits, teacher_logits, weights.temperature)
+        kls.append(kl.detach())
+        loss = weights.kl * kl.sum() if weights.kl else kl.sum() * 0.0
+        if weights.ce:
+            ce = F.cross_entropy(logits, targets[rows], reduction="none") * answer[rows]
+            ces.append(ce.detach())
+            loss = loss + weights.ce * ce.sum()
+        return loss
+
+    total = fused_head_loss(student_rows, student_head, row_loss, chunk_rows=chunk_rows)
+    empty = student_rows.new_zeros(0, dtype=torch.float32)
+    return total, torch.cat(kls) if kls else empty, torch.cat(ces) if ces else empty
+
+
 def distillation_loss(
     student_out,
     teacher_out,
@@ -54,23 +89,31 @@ def distillation_loss(
     pairs: list[tuple[int, int]],
     projections: torch.nn.ModuleList | None,
     data_answer: torch.Tensor,
+    heads: tuple[torch.nn.Module, torch.nn.Module],
+    chunk_rows: int,
 ) -> tuple[torch.Tensor, int, dict[str, float]]:
     """(summed weighted loss over response tokens, their count, per-token means of each part).
 
+    `student_out` / `teacher_out` are the language models' outputs (last_hidden_state, + hidden_states / attentions
+    when their weights are non-zero); `heads` = (student lm_head, teacher lm_head), run `chunk_rows` rows at a time.
     `weights` is the LossConfig; `data_answer` (L,) bool marks tokens whose target is the data's answer (CE applies
-    there only). Hidden states / attentions are read from the outputs when their weights are non-zero.
+    there only).
     """
-    targets = batch["targets"][0].to(student_out.logits.device)
+    targets = batch["targets"][0].to(student_out.last_hidden_state.device)
     valid = targets != IGNORE_INDEX
     n = int(valid.sum())
-    kl = logit_kl(student_out.logits[0][valid], teacher_out.logits[0][valid], weights.temperature)
-    total = weights.kl * kl.sum() if weights.kl else kl.sum() * 0.0
-    parts = {"kl": float(kl.detach().mean()) if n else 0.0}
+    total, kl, ce = head_kl_ce(
+        student_out.last_hidden_state[0][valid],
+        teacher_out.last_hidden_state[0][valid],
+        heads,
+        targets[valid],
+        data_answer.to(targets.device)[valid],
+        weights=weights,
+        chunk_rows=chunk_rows,
+    )
+    parts = {"kl": float(kl.mean()) if n else 0.0}
     if weights.ce:
-        ce = F.cross_entropy(student_out.logits[0][valid].float(), targets[valid], reduction="none")
-        ce = ce * data_answer.to(ce.device)[valid].float()
-        total = total + weights.ce * ce.sum()
-        parts["ce"] = float(ce.detach().mean()) if n else 0.0
+        parts["ce"] = float(ce.mean()) if n else 0.0
     if weights.hidden:
         if projections is None:
             raise ValueError("loss.hidden > 0 needs the student-to-teacher projections; build them with the student.")

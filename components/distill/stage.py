@@ -35,6 +35,7 @@ from components._shared.eval import tasks as T
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.attention import PACKED_SDPA
 from components._shared.model.device import resolve_device
+from components._shared.model.head_loss import output_head
 from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
@@ -56,8 +57,8 @@ from components._shared.model.training import Phase, TrainLoop
 from components._shared.model.vlm import count_parameters, load_vlm, qwen_model, save_vlm, set_pixel_bounds
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
-from components.distill.config import DistillConfig
-from components.distill.losses import distillation_loss, layer_map, logit_kl
+from components.distill.config import DistillConfig, LossConfig
+from components.distill.losses import distillation_loss, head_kl_ce, layer_map
 from components.distill.student import attach_projections, build_student, student_sizes
 
 SUITE_KEYS = ("vqa_exact_match", "grounding_accuracy", "anls", "cider_d")
@@ -73,7 +74,7 @@ def heldout_eval(model, encoder, records: list[dict], cfg: DistillConfig) -> tup
 
 
 @torch.no_grad()
-def heldout_kl(student, teacher, samples: list, *, temperature: float, max_tokens: int) -> float:
+def heldout_kl(student, teacher, samples: list, *, temperature: float, max_tokens: int, chunk_rows: int) -> float:
     """Mean per-token T^2 * KL(teacher_T || student_T) over the held-out answers, teacher-forced (what the
     training loss measures, on data the student never trained on)."""
     device = next(student.parameters()).device
@@ -83,10 +84,14 @@ def heldout_kl(student, teacher, samples: list, *, temperature: float, max_token
     ):
         batch = to_device(pack([samples[i] for i in group]), device)
         valid = batch["targets"][0] != IGNORE_INDEX
-        kl = logit_kl(
-            forward_outputs(student, batch).logits[0][valid],
-            forward_outputs(teacher, batch).logits[0][valid],
-            temperature,
+        _, kl, _ = head_kl_ce(
+            forward_outputs(student, batch, lm_head=False).last_hidden_state[0][valid],
+            forward_outputs(teacher, batch, lm_head=False).last_hidden_state[0][valid],
+            (output_head(student), output_head(teacher)),
+            batch["targets"][0][valid],
+            valid[valid],
+            weights=LossConfig(kl=1.0, ce=0.0, temperature=temperature),
+            chunk_rows=chunk_rows,
         )
         total, count = total + float(kl.sum()), count + int(valid.sum())
     return total / max(count, 1)
@@ -129,6 +134,7 @@ def run(
             kl_samples,
             temperature=cfg.loss.temperature,
             max_tokens=cfg.train.max_tokens_per_micro_batch,
+            chunk_rows=cfg.train.loss_chunk_tokens,
         )
         return {
             "heldout_kl": kl,
@@ -145,7 +151,10 @@ def run(
         tracker=tracker,
         seed=cfg.seed,
         loss_fn=make_loss(cfg, teacher, pairs),
-        sample_batch=on_policy_batches(cfg, records, encode, encoder, lambda: loop.backend.module),
+        # on-policy answers come from the current student: built in the step; otherwise the data workers prefetch
+        sample_batch=on_policy_batches(cfg, records, encode, encoder, lambda: loop.backend.module)
+        if round(cfg.on_policy.fraction * cfg.train.samples_per_step)
+        else None,
         checkpoints=store,
     )
     result = loop.run(evaluate=evaluate)
@@ -274,8 +283,8 @@ def make_loss(cfg: DistillConfig, teacher, pairs: list[tuple[int, int]]):
 
     def loss_fn(model, batch: dict, micro: list) -> tuple[torch.Tensor, int, dict[str, float]]:
         with torch.no_grad():
-            teacher_out = forward_outputs(teacher, batch, **flags)
-        student_out = forward_outputs(model, batch, **flags)
+            teacher_out = forward_outputs(teacher, batch, lm_head=False, **flags)
+        student_out = forward_outputs(model, batch, lm_head=False, **flags)
         data_answer = torch.cat([torch.full((s.num_tokens,), not s.meta.get("on_policy", False)) for s in micro])
         return distillation_loss(
             student_out,
@@ -285,6 +294,8 @@ def make_loss(cfg: DistillConfig, teacher, pairs: list[tuple[int, int]]):
             pairs=pairs,
             projections=getattr(model, "distill_projections", None),
             data_answer=data_answer,
+            heads=(output_head(model), output_head(teacher)),
+            chunk_rows=cfg.train.loss_chunk_tokens,
         )
 
     return loss_fn

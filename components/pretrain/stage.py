@@ -27,16 +27,14 @@ from components._shared.eval import readers
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.families import VisualTokens, family_for
+from components._shared.model.head_loss import per_sample_sequence_loss, sequence_loss
 from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
-    forward_logits,
     image_embeddings,
     pack,
-    per_sample_loss,
     plan_micro_batches,
     to_device,
-    token_loss,
 )
 from components._shared.model.stage_steps import SCRATCH, Figure, finish_report, run_key
 from components._shared.model.training import Phase, TrainLoop, TrainResult, is_main_process
@@ -143,13 +141,12 @@ def _hardest(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.masked_fill(~keep, float("-inf"))
 
 
-def make_loss(cfg: PretrainConfig):
-    """Caption cross-entropy (+ weighted InfoNCE when enabled) for the TrainLoop."""
+def make_loss(cfg: PretrainConfig, chunk_rows: int):
+    """Caption cross-entropy (+ weighted InfoNCE when enabled) for the TrainLoop; the LM head in `chunk_rows` rows."""
 
     def loss(model, batch: dict, samples) -> tuple[torch.Tensor, int, dict[str, float]]:
         embeds = image_embeddings(model, batch)
-        logits = forward_logits(model, batch, image_embeds=embeds)
-        loss_sum, targets = token_loss(logits, batch)
+        loss_sum, targets = sequence_loss(model, batch, chunk_rows=chunk_rows, image_embeds=embeds)
         if cfg.infonce.weight <= 0:
             return loss_sum, targets, {}
         # Same calls and the same metric keys on every micro-batch and rank (ZeRO-3 gathers, all-reduces).
@@ -203,7 +200,7 @@ class HeldoutCaptions:
 
     @torch.no_grad()
     def __call__(self, model) -> dict[str, float]:
-        losses = E.heldout_loss(model, self.loss_samples)
+        losses = E.heldout_loss(model, self.loss_samples, chunk_rows=self.cfg.stage1.train.loss_chunk_tokens)
         device = next(model.parameters()).device
         batch = to_device(pack(self.image_samples), device)
         embeds = image_embeddings(model, batch)
@@ -216,8 +213,9 @@ class HeldoutCaptions:
             micro = [self.pairs[k] for k in group]
             mb = to_device(pack(micro), device)
             embeds = VisualTokens.cat([per_image[k // self.pool] for k in group])
-            logits = forward_logits(model, mb, image_embeds=embeds)
-            for k, value in zip(group, per_sample_loss(logits, mb).tolist(), strict=True):
+            chunk = self.cfg.stage1.train.loss_chunk_tokens
+            pair_losses = per_sample_sequence_loss(model, mb, chunk_rows=chunk, image_embeds=embeds)
+            for k, value in zip(group, pair_losses.tolist(), strict=True):
                 scores[k // self.pool, k % self.pool] = value
         # Caption-prior normalisation (PMI): a caption that is likely under every image must not win for all.
         normalised = scores - scores.mean(dim=0, keepdim=True)
@@ -248,7 +246,7 @@ def train_phase(
             key=key,
         ),
         tracker=_Prefixed(tracker, name),
-        loss_fn=make_loss(cfg),
+        loss_fn=make_loss(cfg, block.train.loss_chunk_tokens),
         seed=cfg.seed,
     )
     return loop, loop.run(evaluate=evaluate)

@@ -15,6 +15,7 @@ import torch
 
 from components._shared.eval.readers import prompt_turns
 from components._shared.model.generation import own_generation_config
+from components._shared.model.head_loss import head_rows_map, output_head
 from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
@@ -24,6 +25,9 @@ from components._shared.model.packing import (
     plan_micro_batches,
     to_device,
 )
+from components._shared.model.train_config import TrainConfig
+
+DEFAULT_CHUNK_ROWS = TrainConfig().loss_chunk_tokens
 
 
 @dataclass
@@ -70,13 +74,12 @@ class Policy(torch.nn.Module):
         self.model.enable_input_require_grads()
 
     def token_outputs(
-        self, batch: dict, temperature: float, suppressed: list[int], *, plain_rows: torch.Tensor | None = None
+        self, batch: dict, temperature: float, suppressed: list[int], **options
     ) -> dict[str, torch.Tensor]:
         """At the labelled positions of a packed batch, in order: log-probabilities of the targets, entropies and
-        (with a value head) values. The LM head runs on those rows only (the vocabulary is large)."""
-        return token_outputs(
-            self.model, batch, temperature, suppressed, value_head=self.value_head, plain_rows=plain_rows
-        )
+        (with a value head) values. The LM head runs on those rows only, in chunks (the vocabulary is large);
+        `options` as for token_outputs (plain_rows, full_distribution, chunk_rows)."""
+        return token_outputs(self.model, batch, temperature, suppressed, value_head=self.value_head, **options)
 
 
 def suppressed_tokens(config) -> list[int]:
@@ -94,23 +97,35 @@ def token_outputs(
     value_head=None,
     *,
     plain_rows: torch.Tensor | None = None,
+    full_distribution: bool = False,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
 ) -> dict[str, torch.Tensor]:
     """See Policy.token_outputs. `plain_rows` (a mask over the labelled positions) adds, for those rows only, the
-    log-softmax at temperature 1 (`plain_full`, rows x vocabulary: ptx's KL) and the targets' entries of it
-    (`plain_logprobs`: ptx's NLL)."""
+    targets' log-probabilities at temperature 1 (`plain_logprobs`: ptx's NLL) and, with `full_distribution`, the whole
+    log-softmax (`plain_full`, rows x vocabulary: ptx's KL). The head runs `chunk_rows` rows at a time."""
     hidden = forward_hidden(model, batch)[0]
     targets = batch["targets"][0]
     where = targets != IGNORE_INDEX
-    rows = hidden[where]
-    raw = model.lm_head(rows).float()
-    raw[:, suppressed] = -1e9  # finite, so that 0 * log 0 stays 0 in the entropy
-    logp = torch.log_softmax(raw / temperature, -1)
-    index = targets[where][:, None]
-    out = {"logprobs": logp.gather(1, index).squeeze(1), "entropy": -(logp.exp() * logp).sum(-1)}
+    rows, index = hidden[where], targets[where]
+
+    def per_row(raw: torch.Tensor, chunk: slice) -> tuple[torch.Tensor, ...]:
+        raw[:, suppressed] = -1e9  # finite, so that 0 * log 0 stays 0 in the entropy
+        logp = torch.log_softmax(raw / temperature, -1)
+        target = index[chunk][:, None]
+        outs = [logp.gather(1, target).squeeze(1), -(logp.exp() * logp).sum(-1)]
+        if plain_rows is not None:
+            outs.append(torch.log_softmax(raw, -1).gather(1, target).squeeze(1))
+        return tuple(outs)
+
+    head = output_head(model)
+    logprobs, entropy, *plain = head_rows_map(rows, head, per_row, chunk_rows=chunk_rows)
+    out = {"logprobs": logprobs, "entropy": entropy}
     if plain_rows is not None:
-        plain = torch.log_softmax(raw[plain_rows], -1)
-        out["plain_full"] = plain
-        out["plain_logprobs"] = plain.gather(1, index[plain_rows]).squeeze(1)
+        out["plain_logprobs"] = plain[0][plain_rows]
+        if full_distribution:  # ptx rows only (the reference's distributions there are this size anyway)
+            raw = head(rows[plain_rows]).float()
+            raw[:, suppressed] = -1e9
+            out["plain_full"] = torch.log_softmax(raw, -1)
     if value_head is not None:
         out["values"] = value_head(rows.to(value_head.weight.dtype)).squeeze(-1).float()
     return out
@@ -144,10 +159,17 @@ def _check_prompt_images(record: dict, prompt: Sample, merge_unit: int, image_to
 
 class RolloutEngine:
     def __init__(
-        self, encoder: ConversationEncoder, *, max_new_tokens: int, temperature: float, batch_size: int, max_tokens: int
+        self,
+        encoder: ConversationEncoder,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        batch_size: int,
+        max_tokens: int,
+        chunk_rows: int = DEFAULT_CHUNK_ROWS,
     ) -> None:
         self.encoder, self.max_new_tokens, self.temperature = encoder, max_new_tokens, temperature
-        self.batch_size, self.max_tokens = batch_size, max_tokens
+        self.batch_size, self.max_tokens, self.chunk_rows = batch_size, max_tokens, chunk_rows
         self.use_cache = True  # bench/gpu/rl_step.py turns it off for its baseline
         tokenizer = encoder.tokenizer
         self.end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -219,9 +241,13 @@ class RolloutEngine:
         """Fill logprobs, entropy and values (policy) and ref_logprobs (frozen reference) of every rollout."""
         samples = [r.sample for r in rollouts]
         for group, micro, batch in packed_micro_batches(samples, self.max_tokens, next(policy.parameters()).device):
-            mine = policy.token_outputs(batch, self.temperature, self.suppressed)
+            mine = policy.token_outputs(batch, self.temperature, self.suppressed, chunk_rows=self.chunk_rows)
             ref = token_outputs(
-                reference, to_device(batch, next(reference.parameters()).device), self.temperature, self.suppressed
+                reference,
+                to_device(batch, next(reference.parameters()).device),
+                self.temperature,
+                self.suppressed,
+                chunk_rows=self.chunk_rows,
             )
             pieces = {k: split_by_sample(v.cpu(), micro) for k, v in mine.items()}
             ref_pieces = split_by_sample(ref["logprobs"].cpu(), micro)

@@ -205,6 +205,7 @@ def build_trainer(
         temperature=cfg.rollout.temperature,
         batch_size=cfg.rollout.batch_size,
         max_tokens=cfg.train.max_tokens_per_micro_batch,
+        chunk_rows=cfg.train.loss_chunk_tokens,
     )
     trainer = RlTrainer(
         policy,

@@ -17,8 +17,8 @@ import torch
 from components._shared.eval import readers
 from components._shared.model.backends import TorchBackend
 from components._shared.model.checkpoint import CheckpointStore
-from components._shared.model.train_config import OptimConfig
-from components._shared.model.training import Phase, TrainLoop, lr_factor
+from components._shared.model.train_config import OptimConfig, lr_factor
+from components._shared.model.training import Phase, TrainLoop
 from components._shared.platform.tracking import Tracker
 from components.rl import algorithms as A
 from components.rl.config import RlConfig
@@ -251,7 +251,15 @@ class RlTrainer:
         for _, micro, batch in packed_micro_batches(samples, self.engine.max_tokens, device):
             every_row = torch.ones(sum(s.num_targets for s in micro), dtype=torch.bool, device=device)
             with self.loop.autocast_context():
-                out = token_outputs(self.reference, batch, 1.0, self.engine.suppressed, plain_rows=every_row)
+                out = token_outputs(
+                    self.reference,
+                    batch,
+                    1.0,
+                    self.engine.suppressed,
+                    plain_rows=every_row,
+                    full_distribution=True,
+                    chunk_rows=self.engine.chunk_rows,
+                )
             for s, rows in zip(micro, split_by_sample(out["plain_full"].float().cpu(), micro), strict=True):
                 s.meta["ref_full_logprobs"] = rows
 
@@ -319,7 +327,12 @@ class RlTrainer:
         rl = torch.cat([torch.full((s.num_targets,), not s.meta.get("ptx")) for s in micro])
         rl = rl.to(batch["targets"].device)
         out = policy.token_outputs(
-            batch, cfg.rollout.temperature, self.engine.suppressed, plain_rows=~rl if ptx_on else None
+            batch,
+            cfg.rollout.temperature,
+            self.engine.suppressed,
+            plain_rows=~rl if ptx_on else None,
+            full_distribution=ptx_on and cfg.ptx.loss == "kl",
+            chunk_rows=self.engine.chunk_rows,
         )
         logp = out["logprobs"]
 

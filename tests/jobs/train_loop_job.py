@@ -5,9 +5,12 @@
     torchrun --nproc-per-node 2 -m tests.jobs.train_loop_job OUT deepspeed-2      (data parallel, gloo)
 
 Trains 8 steps on world captions with a checkpoint every 2 steps into OUT/checkpoints and writes the final
-trainable weights to OUT/final.safetensors. Env QVL_TEST_KILL_AT_STEP / QVL_TEST_KILL_IN_CHECKPOINT kill it.
+trainable weights to OUT/final.safetensors. Env QVL_TEST_KILL_AT_STEP / QVL_TEST_KILL_IN_CHECKPOINT kill it;
+QVL_TEST_LOSS_CHUNK sets train.loss_chunk_tokens (0 = the plain full-logits loss), QVL_TEST_DATA_WORKERS
+train.data_workers (0 = inputs built in the training process).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +50,8 @@ def main(out: str, backend: str = "torch", checkpoint_root: str = "") -> None:
         zero_stage=int(zero or 2),
         log_every=1,
         offload_optimizer=offload == "offload",
+        loss_chunk_tokens=int(os.environ.get("QVL_TEST_LOSS_CHUNK", TrainConfig().loss_chunk_tokens)),
+        data_workers=int(os.environ.get("QVL_TEST_DATA_WORKERS", TrainConfig().data_workers)),
     )
     loop = TrainLoop(
         model,
@@ -72,6 +77,7 @@ def main(out: str, backend: str = "torch", checkpoint_root: str = "") -> None:
     save_file(weights, str(Path(out) / "final.safetensors"))
     first, last = result.history[0]["loss"], result.history[-1]["loss"]
     print(f"resumed_from={result.resumed_from} steps={result.steps} first_loss={first:.6f} last_loss={last:.6f}")
+    print("losses=" + ",".join(f"{h['loss']:.9g}" for h in result.history))
 
 
 if __name__ == "__main__":

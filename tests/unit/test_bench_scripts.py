@@ -118,3 +118,46 @@ def test_rl_step_tiny_reports_the_time_split_and_the_kv_cache_baseline():
     arms = report["generation_arms"]
     assert arms["kv_cache"]["tokens"] > 0 and arms["no_cache"]["tokens"] > 0
     assert report["rollout_tokens_per_s"] > 0 and report["kv_cache_speedup"] > 0
+
+
+def test_gpu_run_all_tiny_writes_one_json_per_check(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    done = subprocess.run(
+        ["bash", "bench/gpu/run_all.sh", str(tmp_path), "--tiny"],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    reports = {
+        name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("sft_mfu", "rl_step", "dali_decode")
+    }
+    assert reports["sft_mfu"]["loss_chunk"] == 1024 and reports["sft_mfu"]["tokens_per_s"] > 0
+    assert set(reports["rl_step"]["split_seconds"]) == {"generation", "scoring", "update"}
+    dali = reports["dali_decode"]
+    assert dali["meaningful"] is False and dali["dali_images_per_s"] > 0 and dali["images"] == 16
+    assert dali["resolutions"] == ["448x448", "640x480", "1024x768", "1280x720"]
+    assert all("ok in" in line for line in done.stdout.splitlines() if line.startswith("   "))
+
+
+def test_logits_memory_bench_reports_the_chunked_head_lower():
+    out = _run(
+        "bench/logits_memory.py",
+        "--tokens",
+        "1024",
+        "--vocab",
+        "151936",
+        "--hidden",
+        "16",
+        "--chunk",
+        "128",
+        "--repeats",
+        "1",
+        "--json",
+    )
+    (row,) = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["rows"]
+    assert row["plain_measured"] and row["loss_rel_diff"] < 1e-5
+    assert row["peak_ratio"] > 2  # 1024 rows at once against 128: the plain arm holds far more

@@ -20,6 +20,7 @@ from components.distill.losses import attention_kl, distillation_loss, layer_map
 from components.distill.prune import measure_importance, plan_pruning, prune
 from components.distill.stage import run
 from components.synth_world.splits import write_splits
+from tests.prefetch import assert_same_with_and_without_workers
 from tests.stage_cli import run_stage_cli
 from tests.tiny_sft import train_tiny_sft
 
@@ -96,32 +97,39 @@ def test_losses():
     assert float(attention_kl(torch.softmax(torch.randn(1, 4, 6, 6), -1), att, torch.arange(6)).min()) > 0
     assert layer_map(2, 4) == [(0, 1), (1, 3)] and layer_map(1, 2, kept=[1]) == [(0, 1)]
 
-    class Out:  # what the model returns, for the parts the loss reads
-        def __init__(self, logits):
-            self.logits = logits[None]
+    class Out:  # what the language model returns, for the parts the loss reads
+        def __init__(self, hidden):
+            self.last_hidden_state = hidden[None]
 
     batch = {"targets": torch.tensor([[-100, 3, 4, -100, 5]])}
-    student, teacher = Out(torch.randn(5, 11)), Out(torch.randn(5, 11))
+    student, teacher = Out(torch.randn(5, 7)), Out(torch.randn(5, 7))
+    heads = (torch.nn.Linear(7, 11), torch.nn.Linear(7, 11))
     weights = LossConfig(kl=0.0, ce=1.0)
-    everything, n, _ = distillation_loss(
-        student,
-        teacher,
-        batch,
-        weights=weights,
-        pairs=[],
-        projections=None,
-        data_answer=torch.ones(5, dtype=torch.bool),
-    )
-    on_policy_last, _, _ = distillation_loss(
-        student,
-        teacher,
-        batch,
-        weights=weights,
-        pairs=[],
-        projections=None,
-        data_answer=torch.tensor([True, True, True, False, False]),
-    )
-    assert n == 3 and 0 < float(on_policy_last) < float(everything)  # no CE on the student's own tokens
+
+    def loss(data_answer, chunk_rows=2, weights=weights):
+        return distillation_loss(
+            student,
+            teacher,
+            batch,
+            weights=weights,
+            pairs=[],
+            projections=None,
+            data_answer=data_answer,
+            heads=heads,
+            chunk_rows=chunk_rows,
+        )
+
+    everything, n, _ = loss(torch.ones(5, dtype=torch.bool))
+    on_policy_last, _, _ = loss(torch.tensor([True, True, True, False, False]))
+    both = LossConfig(kl=0.7, ce=0.3)
+    chunked, _, parts = loss(torch.ones(5, dtype=torch.bool), 2, both)
+    plain, _, plain_parts = loss(torch.ones(5, dtype=torch.bool), 0, both)
+    assert abs(float(chunked.detach()) - float(plain.detach())) < 1e-6 and parts == pytest.approx(plain_parts, rel=1e-6)
+    (chunked_grad,) = torch.autograd.grad(chunked, heads[0].weight)
+    (plain_grad,) = torch.autograd.grad(plain, heads[0].weight)
+    assert torch.allclose(chunked_grad, plain_grad, atol=1e-6) and plain_grad.abs().sum() > 0
+    # no CE on the student's own tokens
+    assert n == 3 and 0 < float(on_policy_last.detach()) < float(everything.detach())
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +245,17 @@ def test_distill_runs_on_the_deepspeed_backend(zero_stage, data_dir, teacher, tm
         count_parameters(AutoModelForImageTextToText.from_pretrained(tmp_path / "model"))
         == metrics["student_parameters"]
     )
+
+
+def test_prefetching_data_workers_leave_the_student_bit_identical(data_dir, teacher, tmp_path):
+    """Off-policy distillation prefetches (on-policy answers need the current student: built in the step)."""
+
+    def run_with(workers, out):
+        cfg = _cfg(
+            on_policy={"fraction": 0.0},
+            loss={"hidden": 0.0, "attention": 0.0},
+            train={"steps": 3, "data_workers": workers},
+        )
+        run(cfg, teacher_model=teacher, data=str(data_dir), output_dir=out, tracker=NullTracker())
+
+    assert_same_with_and_without_workers(run_with, tmp_path)

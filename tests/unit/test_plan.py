@@ -16,7 +16,7 @@ def _extending_prod_7b(tmp_path, text: str) -> str:
     return str(tmp_path / "p.yaml")
 
 
-def test_prod_7b_is_planned_per_stage_and_the_stages_that_cannot_fit_are_refused_with_the_fix():
+def test_prod_7b_is_planned_per_stage_and_the_stages_that_cannot_fit_are_refused_with_the_fix(tmp_path):
     name, plans = plan("prod-7b")
     assert name == "qwen2.5-vl-7b"
     by_stage = {p.stage: p for p in plans}
@@ -29,7 +29,10 @@ def test_prod_7b_is_planned_per_stage_and_the_stages_that_cannot_fit_are_refused
     assert by_stage["distill"].params_trainable < 0.5 * pretrain.params_total  # the 3B student
     assert all(p.activations_checkpointed_gb < p.activations_gb for p in plans)
     lines = refusals(plans)
-    assert any(line.startswith("sft: ") and "set sft.train.zero_stage: 3" in line for line in lines)
+    assert not any(line.startswith("sft: ") for line in lines)  # the chunked LM-head loss: 2.3 GB of logits
+    assert sft.logits_gb == pytest.approx(1024 * 152_064 * 16 / 2**30)
+    _, full_logits = plan(_extending_prod_7b(tmp_path, "sft: {train: {loss_chunk_tokens: 0}}\n"))
+    assert any(line.startswith("sft: ") and "set sft.train.zero_stage: 3" in line for line in refusals(full_logits))
     rl = next(line for line in lines if line.startswith("rl: "))
     assert "kubernetes.stages.rl.accelerator_type" in rl and "gpus / nodes" not in rl  # rl runs one process
     assert "qwen2.5-vl-7b" in table(name, "prod-7b", plans)

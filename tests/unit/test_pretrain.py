@@ -18,6 +18,7 @@ from components.pretrain.config import InfoNceConfig, PretrainConfig
 from components.pretrain.stage import FeatureStore, infonce_loss, run
 from components.synth_world.splits import write_splits
 from components.synth_world.world import sample_clean_pairs
+from tests.prefetch import assert_same_with_and_without_workers
 
 BASE = "builtin:tiny-qwen2_5-vl"
 PIXELS = {"min_pixels": 3136, "max_pixels": 50176}
@@ -261,3 +262,12 @@ def test_pretrain_killed_mid_run_resumes_to_bit_identical_weights(inputs, tmp_pa
     print(
         f"pretrain {backend}: {len(a)} tensors bit-identical after SIGKILL at step 3 and during the step-4 checkpoint"
     )
+
+
+def test_prefetching_data_workers_leave_the_model_bit_identical(inputs, tmp_path):
+    def run_with(workers, out):
+        cfg = _cfg()
+        train = {**cfg.stage1.train.model_dump(), "steps": 4, "data_workers": workers}
+        _run(_cfg(stage1={**cfg.stage1.model_dump(), "train": train}), inputs, out)
+
+    assert_same_with_and_without_workers(run_with, tmp_path)

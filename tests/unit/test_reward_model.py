@@ -12,6 +12,7 @@ from components._shared.platform.tracking import NullTracker
 from components.reward_model.config import RewardModelConfig
 from components.reward_model.stage import load_pairs, run, score_pairs
 from components.synth_world.splits import write_splits
+from tests.prefetch import assert_same_with_and_without_workers
 
 BASE = "builtin:tiny-qwen2_5-vl"
 
@@ -104,3 +105,12 @@ def test_bad_pairs_are_rejected(tmp_path):
     )
     with pytest.raises(ValueError, match=r"preferences.jsonl:1 \(id='p1'\): chosen and rejected are the same text"):
         load_pairs(tmp_path, None)
+
+
+def test_prefetching_data_workers_leave_the_model_bit_identical(data_dir, tmp_path):
+    def run_with(workers, out):
+        cfg = _cfg()
+        cfg = _cfg(train={**cfg.train.model_dump(), "steps": 4, "eval_every": 0, "data_workers": workers})
+        run(cfg, base_model=BASE, data=str(data_dir), output_dir=out, tracker=NullTracker())
+
+    assert_same_with_and_without_workers(run_with, tmp_path)

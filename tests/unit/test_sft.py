@@ -10,6 +10,7 @@ from components._shared.platform.tracking import NullTracker
 from components.sft.config import SftConfig
 from components.sft.stage import load_sft_records, run
 from components.synth_world.splits import write_splits
+from tests.prefetch import assert_same_with_and_without_workers
 from tests.stage_cli import run_stage_cli
 
 BASE = "builtin:tiny-qwen2_5-vl"
@@ -193,3 +194,11 @@ def test_a_diverging_run_stops_and_exports_nothing(data_dir, tmp_path):
     with pytest.raises(NonFiniteTraining, match=r"step \d: .* is not finite"):
         _run(cfg, data_dir, tmp_path)
     assert not (tmp_path / "model").exists()
+
+
+def test_prefetching_data_workers_leave_the_model_bit_identical(data_dir, tmp_path):
+    def run_with(workers, out):
+        train = {"steps": 4, "samples_per_step": 8, "max_tokens_per_micro_batch": 256, "threads": 1}
+        _run(_cfg("full", train={**train, "data_workers": workers}), data_dir, out)
+
+    assert_same_with_and_without_workers(run_with, tmp_path)

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from components._shared.model.train_config import ScheduleConfig, WarmupSegment
-from components._shared.model.training import lr_factor
+from components._shared.model.train_config import ScheduleConfig, WarmupSegment, lr_factor
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,15 +54,15 @@ def _job(out: Path, backend: str, checkpoint_root: str = "", **env) -> subproces
     return subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600, check=False)
 
 
-def _resume_case(tmp_path: Path, backend: str) -> None:
-    reference = _job(tmp_path / "straight", backend)
+def _resume_case(tmp_path: Path, backend: str, **env) -> None:
+    reference = _job(tmp_path / "straight", backend, QVL_TEST_DATA_WORKERS=0)  # inputs built in-process
     assert reference.returncode == 0, reference.stderr[-3000:]
-    killed = _job(tmp_path / "killed", backend, QVL_TEST_KILL_AT_STEP=5)
+    killed = _job(tmp_path / "killed", backend, QVL_TEST_KILL_AT_STEP=5, **env)
     assert killed.returncode == -signal.SIGKILL
-    in_write = _job(tmp_path / "killed", backend, QVL_TEST_KILL_IN_CHECKPOINT=6)  # resumes at 4, dies writing 6
+    in_write = _job(tmp_path / "killed", backend, QVL_TEST_KILL_IN_CHECKPOINT=6, **env)  # resumes at 4, dies at 6
     assert in_write.returncode == -signal.SIGKILL
     assert any(p.name.startswith(".step-0000006.partial") for p in (tmp_path / "killed/checkpoints").iterdir())
-    resumed = _job(tmp_path / "killed", backend)
+    resumed = _job(tmp_path / "killed", backend, **env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed_from=4 " in resumed.stdout  # step 6 was never committed, so it was never loaded
     losses = dict(kv.split("=") for kv in resumed.stdout.split() if "_loss=" in kv)
@@ -77,7 +76,8 @@ def _resume_case(tmp_path: Path, backend: str) -> None:
 
 
 def test_sigkill_and_resume_is_bit_identical_torch(tmp_path):
-    _resume_case(tmp_path, "torch")
+    """Killed and resumed with two data workers prefetching, against a straight run without workers."""
+    _resume_case(tmp_path, "torch", QVL_TEST_DATA_WORKERS=2)
 
 
 @pytest.mark.slow

@@ -13,16 +13,17 @@ import torch
 from components._shared.eval import tasks as T
 from components._shared.eval.readers import prompt_turns
 from components._shared.model.generation import own_generation_config
+from components._shared.model.head_loss import per_sample_sequence_loss
 from components._shared.model.packing import (
     IGNORE_INDEX,
     ConversationEncoder,
     Sample,
     forward_logits,
     pack,
-    per_sample_loss,
     plan_micro_batches,
     to_device,
 )
+from components._shared.model.train_config import TrainConfig
 
 
 @torch.no_grad()
@@ -130,8 +131,10 @@ def answer_samples(encoder: ConversationEncoder, records: list[dict], answers: l
 
 
 @torch.no_grad()
-def heldout_loss(model, samples: list[Sample], *, max_tokens: int = 4096) -> list[float]:
-    """Per-sample mean target-token loss, packed (exact)."""
+def heldout_loss(
+    model, samples: list[Sample], *, max_tokens: int = 4096, chunk_rows: int = TrainConfig().loss_chunk_tokens
+) -> list[float]:
+    """Per-sample mean target-token loss, packed (exact), the LM head run `chunk_rows` target rows at a time."""
     device = next(model.parameters()).device
     losses = [0.0] * len(samples)
     for group in plan_micro_batches(
@@ -139,7 +142,8 @@ def heldout_loss(model, samples: list[Sample], *, max_tokens: int = 4096) -> lis
     ):
         batch = pack([samples[i] for i in group])
         batch = to_device(batch, device)
-        for i, value in zip(group, per_sample_loss(forward_logits(model, batch), batch).tolist(), strict=True):
+        per_sample = per_sample_sequence_loss(model, batch, chunk_rows=chunk_rows)
+        for i, value in zip(group, per_sample.tolist(), strict=True):
             losses[i] = value
     return losses
 

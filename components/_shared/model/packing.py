@@ -391,10 +391,11 @@ def forward_hidden(model, batch: dict, image_embeds: VisualTokens | None = None)
     return _forward(qwen_model(model), batch, image_embeds).last_hidden_state
 
 
-def forward_outputs(model, batch: dict, **flags):
-    """The model's full output for a packed or padded batch; `flags` go to the forward (e.g. output_hidden_states,
-    output_attentions: the latter needs eager attention)."""
-    return _forward(model, batch, None, **flags)
+def forward_outputs(model, batch: dict, *, lm_head: bool = True, **flags):
+    """The model's full output for a packed or padded batch (without `lm_head`: the language model's, with
+    last_hidden_state and no logits); `flags` go to the forward (e.g. output_hidden_states, output_attentions: the
+    latter needs eager attention)."""
+    return _forward(model if lm_head else qwen_model(model), batch, None, **flags)
 
 
 def _forward(model, batch: dict, image_embeds: VisualTokens | None, **flags):

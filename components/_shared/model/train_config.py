@@ -6,6 +6,8 @@ and `train` blocks; the loop itself is components/_shared/model/training.py.
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Annotated, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
@@ -93,6 +95,27 @@ class TrainConfig(SubConfig):
         "checkpoint", description="dtype of the exported model/: checkpoint = the base checkpoint's (bf16 for Qwen's)."
     )
     gradient_checkpointing: bool = False
+    data_workers: Annotated[
+        int,
+        Field(
+            ge=0,
+            description=(
+                "Processes that build the upcoming steps' inputs (decode, processor, tokenise, pack) while a step "
+                "trains; 0 = each step's inputs built in the training process before it. Same samples, same order."
+            ),
+        ),
+    ] = 1
+    prefetch_steps: Annotated[int, Field(ge=1, description="Steps queued ahead per data worker.")] = 2
+    loss_chunk_tokens: Annotated[
+        int,
+        Field(
+            ge=0,
+            description=(
+                "Target tokens per LM-head chunk in the losses (logits memory = chunk x vocabulary, not tokens x "
+                "vocabulary); 0 = the whole micro-batch's logits at once."
+            ),
+        ),
+    ] = 1024
     backend: Literal["torch", "deepspeed"] = Field(
         "torch", description="torch = plain AdamW loop (per-group clipping); deepspeed = ZeRO engine (global clip)."
     )
@@ -121,3 +144,29 @@ class TrainConfig(SubConfig):
     @classmethod
     def _local_or_s3(cls, value: str | None) -> str | None:
         return storage.check_location(value, "train.checkpoint_uri") if value else value
+
+
+def lr_factor(step: int, total: int, schedule: ScheduleConfig) -> float:
+    """Multiplier of the peak learning rate at optimizer step `step` (0-based) of `total`."""
+    points: list[tuple[float, float]] = [(0.0, 0.0)]
+    if schedule.warmup_segments:
+        at = 0.0
+        for seg in schedule.warmup_segments:
+            at += seg.fraction * total
+            points.append((at, seg.lr_fraction))
+    elif schedule.warmup_steps:
+        points.append((schedule.warmup_steps, 1.0))
+    warm_end, warm_value = points[-1]
+    if len(points) > 1 and step < warm_end:
+        for (x0, y0), (x1, y1) in itertools.pairwise(points):
+            if step < x1:
+                # step+1 so that the first step already trains (a zero learning rate would waste it)
+                return y0 + (y1 - y0) * min(1.0, (step + 1 - x0) / max(x1 - x0, 1e-9))
+    peak = warm_value if len(points) > 1 else 1.0
+    if schedule.decay == "constant":
+        return peak
+    progress = (step - warm_end) / max(1.0, total - warm_end)
+    floor = schedule.min_lr_ratio * peak
+    if schedule.decay == "linear":
+        return floor + (peak - floor) * (1.0 - progress)
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))

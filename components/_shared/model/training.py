@@ -17,13 +17,14 @@ backend (components/_shared/model/ds_backend.py) plugs into the same loop.
 
 from __future__ import annotations
 
-import itertools
+import copy
+import functools
 import json
 import math
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,17 +35,11 @@ import torch
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.backends import Backend, TorchBackend
 from components._shared.model.device import resolve_device
+from components._shared.model.head_loss import sequence_loss
 from components._shared.model.manifest import check_frozen, frozen_fingerprints, parameter_manifest
-from components._shared.model.packing import (
-    Sample,
-    batch_tokens,
-    forward_logits,
-    pack,
-    plan_micro_batches,
-    to_device,
-    token_loss,
-)
-from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
+from components._shared.model.packing import Sample, batch_tokens, to_device
+from components._shared.model.step_inputs import PreparedStep, prepare_step, step_inputs
+from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig, lr_factor
 from components._shared.platform.tracking import NullTracker, Tracker
 
 LossFn = Callable[[Any, dict, list[Sample]], tuple[torch.Tensor, int, dict[str, float]]]
@@ -86,36 +81,12 @@ class TrainResult:
     parameters: dict[str, dict[str, int]] = field(default_factory=dict)  # per group: trainable / frozen (manifest.py)
 
 
-def default_loss(model, batch: dict, samples: list[Sample]) -> tuple[torch.Tensor, int, dict[str, float]]:
-    """Summed next-token cross-entropy over assistant tokens, and their count."""
-    loss_sum, targets = token_loss(forward_logits(model, batch), batch)
+def default_loss(
+    model, batch: dict, samples: list[Sample], *, chunk_rows: int = TrainConfig().loss_chunk_tokens
+) -> tuple[torch.Tensor, int, dict[str, float]]:
+    """Summed next-token cross-entropy over assistant tokens, and their count (the LM head run in chunks)."""
+    loss_sum, targets = sequence_loss(model, batch, chunk_rows=chunk_rows)
     return loss_sum, targets, {}
-
-
-def lr_factor(step: int, total: int, schedule: ScheduleConfig) -> float:
-    """Multiplier of the peak learning rate at optimizer step `step` (0-based) of `total`."""
-    points: list[tuple[float, float]] = [(0.0, 0.0)]
-    if schedule.warmup_segments:
-        at = 0.0
-        for seg in schedule.warmup_segments:
-            at += seg.fraction * total
-            points.append((at, seg.lr_fraction))
-    elif schedule.warmup_steps:
-        points.append((schedule.warmup_steps, 1.0))
-    warm_end, warm_value = points[-1]
-    if len(points) > 1 and step < warm_end:
-        for (x0, y0), (x1, y1) in itertools.pairwise(points):
-            if step < x1:
-                # step+1 so that the first step already trains (a zero learning rate would waste it)
-                return y0 + (y1 - y0) * min(1.0, (step + 1 - x0) / max(x1 - x0, 1e-9))
-    peak = warm_value if len(points) > 1 else 1.0
-    if schedule.decay == "constant":
-        return peak
-    progress = (step - warm_end) / max(1.0, total - warm_end)
-    floor = schedule.min_lr_ratio * peak
-    if schedule.decay == "linear":
-        return floor + (peak - floor) * (1.0 - progress)
-    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 class TrainLoop:
@@ -132,7 +103,7 @@ class TrainLoop:
         phases: list[Phase],
         checkpoints: ckpt.CheckpointStore,
         tracker: Tracker | None = None,
-        loss_fn: LossFn = default_loss,
+        loss_fn: LossFn | None = None,
         seed: int = 0,
         extra_state: Callable[[], dict] | None = None,
         load_extra_state: Callable[[dict], None] | None = None,
@@ -159,8 +130,10 @@ class TrainLoop:
         self.sample, self.phases, self.store = sample, phases, checkpoints
         # A step's items built together (distill's on-policy answers are generated in batches); default: one by one
         self.sample_batch = sample_batch or (lambda indices: [self._sample(i) for i in indices])
+        self.prefetchable = sample_batch is None
         self.tracker = tracker or NullTracker()
-        self.loss_fn, self.seed = loss_fn, seed
+        self.loss_fn = loss_fn or functools.partial(default_loss, chunk_rows=train.loss_chunk_tokens)
+        self.seed = seed
         self.extra_state, self.load_extra_state = extra_state, load_extra_state  # caller state saved with checkpoints
         # A data item may be a group of samples kept in one micro-batch (a preference pair); the step's loss is
         # normalised by the summed unit weights (default: target tokens), known before the first backward.
@@ -215,6 +188,35 @@ class TrainLoop:
                 c.epoch, c.offset = c.epoch + 1, 0
         c.step_in_phase += 1
         return picked, phase
+
+    def upcoming_indices(self) -> list[list[int]]:
+        """The sample indices of the next steps up to the end or the first eval-weighted phase (whose draw depends
+        on evaluations not yet run), without moving the data cursor."""
+        saved = copy.deepcopy(self.cursor)
+        plan: list[list[int]] = []
+        try:
+            for _ in range(self.train.steps - self.step):
+                c = self.cursor
+                while c.phase < len(self.phases) - 1 and c.step_in_phase >= self.phases[c.phase].steps:
+                    c.phase, c.step_in_phase, c.epoch, c.offset = c.phase + 1, 0, 0, 0
+                if self.phases[c.phase].weights:
+                    break
+                plan.append(self.next_indices()[0])
+        finally:
+            self.cursor = saved
+        return plan
+
+    def _inputs_ahead(self) -> Generator[PreparedStep, None, None]:
+        """The prepared inputs of the upcoming steps, built by train.data_workers processes (step_inputs.py); empty
+        when the step's items come from a custom sample_batch (it may need the current model)."""
+        plan = self.upcoming_indices() if self.prefetchable else []
+        return step_inputs(
+            plan,
+            lambda indices: self.prepare(indices, self.sample_batch(indices)),
+            workers=self.train.data_workers,
+            depth=self.train.prefetch_steps,
+            pin=self.device.type == "cuda",
+        )
 
     def _sample(self, index: int) -> Sample | list[Sample]:
         if self.sample is None:
@@ -288,15 +290,32 @@ class TrainLoop:
         started = time.perf_counter()
         counts = {"_tokens": 0, "_slots": 0, "_real": 0, "_positions": 0}
 
+        ahead: list[Generator[PreparedStep, None, None]] = []  # started at the first step, after any resume
+
         def one_step() -> dict[str, float]:
+            if not ahead:
+                ahead.append(self._inputs_ahead())
             indices, phase = self.next_indices()
-            metrics = self.train_step(self.sample_batch(indices))
+            waiting = time.perf_counter()
+            step = next(ahead[0], None)
+            if step is None or step.indices != indices:  # past the prefetch plan (an eval-weighted phase)
+                if step is not None:
+                    raise RuntimeError(f"prefetched step inputs {step.indices[:4]} are not step {self.step + 1}'s")
+                step = self.prepare(indices, self.sample_batch(indices))
+            waited = time.perf_counter() - waiting
+            metrics = self.train_step(step)
+            metrics["time/data_wait_s"] = waited  # the step's wait for its inputs (~0 when prefetched in time)
+            metrics["time/step_s"] = time.perf_counter() - waiting
             for key in counts:
                 counts[key] += int(metrics.pop(key))
             metrics["phase"] = self.phases.index(phase)
             return metrics
 
-        resumed, saved = self.drive(one_step, evaluate)
+        try:
+            resumed, saved = self.drive(one_step, evaluate)
+        finally:
+            for iterator in ahead:
+                iterator.close()
         return TrainResult(
             steps=self.step,
             resumed_from=resumed,
@@ -369,31 +388,28 @@ class TrainLoop:
     def autocast_context(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast)
 
-    def train_step(self, items: list) -> dict[str, float]:
-        """One optimizer step over `items` (samples, or groups kept in one micro-batch); returns its metrics."""
+    def prepare(self, indices: list[int], items: list) -> PreparedStep:
+        """A step's items planned and packed into this rank's micro-batches (step_inputs.prepare_step)."""
+        return prepare_step(
+            indices,
+            items,
+            max_tokens=self.train.max_tokens_per_micro_batch,
+            unit_weight=self.unit_weight,
+            rank=self.backend.rank,
+            world=self.backend.world_size,
+        )
+
+    def train_step(self, items: list | PreparedStep) -> dict[str, float]:
+        """One optimizer step over `items` (samples, or groups kept in one micro-batch, or a prepared step);
+        returns its metrics."""
         self.model.train()
-        units = [list(item) if isinstance(item, (list, tuple)) else [item] for item in items]
-        samples = [s for unit in units for s in unit]
-        plan = plan_micro_batches([sum(s.num_tokens for s in u) for u in units], self.train.max_tokens_per_micro_batch)
-        total_targets = sum(self.unit_weight(u) for u in units)
-        if total_targets == 0:
-            raise ValueError(
-                f"a training step's {len(samples)} samples have no target tokens; check the data "
-                f"(first ids: {[s.sample_id for s in samples[:3]]})."
-            )
-        # Data parallel: rank r runs micro-batches r, r+W, ...; a rank with one fewer runs a zero-weighted copy
-        # of the first, so every rank does the same number of backward passes (collectives stay matched).
-        rank, world = self.backend.rank, self.backend.world_size
-        mine = plan[rank::world]
-        rounds = -(-len(plan) // world)
-        weights = [1.0] * len(mine) + [0.0] * (rounds - len(mine))
-        mine = mine + [plan[0]] * (rounds - len(mine))
+        step = items if isinstance(items, PreparedStep) else self.prepare([], items)
+        samples, plan_size, total_targets = step.samples, step.plan_size, step.total_targets
+        world = self.backend.world_size
         loss_total, real, positions = 0.0, 0, 0
         extras: dict[str, float] = {}
-        self.backend.begin_step(rounds)
-        for group, weight in zip(mine, weights, strict=True):
-            micro = [s for i in group for s in units[i]]
-            batch = pack(micro)
+        self.backend.begin_step(len(step.batches))
+        for micro, batch, weight in zip(step.micro, step.batches, step.weights, strict=True):
             if weight:
                 used, computed = batch_tokens(batch)
                 real, positions = real + used, positions + computed
@@ -403,19 +419,19 @@ class TrainLoop:
             self.backend.backward(loss_sum * (weight / total_targets))
             loss_total += weight * float(loss_sum.detach())
             for k, v in extra.items():
-                extras[k] = extras.get(k, 0.0) + weight * v / len(plan)
+                extras[k] = extras.get(k, 0.0) + weight * v / plan_size
         if world > 1:  # one collective; loss_fn returns the same keys on every micro-batch and rank
             keys = sorted(extras)
             totals = self.backend.all_reduce_sum([loss_total, *(extras[k] for k in keys)])
             loss_total, extras = totals[0], dict(zip(keys, totals[1:], strict=True))
         norms, lrs = self.backend.step()
         tokens = sum(s.num_tokens for s in samples)
-        slots = len(plan) * self.train.max_tokens_per_micro_batch
+        slots = plan_size * self.train.max_tokens_per_micro_batch
         # Packed rows carry no padding (every computed position is a real token); budget_fill says how full the
         # micro-batches are against max_tokens_per_micro_batch (what a fixed-shape GPU buffer would pad to).
         return {
             "loss": loss_total / total_targets,
-            "micro_batches": float(len(plan)),
+            "micro_batches": float(plan_size),
             "budget_fill": tokens / slots,
             "lr": lrs[0] if lrs else 0.0,
             **{f"grad_norm/{k}": v for k, v in norms.items()},
