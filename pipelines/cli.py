@@ -155,6 +155,26 @@ def plan_(
         raise typer.Exit(1)
 
 
+@app.command("runs")
+def runs(
+    root: Path = typer.Argument(Path("runs"), help="Directory holding run directories (searched recursively)."),
+    compare: tuple[Path, Path] | None = typer.Option(
+        None, "--compare", help="Two run directories: every stage's metrics side by side, with B - A."
+    ),
+):
+    """The local runs under ROOT with status, time and each stage's headline metric; or two runs compared."""
+    from pipelines.runs import compare as compare_runs
+    from pipelines.runs import find_runs, read_run, runs_table
+
+    if compare:
+        typer.echo(compare_runs(read_run(compare[0]), read_run(compare[1])))
+        return
+    found = find_runs(root)
+    if not found:
+        raise ValueError(f"no run_summary.json under {root}; runs are written by `qvl run --local --out DIR`.")
+    typer.echo(runs_table(found, root))
+
+
 @app.command("compile")
 def compile_(
     preset: str = typer.Option("prod-7b", help="Preset whose configs become the parameter defaults."),

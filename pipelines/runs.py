@@ -1,0 +1,149 @@
+"""`qvl runs`: the local runs under a directory with their status, time and headline metrics, and two runs compared.
+
+    qvl runs [ROOT]                    # every ROOT/**/run_summary.json, newest first
+    qvl runs --compare RUN_A RUN_B     # each stage's metrics side by side, with B - A
+
+A run is a directory holding `run_summary.json` (pipelines/local_run.py). The headline metric of a stage is the
+first of HEADLINES[stage] its metrics hold; the comparison lists every numeric metric either run has, in DAG order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from components.stages import DAG_ORDER
+from pipelines.local_run import SUMMARY_FILE
+
+HEADLINES = {
+    "clean_data": ("records_kept",),
+    "extract_features": ("images", "features_written"),
+    "pretrain": ("retrieval_r1", "heldout_caption_loss_final"),
+    "sft": ("vqa_exact_match",),
+    "reward_model": ("pair_accuracy",),
+    "rl": ("efficacy_gain", "efficacy_final"),
+    "distill": ("student_score_ratio",),
+    "select_checkpoint": ("selected_stage",),
+}
+SHORT = {
+    "clean_data": "kept",
+    "extract_features": "features",
+    "pretrain": "R@1",
+    "sft": "VQA",
+    "reward_model": "pairs",
+    "rl": "RL gain",
+    "distill": "student",
+    "select_checkpoint": "champion",
+}
+
+
+@dataclass
+class Run:
+    path: Path
+    summary: dict[str, Any]
+    finished: float  # mtime of its run_summary.json
+
+    @property
+    def stages(self) -> dict[str, dict[str, Any]]:
+        return self.summary.get("stages", {})
+
+
+def read_run(location: str | Path) -> Run:
+    """The run at a run directory or its run_summary.json; a clear error when it is neither."""
+    path = Path(location)
+    summary_file = path if path.name == SUMMARY_FILE else path / SUMMARY_FILE
+    if not summary_file.is_file():
+        raise ValueError(f"{location}: no {SUMMARY_FILE} there; pass a run directory (the --out of `qvl run`).")
+    try:
+        summary = json.loads(summary_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{summary_file}: not a run summary ({error}); was the run interrupted?") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{summary_file}: not a run summary (a JSON object with 'stages').")
+    return Run(summary_file.parent, summary, summary_file.stat().st_mtime)
+
+
+def find_runs(root: str | Path) -> list[Run]:
+    """Every run under `root` (recursively), newest first; unreadable summaries are listed as such, not skipped."""
+    runs = []
+    for summary_file in Path(root).rglob(SUMMARY_FILE):
+        try:
+            runs.append(read_run(summary_file))
+        except ValueError as error:
+            runs.append(Run(summary_file.parent, {"status": "unreadable", "error": str(error)}, 0.0))
+    return sorted(runs, key=lambda r: (-r.finished, str(r.path)))
+
+
+def headline(stage: str, metrics: dict[str, Any] | None) -> str:
+    for key in HEADLINES.get(stage, ()):
+        if metrics and key in metrics and metrics[key] is not None:
+            return _show(metrics[key])
+    return "-"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+def runs_table(runs: list[Run], root: Path) -> str:
+    """One line per run: directory, status, preset, minutes, when it finished, each stage's headline metric."""
+    stages = [s for s in DAG_ORDER if any(s in r.stages for r in runs)]
+    header = ["run", "status", "preset", "min", "finished", *(SHORT.get(s, s) for s in stages)]
+    rows = []
+    for r in runs:
+        seconds = r.summary.get("seconds")
+        rows.append(
+            [
+                str(r.path.relative_to(root)) if r.path.is_relative_to(root) else str(r.path),
+                str(r.summary.get("status", "?")),
+                str(r.summary.get("preset", "?")),
+                f"{seconds / 60:.1f}" if isinstance(seconds, (int, float)) else "-",
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(r.finished)) if r.finished else "-",
+                *(headline(s, r.stages.get(s, {}).get("metrics")) if s in r.stages else "" for s in stages),
+            ]
+        )
+    return _columns([header, *rows])
+
+
+def compare(a: Run, b: Run) -> str:
+    """Every numeric metric of either run per stage (DAG order): A, B and B - A; status and seconds first."""
+    lines = [["stage", "metric", str(a.path), str(b.path), "B - A"]]
+    lines.append(["(run)", "status", str(a.summary.get("status")), str(b.summary.get("status")), ""])
+    for stage in [s for s in ["preflight", *DAG_ORDER] if s in a.stages or s in b.stages]:
+        ra, rb = a.stages.get(stage, {}), b.stages.get(stage, {})
+        lines.append([stage, "status", str(ra.get("status", "absent")), str(rb.get("status", "absent")), ""])
+        lines.append([stage, "seconds", _show(ra.get("seconds", "-")), _show(rb.get("seconds", "-")), _diff(ra, rb)])
+        ma, mb = ra.get("metrics") or {}, rb.get("metrics") or {}
+        for key in sorted(set(ma) | set(mb)):
+            va, vb = ma.get(key), mb.get(key)
+            if not any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb)):
+                if va != vb and all(isinstance(v, (str, type(None))) for v in (va, vb)):
+                    lines.append([stage, key, str(va), str(vb), "changed"])
+                continue
+            lines.append([stage, key, _show(va) if va is not None else "-", _show(vb) if vb is not None else "-",
+                          _delta(va, vb)])  # fmt: skip
+    return _columns(lines)
+
+
+def _diff(ra: dict, rb: dict) -> str:
+    return _delta(ra.get("seconds"), rb.get("seconds"))
+
+
+def _delta(va: Any, vb: Any) -> str:
+    numbers = [isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb)]
+    if not all(numbers):
+        return ""
+    return f"{vb - va:+.4g}"
+
+
+def _columns(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
