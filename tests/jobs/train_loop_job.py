@@ -51,7 +51,7 @@ def main(out: str, backend: str = "torch", checkpoint_root: str = "") -> None:
         log_every=1,
         offload_optimizer=offload == "offload",
         loss_chunk_tokens=int(os.environ.get("QVL_TEST_LOSS_CHUNK", TrainConfig().loss_chunk_tokens)),
-        data_workers=int(os.environ.get("QVL_TEST_DATA_WORKERS", TrainConfig().data_workers)),
+        data_workers=int(os.environ["QVL_TEST_DATA_WORKERS"]) if "QVL_TEST_DATA_WORKERS" in os.environ else None,
     )
     loop = TrainLoop(
         model,

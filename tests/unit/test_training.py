@@ -83,7 +83,7 @@ def test_sigkill_and_resume_is_bit_identical_torch(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["deepspeed-2", "deepspeed-3", "deepspeed-2-offload"])
 def test_sigkill_and_resume_is_bit_identical_deepspeed(tmp_path, backend):
-    _resume_case(tmp_path, backend)
+    _resume_case(tmp_path, backend, QVL_TEST_DATA_WORKERS=1)  # inputs prefetched by a worker
 
 
 def _torchrun(out: Path, backend: str, **env) -> subprocess.CompletedProcess:

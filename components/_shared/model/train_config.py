@@ -96,15 +96,16 @@ class TrainConfig(SubConfig):
     )
     gradient_checkpointing: bool = False
     data_workers: Annotated[
-        int,
+        int | None,
         Field(
             ge=0,
             description=(
                 "Processes that build the upcoming steps' inputs (decode, processor, tokenise, pack) while a step "
-                "trains; 0 = each step's inputs built in the training process before it. Same samples, same order."
+                "trains; 0 = each step's inputs built in the training process before it; null = 1 on a GPU, 0 on "
+                "the CPU (where a worker competes with the step for the same cores). Same samples, same order."
             ),
         ),
-    ] = 1
+    ] = None
     prefetch_steps: Annotated[int, Field(ge=1, description="Steps queued ahead per data worker.")] = 2
     loss_chunk_tokens: Annotated[
         int,

@@ -213,7 +213,7 @@ class TrainLoop:
         return step_inputs(
             plan,
             lambda indices: self.prepare(indices, self.sample_batch(indices)),
-            workers=self.train.data_workers,
+            workers=data_workers(self.train, self.device),
             depth=self.train.prefetch_steps,
             pin=self.device.type == "cuda",
         )
@@ -460,6 +460,14 @@ def check_finite(metrics: dict[str, float], step: int) -> None:
             f"step {step}: {bad} is not finite; nothing of this step is saved. Lower optim.lr, check lora.alpha / "
             "optim.eps / the loss weights, or train in float32 (train.precision)."
         )
+
+
+def data_workers(train: TrainConfig, device: torch.device) -> int:
+    """train.data_workers, or for null 1 on CUDA and 0 on the CPU (on the demo's 2 cores a prefetched step still
+    waited about a third of its time: the worker competes with the step's threads, docs/benchmarks.md)."""
+    if train.data_workers is not None:
+        return train.data_workers
+    return 1 if device.type == "cuda" else 0
 
 
 def _barrier() -> None:
