@@ -120,7 +120,8 @@ def compare(a: Run, b: Run) -> str:
     for stage in [s for s in ["preflight", *DAG_ORDER] if s in a.stages or s in b.stages]:
         ra, rb = a.stages.get(stage, {}), b.stages.get(stage, {})
         lines.append([stage, "status", str(ra.get("status", "absent")), str(rb.get("status", "absent")), ""])
-        lines.append([stage, "seconds", _show(ra.get("seconds", "-")), _show(rb.get("seconds", "-")), _diff(ra, rb)])
+        seconds = (ra.get("seconds"), rb.get("seconds"))
+        lines.append([stage, "seconds", *(_show(v) if v is not None else "-" for v in seconds), _delta(*seconds)])
         ma, mb = ra.get("metrics") or {}, rb.get("metrics") or {}
         for key in sorted(set(ma) | set(mb)):
             va, vb = ma.get(key), mb.get(key)
@@ -131,10 +132,6 @@ def compare(a: Run, b: Run) -> str:
             lines.append([stage, key, _show(va) if va is not None else "-", _show(vb) if vb is not None else "-",
                           _delta(va, vb)])  # fmt: skip
     return _columns(lines)
-
-
-def _diff(ra: dict, rb: dict) -> str:
-    return _delta(ra.get("seconds"), rb.get("seconds"))
 
 
 def _delta(va: Any, vb: Any) -> str:
