@@ -12,7 +12,8 @@ Every model is a Hugging Face directory (config.json, model.safetensors, process
 `builtin.json` (name, recipe, recipe version, parameter count, build seconds; for CLIP its held-out
 metrics and the recommended cosine threshold). Qwen weights are a seeded random init; the tokenizer
 is trained on the world's text (components/synth_world/tokenizer.py). Use through
-`components._shared.model.sources.resolve_model("builtin:NAME")`, which caches and builds atomically.
+`components._shared.model.sources.resolve_model("builtin:NAME")`, which caches and builds atomically; tiny-clip
+ships with the package instead (shipped.py: ~20 min to train, and not bit-identical across machines).
 """
 
 from __future__ import annotations
@@ -239,6 +240,16 @@ def build(name: str, dest_dir: Path, *, seed: int = 0) -> Path:
     }
     (dest_dir / "builtin.json").write_text(json.dumps(meta, indent=2) + "\n")
     return dest_dir
+
+
+def provide(name: str, dest_dir: Path) -> Path:
+    """Builtin `name` into the empty `dest_dir`: the package's shipped copy when it is this recipe's (shipped.py),
+    else built by the recipe."""
+    from components.synth_world import shipped
+
+    if shipped.materialize(name, recipe_version(name), Path(dest_dir)):
+        return Path(dest_dir)
+    return build(name, dest_dir)
 
 
 def build_world_tokenizer(vocab_size: int = 512, *, seed: int = 0):

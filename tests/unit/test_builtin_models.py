@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
+import shutil
 import sys
 import time
 import types
@@ -17,6 +18,7 @@ import torch
 import components._shared.platform
 from components._shared.model.sources import resolve_model, validate_model_dir
 from components.synth_world import builtin_models as bm
+from components.synth_world import shipped
 from components.synth_world import tokenizer as wt
 from components.synth_world.world import sample_clean_pairs
 
@@ -239,6 +241,66 @@ def _builtin_clip_heldout() -> dict:
     meta = json.loads((resolve_model("builtin:tiny-clip") / "builtin.json").read_text())
     assert meta["heldout"]["threshold"] == meta["recommended_threshold"] == meta["calibration"]["threshold"]
     return meta["heldout"]
+
+
+# ---------------------------------------------------------------------------------------------- shipped builtins
+
+
+def test_the_shipped_clip_is_the_current_recipes_and_meets_the_goal():
+    """The package ships tiny-clip (a fresh machine trains no helper model and gets the same bytes); a change of
+    its recipe or of the world's code makes a new key, and then this fails until the copy is rebuilt."""
+    key = bm.recipe_version("tiny-clip")
+    assert shipped.shipped_key("tiny-clip") == key, (
+        f"components/synth_world/shipped_models/tiny-clip was built for {shipped.shipped_key('tiny-clip')}, the "
+        f"code now gives {key}: run `qvl models ship tiny-clip` (~20 min on 2 cores) and commit the directory."
+    )
+    meta = json.loads((shipped.SHIPPED_DIR / "tiny-clip" / "builtin.json").read_text())
+    assert meta["recipe"] == dataclasses.asdict(bm.TINY_CLIP) and meta["seed"] == 0
+    assert meta["heldout"]["precision"] >= 0.98 and meta["heldout"]["mismatched_recall"] >= 0.9
+
+
+def test_resolve_copies_the_shipped_clip_and_never_trains(tmp_path, monkeypatch):
+    monkeypatch.setattr(bm, "build", lambda *a, **k: pytest.fail("tiny-clip was trained instead of copied"))
+    path = resolve_model("builtin:tiny-clip", cache_dir=tmp_path)
+    assert path.name == f"tiny-clip-{bm.recipe_version('tiny-clip')}"
+    source = shipped.SHIPPED_DIR / "tiny-clip"
+    assert (path / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
+    assert not (path / shipped.SHIPPED_FILE).exists()
+    model, _ = _load_clip(path)
+    assert model.config.projection_dim == bm.TINY_CLIP.projection_dim
+
+
+def _load_clip(path: Path):
+    from transformers import CLIPModel, CLIPProcessor
+
+    return CLIPModel.from_pretrained(path), CLIPProcessor.from_pretrained(path)
+
+
+def test_a_damaged_shipped_file_is_refused_and_a_stale_copy_is_not_used(tmp_path, monkeypatch):
+    copy = tmp_path / "shipped"
+    shutil.copytree(shipped.SHIPPED_DIR, copy)
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", copy)
+    key = bm.recipe_version("tiny-clip")
+    (tmp_path / "stale").mkdir()
+    assert shipped.materialize("tiny-clip", "4.00000000", tmp_path / "stale") is False
+    assert list((tmp_path / "stale").iterdir()) == []
+    with (copy / "tiny-clip" / "model.safetensors").open("r+b") as handle:
+        handle.seek(4096)
+        handle.write(b"\x00\x01")
+    (tmp_path / "damaged").mkdir()
+    with pytest.raises(ValueError, match=r"model\.safetensors does not match its sha256"):
+        shipped.materialize("tiny-clip", key, tmp_path / "damaged")
+
+
+@pytest.mark.rebuild
+def test_a_rebuilt_clip_scores_like_the_shipped_one(tmp_path):
+    """The recipe still makes the shipped model, judged by its held-out scores (bit-identity is not promised
+    across CPUs and thread counts): ~20 min on 2 cores, `pytest -m rebuild`."""
+    rebuilt = json.loads((bm.build("tiny-clip", tmp_path / "clip") / "builtin.json").read_text())["heldout"]
+    ours = json.loads((shipped.SHIPPED_DIR / "tiny-clip" / "builtin.json").read_text())["heldout"]
+    assert abs(rebuilt["auc"] - ours["auc"]) <= 0.01
+    assert abs(rebuilt["mismatched_recall"] - ours["mismatched_recall"]) <= 0.03
+    assert rebuilt["precision"] >= 0.98 and rebuilt["matched_kept"] >= 0.98
 
 
 # ---------------------------------------------------------------------------------------------- resolve_model

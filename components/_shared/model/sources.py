@@ -3,7 +3,8 @@
 Accepted forms:
     /path/to/dir       a from_pretrained directory (config.json; weights only as *.safetensors)
     s3://bucket/prefix a committed prefix (has _COMMITTED.json), downloaded once into the cache and verified
-    builtin:NAME       a builtin tiny model (components/synth_world/builtin_models.py), built once into the cache
+    builtin:NAME       a builtin tiny model (components/synth_world/builtin_models.py), copied from the package when
+                       it ships (synth_world/shipped.py: tiny-clip) or built once into the cache
 
 The cache is `cache_dir` or env QVL_CACHE_DIR or ~/.cache/qvl. Builds and downloads go into a temporary
 directory under a file lock and are renamed into place when complete, so several processes may ask at
@@ -115,7 +116,7 @@ def _resolve_builtin(name: str, cache: Path) -> Path:
     if name not in builtin_models.BUILTIN_NAMES:
         raise ValueError(f"Unknown builtin model {name!r}; {_accepted_forms()}")
     target = cache / f"{name}-{builtin_models.recipe_version(name)}"
-    return _materialize(target, lambda tmp: builtin_models.build(name, tmp))
+    return _materialize(target, lambda tmp: builtin_models.provide(name, tmp))
 
 
 def _resolve_s3(uri: str, cache: Path) -> Path:
