@@ -9,5 +9,9 @@ PY=${PYTHON:-python3}
     numpy packaging "setuptools>=70.1" wheel ninja psutil py-cpuinfo hjson   # deepspeed's build needs these
 "$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-build-isolation "deepspeed==0.19.8"
 "$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e ".[dev]"
+# Headless Chromium renders report.html in tests/unit/test_run_report.py (Debian packages; CI runs this as root).
+if ! command -v chromium >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
 # pyenv installs need their shims refreshed for the new `qvl` console script.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi

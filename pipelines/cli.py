@@ -61,6 +61,23 @@ def models_build(
         typer.echo(f"{uri} -> {resolve_model(uri)}")
 
 
+@models_app.command("ship")
+def models_ship(name: str = typer.Argument("tiny-clip", help="A builtin that ships with the package.")):
+    """Rebuild a shipped builtin by its recipe (tiny-clip: ~20 min on 2 cores) and commit-ready copy it into
+    components/synth_world/shipped_models/NAME (after a change of its recipe or of the world's code)."""
+    import tempfile
+
+    from components.synth_world import builtin_models, shipped
+
+    if name not in shipped.SHIPPED_NAMES:
+        typer.echo(f"{name} is not shipped; shipped builtins: {', '.join(shipped.SHIPPED_NAMES)}.", err=True)
+        raise typer.Exit(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        built = builtin_models.build(name, Path(tmp) / name)
+        target = shipped.ship(name, built, builtin_models.recipe_version(name))
+    typer.echo(f"{name} -> {target} (recipe key {builtin_models.recipe_version(name)}); commit it.")
+
+
 @app.command("run")
 def run(
     local: bool = typer.Option(False, "--local", help="Run with kfp.local on this machine (the only mode here)."),
@@ -73,8 +90,9 @@ def run(
     out: Path = typer.Option(Path("runs/local"), help="Run directory (run_summary.json, mlflow.db, artifacts)."),
     until: str | None = typer.Option(None, help="Last stage to run (default: all)."),
     cache: bool = typer.Option(False, help="Reuse outputs of tasks whose inputs did not change (kfp.local cache)."),
+    verbose: bool = typer.Option(False, "--verbose", help="Stream every task's output too (it is in OUT/logs/)."),
 ):
-    """Run the DAG and write OUT/run_summary.json."""
+    """Run the DAG and write OUT/run_summary.json; the console shows each stage's progress and result."""
     if not local:
         typer.echo(
             "`qvl run` runs locally (--local); submit to a cluster with `qvl submit` or `kfp run create` "
@@ -90,12 +108,23 @@ def run(
         raise typer.Exit(2)
     if data is None and "://" not in lake_uri:
         data = str(Path(lake_uri).resolve().parent / "heldout")  # where `qvl lake synth` puts it
+    typer.echo(f"Running preset {preset} on {lake_uri} into {out}/ (task logs: {out}/logs/)")
     summary = run_local(
-        lake_uri=lake_uri, data_uri=data or "", out_dir=out, preset=preset, until=until, enable_caching=cache
+        lake_uri=lake_uri,
+        data_uri=data or "",
+        out_dir=out,
+        preset=preset,
+        until=until,
+        enable_caching=cache,
+        console=sys.stdout,
+        verbose=verbose,
     )
-    for stage, result in summary["stages"].items():
-        typer.echo(f"{stage:18s} {result['status']:10s} {result.get('seconds', 0):8.1f}s")
-    typer.echo(f"{summary['status']}: {out / SUMMARY_FILE}")
+    minutes, seconds = divmod(int(summary["seconds"]), 60)
+    typer.echo(f"Run {summary['status']} in {minutes}:{seconds:02d}.")
+    typer.echo(f"  report:  {summary.get('report') or 'not written: ' + summary.get('report_error', '?')}")
+    typer.echo(f"  summary: {out / SUMMARY_FILE}")
+    typer.echo(f"  logs:    {out}/logs/")
+    typer.echo(f"  MLflow:  {summary['mlflow_tracking_uri']} (run {summary['mlflow_run_id']})")
     raise typer.Exit(0 if summary["status"] == "succeeded" else 1)
 
 

@@ -1,30 +1,39 @@
 """Run the DAG on this machine with kfp.local and write run_summary.json.
 
 Every task runs as a subprocess of this Python (no containers); the stages record their results through
-`components._shared.launch.result` into a per-run directory named by QVL_RUN_SUMMARY_DIR, and the MLflow parent
-run id travels in QVL_MLFLOW_PARENT_RUN_ID (environment only, never a cached task input).
+`components._shared.launch.result` into a per-run directory named by QVL_RUN_SUMMARY_DIR, their progress into
+QVL_PROGRESS_DIR, and the MLflow parent run id travels in QVL_MLFLOW_PARENT_RUN_ID (environment only, never a
+cached task input). Each task's output (its executor input, library warnings, the stage's own lines) goes to
+`logs/<task>.log` in the run directory and kfp.local's own lines to `logs/kfp.log`; the console gets the
+progress view (pipelines/progress_view.py), or everything as well with `verbose`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import subprocess
+import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from components._shared.launch.result import RESULT_FILE, SUMMARY_DIR_ENV
+from components._shared.launch.result import RESULT_FILE, SUMMARY_DIR_ENV, SUMMARY_FILE
+from components._shared.platform.progress import PROGRESS_DIR_ENV
 from components.stages import DAG_ORDER
-
-SUMMARY_FILE = "run_summary.json"
+from pipelines.progress_view import ProgressView, stage_of
+from pipelines.run_report import write_run_report
 
 
 @contextmanager
-def _recording_cache_hits() -> Iterator[list[dict[str, Any]]]:
-    """Yield a list that collects the outputs of every kfp.local cache hit during the block.
+def _recording_cache_hits(view: ProgressView | None = None) -> Iterator[list[dict[str, Any]]]:
+    """Yield a list that collects the outputs of every kfp.local cache hit during the block (and tell `view`).
 
     kfp.local logs its hits at INFO on a logger it leaves at WARNING, so the lookup itself is wrapped.
     """
@@ -37,6 +46,9 @@ def _recording_cache_hits() -> Iterator[list[dict[str, Any]]]:
         outputs = original(self, key)
         if outputs is not None:
             hits.append(outputs)
+            if view is not None:
+                for stage, result in _cached_results([outputs]).items():
+                    view.stage_cached(stage, result.get("metrics") or {})
         return outputs
 
     kfp_cache.LocalCache.get = get
@@ -58,6 +70,58 @@ def _cached_results(hits: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 if result.get("stage"):
                     results[result["stage"]] = {**result, "status": "cached"}
     return results
+
+
+def _task_name(command: list[str]) -> str:
+    """The component function a kfp.local task runs (`--function_to_execute sft_op`), else the program."""
+    if "--function_to_execute" in command:
+        return command[command.index("--function_to_execute") + 1]
+    return Path(command[0]).name if command else "task"
+
+
+@contextmanager
+def _task_logs(logs_dir: Path, view: ProgressView | None, echo: IO[str] | None) -> Iterator[None]:
+    """Each kfp.local task's output into logs_dir/<task>[-N].log (and `echo`), its start and end told to `view`.
+
+    kfp.local streams every task's output to the console through `run_local_subprocess`; this replaces it
+    for the block (the same Popen, its lines going to the task's file instead).
+    """
+    from kfp.local import subprocess_task_handler
+
+    original = subprocess_task_handler.run_local_subprocess
+    seen: Counter[str] = Counter()
+    lock = threading.Lock()
+
+    def run_local_subprocess(full_command: list[str], env_vars: dict[str, str] | None = None) -> int:
+        task = _task_name(full_command)
+        with lock:
+            seen[task] += 1
+            log = logs_dir / (f"{task}.log" if seen[task] == 1 else f"{task}-{seen[task]}.log")
+        if view is not None:
+            view.task_started(task, log)
+        env = {**os.environ, **(env_vars or {})}
+        with (
+            log.open("w") as sink,
+            subprocess.Popen(
+                full_command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env
+            ) as process,
+        ):
+            assert process.stdout is not None
+            for line in process.stdout:
+                sink.write(line)
+                sink.flush()
+                if echo is not None:
+                    echo.write(f"[{stage_of(task)}] {line}")
+            returncode = process.wait()
+        if view is not None:
+            view.task_finished(task, returncode, log)
+        return returncode
+
+    subprocess_task_handler.run_local_subprocess = run_local_subprocess
+    try:
+        yield
+    finally:
+        subprocess_task_handler.run_local_subprocess = original
 
 
 def _collect(results_dir: Path, expected: list[str], cached: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -84,16 +148,16 @@ def run_local(
     preset: str = "tiny",
     until: str | None = None,
     enable_caching: bool = False,
+    console: IO[str] | None = None,
+    live: bool | None = None,
+    verbose: bool = False,
 ) -> dict[str, Any]:
     """Run the DAG (up to `until`) on `lake_uri` with held-out / SFT data at `data_uri`; returns the run summary,
-    also written to out_dir/run_summary.json."""
-    from kfp import local
+    also written to out_dir/run_summary.json.
 
-    from components._shared.platform.mlflow_tracking import (
-        default_tracking_uri,
-        finish_pipeline_run,
-        start_pipeline_run,
-    )
+    With `console`, the progress view goes there (redrawn in place when `live`, by default when it is a terminal;
+    otherwise one line per event); `verbose` streams every task's output to stdout as well as to its log file.
+    """
     from pipelines.presets import load_preset
     from pipelines.vlm_training import build_pipeline
 
@@ -105,37 +169,32 @@ def run_local(
         lake_uri = str(Path(lake_uri).resolve())
     if data_uri and "://" not in data_uri:
         data_uri = str(Path(data_uri).resolve())
-    results_dir = out_dir / "stage_results"
-    shutil.rmtree(results_dir, ignore_errors=True)
-    results_dir.mkdir()
-
-    os.environ.setdefault("MLFLOW_TRACKING_URI", default_tracking_uri(out_dir))
-    parent_run_id = start_pipeline_run(p.experiment, run_name=f"local-{p.name}", tags={"preset": p.name})
-    os.environ["QVL_MLFLOW_PARENT_RUN_ID"] = parent_run_id
-    os.environ[SUMMARY_DIR_ENV] = str(results_dir)
-
-    cache_root = out_dir / "kfp_cache"
-    local.init(
-        runner=local.SubprocessRunner(use_venv=False),
-        pipeline_root=str(out_dir / "pipeline_root"),
-        raise_on_error=False,
-        enable_caching=enable_caching,
-        cache_root=str(cache_root) if enable_caching else None,
-    )
-    started = time.time()
-    with _recording_cache_hits() as hits:
-        pipeline(
-            lake_uri=lake_uri,
-            eval_data_uri=data_uri,
-            sft_data_uri=data_uri,
-            preference_data_uri=data_uri,
-            rl_data_uri=data_uri,
-            **p.pipeline_args(),
-        )
-
+    dirs = {name: out_dir / name for name in ("stage_results", "progress", "logs")}
+    for directory in dirs.values():
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir()
     expected = ["preflight", *DAG_ORDER[: DAG_ORDER.index(until) + 1 if until else len(DAG_ORDER)]]
-    stages = _collect(results_dir, expected, _cached_results(hits))
+    view = None
+    if console is not None:
+        is_live = console.isatty() if live is None else live
+        view = ProgressView(
+            expected, stream=console, live=is_live, progress_dir=dirs["progress"], results_dir=dirs["stage_results"]
+        )
+    started = time.time()
+    with contextlib.ExitStack() as stack, (dirs["logs"] / "kfp.log").open("w") as kfp_log:
+        if not verbose:  # kfp.local's lines, library warnings and MLflow's notices: into logs/kfp.log
+            stack.enter_context(contextlib.redirect_stdout(kfp_log))
+            stack.enter_context(contextlib.redirect_stderr(kfp_log))
+        if view is not None:
+            stack.enter_context(view)
+        stack.enter_context(_task_logs(dirs["logs"], view, echo=sys.stdout if verbose else None))
+        hits = stack.enter_context(_recording_cache_hits(view))
+        parent_run_id = _run_pipeline(pipeline, p, out_dir, dirs, lake_uri, data_uri, enable_caching)
+    stages = _collect(dirs["stage_results"], expected, _cached_results(hits))
     ok = all(stages.get(s, {}).get("status") in ("succeeded", "cached") for s in expected)
+
+    from components._shared.platform.mlflow_tracking import finish_pipeline_run, log_pipeline_artifact
+
     finish_pipeline_run(parent_run_id, "FINISHED" if ok else "FAILED")
     summary = {
         "mlflow_run_id": parent_run_id,
@@ -145,7 +204,45 @@ def run_local(
         "data_uri": data_uri,
         "status": "succeeded" if ok else "failed",
         "seconds": round(time.time() - started, 1),
+        "logs": str(dirs["logs"]),
         "stages": stages,
     }
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+    try:  # the page reads the summary just written; a failure to draw it never hides the run's own result
+        report = write_run_report(out_dir)
+        summary["report"] = str(report)
+        log_pipeline_artifact(parent_run_id, report)
+    except Exception as error:  # noqa: BLE001 - recorded in the summary and shown by the CLI
+        summary["report_error"] = f"{type(error).__name__}: {error}"
+    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
     return summary
+
+
+def _run_pipeline(pipeline, p, out_dir: Path, dirs: dict[str, Path], lake_uri, data_uri, enable_caching) -> str:
+    """Open the MLflow parent run and run the pipeline under kfp.local; returns the parent run id."""
+    from kfp import local
+
+    from components._shared.platform.mlflow_tracking import default_tracking_uri, start_pipeline_run
+
+    os.environ.setdefault("MLFLOW_TRACKING_URI", default_tracking_uri(out_dir))
+    parent_run_id = start_pipeline_run(p.experiment, run_name=f"local-{p.name}", tags={"preset": p.name})
+    os.environ["QVL_MLFLOW_PARENT_RUN_ID"] = parent_run_id
+    os.environ[SUMMARY_DIR_ENV] = str(dirs["stage_results"])
+    os.environ[PROGRESS_DIR_ENV] = str(dirs["progress"])
+    cache_root = out_dir / "kfp_cache"
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False),
+        pipeline_root=str(out_dir / "pipeline_root"),
+        raise_on_error=False,
+        enable_caching=enable_caching,
+        cache_root=str(cache_root) if enable_caching else None,
+    )
+    pipeline(
+        lake_uri=lake_uri,
+        eval_data_uri=data_uri,
+        sft_data_uri=data_uri,
+        preference_data_uri=data_uri,
+        rl_data_uri=data_uri,
+        **p.pipeline_args(),
+    )
+    return parent_run_id

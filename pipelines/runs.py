@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from components._shared.launch.result import SUMMARY_FILE
 from components.stages import DAG_ORDER
-from pipelines.local_run import SUMMARY_FILE
 
 HEADLINES = {
     "clean_data": ("records_kept",),

@@ -13,6 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from components._shared.platform import progress
 from components._shared.platform.imaging import ImageRejected, decode_image, visual_tokens
 from components._shared.platform.tracking import Tracker
 from components.clean_data import filters
@@ -148,6 +149,7 @@ def _model_levels(
         if cfg.ocr_enabled and alive:
             alive = _ocr_level(batch, images, alive, cfg, timer, rejected, scores)
         kept += [batch[i] for i in alive]
+        progress.update("score", start + len(batch), len(candidates), "records")
     return kept
 
 
@@ -230,6 +232,7 @@ def clean_shard(cfg: CleanDataConfig, *, shard_uri: str, output_dir: Path, track
         if rec is None:
             break
         records_in += 1
+        progress.update("read", records_in, None, "records")
         result = _cheap_checks(rec, cfg, timer)
         if isinstance(result, Candidate):
             candidates.append(result)

@@ -33,6 +33,7 @@ import torch
 from components._shared.model.device import resolve_device
 from components._shared.model.families import family_for
 from components._shared.model.sources import resolve_model
+from components._shared.platform import progress
 from components._shared.platform.tracking import Tracker
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.decode import (
@@ -144,6 +145,13 @@ def pre_merger_features(tower: torch.nn.Module, rows: torch.Tensor, grid_thw: to
     levels = [output.pooler_output, *(getattr(output, "deepstack_features", None) or [])]
     features = torch.cat([level.reshape(-1, hidden) for level in levels], dim=-1)
     return list(features.split(grid_thw.prod(-1).tolist()))
+
+
+def count_rows(parts: list[Path]) -> int:
+    """Rows in the parquet files, from their footers (nothing decoded)."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(path).metadata.num_rows for path in parts)
 
 
 def iter_records(parts: list[Path], batch_size: int) -> Iterator[list[Record]]:
@@ -358,11 +366,13 @@ def run(
     duplicates = visual_tokens_total = 0
     hidden_size = int(tower.patch_embed.proj.out_channels)
     cached_levels = family_for(_model_config(model_dir)).cached_levels(tower.config)
+    total = count_rows(parts)
     try:
         for step, (records, images) in enumerate(preparer.batches(iter_records(parts, cfg.batch_size))):
             skipped, tokens = cache_batch(records, images, tower, spec, writer, captions, cfg, device)
             duplicates, visual_tokens_total = duplicates + skipped, visual_tokens_total + tokens
             tracker.log_metrics({"extract/images": float(len(writer.index))}, step=step)
+            progress.update("extract", min(total, (step + 1) * cfg.batch_size), total, "images")
         writer.flush()
     finally:
         preparer.close()

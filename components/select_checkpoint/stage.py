@@ -33,7 +33,7 @@ from components._shared.model import checkpoint as ckpt
 from components._shared.model.packing import ConversationEncoder
 from components._shared.model.stage_steps import SCRATCH
 from components._shared.model.vlm import count_parameters, load_vlm, save_vlm, set_pixel_bounds
-from components._shared.platform import storage
+from components._shared.platform import progress, storage
 from components._shared.platform.tracking import Tracker
 from components.select_checkpoint.config import SUITE_METRICS, SelectCheckpointConfig
 
@@ -232,9 +232,8 @@ def run(
     records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("select_checkpoint.device=cuda but no CUDA GPU is visible; use device: auto or cpu.")
-    device = torch.device(
-        "cuda" if cfg.device == "cuda" or cfg.device == "auto" and torch.cuda.is_available() else "cpu"
-    )
+    use_cuda = cfg.device == "cuda" or cfg.device == "auto" and torch.cuda.is_available()
+    device = torch.device("cuda" if use_cuda else "cpu")
     scorer = None
     if reward_model:
         from components._shared.model.reward_models import RewardModelScorer
@@ -311,7 +310,8 @@ def evaluate_candidates(
     name. A candidate that cannot be loaded, or beyond checkpoints_per_stage, keeps the reason it was skipped."""
     predictions: dict[str, list[dict]] = {}
     checkpoints_taken: dict[str, int] = {}
-    for candidate in candidates:
+    for number, candidate in enumerate(candidates):
+        progress.update("candidates", number, len(candidates), "candidates")
         if candidate.checkpoint is not None and checkpoints_taken.get(candidate.stage, 0) >= cfg.checkpoints_per_stage:
             candidate.skipped = f"beyond checkpoints_per_stage={cfg.checkpoints_per_stage}"
             continue

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from components._shared.platform import progress
+
 
 def clip_processor(tokenizer, recipe):
     """CLIPProcessor: CLIP image preprocessing at recipe.image_size + the world tokenizer ending each text in EOS.
@@ -281,6 +283,7 @@ def train_clip(
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
+        progress.update("build tiny-clip", step + 1, recipe.steps, "steps", loss=losses[-1])
         if log_every and step % log_every == 0:
             print(f"clip step {step} loss {loss.item():.3f} {time.perf_counter() - started:.1f}s", flush=True)
     model.eval()

@@ -26,11 +26,12 @@ def world(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def summary(world, tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("run")
-    _qvl_run(world, out)
+    (out.parent / f"{out.name}.console.txt").write_text(_qvl_run(world, out))
     return json.loads((out / "run_summary.json").read_text()), out
 
 
-def _qvl_run(world: Path, out: Path, preset: str = "tiny") -> None:
+def _qvl_run(world: Path, out: Path, preset: str = "tiny") -> str:
+    """`qvl run --local` as a user runs it, not on a terminal (CI's view); returns what the console got."""
     cmd = [
         sys.executable,
         "-m",
@@ -47,6 +48,29 @@ def _qvl_run(world: Path, out: Path, preset: str = "tiny") -> None:
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def test_the_console_gets_a_short_view_and_every_tasks_output_goes_to_its_log(summary):
+    data, out = summary
+    console = (out.parent / f"{out.name}.console.txt").read_text().splitlines()
+    assert len(console) < 100, "\n".join(console)
+    for stage in data["stages"]:
+        (done,) = [line for line in console if line.split()[1:2] == [stage] and "succeeded in" in line]
+    assert "VQA" in "\n".join(console) and "champion" in "\n".join(console)
+    noise = ("executor_input", "executorInput", "UserWarning", "RuntimeWarning", "Loading weights", "INFO")
+    assert not [line for line in console if any(word in line for word in noise)]
+    logs = Path(data["logs"])
+    tasks = {path.stem for path in logs.glob("*.log")}
+    assert {"preflight_op", "list_shards_op", "clean_shard_op", "clean_shard_op-2", "merge_shards_op"} <= tasks
+    assert {f"{stage}_op" for stage in data["stages"] if stage != "clean_data"} <= tasks
+    assert "Executing task" in (logs / "kfp.log").read_text()  # kfp.local's own lines
+    assert "Got executor_input" in (logs / "sft_op.log").read_text()  # the task's whole stream
+    page = (out / "report.html").read_text()
+    assert Path(data["report"]) == (out / "report.html").resolve()
+    assert any(line.strip().startswith("report:") and line.endswith("report.html") for line in console)
+    for stage in data["stages"]:
+        assert f'id="stage-{stage}"' in page, stage
 
 
 def test_every_stage_succeeded_with_the_summary_schema(summary):
@@ -138,11 +162,14 @@ def test_one_parent_mlflow_run_with_nested_stage_runs(summary):
     } <= names
     clean = next(r for r in children if r.data.tags.get("qvl.stage") == "clean_data")
     assert clean.data.metrics["records_in"] == data["stages"]["clean_data"]["metrics"]["records_in"]
+    assert "report.html" in {a.path for a in client.list_artifacts(parent.info.run_id)}  # the run's page
+    sft = next(r for r in children if r.data.tags.get("qvl.stage") == "sft")
+    assert "report.md" in {a.path for a in client.list_artifacts(sft.info.run_id)}  # each stage's page
 
 
 def test_a_rerun_with_unchanged_inputs_reuses_every_stage(summary, world):
     first, out = summary
-    _qvl_run(world, out)
+    console = _qvl_run(world, out)
     second = json.loads((out / "run_summary.json").read_text())
     assert second["status"] == "succeeded"
     assert second["stages"]["preflight"]["status"] == "succeeded"  # never cached
@@ -157,6 +184,7 @@ def test_a_rerun_with_unchanged_inputs_reuses_every_stage(summary, world):
         "select_checkpoint",
     ):
         assert second["stages"][stage]["status"] == "cached", stage
+        assert [line for line in console.splitlines() if line.split()[1:3] == [stage, "cached"]], stage
         assert second["stages"][stage]["metrics"] == first["stages"][stage]["metrics"]
         assert second["stages"][stage]["artifacts"] == first["stages"][stage]["artifacts"]
 

@@ -169,6 +169,25 @@ def test_the_local_runner_still_matches_kfp_local_cache_lookups(tmp_path):
     assert kfp_cache.LocalCache.get is original  # restored after the run
 
 
+def test_the_local_runner_still_matches_kfp_locals_task_stream():
+    """pipelines/local_run.py replaces kfp.local's `run_local_subprocess` to send each task's output to its log
+    file (docs/architecture.md): the subprocess handler must still call it by its module-level name with the
+    full command and env, and the lightweight components' command must still name the function it runs."""
+    from kfp.local import subprocess_task_handler
+
+    source = inspect.getsource(subprocess_task_handler.SubprocessTaskHandler.run)
+    assert "run_local_subprocess(" in source and "full_command=full_command" in source and "env_vars=" in source
+    assert list(inspect.signature(subprocess_task_handler.run_local_subprocess).parameters) == [
+        "full_command",
+        "env_vars",
+    ]
+    from components.sft.component import sft_op
+    from pipelines.local_run import _task_name
+
+    container = sft_op.component_spec.implementation.container
+    assert _task_name([*container.command, *container.args]) == "sft_op"
+
+
 @pytest.mark.parametrize("path", [".ci/run", ".pre-commit-config.yaml", ".github/workflows/pr.yml", "Makefile"])
 def test_every_entry_point_runs_the_same_gates(path):
     text = (ROOT / path).read_text()

@@ -24,6 +24,7 @@ from components._shared.model.packing import (
     to_device,
 )
 from components._shared.model.train_config import TrainConfig
+from components._shared.platform import progress
 
 
 @torch.no_grad()
@@ -43,7 +44,13 @@ def generate_answers(
         for r in records
     ]
     return generate_completions(
-        model, encoder, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens, first_logits=first_logits
+        model,
+        encoder,
+        prompts,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        first_logits=first_logits,
+        progress_phase="eval",
     )
 
 
@@ -62,9 +69,11 @@ def generate_completions(
     max_new_tokens: int = 48,
     temperature: float = 0.0,
     first_logits: list | None = None,
+    progress_phase: str | None = None,
 ) -> list[str]:
     """Completions of encoded prompts (encoded with add_generation_prompt=True), batched with left padding and
-    the KV cache; greedy when `temperature` is 0, sampled otherwise (torch's RNG, so a resumed run repeats it)."""
+    the KV cache; greedy when `temperature` is 0, sampled otherwise (torch's RNG, so a resumed run repeats it).
+    With `progress_phase`, each batch is reported to the progress view as that many questions answered."""
     tokenizer = encoder.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -117,6 +126,8 @@ def generate_completions(
             row = row.tolist()
             row = row[: row.index(end_id)] if end_id in row else row
             answers.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+        if progress_phase:
+            progress.update(progress_phase, len(answers), len(prompts), "questions")
     return answers
 
 

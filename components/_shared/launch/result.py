@@ -17,6 +17,7 @@ RESULT_FILE = "_stage_result.json"
 
 
 SUMMARY_DIR_ENV = "QVL_RUN_SUMMARY_DIR"
+SUMMARY_FILE = "run_summary.json"  # the local runner's collection of them (pipelines/local_run.py)
 
 
 def flatten_metrics(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:

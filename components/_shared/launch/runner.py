@@ -19,7 +19,7 @@ from typing import Any
 from components._shared.launch.plan import LaunchPlan, check_config, plan_from_env
 from components._shared.launch.result import _record, flatten_metrics
 from components._shared.launch.torchrun import run_local_torchrun
-from components._shared.platform import bad_records, locks, storage
+from components._shared.platform import bad_records, locks, progress, storage
 from components._shared.platform.presets import validate
 
 
@@ -45,7 +45,7 @@ def execute(
         record_as = None
     verify_inputs(inputs)
     output_dir = Path(output_dir)
-    with locks.scope():
+    with locks.scope(), progress.stage_scope(stage):
         # first: a second run into this output fails here, before any work, and writes nothing into it
         locks.hold(output_dir, purpose=f"{stage} output")
         return _execute_held(stage, cfg, run, inputs, output_dir, experiment, artifacts, record_as)
@@ -69,6 +69,8 @@ def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifac
             metrics = run(cfg, **inputs, output_dir=output_dir, tracker=tracker)
             metrics = {**metrics, **ledger.metrics()}  # records skipped under on_bad_record: skip, per reason
             tracker.log_metrics(flatten_metrics(metrics))
+            if (output_dir / "report.md").is_file():  # the page the KFP UI shows, in the stage's MLflow run too
+                tracker.log_artifact(output_dir / "report.md")
     except BaseException as err:
         if record_as:
             _record(

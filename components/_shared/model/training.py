@@ -40,6 +40,7 @@ from components._shared.model.manifest import check_frozen, frozen_fingerprints,
 from components._shared.model.packing import Sample, batch_tokens, to_device
 from components._shared.model.step_inputs import PreparedStep, prepare_step, step_inputs
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig, lr_factor
+from components._shared.platform import progress
 from components._shared.platform.tracking import NullTracker, Tracker
 
 LossFn = Callable[[Any, dict, list[Sample]], tuple[torch.Tensor, int, dict[str, float]]]
@@ -353,6 +354,7 @@ class TrainLoop:
             check_finite(metrics, self.step)
             metrics["step"] = self.step
             self.history.append(metrics)
+            progress.update(log_prefix, self.step, self.train.steps, "steps", loss=metrics.get("loss", math.nan))
             if self.step % self.train.log_every == 0 or self.step == self.train.steps:
                 logged = {f"{log_prefix}/{k}": v for k, v in metrics.items() if k != "step"}
                 self.tracker.log_metrics(logged, step=self.step)

@@ -419,6 +419,11 @@ def start_pipeline_run(
     return run.info.run_id
 
 
+def log_pipeline_artifact(run_id: str, path: str | Path, *, tracking_uri: str | None = None) -> None:
+    """Attach a file (the run's report.html) to the parent run."""
+    _client(tracking_uri or default_tracking_uri(Path.cwd())).log_artifact(run_id, str(path))
+
+
 def finish_pipeline_run(run_id: str, status: str = "FINISHED", *, tracking_uri: str | None = None) -> None:
     """End the parent run: FINISHED, FAILED or KILLED (KFP's SUCCEEDED / CANCELLED map onto them)."""
     _client(tracking_uri or default_tracking_uri(Path.cwd())).set_terminated(run_id, _status(status))
