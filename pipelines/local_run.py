@@ -181,7 +181,7 @@ def run_local(
             expected, stream=console, live=is_live, progress_dir=dirs["progress"], results_dir=dirs["stage_results"]
         )
     started = time.time()
-    with contextlib.ExitStack() as stack, (dirs["logs"] / "kfp.log").open("w") as kfp_log:
+    with (dirs["logs"] / "kfp.log").open("w") as kfp_log, contextlib.ExitStack() as stack:  # the log closes last
         if not verbose:  # kfp.local's lines, library warnings and MLflow's notices: into logs/kfp.log
             stack.enter_context(contextlib.redirect_stdout(kfp_log))
             stack.enter_context(contextlib.redirect_stderr(kfp_log))
