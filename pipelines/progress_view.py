@@ -16,19 +16,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from components._shared.platform.progress import read_all
+from pipelines.runs import labelled_headline
 
 TAIL_LINES = 15
 # kfp task function -> the stage row it belongs to (clean_data fans out into shards, then merges)
 TASK_STAGE = {"list_shards_op": "clean_data", "clean_shard_op": "clean_data", "merge_shards_op": "clean_data"}
 FINAL_TASK = {"clean_data": "merge_shards_op"}
-
-
-def stage_headline(stage: str, metrics: dict[str, Any]) -> str:
-    """`VQA 0.459`: the stage's headline metric as `qvl runs` shows it (pipelines/runs.py), or ''."""
-    from pipelines.runs import SHORT, headline
-
-    value = headline(stage, metrics)
-    return "" if value == "-" else f"{SHORT.get(stage, stage)} {value}"
 
 
 def stage_of(task: str) -> str:
@@ -205,7 +198,7 @@ class ProgressView:
                 metrics = json.loads(result_file.read_text()).get("metrics", {})
             except ValueError:
                 metrics = None
-        row.headline = stage_headline(row.stage, metrics or {})
+        row.headline = labelled_headline(row.stage, metrics)
         self._event(
             row, f"{status} in {clock(row.elapsed(time.time()))}" + (f"  {row.headline}" if row.headline else "")
         )

@@ -21,7 +21,7 @@ from urllib.parse import unquote
 
 from components.stages import DAG_ORDER
 from pipelines.rejected_samples import rejected_samples, thumbnail
-from pipelines.runs import HEADLINES, SHORT, headline, read_run
+from pipelines.runs import HEADLINES, SHORT, labelled_headline, read_run
 
 REPORT_FILE = "report.html"
 STAGE_ORDER = ("preflight", *DAG_ORDER)
@@ -198,8 +198,8 @@ def _dag(stages: dict[str, Any]) -> str:
     for stage in STAGE_ORDER:
         entry = stages.get(stage) or {}
         status = _status(entry)
-        shown = headline(stage, entry.get("metrics")) if stage in SHORT and status != "failed" else "-"
-        metric = f"<br>{_esc(SHORT[stage])} {_esc(shown)}" if shown != "-" else ""
+        shown = labelled_headline(stage, entry.get("metrics")) if stage in SHORT and status != "failed" else ""
+        metric = f"<br>{_esc(shown)}" if shown else ""
         boxes.append(
             f'<a class="box {_css(status)}" href="#stage-{stage}"><b>{stage.replace("_", "_<wbr>")}</b>'
             f"<br>{_esc(status)}<br>{_duration(entry.get('seconds'))}{metric}</a>"

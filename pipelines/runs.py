@@ -85,6 +85,12 @@ def headline(stage: str, metrics: dict[str, Any] | None) -> str:
     return "-"
 
 
+def labelled_headline(stage: str, metrics: dict[str, Any] | None) -> str:
+    """`VQA 0.459`: the stage's short label and headline metric, or '' when its metrics hold none."""
+    value = headline(stage, metrics)
+    return "" if value == "-" else f"{SHORT.get(stage, stage)} {value}"
+
+
 def _show(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
