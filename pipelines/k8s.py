@@ -21,8 +21,10 @@ from kfp import dsl, kubernetes
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from components._shared.launch.plan import LAUNCH_PLAN_ENV, MULTI_PROCESS_STAGES, POD_NAME_ENV, POD_UID_ENV, LaunchPlan
+from components._shared.platform.mlflow_runs import KFP_RUN_ENV, KFP_TASK_ENV, SYSTEM_METRICS_ENV
 
 PART_OF = "qwen-vl-pipeline"
+KFP_RUN_LABEL = "pipeline/runid"  # KFP's API server puts the run id on every pod of a run (Argo podMetadata)
 CPU_STAGES = ("preflight", "clean_data")  # run on the CPU image: no CUDA inside
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
@@ -84,8 +86,22 @@ class TrainJobSettings(_Strict):
     )
 
 
+class PipelineSettings(_Strict):
+    """Run-level settings of KFP 2.17's PipelineConfig (Argo's ttlStrategy and activeDeadlineSeconds)."""
+
+    ttl_seconds_after_success: int | None = Field(
+        86_400, ge=0, description="Delete a succeeded run's workflow and pods after this long (None: keep)."
+    )
+    ttl_seconds_after_failure: int | None = Field(
+        7 * 86_400, ge=0, description="Keep a failed run's pods (and their logs) this long for debugging."
+    )
+    active_deadline_seconds: int | None = Field(
+        None, ge=60, description="Stop the whole run after this long (None: no limit; per-stage timeout_s still apply)."
+    )
+
+
 class ClusterProfile(_Strict):
-    """Cluster-wide names plus one StageProfile per stage (list_shards runs with preflight's)."""
+    """Cluster-wide names plus one StageProfile per stage (list_shards and the exit task run with preflight's)."""
 
     s3_secret: str = Field("qvl-s3-credentials", description="Secret with AWS_ACCESS_KEY_ID/SECRET/ENDPOINT_URL.")
     mlflow_secret: str = Field("qvl-mlflow", description="Secret with MLFLOW_TRACKING_URI (and optional auth).")
@@ -94,7 +110,15 @@ class ClusterProfile(_Strict):
     scratch_mount_path: str = "/scratch"
     run_as_user: int = Field(1000, ge=1, description="Non-root uid of the images (docker/).")
     trainjob: TrainJobSettings = Field(default_factory=TrainJobSettings)
+    pipeline: PipelineSettings = Field(default_factory=PipelineSettings)
+    system_metrics_s: float = Field(
+        10.0, ge=0, le=3600, description="MLflow system metrics (CPU, memory, GPU) every N s per node; 0: off."
+    )
     stages: dict[str, StageProfile]
+
+    def pipeline_config(self):
+        """The KFP PipelineConfig of these settings."""
+        return dsl.PipelineConfig(**self.pipeline.model_dump())
 
     @model_validator(mode="after")
     def _check_stages(self) -> "ClusterProfile":
@@ -125,7 +149,7 @@ class ClusterProfile(_Strict):
 
 _GPU_STAGE = {"gpus": 1, "cpu": "8", "memory": "64Gi", "shm_size": "16Gi", "scratch": True, "retries": 2}
 DEFAULT_STAGES: dict[str, dict[str, Any]] = {
-    "preflight": {"cpu": "1", "memory": "4Gi", "caching": False},
+    "preflight": {"cpu": "1", "memory": "4Gi", "caching": False, "timeout_s": 3600},
     "clean_data": {"cpu": "4", "memory": "16Gi", "retries": 2, "backoff": "30s"},
     "extract_features": dict(_GPU_STAGE),
     "pretrain": dict(_GPU_STAGE),
@@ -199,8 +223,9 @@ def _labels(stage: str, p: StageProfile) -> dict[str, str]:
 
 
 def apply_task_policy(task: dsl.PipelineTask, stage: str, cluster: ClusterProfile) -> dsl.PipelineTask:
-    """Retries and caching: KFP settings that kfp.local honours too."""
+    """Retries, caching and the task's name in its environment (its MLflow run's tag): what kfp.local honours too."""
     p = cluster.stages[stage]
+    task.set_env_variable(KFP_TASK_ENV, task.name)
     if p.retries:
         task.set_retry(
             num_retries=p.retries,
@@ -252,6 +277,10 @@ def apply_profile(task: dsl.PipelineTask, stage: str, cluster: ClusterProfile) -
     kubernetes.use_secret_as_env(
         task, secret_name=cluster.mlflow_secret, secret_key_to_env={k: k for k in _MLFLOW_KEYS}, optional=True
     )
+    # The run id from the pod's label, not a task input: a per-run value among the inputs would miss every cache.
+    kubernetes.use_field_path_as_env(task, env_name=KFP_RUN_ENV, field_path=f"metadata.labels['{KFP_RUN_LABEL}']")
+    if cluster.system_metrics_s:
+        task.set_env_variable(SYSTEM_METRICS_ENV, f"{cluster.system_metrics_s:g}")
     if cluster.image_pull_secrets:
         kubernetes.set_image_pull_secrets(task, cluster.image_pull_secrets)
     kubernetes.set_security_context(

@@ -193,7 +193,7 @@ def run_local(
     stages = _collect(dirs["stage_results"], expected, _cached_results(hits))
     ok = all(stages.get(s, {}).get("status") in ("succeeded", "cached") for s in expected)
 
-    from components._shared.platform.mlflow_tracking import finish_pipeline_run, log_pipeline_artifact
+    from components._shared.platform.mlflow_runs import finish_pipeline_run, log_pipeline_artifact
 
     finish_pipeline_run(parent_run_id, "FINISHED" if ok else "FAILED")
     summary = {
@@ -222,11 +222,12 @@ def _run_pipeline(pipeline, p, out_dir: Path, dirs: dict[str, Path], lake_uri, d
     """Open the MLflow parent run and run the pipeline under kfp.local; returns the parent run id."""
     from kfp import local
 
-    from components._shared.platform.mlflow_tracking import default_tracking_uri, start_pipeline_run
+    from components._shared.platform.mlflow_runs import PARENT_RUN_ENV, start_pipeline_run
+    from components._shared.platform.mlflow_tracking import default_tracking_uri
 
     os.environ.setdefault("MLFLOW_TRACKING_URI", default_tracking_uri(out_dir))
     parent_run_id = start_pipeline_run(p.experiment, run_name=f"local-{p.name}", tags={"preset": p.name})
-    os.environ["QVL_MLFLOW_PARENT_RUN_ID"] = parent_run_id
+    os.environ[PARENT_RUN_ENV] = parent_run_id
     os.environ[SUMMARY_DIR_ENV] = str(dirs["stage_results"])
     os.environ[PROGRESS_DIR_ENV] = str(dirs["progress"])
     cache_root = out_dir / "kfp_cache"

@@ -6,12 +6,14 @@ defaults and, for a cluster, each task's Kubernetes settings from the preset's c
 `vlm_training` is the full DAG on the `prod-7b` preset, the one that is compiled and committed.
 """
 
+from contextlib import nullcontext
+
 from kfp import dsl
 
 from components.clean_data.component import clean_shard_op, list_shards_op, merge_shards_op
 from components.distill.component import distill_op
 from components.extract_features.component import extract_features_op
-from components.preflight.component import preflight_op
+from components.preflight.component import finish_pipeline_run_op, preflight_op
 from components.pretrain.component import pretrain_op
 from components.reward_model.component import reward_model_op
 from components.rl.component import rl_op
@@ -30,7 +32,9 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
     """The pipeline function for `preset`, with the stages up to and including `until` (all when None).
 
     `for_cluster=False` (kfp.local) leaves the cluster profile out: pod settings mean nothing on one machine,
-    and its environment variables (cache on the scratch PVC, launch plans) would mislead the local tasks.
+    and its environment variables (cache on the scratch PVC, launch plans) would mislead the local tasks. A cluster
+    build also gets the run-level TTL / deadline and an exit task that ends the run's MLflow parent run with the
+    DAG's final state (locally, `qvl run --local` owns the parent run).
     """
     if until is not None and until not in DAG_ORDER:
         raise ValueError(f"until='{until}' is not a stage; choose one of: {', '.join(DAG_ORDER)}.")
@@ -43,7 +47,11 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
     def on_cluster(task: dsl.PipelineTask, stage: str) -> dsl.PipelineTask:
         return apply_profile(task, stage, cluster) if for_cluster else apply_task_policy(task, stage, cluster)
 
-    @dsl.pipeline(name=PIPELINE_NAME, description=__doc__.splitlines()[0])
+    @dsl.pipeline(
+        name=PIPELINE_NAME,
+        description=__doc__.splitlines()[0],
+        pipeline_config=cluster.pipeline_config() if for_cluster else None,
+    )
     def vlm_training(
         lake_uri: str,
         eval_data_uri: str = "",
@@ -62,155 +70,160 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
         distill_config: dict = p.stages["distill"],
         select_checkpoint_config: dict = p.stages["select_checkpoint"],
     ):
-        preflight = on_cluster(
-            preflight_op(
-                lake_uri=lake_uri,
-                base_model_uri=base_model_uri,
-                config=preflight_config,
-                clean_data_config=clean_data_config,
-                extract_features_config=extract_features_config,
-                pretrain_config=pretrain_config,
-                sft_config=sft_config,
-                reward_model_config=reward_model_config,
-                rl_config=rl_config,
-                distill_config=distill_config,
-                select_checkpoint_config=select_checkpoint_config,
-                eval_data_uri=eval_data_uri,
-                sft_data_uri=sft_data_uri,
-                preference_data_uri=preference_data_uri,
-                rl_data_uri=rl_data_uri,
-                needs_eval_data="pretrain" in wanted,  # select_checkpoint reads it too, and runs only after pretrain
-                needs_sft_data="sft" in wanted,  # distill reads it too, and runs only after sft
-                needs_preference_data="reward_model" in wanted,
-                needs_rl_data="rl" in wanted,
-                experiment=experiment,
-            ),
-            "preflight",
-        )
-        preflight.set_display_name("Preflight checks").set_caching_options(False)  # checks the world as it is now
-
-        shards = on_cluster(list_shards_op(lake_uri=lake_uri), "preflight")
-        shards.set_display_name("List lake shards").set_caching_options(False).after(preflight)
-        with dsl.ParallelFor(shards.output, parallelism=16) as shard_uri:
-            clean_shard = on_cluster(
-                clean_shard_op(
-                    shard_uri=shard_uri,
-                    config=clean_data_config,
-                    experiment=experiment,
-                ),
-                "clean_data",
-            )
-            clean_shard.set_display_name("Clean shard")
-        clean = on_cluster(
-            merge_shards_op(
-                shards=dsl.Collected(clean_shard.outputs["shard"]),
-                config=clean_data_config,
-                experiment=experiment,
-            ),
-            "clean_data",
-        )
-        clean.set_display_name("Clean data: merge shards")
-
-        if "extract_features" in wanted:
-            features = on_cluster(
-                extract_features_op(
-                    clean_data=clean.outputs["clean_data"],
+        finish = finish_pipeline_run_op(experiment=experiment) if for_cluster else None
+        if finish is not None:
+            on_cluster(finish, "preflight").set_display_name("Finish the MLflow run").set_caching_options(False)
+        with dsl.ExitHandler(finish, name="stages") if finish is not None else nullcontext():
+            preflight = on_cluster(
+                preflight_op(
+                    lake_uri=lake_uri,
                     base_model_uri=base_model_uri,
-                    config=extract_features_config,
-                    experiment=experiment,
-                ),
-                "extract_features",
-            )
-            features.set_display_name("Extract vision features")
-
-        if "pretrain" in wanted:
-            # Retries resume from the newest committed checkpoint under train.checkpoint_uri (prod-7b: on S3; a
-            # failed task's own output artifact is never uploaded).
-            pretrain = on_cluster(
-                pretrain_op(
-                    clean_data=clean.outputs["clean_data"],
-                    features=features.outputs["features"],
-                    base_model_uri=base_model_uri,
-                    eval_data_uri=eval_data_uri,
-                    config=pretrain_config,
-                    experiment=experiment,
-                ),
-                "pretrain",
-            )
-            pretrain.set_display_name("Pretrain (alignment)")
-
-        if "sft" in wanted:
-            sft = on_cluster(
-                sft_op(
-                    pretrained=pretrain.outputs["model"],
-                    sft_data_uri=sft_data_uri,
-                    config=sft_config,
-                    experiment=experiment,
-                ),
-                "sft",
-            )
-            sft.set_display_name("SFT")
-
-        if "reward_model" in wanted:
-            reward = on_cluster(
-                reward_model_op(
-                    sft_model=sft.outputs["model"],
-                    preference_data_uri=preference_data_uri,
-                    config=reward_model_config,
-                    experiment=experiment,
-                ),
-                "reward_model",
-            )
-            reward.set_display_name("Reward model")
-
-        if "rl" in wanted:
-            rl = on_cluster(
-                rl_op(
-                    sft_model=sft.outputs["model"],
-                    reward_model=reward.outputs["model"],
-                    rl_data_uri=rl_data_uri,
-                    config=rl_config,
-                    experiment=experiment,
-                ),
-                "rl",
-            )
-            rl.set_display_name("RL")
-
-        if "distill" in wanted:
-            distill = on_cluster(
-                distill_op(
-                    teacher=rl.outputs["model"],
-                    sft_data_uri=sft_data_uri,
-                    config=distill_config,
-                    experiment=experiment,
-                ),
-                "distill",
-            )
-            distill.set_display_name("Distill")
-
-        if "select_checkpoint" in wanted:
-            select = on_cluster(
-                select_checkpoint_op(
-                    clean_data=clean.outputs["clean_data"],
-                    pretrain=pretrain.outputs["model"],
-                    sft=sft.outputs["model"],
-                    reward_model=reward.outputs["model"],
-                    rl=rl.outputs["model"],
-                    distill=distill.outputs["model"],
-                    eval_data_uri=eval_data_uri,
-                    config=select_checkpoint_config,
-                    # one parameter each: KFP cannot pass a dict literal holding pipeline parameters
+                    config=preflight_config,
                     clean_data_config=clean_data_config,
+                    extract_features_config=extract_features_config,
                     pretrain_config=pretrain_config,
                     sft_config=sft_config,
                     reward_model_config=reward_model_config,
                     rl_config=rl_config,
                     distill_config=distill_config,
+                    select_checkpoint_config=select_checkpoint_config,
+                    eval_data_uri=eval_data_uri,
+                    sft_data_uri=sft_data_uri,
+                    preference_data_uri=preference_data_uri,
+                    rl_data_uri=rl_data_uri,
+                    # select_checkpoint reads it too, and runs only after pretrain
+                    needs_eval_data="pretrain" in wanted,
+                    needs_sft_data="sft" in wanted,  # distill reads it too, and runs only after sft
+                    needs_preference_data="reward_model" in wanted,
+                    needs_rl_data="rl" in wanted,
                     experiment=experiment,
                 ),
-                "select_checkpoint",
+                "preflight",
             )
-            select.set_display_name("Select checkpoint")
+            preflight.set_display_name("Preflight checks").set_caching_options(False)  # checks the world as it is now
+
+            shards = on_cluster(list_shards_op(lake_uri=lake_uri), "preflight")
+            shards.set_display_name("List lake shards").set_caching_options(False).after(preflight)
+            with dsl.ParallelFor(shards.output, parallelism=16) as shard_uri:
+                clean_shard = on_cluster(
+                    clean_shard_op(
+                        shard_uri=shard_uri,
+                        config=clean_data_config,
+                        experiment=experiment,
+                    ),
+                    "clean_data",
+                )
+                clean_shard.set_display_name("Clean shard")
+            clean = on_cluster(
+                merge_shards_op(
+                    shards=dsl.Collected(clean_shard.outputs["shard"]),
+                    config=clean_data_config,
+                    experiment=experiment,
+                ),
+                "clean_data",
+            )
+            clean.set_display_name("Clean data: merge shards")
+
+            if "extract_features" in wanted:
+                features = on_cluster(
+                    extract_features_op(
+                        clean_data=clean.outputs["clean_data"],
+                        base_model_uri=base_model_uri,
+                        config=extract_features_config,
+                        experiment=experiment,
+                    ),
+                    "extract_features",
+                )
+                features.set_display_name("Extract vision features")
+
+            if "pretrain" in wanted:
+                # Retries resume from the newest committed checkpoint under train.checkpoint_uri (prod-7b: on S3; a
+                # failed task's own output artifact is never uploaded).
+                pretrain = on_cluster(
+                    pretrain_op(
+                        clean_data=clean.outputs["clean_data"],
+                        features=features.outputs["features"],
+                        base_model_uri=base_model_uri,
+                        eval_data_uri=eval_data_uri,
+                        config=pretrain_config,
+                        experiment=experiment,
+                    ),
+                    "pretrain",
+                )
+                pretrain.set_display_name("Pretrain (alignment)")
+
+            if "sft" in wanted:
+                sft = on_cluster(
+                    sft_op(
+                        pretrained=pretrain.outputs["model"],
+                        sft_data_uri=sft_data_uri,
+                        config=sft_config,
+                        experiment=experiment,
+                    ),
+                    "sft",
+                )
+                sft.set_display_name("SFT")
+
+            if "reward_model" in wanted:
+                reward = on_cluster(
+                    reward_model_op(
+                        sft_model=sft.outputs["model"],
+                        preference_data_uri=preference_data_uri,
+                        config=reward_model_config,
+                        experiment=experiment,
+                    ),
+                    "reward_model",
+                )
+                reward.set_display_name("Reward model")
+
+            if "rl" in wanted:
+                rl = on_cluster(
+                    rl_op(
+                        sft_model=sft.outputs["model"],
+                        reward_model=reward.outputs["model"],
+                        rl_data_uri=rl_data_uri,
+                        config=rl_config,
+                        experiment=experiment,
+                    ),
+                    "rl",
+                )
+                rl.set_display_name("RL")
+
+            if "distill" in wanted:
+                distill = on_cluster(
+                    distill_op(
+                        teacher=rl.outputs["model"],
+                        sft_data_uri=sft_data_uri,
+                        config=distill_config,
+                        experiment=experiment,
+                    ),
+                    "distill",
+                )
+                distill.set_display_name("Distill")
+
+            if "select_checkpoint" in wanted:
+                select = on_cluster(
+                    select_checkpoint_op(
+                        clean_data=clean.outputs["clean_data"],
+                        pretrain=pretrain.outputs["model"],
+                        sft=sft.outputs["model"],
+                        reward_model=reward.outputs["model"],
+                        rl=rl.outputs["model"],
+                        distill=distill.outputs["model"],
+                        eval_data_uri=eval_data_uri,
+                        config=select_checkpoint_config,
+                        # one parameter each: KFP cannot pass a dict literal holding pipeline parameters
+                        clean_data_config=clean_data_config,
+                        pretrain_config=pretrain_config,
+                        sft_config=sft_config,
+                        reward_model_config=reward_model_config,
+                        rl_config=rl_config,
+                        distill_config=distill_config,
+                        experiment=experiment,
+                    ),
+                    "select_checkpoint",
+                )
+                select.set_display_name("Select checkpoint")
 
     return vlm_training
 

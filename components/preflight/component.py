@@ -89,3 +89,17 @@ def preflight_op(
         output_dir=report.path,
         record_as="preflight",
     )
+
+
+@dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)
+def finish_pipeline_run_op(status: dsl.PipelineTaskFinalStatus, experiment: str = "vlm"):
+    """The pipeline's exit task: end its MLflow parent run with the DAG's final state (cluster runs; a local run's
+    parent is ended by `qvl run --local`, and KFP's own MLflow integration ends the parents it creates).
+
+    Args:
+        status: The final state of the DAG's tasks (KFP fills it in).
+        experiment: MLflow experiment name.
+    """
+    from components._shared.platform.mlflow_runs import finish_kfp_pipeline_run
+
+    print(finish_kfp_pipeline_run(status.state, experiment=experiment), flush=True)

@@ -31,7 +31,24 @@ def _normalize(text: str) -> list:
 
 
 def _tasks(spec: dict) -> dict:
-    return spec["root"]["dag"]["tasks"]
+    """The stage tasks: inside the exit handler's sub-DAG on a cluster build (its exit task ends the MLflow run)."""
+    root = spec["root"]["dag"]["tasks"]
+    return spec["components"]["comp-exit-handler-1"]["dag"]["tasks"] if "exit-handler-1" in root else root
+
+
+def test_a_cluster_build_ends_its_mlflow_run_in_an_exit_task_and_sets_run_ttls(compiled):
+    spec, platform, _ = compiled
+    root = spec["root"]["dag"]["tasks"]
+    assert set(root) == {"exit-handler-1", "finish-pipeline-run-op"}
+    finish = root["finish-pipeline-run-op"]
+    assert finish["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
+    assert finish["inputs"]["parameters"]["status"]["taskFinalStatus"]["producerTask"] == "exit-handler-1"
+    assert finish["cachingOptions"] == {}  # never cached: it ends this run's parent
+    assert platform["platforms"]["kubernetes"]["pipelineConfig"] == {
+        "resourceTtlOnSuccess": 86400,
+        "resourceTtlOnFailure": 604800,
+        "activeDeadlineSeconds": 604800,
+    }
 
 
 def test_committed_yaml_is_current(compiled):

@@ -88,7 +88,22 @@ def test_a_multi_gpu_stage_gets_a_torchrun_plan_and_a_multi_node_stage_a_small_l
     assert {f["name"]: f["fieldPath"] for f in executors["exec-pretrain-op"]["fieldPathAsEnv"]} == {
         "QVL_POD_NAME": "metadata.name",
         "QVL_POD_UID": "metadata.uid",
+        "QVL_KFP_RUN_ID": "metadata.labels['pipeline/runid']",
     }
+
+
+def test_every_task_knows_its_kfp_run_and_task_name_outside_its_cache_key(compiled):
+    """The run id comes from the label KFP's API server puts on every pod of a run (downward API), the task name is
+    a constant: neither is a task input, so caching still matches across runs; system metrics every 10 s."""
+    spec, executors = compiled
+    for name, executor in spec["deploymentSpec"]["executors"].items():
+        fields = {f["name"]: f["fieldPath"] for f in executors[name].get("fieldPathAsEnv", [])}
+        assert fields["QVL_KFP_RUN_ID"] == "metadata.labels['pipeline/runid']", name
+        env = {e["name"]: e["value"] for e in executor["container"]["env"]}
+        assert env["QVL_SYSTEM_METRICS_S"] == "10", name
+        assert env["QVL_KFP_TASK"] == name.removeprefix("exec-"), name
+    for task in spec["components"]["comp-exit-handler-1"]["dag"]["tasks"].values():
+        assert not any("runid" in json.dumps(value) for value in task.get("inputs", {}).get("parameters", {}).values())
 
 
 def test_cpu_stages_stay_on_cpu_pods_and_preflight_is_never_cached(compiled):
@@ -96,7 +111,7 @@ def test_cpu_stages_stay_on_cpu_pods_and_preflight_is_never_cached(compiled):
     for op in ("preflight-op", "list-shards-op", "clean-shard-op", "merge-shards-op"):
         assert "accelerator" not in spec["deploymentSpec"]["executors"][f"exec-{op}"]["container"]["resources"]
         assert "tolerations" not in executors[f"exec-{op}"]
-    assert spec["root"]["dag"]["tasks"]["preflight-op"]["cachingOptions"] == {}
+    assert spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]["preflight-op"]["cachingOptions"] == {}
 
 
 def test_local_runs_get_no_pod_settings_but_keep_retries(tmp_path):
@@ -108,8 +123,10 @@ def test_local_runs_get_no_pod_settings_but_keep_retries(tmp_path):
     compiler.Compiler().compile(build_pipeline("prod-7b", for_cluster=False), str(out))
     docs = list(yaml.safe_load_all(out.read_text()))
     assert len(docs) == 1  # no kubernetes platform spec
-    assert "env" not in docs[0]["deploymentSpec"]["executors"]["exec-sft-op"]["container"]
+    env = docs[0]["deploymentSpec"]["executors"]["exec-sft-op"]["container"]["env"]
+    assert env == [{"name": "QVL_KFP_TASK", "value": "sft-op"}]  # no scratch paths, no launch plan
     assert docs[0]["root"]["dag"]["tasks"]["sft-op"]["retryPolicy"]["maxRetryCount"] == 3
+    assert "finish-pipeline-run-op" not in docs[0]["root"]["dag"]["tasks"]  # `qvl run --local` ends its own run
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from components._shared.platform.mlflow_tracking import stage_tracker
+from components._shared.platform.mlflow_runs import stage_tracker
 from components._shared.platform.tracking import NullTracker
 from components.select_checkpoint.config import SelectCheckpointConfig
 from components.select_checkpoint.stage import Candidate, NoCandidatePasses, choose, judge, run

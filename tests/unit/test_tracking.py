@@ -6,15 +6,15 @@ import time
 import pytest
 from mlflow import MlflowClient
 
+from components._shared.platform import mlflow_runs as runs
 from components._shared.platform import mlflow_tracking as tracking
-from components._shared.platform.mlflow_tracking import (
+from components._shared.platform.mlflow_runs import (
     PARENT_RUN_ENV,
-    MlflowTracker,
     finish_pipeline_run,
-    replay_fallback,
     stage_tracker,
     start_pipeline_run,
 )
+from components._shared.platform.mlflow_tracking import MlflowTracker, replay_fallback
 from components._shared.platform.tracking import NullTracker
 from tests.services import free_port
 
@@ -59,7 +59,7 @@ def _check_two_stage_flow(parent: str, client: MlflowClient) -> None:
     parent_run = client.get_run(parent)
     assert parent_run.info.status == "FINISHED" and parent_run.data.tags["qvl.preset"] == "tiny"
     children = client.search_runs([parent_run.info.experiment_id], f"tags.mlflow.parentRunId = '{parent}'")
-    by_stage = {run.data.tags[tracking.STAGE_TAG]: run for run in children}
+    by_stage = {run.data.tags[runs.STAGE_TAG]: run for run in children}
     assert sorted(by_stage) == ["clean_data", "sft"]
     clean, sft = by_stage["clean_data"], by_stage["sft"]
     assert clean.info.status == sft.info.status == "FINISHED"
@@ -97,7 +97,7 @@ def test_standalone_stage_run_without_parent(tracking_env):
     with stage_tracker("distill", experiment="solo") as tracker:
         tracker.log_metrics({"kd/loss": 2.5}, step=3)
     run = MlflowClient(tracking_env).get_run(tracker.run_id)
-    assert "mlflow.parentRunId" not in run.data.tags and run.data.tags[tracking.STAGE_TAG] == "distill"
+    assert "mlflow.parentRunId" not in run.data.tags and run.data.tags[runs.STAGE_TAG] == "distill"
     assert run.data.metrics == {"kd/loss": 2.5} and run.info.run_name == "distill"
 
 

@@ -54,16 +54,19 @@ def execute(
 def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifacts, record_as) -> dict[str, Any]:
     from contextlib import nullcontext
 
-    from components._shared.platform.mlflow_tracking import stage_tracker
+    from components._shared.platform.mlflow_runs import stage_tracker
     from components._shared.platform.tracking import NullTracker
 
     output_dir.mkdir(parents=True, exist_ok=True)  # (rank 0's lock made it; other ranks may get here first)
     artifacts = {"output": str(output_dir), **(artifacts or {})}
     started = time.time()
     params = cfg.model_dump(mode="json")
+    other_rank = os.environ.get("RANK", "0").strip() not in ("", "0")  # logs nothing; its node's system metrics
     try:
         tracking = (
-            stage_tracker(record_as, experiment=experiment, params=params) if record_as else nullcontext(NullTracker())
+            stage_tracker(record_as or stage, experiment=experiment, params=params)
+            if record_as or other_rank
+            else nullcontext(NullTracker())
         )
         with tracking as tracker, bad_records.policy(getattr(cfg, "on_bad_record", "fail")) as ledger:
             metrics = run(cfg, **inputs, output_dir=output_dir, tracker=tracker)
@@ -155,10 +158,15 @@ def run_stage(
 def run_launched(
     plan: LaunchPlan, config: dict[str, Any], *, inputs: dict[str, Any], output_dir: str, experiment: str
 ) -> dict[str, Any]:
-    """Run the stage as the plan says; returns its metrics."""
-    check_config(plan.stage, config)
-    if plan.nodes > 1:
-        from components._shared.launch.trainjob import run_trainjob
+    """Run the stage as the plan says; returns its metrics. The stage's MLflow run is resolved here, once, and handed
+    to every process ($MLFLOW_RUN_ID): rank 0 logs into it, each node its system metrics; this launcher ends it."""
+    from components._shared.platform.mlflow_runs import GIVEN_RUN_ENV, launched_stage_run
 
-        return run_trainjob(plan, config, inputs=inputs, output_dir=output_dir, experiment=experiment)
-    return run_local_torchrun(plan, config, inputs=inputs, output_dir=output_dir, experiment=experiment)
+    check_config(plan.stage, config)
+    with launched_stage_run(plan.stage, experiment=experiment, params=config) as run_id:
+        env = {GIVEN_RUN_ENV: run_id} if run_id else {}
+        if plan.nodes > 1:
+            from components._shared.launch.trainjob import run_trainjob
+
+            return run_trainjob(plan, config, inputs=inputs, output_dir=output_dir, experiment=experiment, env=env)
+        return run_local_torchrun(plan, config, inputs=inputs, output_dir=output_dir, experiment=experiment, env=env)

@@ -12,9 +12,16 @@ from components._shared.launch.result import read_result
 
 
 def run_local_torchrun(
-    plan: LaunchPlan, config: dict[str, Any], *, inputs: dict[str, Any], output_dir: str, experiment: str
+    plan: LaunchPlan,
+    config: dict[str, Any],
+    *,
+    inputs: dict[str, Any],
+    output_dir: str,
+    experiment: str,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One node, G processes (one per GPU) in this pod; rank 0 writes `output_dir` and the result record."""
+    """One node, G processes (one per GPU) in this pod; rank 0 writes `output_dir` and the result record. `env`
+    is added to the processes' environment (the stage's MLflow run)."""
     cmd = [
         sys.executable,
         "-m",
@@ -24,7 +31,7 @@ def run_local_torchrun(
         *stage_argv(plan.stage, config, inputs, output_dir, experiment),
     ]
     print(f"[torchrun] {plan.stage}: torchrun with {plan.processes_per_node} processes", flush=True)
-    rc = subprocess.run(cmd, env={**os.environ, LAUNCHED_ENV: "1"}).returncode
+    rc = subprocess.run(cmd, env={**os.environ, **(env or {}), LAUNCHED_ENV: "1"}).returncode
     if rc != 0:
         raise RuntimeError(
             f"{plan.stage}: torchrun with {plan.processes_per_node} processes exited with code {rc} "

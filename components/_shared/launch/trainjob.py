@@ -26,7 +26,16 @@ from components._shared.launch.result import read_result
 from components._shared.platform import storage
 
 TRAINER_CONTAINER = "node"  # the trainer container of the torch runtimes
-PASS_THROUGH_ENV = ("QVL_MLFLOW_PARENT_RUN_ID", "QVL_CACHE_DIR", "HF_HOME")  # non-secret settings the pods inherit
+# Non-secret settings the pods inherit (MLflow credentials reach them through the secret, never the job spec).
+PASS_THROUGH_ENV = (
+    "QVL_MLFLOW_PARENT_RUN_ID",
+    "QVL_KFP_RUN_ID",
+    "QVL_KFP_TASK",
+    "QVL_SYSTEM_METRICS_S",
+    "MLFLOW_EXPERIMENT_ID",
+    "QVL_CACHE_DIR",
+    "HF_HOME",
+)
 
 
 class TrainJobFailed(RuntimeError):
@@ -206,8 +215,10 @@ def run_trainjob(
     client_configuration=None,
     log: Callable[[str], None] = lambda line: print(line, flush=True),
     clock: Callable[[], float] = time.monotonic,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run the stage as a TrainJob and return its metrics; raises TrainJobFailed / TimeoutError, deletes the job."""
+    """Run the stage as a TrainJob and return its metrics; raises TrainJobFailed / TimeoutError, deletes the job.
+    `env` is added to the pods' environment (the stage's MLflow run)."""
     if not plan.staging_uri or not storage.is_s3(plan.staging_uri):
         raise ValueError(
             f"{plan.stage}: a TrainJob needs kubernetes.trainjob.staging_uri (s3://), got {plan.staging_uri!r}."
@@ -225,7 +236,7 @@ def run_trainjob(
 
     from kubeflow.trainer import CustomTrainerContainer
 
-    env = {LAUNCHED_ENV: "1", **{k: os.environ[k] for k in PASS_THROUGH_ENV if os.environ.get(k)}}
+    env = {**{k: os.environ[k] for k in PASS_THROUGH_ENV if os.environ.get(k)}, **(env or {}), LAUNCHED_ENV: "1"}
     resources: dict[str, Any] = {"cpu": plan.cpu, "memory": plan.memory}
     if plan.gpus_per_node:
         resources[plan.accelerator_resource] = plan.gpus_per_node

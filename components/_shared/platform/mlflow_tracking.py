@@ -1,14 +1,14 @@
 """MLflow behind the `Tracker` interface (tracking.py): the buffered `MlflowTracker`, the fallback file and its
-replay, and the runs: one parent per pipeline run (`start_pipeline_run` / `finish_pipeline_run`), one nested run
-per stage (`stage_tracker`).
+replay. Which run a stage logs into (one parent per pipeline run, one nested run per stage, on every path) is
+mlflow_runs.py's business.
 
-The parent run id travels in the env var QVL_MLFLOW_PARENT_RUN_ID, never in a cached task input. `MlflowTracker`
-buffers metrics and sends them with `log_batch` from a background thread (one synchronous MLflow call costs
-~30 ms); if the tracking server is down it warns, keeps the buffer and retries, and at close writes whatever it
+`MlflowTracker` buffers metrics and sends them with `log_batch` from a background thread (one synchronous MLflow call
+costs ~30 ms); if the tracking server is down it warns, keeps the buffer and retries, and at close writes whatever it
 could not send to a JSONL file (`replay_fallback` sends such a file later).
 
-    with stage_tracker("sft", experiment="vlm-dev", params=cfg.model_dump()) as tracker:
-        tracker.log_metrics({"train/loss": 0.7}, step=10)
+    tracker = MlflowTracker(MlflowClient(uri), run_id)
+    tracker.log_metrics({"train/loss": 0.7}, step=10)
+    tracker.close()
 """
 
 from __future__ import annotations
@@ -20,23 +20,16 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from components._shared.platform.tracking import NullTracker, Tracker, flatten
+from components._shared.platform.tracking import Tracker, flatten
 
 logger = logging.getLogger(__name__)
 
 
-PARENT_RUN_ENV = "QVL_MLFLOW_PARENT_RUN_ID"
-
-
 FALLBACK_DIR_ENV = "QVL_MLFLOW_FALLBACK_DIR"
-
-
-STAGE_TAG = "qvl.stage"
 
 
 MAX_KEY_LENGTH, MAX_PARAM_VALUE_LENGTH, MAX_TAG_VALUE_LENGTH = 250, 6000, 8000  # MLflow 3 limits
@@ -89,7 +82,8 @@ class MlflowTracker(Tracker):
 
     Never raises because the tracking server is down: it warns once per outage, keeps the buffer and
     retries. Beyond `max_buffer` metrics, new ones go straight to the fallback JSONL file; at close,
-    anything still unsent goes there too (path logged, and in `fallback_path`).
+    anything still unsent goes there too (path logged, and in `fallback_path`). With `end_run=False` close()
+    sends everything but leaves the run's status to its owner (KFP's MLflow integration, or a launcher).
     """
 
     def __init__(
@@ -102,6 +96,7 @@ class MlflowTracker(Tracker):
         flush_interval_s: float = 10.0,
         max_buffer: int = 100_000,
         fallback_dir: str | Path | None = None,
+        end_run: bool = True,
     ) -> None:
         from mlflow.entities import Metric, Param, RunTag
 
@@ -116,7 +111,7 @@ class MlflowTracker(Tracker):
         self._lock, self._send_lock = threading.Lock(), threading.Lock()
         self._wake, self._stopping = threading.Event(), threading.Event()
         self._down_since: float | None = None
-        self._closed = False
+        self._closed, self._end_run = False, end_run
         self._thread = threading.Thread(target=self._loop, name="mlflow-tracker", daemon=True)
         self._thread.start()
 
@@ -231,7 +226,7 @@ class MlflowTracker(Tracker):
         self._stopping.set()
         self._wake.set()
         self._thread.join()
-        if self._send() and self.run_id is not None:
+        if self._send() and self.run_id is not None and self._end_run:
             try:
                 self._client.set_terminated(self.run_id, status)
             except Exception as error:  # noqa: BLE001
@@ -386,91 +381,3 @@ def _status(status: str) -> str:
             f"(KFP's SUCCEEDED/CANCELLED are accepted too)."
         )
     return RunStatus.to_string(RunStatus.from_string(name))
-
-
-def _experiment_id(client, experiment: str) -> str:
-    found = client.get_experiment_by_name(experiment)
-    if found is not None:
-        return found.experiment_id
-    uri = client.tracking_uri
-    # sqlite stores default their artifacts to ./mlruns in the current directory: keep them beside the db.
-    location = (
-        (Path(uri[len("sqlite:///") :]).parent / "mlartifacts").as_uri() if uri.startswith("sqlite:///") else None
-    )
-    try:
-        return client.create_experiment(experiment, artifact_location=location)
-    except Exception:  # created concurrently by another stage: read it back
-        found = client.get_experiment_by_name(experiment)
-        if found is None:
-            raise
-        return found.experiment_id
-
-
-def start_pipeline_run(
-    experiment: str, *, run_name: str | None = None, tags: dict[str, str] | None = None, tracking_uri: str | None = None
-) -> str:
-    """Create the parent run of one pipeline run; returns its id (export it as QVL_MLFLOW_PARENT_RUN_ID)."""
-    client = _client(tracking_uri or default_tracking_uri(Path.cwd()))
-    run = client.create_run(
-        _experiment_id(client, experiment),
-        run_name=run_name,
-        tags={k: str(v)[:MAX_TAG_VALUE_LENGTH] for k, v in (tags or {}).items()},
-    )
-    return run.info.run_id
-
-
-def log_pipeline_artifact(run_id: str, path: str | Path, *, tracking_uri: str | None = None) -> None:
-    """Attach a file (the run's report.html) to the parent run."""
-    _client(tracking_uri or default_tracking_uri(Path.cwd())).log_artifact(run_id, str(path))
-
-
-def finish_pipeline_run(run_id: str, status: str = "FINISHED", *, tracking_uri: str | None = None) -> None:
-    """End the parent run: FINISHED, FAILED or KILLED (KFP's SUCCEEDED / CANCELLED map onto them)."""
-    _client(tracking_uri or default_tracking_uri(Path.cwd())).set_terminated(run_id, _status(status))
-
-
-@contextmanager
-def stage_tracker(
-    stage: str,
-    *,
-    experiment: str,
-    params: dict[str, Any] | None = None,
-    tracking_uri: str | None = None,
-    fallback_dir: str | Path | None = None,
-    **tracker_options: Any,
-) -> Iterator[Tracker]:
-    """A run for one stage, nested under $QVL_MLFLOW_PARENT_RUN_ID when set (standalone otherwise).
-
-    Ranks other than 0 ($RANK) get a NullTracker. The run ends FAILED if the block raises, KILLED on
-    KeyboardInterrupt, FINISHED otherwise. If MLflow is unreachable at the start, the run is created at
-    the first successful flush (or everything lands in the fallback file).
-    """
-    if os.environ.get("RANK", "0").strip() not in ("", "0"):
-        yield NullTracker()
-        return
-    uri = tracking_uri or default_tracking_uri(Path.cwd())
-    client = _client(uri)
-    parent = os.environ.get(PARENT_RUN_ENV) or None
-    tags = {STAGE_TAG: stage, **({"mlflow.parentRunId": parent} if parent else {})}
-
-    def start_run() -> str:
-        experiment_id = client.get_run(parent).info.experiment_id if parent else _experiment_id(client, experiment)
-        return client.create_run(experiment_id, run_name=stage, tags=tags).info.run_id
-
-    try:
-        run_id = start_run()
-    except Exception as error:  # noqa: BLE001 - the stage runs anyway; the tracker retries creation
-        logger.warning("MLflow run for stage %r not created at %s (%s); will retry at each flush", stage, uri, error)
-        run_id = None
-    tracker = MlflowTracker(client, run_id, start_run=start_run, fallback_dir=fallback_dir, **tracker_options)
-    if params:
-        tracker.log_params(params)
-    try:
-        yield tracker
-    except KeyboardInterrupt:
-        tracker.close("KILLED")
-        raise
-    except BaseException:
-        tracker.close("FAILED")
-        raise
-    tracker.close("FINISHED")
