@@ -4,7 +4,8 @@ and our launcher make (runtimes, trainjobs, their pods and logs, events, the tra
 It records every request and plays a scripted life for each TrainJob: one state per GET of the job
 ("Created", "Running", "Complete", or ("Failed", reason, message)); the last state repeats. `on_create`
 runs when a TrainJob is posted (a test uses it to do the pods' work). Unknown paths answer 404, so drift
-in the client's calls fails the test.
+in the client's calls fails the test. `FakeTrainerStatusServer` plays Kubeflow Trainer's status endpoint (HTTPS,
+bearer token): what the job's pods post lands in the fake job's `status.trainerStatus`.
 """
 
 from __future__ import annotations
@@ -76,10 +77,12 @@ class FakeKubernetesApi:
     )
     logs: str = "rank 0: step 1 loss 2.0\nrank 0: done\n"
     on_create: Callable[[dict], None] | None = None
+    state_of: Callable[[str], Any] | None = None  # instead of `states`: the job's state, asked at every GET
     requests: list[Request] = field(default_factory=list)
     jobs: dict[str, dict] = field(default_factory=dict)
     deleted: list[str] = field(default_factory=list)
     polls: dict[str, int] = field(default_factory=dict)
+    trainer_status: dict[str, dict] = field(default_factory=dict)  # by job name: what its pods reported
 
     def __enter__(self) -> FakeKubernetesApi:
         api = self
@@ -137,6 +140,8 @@ class FakeKubernetesApi:
     # --- routing -------------------------------------------------------------------------------------------
 
     def _state(self, name: str) -> Any:
+        if self.state_of is not None:
+            return self.state_of(name)
         return self.states[min(self.polls.get(name, 0), len(self.states) - 1)]
 
     def route(self, method: str, path: str, query: dict, body: Any) -> tuple[int, Any]:
@@ -212,6 +217,8 @@ class FakeKubernetesApi:
                 }
             ]
         job["status"] = {"conditions": conditions} if conditions else {}
+        if name in self.trainer_status:
+            job["status"]["trainerStatus"] = self.trainer_status[name]
         return job
 
     def _pods(self, name: str) -> list[dict]:
@@ -259,3 +266,112 @@ def _status(code: int, message: str) -> dict:
         "message": message,
         "code": code,
     }
+
+
+class FakeTrainerStatusServer:
+    """Kubeflow Trainer's status server on loopback: HTTPS with a self-signed certificate (written to `ca_file`), a
+    bearer token (written to `token_file`), POST .../namespaces/NS/trainjobs/NAME/status with {"trainerStatus": ...}
+    checked like the controller does (progress 0-100, remaining >= 0, metric names/values strings, lastUpdatedTime
+    required); an accepted status is stored on the fake API's job. `env` is what the controller injects into pods."""
+
+    TOKEN = "projected-sa-token-7f3a"
+
+    def __init__(self, api: FakeKubernetesApi, directory) -> None:
+        from pathlib import Path
+
+        self.api, self.dir, self.posts = api, Path(directory), []
+        self.ca_file, self.token_file = self.dir / "ca.crt", self.dir / "token"
+        self.token_file.write_text(self.TOKEN)
+
+    def __enter__(self) -> FakeTrainerStatusServer:
+        import ssl
+
+        key_file = self.dir / "tls.key"
+        _self_signed(self.ca_file, key_file)
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                code = server.accept(self.path, self.headers.get("Authorization", ""), body)
+                data = json.dumps(body if code == 200 else _status(code, "rejected")).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.ca_file, key_file)
+        self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def env(self, namespace: str, job: str) -> dict[str, str]:
+        port = self._server.server_address[1]
+        return {
+            "KUBEFLOW_TRAINER_SERVER_URL": f"https://127.0.0.1:{port}{GROUP}/namespaces/{namespace}/trainjobs/{job}/status",
+            "KUBEFLOW_TRAINER_SERVER_CA_CERT": str(self.ca_file),
+            "KUBEFLOW_TRAINER_SERVER_TOKEN": str(self.token_file),
+        }
+
+    def accept(self, path: str, auth: str, body: dict) -> int:
+        match = re.fullmatch(rf"{GROUP}/namespaces/([^/]+)/trainjobs/([^/]+)/status", path)
+        if not match or match[2] not in self.api.jobs:
+            return 404
+        if auth != f"Bearer {self.TOKEN}":
+            return 403
+        status = body.get("trainerStatus")
+        if status is None:
+            return 200
+        valid = (
+            "lastUpdatedTime" in status
+            and 0 <= status.get("progressPercentage", 0) <= 100
+            and status.get("estimatedRemainingSeconds", 0) >= 0
+            and all(isinstance(m["name"], str) and isinstance(m["value"], str) for m in status.get("metrics", []))
+        )
+        if not valid:
+            return 422
+        self.posts.append(status)
+        self.api.trainer_status[match[2]] = status
+        return 200
+
+
+def _self_signed(cert_file, key_file) -> None:
+    """A self-signed CA certificate for 127.0.0.1 (its own trust anchor) and its key."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kubeflow-trainer-status")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )

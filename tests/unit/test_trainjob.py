@@ -3,9 +3,11 @@ creates, success (outputs fetched, metrics returned), job failure (the task fail
 timeout, and cleanup in every case; plus the stage command line it sends, run for real."""
 
 import json
+import os
 import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from components._shared.launch.plan import LAUNCH_PLAN_ENV, LaunchPlan, plan_from_env
 from components._shared.launch.trainjob import TrainJobFailed, run_trainjob
 from components._shared.platform import storage
-from tests.fake_k8s_api import FakeKubernetesApi
+from tests.fake_k8s_api import FakeKubernetesApi, FakeTrainerStatusServer
 
 SENTINEL = "sentinel-secret-4c1d"
 
@@ -139,6 +141,62 @@ def test_a_successful_job_returns_the_stage_metrics_and_outputs_and_is_deleted(s
     assert s3_env.server.env()["AWS_SECRET_ACCESS_KEY"] not in posted and SENTINEL not in posted
 
 
+RANK_0 = textwrap.dedent(
+    """
+    import time
+    from components._shared.platform import progress
+
+    with progress.stage_scope("sft"):  # what `execute` does around the stage; TrainLoop reports every step
+        for step in range(1, 9):
+            progress.update("train", step, 8, "steps", loss=2.0 / step)
+            time.sleep(1.0)
+    """
+)
+
+
+def test_progress_reported_by_the_jobs_rank_0_reaches_the_job_status_and_the_task_log(s3_env, inputs, tmp_path):
+    """Rank 0 of the job (a real process with what Trainer's controller injects: the status URL, its CA and a
+    token) reports through progress.update; Trainer's status server (HTTPS, token checked) stores it on the
+    TrainJob; the launcher, polling the job, logs each new report."""
+    pods: dict[str, subprocess.Popen] = {}
+
+    def state_of(name: str) -> str:
+        return "Running" if pods[name].poll() is None else "Complete"
+
+    logged: list[str] = []
+    with FakeKubernetesApi(state_of=state_of) as api, FakeTrainerStatusServer(api, tmp_path) as server:
+
+        def work(job):
+            name = job["metadata"]["name"]
+            env = {**os.environ, **server.env("qvl", name), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+            pods[name] = subprocess.Popen([sys.executable, "-c", RANK_0], env=env)
+            _publish_result(job, tmp_path, {"vqa_exact_match": 0.5})
+
+        api.on_create = work
+        run_trainjob(
+            _plan(s3_env, poll_s=0.2),
+            {"mode": "lora"},
+            inputs=inputs,
+            output_dir=str(tmp_path / "task-output"),
+            experiment="vlm",
+            client_configuration=api.configuration(),
+            log=logged.append,
+        )
+    (name,) = pods
+    assert pods[name].returncode == 0
+    assert len(server.posts) >= 3, server.posts  # the first step, one ~5 s later, and 100% at the end
+    first, final = server.posts[0], api.trainer_status[name]
+    assert first["progressPercentage"] == 12 and first["estimatedRemainingSeconds"] >= 0
+    metrics = {m["name"]: m["value"] for m in first["metrics"]}
+    assert metrics == {"stage": "sft", "phase": "train", "current_step": "1", "total_steps": "8", "loss": "2.0"}
+    assert final["progressPercentage"] == 100 and final["estimatedRemainingSeconds"] == 0
+    progress = [line for line in logged if line.startswith(f"[trainjob] {name}: ") and "%" in line]
+    assert (
+        progress[0] == f"[trainjob] {name}: 12% · train 1/8 · loss 2.0 · ~{first['estimatedRemainingSeconds']} s left"
+    )
+    assert len(progress) == len(server.posts) and progress[-1].startswith(f"[trainjob] {name}: 100%")
+
+
 def test_a_failed_job_fails_the_task_with_the_jobs_reason_and_is_deleted(s3_env, inputs, tmp_path):
     states = ["Created", "Running", ("Failed", "PodFailed", "node-1 exited with code 1: CUDA out of memory")]
     with FakeKubernetesApi(states=states) as api:
@@ -180,7 +238,8 @@ def test_a_job_past_its_timeout_fails_the_task_and_is_deleted(s3_env, inputs, tm
                 clock=clock,
             )
     assert api.deleted == list(api.jobs)
-    assert 4 <= api.polls[api.deleted[0]] <= 8  # polled until the deadline, not once and not forever
+    # polled until the deadline, not once and not forever (two GETs a poll: the SDK's state, then the progress)
+    assert 8 <= api.polls[api.deleted[0]] <= 16
 
 
 def test_a_task_stopped_by_sigterm_deletes_its_job(s3_env, inputs, tmp_path):

@@ -8,7 +8,9 @@ The SDK has no job failure reason and no cancellation on timeout, so those two r
 Flow: stage local inputs on S3 (`staging_uri/<job>/inputs/<name>`), create the TrainJob (same image, the
 stage's command line under torchrun, secrets by reference, /dev/shm, scratch PVC, tolerations), stream node-0's
 log, wait; on success fetch `staging_uri/<job>/output` into the task's output directory and return the stage's
-recorded metrics; on failure raise with the job's reason; on timeout raise; always delete the job.
+recorded metrics; on failure raise with the job's reason; on timeout raise; always delete the job. While it waits,
+each new progress report in the job's `status.trainerStatus` (Trainer's TrainJobStatus feature: step, total, loss,
+time left, posted by rank 0) becomes one line of the task's log.
 """
 
 from __future__ import annotations
@@ -145,13 +147,17 @@ def _trainer_client(plan: LaunchPlan, client_configuration=None):
     return TrainerClient(KubernetesBackendConfig(namespace=plan.namespace, client_configuration=client_configuration))
 
 
+def _job_object(client, name: str) -> dict[str, Any]:
+    backend = client.backend
+    return backend.custom_api.get_namespaced_custom_object(
+        "trainer.kubeflow.org", "v1alpha1", backend.namespace, "trainjobs", name
+    )
+
+
 def _failure_reason(client, name: str) -> str:
     """The Failed condition's reason and message from the TrainJob object (the SDK drops them)."""
-    backend = client.backend
     try:
-        job = backend.custom_api.get_namespaced_custom_object(
-            "trainer.kubeflow.org", "v1alpha1", backend.namespace, "trainjobs", name
-        )
+        job = _job_object(client, name)
     except Exception as err:  # noqa: BLE001 - the reason is a courtesy; the failure itself stands
         return f"(reason unavailable: {err})"
     for cond in (job.get("status") or {}).get("conditions") or []:
@@ -179,6 +185,31 @@ def _own_by_task_pod(client, name: str, log: Callable[[str], None]) -> None:
         )
     except Exception as err:  # noqa: BLE001 - the finally-delete still covers the normal paths
         log(f"[trainjob] could not make pod {pod} the owner of {name}: {err}")
+
+
+def progress_line(name: str, status: dict[str, Any]) -> str:
+    """One log line of a TrainJob's `status.trainerStatus` (what its rank 0 reported: platform/trainjob_status.py)."""
+    metrics = {m.get("name"): m.get("value") for m in status.get("metrics") or []}
+    parts = [f"{status['progressPercentage']}%" if "progressPercentage" in status else "progress"]
+    if metrics.get("total_steps"):
+        parts.append(f"{metrics.get('phase', 'step')} {metrics.get('current_step', '?')}/{metrics['total_steps']}")
+    if "loss" in metrics:
+        parts.append(f"loss {metrics['loss']}")
+    if status.get("estimatedRemainingSeconds") is not None:
+        parts.append(f"~{int(status['estimatedRemainingSeconds'])} s left")
+    return f"[trainjob] {name}: " + " · ".join(parts)
+
+
+def _log_progress(client, name: str, last: str | None, log: Callable[[str], None]) -> str | None:
+    """Log the job's reported progress when it changed since `last` (its lastUpdatedTime); returns the newest."""
+    try:
+        status = (_job_object(client, name).get("status") or {}).get("trainerStatus") or {}
+    except Exception:  # noqa: BLE001 - progress is a courtesy; the job's state decides
+        return last
+    stamp = status.get("lastUpdatedTime")
+    if stamp and stamp != last:
+        log(progress_line(name, status))
+    return stamp or last
 
 
 def _raise_on_sigterm():
@@ -249,11 +280,12 @@ def run_trainjob(
         f"[trainjob] created TrainJob {client.backend.namespace}/{name}: {plan.nodes} nodes x "
         f"{plan.processes_per_node} processes, runtime {plan.runtime}, image {plan.image}"
     )
-    stop, logs = threading.Event(), None
+    stop, logs, reported = threading.Event(), None, None
     try:
         deadline = clock() + plan.timeout_s
         while True:
             job = client.get_job(name)
+            reported = _log_progress(client, name, reported, log)
             if logs is None and job.status in ("Running", "Complete", "Failed"):
                 logs = threading.Thread(target=_stream_logs, args=(client, name, log, stop), daemon=True)
                 logs.start()

@@ -5,6 +5,7 @@ evaluation per question ...). When QVL_PROGRESS_DIR is set (the local runner set
 travels in the environment, never in a cached task input) each process writes its latest update to
 `$QVL_PROGRESS_DIR/<stage>-<pid>.json`, atomically and at most twice a second; otherwise `update` does nothing.
 `execute` (launch/runner.py) names the stage with `stage_scope`; only rank 0 of a multi-process run reports.
+Inside a Kubeflow Trainer TrainJob the same updates also go to the job's status (platform/trainjob_status.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from components._shared.platform import trainjob_status
 
 PROGRESS_DIR_ENV = "QVL_PROGRESS_DIR"
 MIN_INTERVAL_S = 0.5
@@ -30,14 +33,23 @@ def stage_scope(stage: str) -> Iterator[None]:
     _state["stage"], _state["phase"] = stage, None  # the stage's first update is written at once
     try:
         yield
+        if _rank_zero():
+            trainjob_status.finish(stage)
     finally:
         _state["stage"] = previous
+
+
+def _rank_zero() -> bool:
+    return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
 def update(phase: str, done: int, total: int | None, unit: str, **extra: float) -> None:
     """`done` of `total` `unit` of `phase` (e.g. "train", 40, 200, "steps"; total None when unknown)."""
     directory, stage = os.environ.get(PROGRESS_DIR_ENV), _state["stage"]
-    if not directory or not stage or os.environ.get("RANK", "0").strip() not in ("", "0"):
+    if not stage or not _rank_zero():
+        return
+    trainjob_status.update(stage, phase, done, total, extra)
+    if not directory:
         return
     now = time.monotonic()
     finished = total is not None and done >= total
