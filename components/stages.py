@@ -24,6 +24,7 @@ STAGES: dict[str, tuple[str, str]] = {
         "components.select_checkpoint.config:SelectCheckpointConfig",
         "components.select_checkpoint.stage",
     ),
+    "promote": ("components.promote.config:PromoteConfig", "components.promote.stage"),
 }
 
 # Stages in DAG order (preflight is a check, not a stage of the run summary's training flow).
@@ -36,7 +37,20 @@ DAG_ORDER: tuple[str, ...] = (
     "rl",
     "distill",
     "select_checkpoint",
+    "promote",
 )
+OPTIONAL: tuple[str, ...] = ("promote",)  # in a DAG only when its config says `enabled: true`
+
+
+def dag_stages(stage_configs: dict[str, dict], until: str | None = None) -> list[str]:
+    """The stages a DAG runs, in order: DAG_ORDER up to and including `until` (all when None), without the optional
+    stages whose config leaves them off."""
+    if until is not None and until not in DAG_ORDER:
+        raise ValueError(f"until='{until}' is not a stage; choose one of: {', '.join(DAG_ORDER)}.")
+    last = DAG_ORDER.index(until) if until else len(DAG_ORDER) - 1
+    return [
+        s for s in DAG_ORDER[: last + 1] if s not in OPTIONAL or (stage_configs.get(s) or {}).get("enabled", False)
+    ]
 
 
 def _check(stage: str) -> tuple[str, str]:

@@ -25,7 +25,7 @@ from components._shared.platform.mlflow_runs import KFP_RUN_ENV, KFP_TASK_ENV, S
 
 PART_OF = "qwen-vl-pipeline"
 KFP_RUN_LABEL = "pipeline/runid"  # KFP's API server puts the run id on every pod of a run (Argo podMetadata)
-CPU_STAGES = ("preflight", "clean_data")  # run on the CPU image: no CUDA inside
+CPU_STAGES = ("preflight", "clean_data", "promote")  # run on the CPU image: no CUDA inside
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 
 
@@ -158,6 +158,7 @@ DEFAULT_STAGES: dict[str, dict[str, Any]] = {
     "rl": dict(_GPU_STAGE),
     "distill": dict(_GPU_STAGE),
     "select_checkpoint": dict(_GPU_STAGE),
+    "promote": {"cpu": "4", "memory": "32Gi", "retries": 2},  # casts one safetensors shard at a time
 }
 
 

@@ -26,7 +26,7 @@ from typing import IO, Any
 
 from components._shared.launch.result import RESULT_FILE, SUMMARY_DIR_ENV, SUMMARY_FILE
 from components._shared.platform.progress import PROGRESS_DIR_ENV
-from components.stages import DAG_ORDER
+from components.stages import dag_stages
 from pipelines.progress_view import ProgressView, stage_of
 from pipelines.run_report import write_run_report
 
@@ -173,7 +173,7 @@ def run_local(
     for directory in dirs.values():
         shutil.rmtree(directory, ignore_errors=True)
         directory.mkdir()
-    expected = ["preflight", *DAG_ORDER[: DAG_ORDER.index(until) + 1 if until else len(DAG_ORDER)]]
+    expected = ["preflight", *dag_stages(p.stages, until)]
     view = None
     if console is not None:
         is_live = console.isatty() if live is None else live

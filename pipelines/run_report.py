@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from components.stages import DAG_ORDER
+from components.stages import DAG_ORDER, OPTIONAL
 from pipelines.rejected_samples import rejected_samples, thumbnail
 from pipelines.runs import HEADLINES, SHORT, labelled_headline, read_run
 
@@ -48,6 +48,7 @@ NOTES: dict[str, list[tuple[str, str]]] = {
     "distill": [("student_vqa_exact_match", "student VQA"), ("teacher_vqa_exact_match", "teacher VQA")]
     + [("student_param_ratio", "size ratio"), ("student_speedup", "speedup")],
     "select_checkpoint": [("selected_score", "score"), ("runner_up", "runner-up"), ("registered_model", "model")],
+    "promote": [("promoted_files", "files"), ("registered", "registered")],
 }
 MAIN_LINE = ("clean_data", "extract_features", "pretrain", "sft", "rl", "distill")  # the champion's ancestry
 SIDE_INPUTS = {"rl": "reward_model"}
@@ -125,6 +126,8 @@ def key_metric_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """
     rows = []
     for stage in DAG_ORDER:
+        if stage in OPTIONAL and stage not in (summary.get("stages") or {}):
+            continue  # not in this run's DAG
         entry = (summary.get("stages") or {}).get(stage) or {}
         metrics = entry.get("metrics") or {}
         notes = {label: metrics[key] for key, label in NOTES.get(stage, []) if metrics.get(key) not in (None, "")}

@@ -28,6 +28,7 @@ HEADLINES = {
     "rl": ("efficacy_gain", "efficacy_final"),
     "distill": ("student_score_ratio",),
     "select_checkpoint": ("selected_stage",),
+    "promote": ("model_version", "promoted_weight_bytes"),
 }
 SHORT = {
     "clean_data": "kept",
@@ -38,6 +39,7 @@ SHORT = {
     "rl": "RL gain",
     "distill": "student",
     "select_checkpoint": "champion",
+    "promote": "promoted",
 }
 
 

@@ -1,5 +1,5 @@
 """The VLM training DAG: preflight -> clean_data (fan-out over shards, merge) -> extract_features -> pretrain -> sft
--> reward_model -> rl -> distill -> select_checkpoint.
+-> reward_model -> rl -> distill -> select_checkpoint (-> promote, when the preset enables it).
 
 `build_pipeline(preset, until, for_cluster)` returns the pipeline function with the preset's configs as parameter
 defaults and, for a cluster, each task's Kubernetes settings from the preset's cluster profile (pipelines/k8s.py);
@@ -14,12 +14,13 @@ from components.clean_data.component import clean_shard_op, list_shards_op, merg
 from components.distill.component import distill_op
 from components.extract_features.component import extract_features_op
 from components.preflight.component import finish_pipeline_run_op, preflight_op
+from components.promote.component import promote_op
 from components.pretrain.component import pretrain_op
 from components.reward_model.component import reward_model_op
 from components.rl.component import rl_op
 from components.select_checkpoint.component import select_checkpoint_op
 from components.sft.component import sft_op
-from components.stages import DAG_ORDER
+from components.stages import dag_stages
 from pipelines import credentials
 from pipelines.k8s import apply_profile, apply_task_policy
 from pipelines.presets import load_preset
@@ -36,12 +37,9 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
     build also gets the run-level TTL / deadline and an exit task that ends the run's MLflow parent run with the
     DAG's final state (locally, `qvl run --local` owns the parent run).
     """
-    if until is not None and until not in DAG_ORDER:
-        raise ValueError(f"until='{until}' is not a stage; choose one of: {', '.join(DAG_ORDER)}.")
     p = load_preset(preset)
     credentials.check(p.model_dump(mode="json"), f"preset '{p.name}'")  # its settings become YAML defaults
-    last = DAG_ORDER.index(until) if until else len(DAG_ORDER) - 1
-    wanted = set(DAG_ORDER[: last + 1])
+    wanted = set(dag_stages(p.stages, until))
     cluster = p.cluster_profile()
 
     def on_cluster(task: dsl.PipelineTask, stage: str) -> dsl.PipelineTask:
@@ -69,6 +67,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
         rl_config: dict = p.stages["rl"],
         distill_config: dict = p.stages["distill"],
         select_checkpoint_config: dict = p.stages["select_checkpoint"],
+        promote_config: dict = p.stages["promote"],
     ):
         finish = finish_pipeline_run_op(experiment=experiment) if for_cluster else None
         if finish is not None:
@@ -224,6 +223,13 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
                     "select_checkpoint",
                 )
                 select.set_display_name("Select checkpoint")
+
+            if "promote" in wanted:
+                promote = on_cluster(
+                    promote_op(champion=select.outputs["model"], config=promote_config, experiment=experiment),
+                    "promote",
+                )
+                promote.set_display_name("Promote to serving")
 
     return vlm_training
 

@@ -86,6 +86,7 @@ def test_every_stage_succeeded_with_the_summary_schema(summary):
         "rl",
         "distill",
         "select_checkpoint",
+        "promote",
     }
     for stage, result in data["stages"].items():
         assert result["status"] == "succeeded", stage
@@ -218,3 +219,22 @@ def test_a_changed_sft_config_reruns_sft_and_what_follows_only(summary, world, t
     for stage in ("sft", "reward_model", "rl", "distill", "select_checkpoint"):
         assert third["stages"][stage]["status"] == "succeeded", stage
     assert third["stages"]["sft"]["artifacts"] != first["stages"]["sft"]["artifacts"]
+
+
+def test_the_champion_is_promoted_as_bf16_safetensors_with_a_serving_manifest(summary):
+    """promote (on in the tiny preset): what select_checkpoint registered, as bf16 safetensors that load with the
+    Auto classes, and the KServe InferenceService pointing at them (no registry address here: not registered)."""
+    import torch
+    import yaml
+    from transformers import AutoModelForImageTextToText
+
+    stages = summary[0]["stages"]
+    metrics, out = stages["promote"]["metrics"], Path(stages["promote"]["artifacts"]["output"])
+    assert metrics["registered"] == 0 and metrics["promoted_files"] >= 4
+    model_dir = Path(stages["promote"]["artifacts"]["model"])
+    assert sorted(p.suffix for p in model_dir.glob("*.safetensors")) and not list(model_dir.glob("*.bin"))
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    manifest = yaml.safe_load((out / "inferenceservice.yaml").read_text())
+    assert manifest["kind"] == "InferenceService" and manifest["metadata"]["name"] == "qvl-tiny"
+    assert manifest["spec"]["predictor"]["model"]["storageUri"].endswith("/model")

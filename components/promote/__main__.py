@@ -1,0 +1,3 @@
+from components.promote.stage import main
+
+main()
