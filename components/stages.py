@@ -48,9 +48,7 @@ def dag_stages(stage_configs: dict[str, dict], until: str | None = None) -> list
     if until is not None and until not in DAG_ORDER:
         raise ValueError(f"until='{until}' is not a stage; choose one of: {', '.join(DAG_ORDER)}.")
     last = DAG_ORDER.index(until) if until else len(DAG_ORDER) - 1
-    return [
-        s for s in DAG_ORDER[: last + 1] if s not in OPTIONAL or (stage_configs.get(s) or {}).get("enabled", False)
-    ]
+    return [s for s in DAG_ORDER[: last + 1] if s not in OPTIONAL or (stage_configs.get(s) or {}).get("enabled", False)]
 
 
 def _check(stage: str) -> tuple[str, str]:

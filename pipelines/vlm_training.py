@@ -14,8 +14,8 @@ from components.clean_data.component import clean_shard_op, list_shards_op, merg
 from components.distill.component import distill_op
 from components.extract_features.component import extract_features_op
 from components.preflight.component import finish_pipeline_run_op, preflight_op
-from components.promote.component import promote_op
 from components.pretrain.component import pretrain_op
+from components.promote.component import promote_op
 from components.reward_model.component import reward_model_op
 from components.rl.component import rl_op
 from components.select_checkpoint.component import select_checkpoint_op
