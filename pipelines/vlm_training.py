@@ -101,13 +101,16 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
             )
             preflight.set_display_name("Preflight checks").set_caching_options(False)  # checks the world as it is now
 
-            shards = on_cluster(list_shards_op(lake_uri=lake_uri), "preflight")
+            shards = on_cluster(
+                list_shards_op(lake_uri=lake_uri, content_key=preflight.outputs["clean_data"]), "preflight"
+            )
             shards.set_display_name("List lake shards").set_caching_options(False).after(preflight)
-            with dsl.ParallelFor(shards.output, parallelism=16) as shard_uri:
+            with dsl.ParallelFor(shards.output, parallelism=16) as shard:
                 clean_shard = on_cluster(
                     clean_shard_op(
-                        shard_uri=shard_uri,
+                        shard_uri=shard.uri,
                         config=clean_data_config,
+                        content_key=shard.content,  # the shard's bytes: KFP re-cleans what changed
                         experiment=experiment,
                     ),
                     "clean_data",
@@ -129,6 +132,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
                         clean_data=clean.outputs["clean_data"],
                         base_model_uri=base_model_uri,
                         config=extract_features_config,
+                        content_key=preflight.outputs["extract_features"],
                         experiment=experiment,
                     ),
                     "extract_features",
@@ -145,6 +149,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
                         base_model_uri=base_model_uri,
                         eval_data_uri=eval_data_uri,
                         config=pretrain_config,
+                        content_key=preflight.outputs["pretrain"],
                         experiment=experiment,
                     ),
                     "pretrain",
@@ -157,6 +162,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
                         pretrained=pretrain.outputs["model"],
                         sft_data_uri=sft_data_uri,
                         config=sft_config,
+                        content_key=preflight.outputs["sft"],
                         experiment=experiment,
                     ),
                     "sft",
@@ -169,6 +175,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
                         sft_model=sft.outputs["model"],
                         preference_data_uri=preference_data_uri,
                         config=reward_model_config,
+                        content_key=preflight.outputs["reward_model"],
                         experiment=experiment,
                     ),
                     "reward_model",
@@ -182,6 +189,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
                         reward_model=reward.outputs["model"],
                         rl_data_uri=rl_data_uri,
                         config=rl_config,
+                        content_key=preflight.outputs["rl"],
                         experiment=experiment,
                     ),
                     "rl",
@@ -194,6 +202,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
                         teacher=rl.outputs["model"],
                         sft_data_uri=sft_data_uri,
                         config=distill_config,
+                        content_key=preflight.outputs["distill"],
                         experiment=experiment,
                     ),
                     "distill",
@@ -218,6 +227,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
                         reward_model_config=reward_model_config,
                         rl_config=rl_config,
                         distill_config=distill_config,
+                        content_key=preflight.outputs["select_checkpoint"],
                         experiment=experiment,
                     ),
                     "select_checkpoint",

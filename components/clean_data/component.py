@@ -9,21 +9,25 @@ from components._shared.platform.images import DATA_IMAGE
 
 
 @dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)
-def list_shards_op(lake_uri: str) -> list[str]:
-    """The lake's shard URIs (img2dataset tars or Parquet files), sorted."""
-    from components.clean_data.stage import list_shards
+def list_shards_op(lake_uri: str, content_key: str = "") -> list[dict]:
+    """The lake's shards (img2dataset tars or Parquet files), sorted, as {"uri", "content"}: `content` digests the
+    shard's bytes with `content_key` (preflight's digest of clean_data's models), for the shard task's cache key."""
+    from components.clean_data.stage import shard_items
 
-    return list_shards(lake_uri)
+    return shard_items(lake_uri, content_key)
 
 
 @dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)
-def clean_shard_op(shard_uri: str, config: dict, shard: dsl.Output[dsl.Dataset], experiment: str = "vlm"):
+def clean_shard_op(
+    shard_uri: str, config: dict, shard: dsl.Output[dsl.Dataset], content_key: str = "", experiment: str = "vlm"
+):
     """Filter one shard: every record kept or rejected with one reason (kept.parquet, rejected.parquet).
 
     Args:
         shard_uri: One shard of the lake.
         config: CleanDataConfig as a dict.
         shard: This shard's kept/rejected records and shard_report.json.
+        content_key: The shard's content digest (list_shards_op); only in the cache key.
         experiment: MLflow experiment name (the merge task logs for all shards).
     """
     from components._shared.launch.runner import run_stage

@@ -34,6 +34,25 @@ def list_shards(lake_uri: str) -> list[str]:
     return list_lake_shards(str(lake_uri))
 
 
+def shard_items(lake_uri: str, content_key: str = "") -> list[dict[str, str]]:
+    """The lake's shards as {"uri", "content"}: `content` digests the shard's bytes (local: sha256; s3://: size and
+    ETag) with `content_key` (preflight's digest of the models clean_data's config names). Each shard task takes it
+    as an input, so KFP's cache re-cleans exactly the shards whose content (or whose cleaning models) changed."""
+    import hashlib
+
+    from components._shared.platform import storage
+
+    uris = list_shards(lake_uri)
+    etags = storage.list_etags(lake_uri) if storage.is_s3(lake_uri) and uris else {}
+    prefix = str(lake_uri).rstrip("/") + "/"
+    items = []
+    for uri in uris:
+        identity = etags.get(uri[len(prefix) :], "") if etags else storage.sha256_file(Path(uri))
+        digest = hashlib.sha256(f"{content_key}\n{identity}".encode()).hexdigest()[:16]
+        items.append({"uri": uri, "content": digest})
+    return items
+
+
 def run(cfg: CleanDataConfig, *, lake_uri: str, output_dir: Path, tracker: Tracker) -> dict[str, Any]:
     """list_shards -> clean_shard for each -> merge_shards, in one process (models load once)."""
     output_dir = Path(output_dir)

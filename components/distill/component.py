@@ -13,6 +13,7 @@ def distill_op(
     model: dsl.Output[dsl.Model],
     metrics: dsl.Output[dsl.Metrics],
     report: dsl.Output[dsl.Markdown],
+    content_key: str = "",
     experiment: str = "vlm",
 ):
     """Distill the RL policy into a smaller student (pruned from the teacher, random, or a given checkpoint).
@@ -24,6 +25,7 @@ def distill_op(
         model: model/ (the student, HF format), student.json, checkpoints/, eval_predictions.jsonl.
         metrics: student_score_ratio, student_param_ratio, teacher and student held-out suites, speedup.
         report: The stage report for the KFP UI.
+        content_key: Preflight's digest of the content behind the URIs this stage reads; only in the cache key.
         experiment: MLflow experiment name.
     """
     import shutil

@@ -12,6 +12,7 @@ def extract_features_op(
     config: dict,
     features: dsl.Output[dsl.Dataset],
     metrics: dsl.Output[dsl.Metrics],
+    content_key: str = "",
     experiment: str = "vlm",
 ):
     """Cache the frozen vision tower's pre-merger features of every kept image (safetensors shards + index).
@@ -22,6 +23,7 @@ def extract_features_op(
         config: ExtractFeaturesConfig as a dict.
         features: features-*.safetensors and index.json.
         metrics: Images, visual tokens and throughput, for the KFP UI.
+        content_key: Preflight's digest of the content behind the URIs this stage reads; only in the cache key.
         experiment: MLflow experiment name.
     """
     from components._shared.launch.result import report_metrics

@@ -1,5 +1,7 @@
 """KFP wrapper of the preflight checks. Logic lives in components/preflight/stage.py."""
 
+from typing import NamedTuple
+
 from kfp import dsl
 
 from components._shared.platform.images import DATA_IMAGE
@@ -28,8 +30,22 @@ def preflight_op(
     needs_preference_data: bool = False,
     needs_rl_data: bool = False,
     experiment: str = "vlm",
+) -> NamedTuple(  # type: ignore[valid-type]  # KFP's form for several output parameters
+    "ContentKeys",
+    [
+        ("clean_data", str),
+        ("extract_features", str),
+        ("pretrain", str),
+        ("sft", str),
+        ("reward_model", str),
+        ("rl", str),
+        ("distill", str),
+        ("select_checkpoint", str),
+    ],
 ):
-    """Validate every stage config, reach the lake / MLflow / S3, resolve the models. Never cached.
+    """Validate every stage config, reach the lake / MLflow / S3, resolve the models. Never cached. Returns, per
+    stage, a digest of the content behind the URIs it reads (stage.py: content_keys), which its task takes as an
+    input so that KFP's cache key changes with that content.
 
     Args:
         lake_uri: Lake directory or s3:// prefix (img2dataset tars or Parquet).
@@ -54,6 +70,9 @@ def preflight_op(
         report: preflight.json with what was checked and where the models resolved to.
         experiment: MLflow experiment name.
     """
+    import json
+    from collections import namedtuple
+
     from components._shared.launch.runner import run_stage
     from components.preflight.stage import data_requirements, model_uris_in
 
@@ -85,10 +104,19 @@ def preflight_op(
             "model_uris": [base_model_uri, *model_uris_in(stage_configs)],
             "stage_configs": stage_configs,
             "data_files": data_files,
+            "uris": {
+                "base_model_uri": base_model_uri,
+                "eval_data_uri": eval_data_uri,
+                "sft_data_uri": sft_data_uri,
+                "preference_data_uri": preference_data_uri,
+                "rl_data_uri": rl_data_uri,
+            },
         },
         output_dir=report.path,
         record_as="preflight",
     )
+    keys = json.loads(open(report.path + "/preflight.json").read())["content_keys"]
+    return namedtuple("ContentKeys", list(keys))(**keys)
 
 
 @dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)

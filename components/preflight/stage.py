@@ -117,6 +117,44 @@ def model_uris_in(stage_configs: dict[str, dict[str, Any]]) -> list[str]:
     return uris
 
 
+# The URI parameters each stage reads (besides the artifacts KFP passes it, which KFP hashes itself).
+# clean_data's lake is digested per shard by list_shards_op (so only changed shards re-run); its key here covers the
+# models its config names.
+STAGE_URI_INPUTS: dict[str, tuple[str, ...]] = {
+    "clean_data": (),
+    "extract_features": ("base_model_uri",),
+    "pretrain": ("base_model_uri", "eval_data_uri"),
+    "sft": ("sft_data_uri",),
+    "reward_model": ("preference_data_uri",),
+    "rl": ("rl_data_uri",),
+    "distill": ("sft_data_uri",),
+    "select_checkpoint": ("eval_data_uri",),
+}
+
+
+def content_keys(uris: dict[str, str], stage_configs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Per stage, a digest of what lies behind the URIs it reads: its URI parameters and the model URIs its config
+    names (a lake, an s3:// model, a data folder), by content (`checkpoint.content_identity`: an s3:// prefix by its
+    objects' sizes and ETags, a local folder by every file's sha256). Handed to the stage's task as an input, it
+    puts that content into KFP's cache key: new shards in the same lake, a model re-uploaded under the same prefix,
+    re-run the stages that read them instead of serving an old result."""
+    import hashlib
+
+    from components._shared.model.checkpoint import content_identity
+
+    identity: dict[str, str] = {}
+    keys = {}
+    for stage, params in STAGE_URI_INPUTS.items():
+        named = [uris.get(param, "") for param in params] + model_uris_in({stage: stage_configs.get(stage) or {}})
+        digest = hashlib.sha256()
+        for uri in named:
+            if uri not in identity:
+                identity[uri] = content_identity(uri)
+            digest.update(f"{uri}\n{identity[uri]}\n".encode())
+        keys[stage] = digest.hexdigest()[:16]
+    return keys
+
+
 def check_data(data_files: dict[str, dict[str, Any]]) -> int:
     """Require the files under each needed data URI ({parameter: {"uri", "roles", "names", "required"}}): those its
     dataset.yaml lists for the roles (validated), else the synthetic world's names; returns how many were found. An
@@ -281,9 +319,11 @@ def run(
     output_dir: Path,
     tracker: Tracker,
     data_files: dict[str, dict[str, Any]] | None = None,
+    uris: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Validate configs, then reach the lake, the data, the tracking server and the models; raise on the first
-    failure."""
+    failure. Writes preflight.json with the metrics, where the models resolved to and each stage's content key
+    (`content_keys` of `uris`: the pipeline's URI parameters by name)."""
     metrics: dict[str, Any] = {"configs_validated": validate_stage_configs(stage_configs)}
     metrics["max_pixels"] = check_visual_budget(stage_configs)
     if cfg.check_lake:
@@ -304,7 +344,10 @@ def run(
         metrics["models_resolved"] = len(resolved)
         if model_uris and model_uris[0] and "clean_data" in stage_configs:  # the first URI is the base model
             metrics["patch_size"] = check_patch_size(Path(resolved[model_uris[0]]), stage_configs["clean_data"] or {})
-    (output_dir / "preflight.json").write_text(json.dumps({"metrics": metrics, "models": resolved}, indent=2))
+    keys = content_keys(uris or {}, stage_configs)
+    (output_dir / "preflight.json").write_text(
+        json.dumps({"metrics": metrics, "models": resolved, "content_keys": keys}, indent=2)
+    )
     return metrics
 
 

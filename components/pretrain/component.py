@@ -15,6 +15,7 @@ def pretrain_op(
     model: dsl.Output[dsl.Model],
     metrics: dsl.Output[dsl.Metrics],
     report: dsl.Output[dsl.Markdown],
+    content_key: str = "",
     experiment: str = "vlm",
 ):
     """Align vision and language on image-caption pairs: merger on cached features, then optionally joint from pixels.
@@ -28,6 +29,7 @@ def pretrain_op(
         model: model/ (HF format), checkpoints/, report.md.
         metrics: Held-out caption loss before/after, retrieval R@1, throughput.
         report: The stage report for the KFP UI.
+        content_key: Preflight's digest of the content behind the URIs this stage reads; only in the cache key.
         experiment: MLflow experiment name.
     """
     import shutil

@@ -13,6 +13,7 @@ def reward_model_op(
     model: dsl.Output[dsl.Model],
     metrics: dsl.Output[dsl.Metrics],
     report: dsl.Output[dsl.Markdown],
+    content_key: str = "",
     experiment: str = "vlm",
 ):
     """Train a Bradley-Terry reward model (scalar head on the SFT backbone) on preference pairs.
@@ -24,6 +25,7 @@ def reward_model_op(
         model: model/ (backbone in HF format + reward_head.safetensors + reward_model.json), checkpoints/.
         metrics: Held-out pair accuracy overall and per rejection kind, reward statistics.
         report: The stage report for the KFP UI.
+        content_key: Preflight's digest of the content behind the URIs this stage reads; only in the cache key.
         experiment: MLflow experiment name.
     """
     import shutil

@@ -14,6 +14,7 @@ def rl_op(
     model: dsl.Output[dsl.Model],
     metrics: dsl.Output[dsl.Metrics],
     report: dsl.Output[dsl.Markdown],
+    content_key: str = "",
     experiment: str = "vlm",
 ):
     """Optimise the SFT policy with PPO, TER or GRPO (config `algorithm`), guarded by reward-hacking gates.
@@ -27,6 +28,7 @@ def rl_op(
         model: model/ (the policy, HF format), value_head.safetensors (PPO), rollouts.jsonl, eval_predictions.jsonl.
         metrics: algorithm, efficacy_before/after, mean_length_ratio, kl_final, the per-phase timing split.
         report: The stage report for the KFP UI.
+        content_key: Preflight's digest of the content behind the URIs this stage reads; only in the cache key.
         experiment: MLflow experiment name.
     """
     import shutil

@@ -24,6 +24,7 @@ def select_checkpoint_op(
     model: dsl.Output[dsl.Model],
     metrics: dsl.Output[dsl.Metrics],
     model_card: dsl.Output[dsl.Markdown],
+    content_key: str = "",
     experiment: str = "vlm",
 ):
     """Evaluate the stage outputs (and kept checkpoints) on the held-out suite, select by score and gates, export
@@ -47,6 +48,7 @@ def select_checkpoint_op(
         model: model/ (the winner, HF format, with the model card as README.md), candidates.json.
         metrics: selected_candidate, selected_score, registered_model, registered_version, the winner's suite.
         model_card: The model card for the KFP UI.
+        content_key: Preflight's digest of the content behind the URIs this stage reads; only in the cache key.
         experiment: MLflow experiment name.
     """
     import shutil

@@ -13,6 +13,7 @@ def sft_op(
     model: dsl.Output[dsl.Model],
     metrics: dsl.Output[dsl.Metrics],
     report: dsl.Output[dsl.Markdown],
+    content_key: str = "",
     experiment: str = "vlm",
 ):
     """Instruction-tune the pretrained VLM (LoRA / QLoRA / full), evaluate held-out VQA, calibrate.
@@ -24,6 +25,7 @@ def sft_op(
         model: model/ (merged, HF format), adapter/, checkpoints/, eval_predictions.jsonl, calibration.json.
         metrics: VQA exact match per type vs the majority baseline, padding efficiency, ECE before/after.
         report: The stage report for the KFP UI.
+        content_key: Preflight's digest of the content behind the URIs this stage reads; only in the cache key.
         experiment: MLflow experiment name.
     """
     import shutil

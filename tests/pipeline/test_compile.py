@@ -67,8 +67,13 @@ def test_stage_order(compiled):
     assert loops[0] in tasks["merge-shards-op"]["dependentTasks"]
     assert "merge-shards-op" in tasks["extract-features-op"]["dependentTasks"]
     assert {"merge-shards-op", "extract-features-op"} <= set(tasks["pretrain-op"]["dependentTasks"])
-    assert tasks["sft-op"]["dependentTasks"] == ["pretrain-op"]
-    assert tasks["reward-model-op"]["dependentTasks"] == ["sft-op"]
+    # every stage also takes preflight's content key for what it reads by URI (part of its cache key)
+    assert sorted(tasks["sft-op"]["dependentTasks"]) == ["preflight-op", "pretrain-op"]
+    assert sorted(tasks["reward-model-op"]["dependentTasks"]) == ["preflight-op", "sft-op"]
+    assert tasks["sft-op"]["inputs"]["parameters"]["content_key"]["taskOutputParameter"] == {
+        "outputParameterKey": "sft",
+        "producerTask": "preflight-op",
+    }
 
 
 @pytest.mark.parametrize(

@@ -157,3 +157,27 @@ def test_s3_training_data_is_read_whole_before_any_gpu_unless_too_large(tmp_path
     assert counted["records_to_skip"] == 1 and counted["records_checked"] > 5
     assert check_records(files, {}, download_mb=0.001)["records_unchecked_uris"] == 1  # left to the stages
     assert not list(tmp_path.glob("qvl-preflight-*"))  # the download is removed
+
+
+def test_content_keys_follow_what_each_stage_reads_by_uri(tmp_path):
+    """A file changed behind an unchanged URI changes the key of exactly the stages that read it (the key joins the
+    task's inputs, so KFP's cache re-runs them); builtin names and empty URIs are stable."""
+    from components.preflight.stage import content_keys
+
+    sft_data, eval_data, student = tmp_path / "sft", tmp_path / "eval", tmp_path / "student"
+    for folder in (sft_data, eval_data, student):
+        folder.mkdir()
+        (folder / "a.json").write_text("{}")
+    uris = {"base_model_uri": "builtin:tiny-qwen2_5-vl", "sft_data_uri": str(sft_data), "eval_data_uri": str(eval_data)}
+    configs = {"distill": {"student": {"init": "model", "model_uri": str(student)}}}
+    before = content_keys(uris, configs)
+    assert before == content_keys(uris, configs)
+    (sft_data / "a.json").write_text('{"changed": 1}')
+    after_sft = content_keys(uris, configs)
+    assert {s for s in before if before[s] != after_sft[s]} == {"sft", "distill"}
+    (student / "a.json").write_text('{"changed": 1}')
+    after_student = content_keys(uris, configs)
+    assert {s for s in before if after_sft[s] != after_student[s]} == {"distill"}
+    (eval_data / "a.json").write_text("[]")
+    after_eval = content_keys(uris, configs)
+    assert {s for s in before if after_student[s] != after_eval[s]} == {"pretrain", "select_checkpoint"}
