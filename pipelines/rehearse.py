@@ -57,6 +57,7 @@ RUNS: list[tuple[str, str, dict[str, str], dict]] = [
         },
         {},
     ),
+    ("promote", "promote", {"champion": "{select_checkpoint}"}, {}),  # bf16 safetensors + the serving manifest
 ]
 RUN_NAMES = [r[0] for r in RUNS]
 

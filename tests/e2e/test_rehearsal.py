@@ -1,7 +1,10 @@
-"""`qvl rehearse` on the smallest real config of the newest family (Qwen3.5-0.8B: real widths, vocabulary 248,320,
-its tokenizer, processor and template; 2 LM layers, 4 ViT blocks, as in the docs table): the stages up to LoRA
-SFT pass, each with its seconds and peak memory, `qvl plan`'s estimate is within 25% of the measured peak, and the
-result loads with the Auto classes. The full table is docs/benchmarks.md."""
+"""`qvl rehearse` on the smallest real config of every family (real widths, vocabulary, tokenizer, processor and
+template; 2 LM layers, 4 ViT blocks, as in the docs table). Qwen3.5-0.8B (the newest, vocabulary 248,320) runs the
+stages up to LoRA SFT, each with its seconds and peak memory, `qvl plan`'s estimate within 25% of the measured
+peak, the result loading with the Auto classes; Qwen2-VL-2B, Qwen2.5-VL-3B and Qwen3-VL-2B run up to pretrain (the
+family-specific paths: their processors and patch sizes in clean_data, the DeepStack levels of Qwen3-VL's feature
+cache, packing and attention in pretrain) within CI's budget. Every stage of each, promote included, is the full
+table in docs/benchmarks.md."""
 
 import json
 
@@ -29,6 +32,21 @@ def test_rehearsal_of_qwen3_5_runs_the_stages_up_to_lora_sft_at_real_shapes(tmp_
     assert len(AutoProcessor.from_pretrained(model_dir).tokenizer) == 248077
     sft = json.loads((tmp_path / "sft_lora" / "_stage_result.json").read_text())["metrics"]
     assert sft["merge_max_abs_logit_diff"] < 1e-3  # the merged export equals the adapter model
+
+
+@pytest.mark.parametrize("name", ["qwen2-vl-2b", "qwen2.5-vl-3b", "qwen3-vl-2b"])
+def test_rehearsal_of_each_other_familys_smallest_checkpoint_runs_up_to_pretrain(name, tmp_path):
+    from transformers import AutoConfig
+
+    results = rehearse(name, tmp_path, runs=["pretrain"], layers=2, vision_depth=4)
+    assert [r.run for r in results] == ["clean_data", "extract_features", "pretrain"]
+    assert all(r.status == "passed" for r in results), [(r.run, r.detail) for r in results]
+    (pretrain,) = [r for r in results if r.planned_gb]
+    assert 0.75 <= pretrain.planned_gb / pretrain.peak_rss_gb <= 1.25, (pretrain.planned_gb, pretrain.peak_rss_gb)
+    config = AutoConfig.from_pretrained(tmp_path / "pretrain" / "model")
+    assert config.model_type == AutoConfig.from_pretrained(tmp_path / "checkpoint").model_type
+    metrics = json.loads((tmp_path / "pretrain" / "_stage_result.json").read_text())["metrics"]
+    assert metrics["heldout_caption_loss_final"] < metrics["heldout_caption_loss_initial"]
 
 
 def test_an_unknown_stage_or_checkpoint_is_refused_with_the_choices(tmp_path):
