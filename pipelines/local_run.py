@@ -140,6 +140,21 @@ def _collect(results_dir: Path, expected: list[str], cached: dict[str, dict[str,
     return stages
 
 
+@contextmanager
+def _environment_restored(*names: str) -> Iterator[None]:
+    """The run sets these for its tasks (kfp.local hands them the process environment); put back as they were after
+    it, so a caller that runs several DAGs in one process (the tests) never leaks one run's parent into the next."""
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run_local(
     *,
     lake_uri: str,
@@ -180,6 +195,13 @@ def run_local(
         view = ProgressView(
             expected, stream=console, live=is_live, progress_dir=dirs["progress"], results_dir=dirs["stage_results"]
         )
+    from components._shared.platform.mlflow_runs import PARENT_RUN_ENV
+
+    with _environment_restored("MLFLOW_TRACKING_URI", PARENT_RUN_ENV, SUMMARY_DIR_ENV, PROGRESS_DIR_ENV):
+        return _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri, enable_caching)
+
+
+def _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri, enable_caching) -> dict[str, Any]:
     started = time.time()
     with (dirs["logs"] / "kfp.log").open("w") as kfp_log, contextlib.ExitStack() as stack:  # the log closes last
         if not verbose:  # kfp.local's lines, library warnings and MLflow's notices: into logs/kfp.log

@@ -25,8 +25,9 @@ def run_stage_cli(
     cmd = [sys.executable, "-m", f"components.{stage}", "--config", str(cfg_file), "--output-dir", str(out)]
     for name, value in inputs.items():
         cmd += [f"--{name.replace('_', '-')}", str(value)]
+    leaked = {"QVL_MLFLOW_PARENT_RUN_ID", "MLFLOW_RUN_ID", "QVL_KFP_RUN_ID"}  # another test's run: set them via `env`
     environ = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in leaked},
         "OMP_NUM_THREADS": "1",
         "MLFLOW_TRACKING_URI": f"sqlite:///{beside}/mlflow.db",
         **{k: str(v) for k, v in env.items()},

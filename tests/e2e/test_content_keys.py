@@ -3,6 +3,7 @@ list_shards one per shard, so a shard rewritten under the same path is cleaned a
 of the old result being served; unchanged data stays cached."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -33,6 +34,10 @@ def test_a_shard_rewritten_under_the_same_path_is_recleaned_and_the_others_stay_
     first = _run(world, out)
     assert first["status"] == "succeeded" and first["stages"]["clean_data"]["status"] == "succeeded"
     assert len(list((out / "logs").glob("clean_shard_op*.log"))) == 2
+    leaked = {"MLFLOW_TRACKING_URI", "QVL_MLFLOW_PARENT_RUN_ID", "QVL_RUN_SUMMARY_DIR", "QVL_PROGRESS_DIR"} & set(
+        os.environ
+    )
+    assert not leaked, f"run_local left {leaked} set for whatever runs next in this process"
     again = _run(world, out)
     assert again["stages"]["clean_data"]["status"] == "cached"  # same content: KFP's cache serves it
 
