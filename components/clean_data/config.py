@@ -136,6 +136,15 @@ class CleanDataConfig(StageConfig):
         int,
         Field(ge=0, le=256, description="Threads per ONNX model (OCR, NSFW); 0 = onnxruntime's default (all cores)."),
     ] = 0
+    torch_threads: Annotated[
+        int,
+        Field(
+            ge=0,
+            le=256,
+            description="torch intra-op threads for a shard's CLIP scoring; 0 = torch's default (all cores). "
+            "Set it (and onnx_threads) to cores / shards running at once, or they oversubscribe the CPU.",
+        ),
+    ] = 0
 
     # Level 4: embedding-cluster outliers (global, in merge).
     outlier_enabled: bool = Field(

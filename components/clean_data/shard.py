@@ -220,6 +220,10 @@ def clean_shard(cfg: CleanDataConfig, *, shard_uri: str, output_dir: Path, track
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     shard = shard_name(shard_uri)
+    if cfg.torch_threads:
+        import torch
+
+        torch.set_num_threads(cfg.torch_threads)
     timer = Timer()
     errors: list[ShardError] = []
     rejected: list[dict[str, Any]] = []

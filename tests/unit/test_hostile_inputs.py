@@ -346,3 +346,27 @@ def test_random_bytes_never_crash_and_are_accounted(records):
         assert metrics["records_kept"] + metrics["records_rejected"] == len(records)
         assert sum(metrics["rejected_by_reason"].values()) == metrics["records_rejected"]
         assert pq.read_table(tmp / "out/rejected.parquet").num_rows == metrics["records_rejected"]
+
+
+def test_a_shard_runs_torch_on_the_threads_its_config_names(tmp_path):
+    """kfp.local cleans two shards at once: torch_threads: 1 keeps each on one core (docs/benchmarks.md)."""
+    import torch
+
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    _write_tar(lake / "00000.tar", [("000001.jpg", _image()), ("000001.txt", _caption())])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        metrics = clean_shard(
+            CFG.model_copy(update={"torch_threads": 1}),
+            shard_uri=str(lake / "00000.tar"),
+            output_dir=tmp_path / "out",
+            tracker=NullTracker(),
+        )
+        assert torch.get_num_threads() == 1
+        assert metrics["records_kept"] == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="torch_threads"):
+        CleanDataConfig(torch_threads=-1)
