@@ -195,13 +195,18 @@ def run_local(
         view = ProgressView(
             expected, stream=console, live=is_live, progress_dir=dirs["progress"], results_dir=dirs["stage_results"]
         )
+    from components._shared.platform.cpu_numerics import PINS, pinned_environment
     from components._shared.platform.mlflow_runs import PARENT_RUN_ENV
 
-    with _environment_restored("MLFLOW_TRACKING_URI", PARENT_RUN_ENV, SUMMARY_DIR_ENV, PROGRESS_DIR_ENV):
+    names = ("MLFLOW_TRACKING_URI", PARENT_RUN_ENV, SUMMARY_DIR_ENV, PROGRESS_DIR_ENV, *PINS)
+    with _environment_restored(*names):
+        os.environ.update(pinned_environment())  # the same numbers on any host of a CPU vendor (cpu_numerics.py)
         return _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri, enable_caching)
 
 
 def _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri, enable_caching) -> dict[str, Any]:
+    from components._shared.platform.cpu_numerics import PINS
+
     started = time.time()
     with (dirs["logs"] / "kfp.log").open("w") as kfp_log, contextlib.ExitStack() as stack:  # the log closes last
         if not verbose:  # kfp.local's lines, library warnings and MLflow's notices: into logs/kfp.log
@@ -227,6 +232,7 @@ def _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri
         "status": "succeeded" if ok else "failed",
         "seconds": round(time.time() - started, 1),
         "logs": str(dirs["logs"]),
+        "cpu_numerics": {name: os.environ.get(name, "") for name in PINS},  # what the tasks' math libraries ran
         "stages": stages,
     }
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))

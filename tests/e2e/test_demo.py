@@ -26,7 +26,17 @@ def demo(tmp_path_factory) -> dict:
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((root / "run" / "run_summary.json").read_text())
     assert summary["status"] == "succeeded", {s: r.get("error") for s, r in summary["stages"].items()}
-    return {stage: result["metrics"] for stage, result in summary["stages"].items()}
+    return {stage: result["metrics"] for stage, result in summary["stages"].items()} | {"_summary": summary}
+
+
+def test_a_fresh_run_gives_the_numbers_the_readme_publishes(demo):
+    """This CPU vendor's published numbers (docs/demo_published*.json, README) against this run: the same libraries
+    (.ci/constraints.txt), the same shipped helper models and the pinned CPU kernels give the same numbers; the
+    tolerances absorb float rounding only."""
+    from pipelines.published import compare, cpu_vendor, published_for
+
+    problems = compare(demo["_summary"], json.loads(published_for(cpu_vendor()).read_text()))
+    assert not problems, "this run moved off the README's published numbers:\n" + "\n".join(problems)
 
 
 def test_pretrain_lowers_the_heldout_caption_loss_and_retrieves_far_above_chance(demo):
