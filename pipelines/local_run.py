@@ -205,7 +205,7 @@ def run_local(
 
 
 def _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri, enable_caching) -> dict[str, Any]:
-    from components._shared.platform.cpu_numerics import PINS
+    from components._shared.platform.cpu_numerics import PINS, cpu_vendor
 
     started = time.time()
     with (dirs["logs"] / "kfp.log").open("w") as kfp_log, contextlib.ExitStack() as stack:  # the log closes last
@@ -233,6 +233,7 @@ def _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri
         "seconds": round(time.time() - started, 1),
         "logs": str(dirs["logs"]),
         "cpu_numerics": {name: os.environ.get(name, "") for name in PINS},  # what the tasks' math libraries ran
+        "cpu_vendor": cpu_vendor(),  # pinned runs agree within a vendor (docs/operations.md)
         "stages": stages,
     }
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from components._shared.platform.cpu_numerics import PINS, cpu_vendor
+
 ROOT = Path(__file__).resolve().parents[1]
 PUBLISHED_BY_VENDOR = {
     "GenuineIntel": ROOT / "docs" / "demo_published.json",  # README's table
@@ -31,21 +33,10 @@ PUBLISHED_BY_VENDOR = {
 PUBLISHED = PUBLISHED_BY_VENDOR["GenuineIntel"]
 README = ROOT / "README.md"
 BEGIN, END = "<!-- demo-results:begin (generated: python -m pipelines.published RUN) -->", "<!-- demo-results:end -->"
-# How far a fresh run on another machine may land from the published value: counts and accuracies move a little
-# when float rounding differs (another CPU's kernels), far less than a broken stage moves them.
+# How far a fresh run may land from its vendor's published value: pinned runs of one vendor agree bit for bit on the
+# machines tried; the tolerances leave room for a CPU generation not tried, far less than a broken stage moves.
 # Labels (the champion's stage) are published but not compared: two candidates 0.001 apart may swap places.
 TOLERANCE = {"default": 0.03, "records_kept": 10, "images": 10, "records_in": 0, "heldout_caption_loss_final": 0.1}
-
-
-def cpu_vendor(cpuinfo: str | None = None) -> str:
-    """The CPU's vendor id as Linux reports it (GenuineIntel, AuthenticAMD; "unknown" elsewhere)."""
-    if cpuinfo is None:
-        path = Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.is_file() else ""
-    for line in cpuinfo.splitlines():
-        if line.startswith("vendor_id"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def published_for(vendor: str) -> Path:
@@ -83,7 +74,7 @@ def published_from(summary: dict[str, Any], *, machine: str) -> dict[str, Any]:
         "preset": summary.get("preset"),
         "measured": time.strftime("%Y-%m-%d", time.gmtime()),
         "machine": machine,
-        "cpu_vendor": cpu_vendor(),
+        "cpu_vendor": summary.get("cpu_vendor") or cpu_vendor(),  # the run's host (older summaries: this host)
         "dag_seconds": round(float(summary.get("seconds") or 0), 1),
         "cpu_numerics": summary.get("cpu_numerics") or {},
         "stage_seconds": seconds,
@@ -192,6 +183,11 @@ def main(argv: list[str] | None = None) -> None:
     summary = json.loads((Path(args[0]) / "run_summary.json").read_text())
     if summary.get("status") != "succeeded":
         raise SystemExit(f"{args[0]}: the run did not succeed ({summary.get('status')}); nothing to publish.")
+    if summary.get("cpu_numerics") != PINS:
+        raise SystemExit(
+            f"{args[0]}: the run's CPU kernels were not pinned (cpu_numerics {summary.get('cpu_numerics')}, want "
+            f"{PINS}): no other machine repeats it; rerun without QVL_CPU_NUMERICS=native and publish that run."
+        )
     machine = args[1] if len(args) == 2 else "a 2-core machine with nothing else running"
     published = published_from(summary, machine=machine)
     target = published_for(published["cpu_vendor"])

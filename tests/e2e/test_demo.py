@@ -33,7 +33,8 @@ def test_a_fresh_run_gives_the_numbers_the_readme_publishes(demo):
     """This CPU vendor's published numbers (docs/demo_published*.json, README) against this run: the same libraries
     (.ci/constraints.txt), the same shipped helper models and the pinned CPU kernels give the same numbers; the
     tolerances absorb float rounding only."""
-    from pipelines.published import compare, cpu_vendor, published_for
+    from components._shared.platform.cpu_numerics import cpu_vendor
+    from pipelines.published import compare, published_for
 
     problems = compare(demo["_summary"], json.loads(published_for(cpu_vendor()).read_text()))
     assert not problems, "this run moved off the README's published numbers:\n" + "\n".join(problems)

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from components._shared.platform.cpu_numerics import MODE_ENV, PINS, host_has_avx2, pinned_environment
-from pipelines.published import cpu_vendor
+from components._shared.platform.cpu_numerics import MODE_ENV, PINS, cpu_vendor, host_has_avx2, pinned_environment
 
 JOB = Path(__file__).resolve().parents[1] / "jobs" / "cpu_numerics_job.py"
 

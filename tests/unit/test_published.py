@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from components._shared.platform.cpu_numerics import PINS
+from components._shared.platform.cpu_numerics import PINS, cpu_vendor
 from pipelines import published
 from pipelines.run_report import key_metric_rows
 
@@ -51,9 +51,9 @@ def test_readme_shows_the_results_generated_from_the_published_json():
 
 
 def test_a_run_is_compared_with_its_own_cpu_vendors_numbers():
-    assert published.cpu_vendor("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t: avx2\n") == "AuthenticAMD"
-    assert published.cpu_vendor("processor : 0\nvendor_id : GenuineIntel\n") == "GenuineIntel"
-    assert published.cpu_vendor("CPU implementer : 0x41\n") == "unknown"  # ARM
+    assert cpu_vendor("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t: avx2\n") == "AuthenticAMD"
+    assert cpu_vendor("processor : 0\nvendor_id : GenuineIntel\n") == "GenuineIntel"
+    assert cpu_vendor("CPU implementer : 0x41\n") == "unknown"  # ARM
     assert published.published_for("GenuineIntel") == published.PUBLISHED
     assert published.published_for("AuthenticAMD").name == "demo_published.amd.json"
     with pytest.raises(ValueError, match="no demo numbers are published for CPU vendor 'unknown'"):
@@ -102,4 +102,9 @@ def test_publishing_needs_the_markers_and_a_succeeded_run(tmp_path):
         published.replace_block("# a README without the markers\n", "table")
     (tmp_path / "run_summary.json").write_text(json.dumps({**_summary(), "status": "failed"}))
     with pytest.raises(SystemExit, match="did not succeed"):
+        published.main([str(tmp_path)])
+    (tmp_path / "run_summary.json").write_text(
+        json.dumps({**_summary(), "cpu_numerics": {}})
+    )  # QVL_CPU_NUMERICS=native
+    with pytest.raises(SystemExit, match="CPU kernels were not pinned"):
         published.main([str(tmp_path)])

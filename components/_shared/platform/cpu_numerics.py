@@ -49,3 +49,15 @@ def pinned_environment(environ: Mapping[str, str] | None = None, *, avx2: bool |
     if mode == "native" or not (host_has_avx2() if avx2 is None else avx2):
         return {}
     return {name: value for name, value in PINS.items() if name not in environ}
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The CPU's vendor id as Linux reports it (GenuineIntel, AuthenticAMD; "unknown" elsewhere): pinned runs agree
+    bit for bit within a vendor, not across vendors (MKL's pin holds on Intel only)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.is_file() else ""
+    for line in cpuinfo.splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
