@@ -176,10 +176,9 @@ class RolloutEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.end_id
         self.suppressed = suppressed_tokens(encoder.config)
 
-    @torch.no_grad()
-    def sample(self, model, records: list[dict], samples_per_prompt: int) -> list[Rollout]:
-        """`samples_per_prompt` completions of each record (consecutive), sampled at the configured temperature."""
-        device = next(model.parameters()).device
+    def encode_prompts(self, records: list[dict]) -> list[Sample]:
+        """Each record's rollout prompt (its image through the processor, the generation prompt), checked to carry
+        its image; CPU work without the model, so the data workers can build it ahead of the step."""
         prompts = [
             self.encoder.encode(
                 prompt_turns(r["question"]), images=[r["pil"]], add_generation_prompt=True, sample_id=r["id"]
@@ -188,6 +187,16 @@ class RolloutEngine:
         ]
         for record, prompt in zip(records, prompts, strict=True):
             _check_prompt_images(record, prompt, self.encoder.merge_unit, self.encoder.image_token_id)
+        return prompts
+
+    @torch.no_grad()
+    def sample(
+        self, model, records: list[dict], samples_per_prompt: int, prompts: list[Sample] | None = None
+    ) -> list[Rollout]:
+        """`samples_per_prompt` completions of each record (consecutive), sampled at the configured temperature;
+        `prompts` are the records' encoded prompts when built ahead (`encode_prompts`)."""
+        device = next(model.parameters()).device
+        prompts = self.encode_prompts(records) if prompts is None else prompts
         jobs = [(r, p) for r, p in zip(records, prompts, strict=True) for _ in range(samples_per_prompt)]
         rollouts: list[Rollout] = []
         for start in range(0, len(jobs), self.batch_size):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,13 +18,31 @@ import torch
 from components._shared.eval import readers
 from components._shared.model.backends import TorchBackend
 from components._shared.model.checkpoint import CheckpointStore
+from components._shared.model.packing import Sample
+from components._shared.model.step_inputs import step_inputs
 from components._shared.model.train_config import OptimConfig, lr_factor
-from components._shared.model.training import Phase, TrainLoop
+from components._shared.model.training import Phase, TrainLoop, data_workers
 from components._shared.platform.tracking import Tracker
 from components.rl import algorithms as A
 from components.rl.config import RlConfig
 from components.rl.gates import Gates
 from components.rl.rollout import Policy, Rollout, RolloutEngine, packed_micro_batches, split_by_sample, token_outputs
+
+
+@dataclass
+class StepPrompts:
+    """What an RL step needs that no model computes: its prompt records (image decoded, grounding frame), their
+    encoded rollout prompts and the step's ptx samples (pure functions of the step and its indices), so
+    `train.data_workers` build them while the previous step generates, scores and updates."""
+
+    step: int
+    indices: list[int]
+    records: list[dict]
+    prompts: list[Sample]
+    ptx: list[Sample]
+
+    def pin_memory(self) -> StepPrompts:
+        return self  # the rollout concatenates prompts per generation batch: a pinned prompt would not reach the copy
 
 
 class RlTrainer:
@@ -115,19 +134,47 @@ class RlTrainer:
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self, evaluate: Callable[[int], dict[str, float]]) -> int | None:
         """Train until train.steps or an early stop; returns the step resumed from (None for a fresh run)."""
-        resumed, _ = self.loop.drive(
-            self._next_step,
-            evaluate,
-            log_prefix="rl",
-            after_eval=self._check_divergence,
-            stopped=lambda: bool(self.stop_reason),
-        )
+        ahead: list[Generator[StepPrompts, None, None]] = []  # started at the first step, after any resume
+
+        def next_step() -> dict[str, float]:
+            if not ahead:
+                plan = [(self.loop.step + k, indices) for k, indices in enumerate(self.loop.upcoming_indices())]
+                workers = data_workers(self.cfg.train, self.loop.device)
+                ahead.append(
+                    step_inputs(
+                        plan, self._step_prompts, workers=workers, depth=self.cfg.train.prefetch_steps, pin=False
+                    )
+                )
+            indices, _ = self.loop.next_indices()
+            waiting = time.perf_counter()
+            prepared = next(ahead[0], None)
+            if prepared is None:  # past the plan (not expected: RL's plan covers every remaining step)
+                prepared = self._step_prompts((self.loop.step, indices))
+            if (prepared.step, prepared.indices) != (self.loop.step, indices):
+                raise RuntimeError(f"prefetched RL prompts of step {prepared.step} are not step {self.loop.step}'s")
+            waited = time.perf_counter() - waiting
+            return self.rl_step(prepared.records, prepared) | {"time/data_wait_s": waited}
+
+        try:
+            resumed, _ = self.loop.drive(
+                next_step,
+                evaluate,
+                log_prefix="rl",
+                after_eval=self._check_divergence,
+                stopped=lambda: bool(self.stop_reason),
+            )
+        finally:
+            for iterator in ahead:
+                iterator.close()
         return resumed
 
-    def _next_step(self) -> dict[str, float]:
-        indices, _ = self.loop.next_indices()
+    def _step_prompts(self, entry: tuple[int, list[int]]) -> StepPrompts:
+        """The model-free inputs of RL step `step` (0-based) drawing prompts `indices` (run in a data worker)."""
+        step, indices = entry
         records = [{**self.prompts[i], "pil": self.image(self.prompts[i]["image"])} for i in indices]
-        return self.rl_step([{**r, **self.engine.encoder.box_frame(r)} for r in records])
+        records = [{**r, **self.engine.encoder.box_frame(r)} for r in records]
+        ptx = self._ptx_encoded(step) if self.cfg.ptx.coef else []
+        return StepPrompts(step, list(indices), records, self.engine.encode_prompts(records), ptx)
 
     def _check_divergence(self) -> None:
         window = max(1, self.loop.train.eval_every or len(self.loop.history))
@@ -138,14 +185,16 @@ class RlTrainer:
         drop = self.loop.evals[0]["efficacy"] - self.loop.evals[-1]["efficacy"]
         self.gates.check_eval(self.loop.step, reward_rise=rise, heldout_drop=drop)
 
-    def rl_step(self, records: list[dict]) -> dict[str, float]:
-        """Sample, score and reward rollouts of `records`, then run the update epochs; returns the step's metrics."""
+    def rl_step(self, records: list[dict], prepared: StepPrompts | None = None) -> dict[str, float]:
+        """Sample, score and reward rollouts of `records`, then run the update epochs; returns the step's metrics.
+        `prepared`: the step's prompts and ptx samples built ahead (`_step_prompts`); built here without it."""
         cfg = self.cfg
         policy = self.loop.backend.module
         started = time.perf_counter()
         policy.eval()
         with torch.no_grad(), self.loop.autocast_context():
-            rollouts = self.engine.sample(policy.model, records, cfg.rollout.samples_per_prompt)
+            prompts = prepared.prompts if prepared else None
+            rollouts = self.engine.sample(policy.model, records, cfg.rollout.samples_per_prompt, prompts)
         generated = time.perf_counter()
         completions = [r.text for r in rollouts]
         batch = {"records": [r.record for r in rollouts], "finished": [r.finished for r in rollouts]}
@@ -179,7 +228,7 @@ class RlTrainer:
             return metrics
 
         metrics.update(self._advantages(rollouts))
-        ptx = self._ptx_samples(rollouts) if cfg.ptx.coef else []
+        ptx = self._ptx_samples(rollouts, prepared.ptx if prepared else None) if cfg.ptx.coef else []
         updates = []
         order_rng = np.random.default_rng([cfg.seed, 7_000_003, self.loop.step])
         for _ in range(cfg.update.epochs):
@@ -212,15 +261,13 @@ class RlTrainer:
         """The update's normaliser: completion tokens only, so ptx samples leave the RL term's scale unchanged."""
         return float(sum(s.num_targets for s in unit if not s.meta.get("ptx")))
 
-    def _ptx_samples(self, rollouts: list[Rollout]) -> list:
+    def _ptx_encoded(self, step: int) -> list[Sample]:
         """`ptx.samples_per_step` records of the prompts file (of `ptx.types`, drawn afresh each step as a pure
-        function of the seed and step) with their reference answers, encoded as SFT encodes them; each target token
-        weighs ptx.coef x (completion tokens / reference tokens of the step), so the term adds ptx.coef x the mean
-        NLL."""
+        function of the seed and step) with their reference answers, encoded as SFT encodes them."""
         count = min(self.cfg.ptx.samples_per_step or self.loop.train.samples_per_step, len(self.ptx_pool))
-        rng = np.random.default_rng([self.cfg.seed, 9_000_011, self.loop.step])
+        rng = np.random.default_rng([self.cfg.seed, 9_000_011, step])
         records = [self.ptx_pool[i] for i in rng.choice(len(self.ptx_pool), count, replace=False)]
-        samples = [
+        return [
             self.engine.encoder.encode(
                 readers.prompt_turns(r["question"]) + [{"role": "assistant", "text": r["answer"]}],
                 images=[self.image(r["image"])],
@@ -228,6 +275,11 @@ class RlTrainer:
             )
             for r in records
         ]
+
+    def _ptx_samples(self, rollouts: list[Rollout], encoded: list[Sample] | None = None) -> list:
+        """This step's ptx samples (`_ptx_encoded`, or `encoded` when built ahead), each target token weighing
+        ptx.coef x (completion tokens / reference tokens of the step), so the term adds ptx.coef x the mean NLL."""
+        samples = self._ptx_encoded(self.loop.step) if encoded is None else encoded
         completion_tokens = sum(r.length for r in rollouts)
         self.ptx_token_weight = self.cfg.ptx.coef * completion_tokens / sum(s.num_targets for s in samples)
         for s in samples:

@@ -18,6 +18,7 @@ from components.rl.gates import Gates, GateTripped
 from components.rl.rewards import RewardModelReward
 from components.rl.stage import load_prompts, run
 from components.synth_world.splits import write_splits
+from tests.prefetch import assert_same_with_and_without_workers
 from tests.stage_cli import run_stage_cli
 from tests.tiny_sft import train_tiny_sft
 
@@ -295,7 +296,8 @@ def _stage_cli(config: dict, data_dir, base, out, **env):
 def test_rl_killed_mid_run_resumes_to_bit_identical_weights(algorithm, data_dir, sft_model, tmp_path):
     """Policy, critic, optimizer, RNG (sampling), KL coefficient, normaliser, baselines and TER's gradient EMA
     all come back, and ptx draws the same reference records: the resumed run ends bit-identical to an
-    uninterrupted one."""
+    uninterrupted one. The killed and resumed runs build their prompts in two data workers, the straight one in
+    the step: bit-identical too."""
     config = _cfg(
         algorithm,
         ter={"grad_ema": 0.95},  # the EMA buffers must come back too
@@ -311,9 +313,10 @@ def test_rl_killed_mid_run_resumes_to_bit_identical_weights(algorithm, data_dir,
     ).model_dump(mode="json")
     straight = _stage_cli(config, data_dir, sft_model, tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
-    killed = _stage_cli(config, data_dir, sft_model, tmp_path / "killed", QVL_TEST_KILL_AT_STEP=3)
+    prefetched = {**config, "train": {**config["train"], "data_workers": 2}}
+    killed = _stage_cli(prefetched, data_dir, sft_model, tmp_path / "killed", QVL_TEST_KILL_AT_STEP=3)
     assert killed.returncode == -signal.SIGKILL
-    resumed = _stage_cli(config, data_dir, sft_model, tmp_path / "killed")
+    resumed = _stage_cli(prefetched, data_dir, sft_model, tmp_path / "killed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     metrics = json.loads((tmp_path / "killed/_stage_result.json").read_text())["metrics"]
     assert metrics["resumed_from_step"] == 2
@@ -332,6 +335,17 @@ def test_rl_killed_mid_run_resumes_to_bit_identical_weights(algorithm, data_dir,
         "heldout_improved",
     ):
         assert metrics[key] == first[key], key
+
+
+def test_prefetched_prompts_leave_the_policy_bit_identical(data_dir, sft_model, tmp_path):
+    """Prompts (decode, processor) and ptx samples built ahead by data workers: the same policy bytes as built in
+    the step, with the ptx KL anchor (its reference distributions are computed in the step from them)."""
+
+    def run_with(workers, out):
+        over = {"train": {"data_workers": workers}, "ptx": {"coef": 1.0, "loss": "kl", "samples_per_step": 3}}
+        _run(_cfg("ppo", **over), data_dir, out, sft_model)
+
+    assert_same_with_and_without_workers(run_with, tmp_path)
 
 
 def test_the_report_lists_each_benchmark_before_and_after():

@@ -9,6 +9,7 @@ same samples in the same order as without workers, and a resumed run rebuilds th
 outputs are bit-identical with prefetching on or off (tested). Workers are forked (Linux); the sample builders
 must not use CUDA or random state (none of the stages' do). Not prefetched: phases whose sampling weights follow
 the evaluations, and custom `sample_batch` builders that need the current model (distill's on-policy answers).
+`step_inputs` itself takes any plan and pure builder: RL prefetches its steps' prompts with it (rl/trainer.py).
 """
 
 from __future__ import annotations
@@ -17,11 +18,20 @@ import multiprocessing
 import os
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from components._shared.model.packing import Sample, pack, plan_micro_batches
+
+
+class Pinnable(Protocol):
+    def pin_memory(self) -> Any: ...
+
+
+Item = TypeVar("Item")  # one entry of the plan: a step's sample indices (or what else names a step's inputs)
+Built = TypeVar("Built", bound=Pinnable)  # what a step's entry is built into: PreparedStep, or RL's prompts
 
 
 @dataclass
@@ -86,13 +96,13 @@ def prepare_step(
 class _Steps(Dataset):
     """Item k = the prepared step of plan[k] (read in the forked workers)."""
 
-    def __init__(self, plan: list[list[int]], build: Callable[[list[int]], PreparedStep]) -> None:
+    def __init__(self, plan: list, build: Callable) -> None:
         self.plan, self.build = plan, build
 
     def __len__(self) -> int:
         return len(self.plan)
 
-    def __getitem__(self, k: int) -> PreparedStep | _Failed:
+    def __getitem__(self, k: int) -> Any:
         try:
             return self.build(self.plan[k])
         except Exception as error:  # noqa: BLE001 - handed to the training process as it was raised
@@ -113,17 +123,31 @@ class _Failed:
 def _worker_init(_: int) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the fast tokenizer's own threads, after a fork
     torch.set_num_threads(1)
+    _die_with_parent()
 
 
-def _keep(step: PreparedStep) -> PreparedStep:
+def _die_with_parent() -> None:
+    """A worker is killed with the training process (prctl PR_SET_PDEATHSIG): a SIGKILLed stage must not leave a
+    worker behind, blocked on flushing its queue to a reader that is gone (and holding the stage's output pipes)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:  # not glibc: the DataLoader's own parent watchdog is what is left
+        pass
+
+
+def _keep(step: Any) -> Any:
     return step
 
 
 def step_inputs(
-    plan: list[list[int]], build: Callable[[list[int]], PreparedStep], *, workers: int, depth: int, pin: bool
-) -> Generator[PreparedStep, None, None]:
+    plan: list[Item], build: Callable[[Item], Built], *, workers: int, depth: int, pin: bool
+) -> Generator[Built, None, None]:
     """The prepared steps of `plan` in order: built `depth` steps ahead per worker by `workers` processes, or one by
-    one in this process when workers is 0 (or the platform cannot fork)."""
+    one in this process when workers is 0 (or the platform cannot fork). `build` must be a pure function of its
+    entry (no model, no CUDA, no random state), so the order and bytes are the same either way."""
     if workers == 0 or "fork" not in multiprocessing.get_all_start_methods() or not plan:
         for indices in plan:
             yield build(indices).pin_memory() if pin else build(indices)
@@ -140,7 +164,8 @@ def step_inputs(
         worker_init_fn=_worker_init,
         multiprocessing_context="fork",
         pin_memory=pin,
-    )
+        generator=torch.Generator().manual_seed(0),  # the loader's base seed: not a draw from the global RNG, which
+    )  # the step's own sampling uses (RL's rollouts would shift by one draw with workers on)
     iterator = iter(loader)
     try:
         for step in iterator:
