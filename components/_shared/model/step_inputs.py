@@ -164,8 +164,10 @@ def step_inputs(
         worker_init_fn=_worker_init,
         multiprocessing_context="fork",
         pin_memory=pin,
-        generator=torch.Generator().manual_seed(0),  # the loader's base seed: not a draw from the global RNG, which
-    )  # the step's own sampling uses (RL's rollouts would shift by one draw with workers on)
+        # The loader's base seed from its own generator, not a draw from the global RNG that the step's sampling
+        # uses (RL's rollouts shifted by one draw with workers on).
+        generator=torch.Generator().manual_seed(0),
+    )
     iterator = iter(loader)
     try:
         for step in iterator:
