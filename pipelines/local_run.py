@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from components._shared.launch.result import RESULT_FILE, SUMMARY_DIR_ENV, SUMMARY_FILE
+from components._shared.platform.cpu_numerics import PINS, cpu_vendor, pinned_environment
 from components._shared.platform.progress import PROGRESS_DIR_ENV
 from components.stages import dag_stages
 from pipelines.progress_view import ProgressView, stage_of
@@ -195,7 +196,6 @@ def run_local(
         view = ProgressView(
             expected, stream=console, live=is_live, progress_dir=dirs["progress"], results_dir=dirs["stage_results"]
         )
-    from components._shared.platform.cpu_numerics import PINS, pinned_environment
     from components._shared.platform.mlflow_runs import PARENT_RUN_ENV
 
     names = ("MLFLOW_TRACKING_URI", PARENT_RUN_ENV, SUMMARY_DIR_ENV, PROGRESS_DIR_ENV, *PINS)
@@ -205,8 +205,6 @@ def run_local(
 
 
 def _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri, enable_caching) -> dict[str, Any]:
-    from components._shared.platform.cpu_numerics import PINS, cpu_vendor
-
     started = time.time()
     with (dirs["logs"] / "kfp.log").open("w") as kfp_log, contextlib.ExitStack() as stack:  # the log closes last
         if not verbose:  # kfp.local's lines, library warnings and MLflow's notices: into logs/kfp.log

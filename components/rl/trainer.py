@@ -147,11 +147,10 @@ class RlTrainer:
                 )
             indices, _ = self.loop.next_indices()
             waiting = time.perf_counter()
-            prepared = next(ahead[0], None)
-            if prepared is None:  # past the plan (not expected: RL's plan covers every remaining step)
-                prepared = self._step_prompts((self.loop.step, indices))
-            if (prepared.step, prepared.indices) != (self.loop.step, indices):
-                raise RuntimeError(f"prefetched RL prompts of step {prepared.step} are not step {self.loop.step}'s")
+            prepared = next(ahead[0], None)  # RL's plan covers every remaining step (no eval-weighted phases)
+            if prepared is None or (prepared.step, prepared.indices) != (self.loop.step, indices):
+                got = prepared.step if prepared else "none"
+                raise RuntimeError(f"prefetched RL prompts of step {got} are not step {self.loop.step}'s")
             waited = time.perf_counter() - waiting
             return self.rl_step(prepared.records, prepared) | {"time/data_wait_s": waited}
 

@@ -30,12 +30,7 @@ def host_has_avx2(cpuinfo: str | None = None) -> bool:
     """x86-64 with AVX2 and FMA (what the pinned paths execute); False elsewhere (ARM, or no /proc/cpuinfo)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    flags = _field(_cpuinfo() if cpuinfo is None else cpuinfo, "flags").split()
     return "avx2" in flags and "fma" in flags
 
 
@@ -54,10 +49,19 @@ def pinned_environment(environ: Mapping[str, str] | None = None, *, avx2: bool |
 def cpu_vendor(cpuinfo: str | None = None) -> str:
     """The CPU's vendor id as Linux reports it (GenuineIntel, AuthenticAMD; "unknown" elsewhere): pinned runs agree
     bit for bit within a vendor, not across vendors (MKL's pin holds on Intel only)."""
-    if cpuinfo is None:
-        path = Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.is_file() else ""
+    return _field(_cpuinfo() if cpuinfo is None else cpuinfo, "vendor_id") or "unknown"
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def _field(cpuinfo: str, name: str) -> str:
+    """The first processor's value of `name` in /proc/cpuinfo text ("" when absent)."""
     for line in cpuinfo.splitlines():
-        if line.startswith("vendor_id"):
+        if line.startswith(name):
             return line.split(":", 1)[1].strip()
-    return "unknown"
+    return ""
