@@ -138,11 +138,40 @@ def build_model(args, device: torch.device, dtype: torch.dtype):
 
         model, _ = load_vlm("builtin:tiny-qwen2_5-vl", dtype=dtype, device=device)
         return model
-    from components._shared.model.attention import register
+    from components._shared.model.attention import enable_vision_varlen, register, use_varlen
 
     register()  # makes "sdpa_packed" (the default --attn) a valid attn_implementation
     with torch.device(device):
-        return AutoModelForImageTextToText.from_config(config_7b(), dtype=dtype, attn_implementation=args.attn)
+        model = AutoModelForImageTextToText.from_config(config_7b(), dtype=dtype, attn_implementation=args.attn)
+    use_varlen(args.varlen == "on")
+    if args.varlen == "on":
+        enable_vision_varlen(model)
+    return model
+
+
+def varlen_agreement(model, batch: dict, chunk: int) -> dict:
+    """Loss and per-tensor gradient norms of one step with the varlen kernel off (per-sample / per-window SDPA
+    loops) and on, same weights and batch: their relative differences (bf16 rounding is expected, not more)."""
+    from components._shared.model.attention import enable_vision_varlen, use_varlen
+
+    enable_vision_varlen(model)
+    arms = {}
+    for enabled in (False, True):
+        use_varlen(enabled)
+        model.zero_grad(set_to_none=True)
+        loss_sum, n_targets = sequence_loss(model, batch, chunk_rows=chunk)
+        (loss_sum / max(n_targets, 1)).backward()
+        norms = torch.stack([p.grad.float().norm() for p in model.parameters() if p.grad is not None])
+        arms[enabled] = (float(loss_sum / max(n_targets, 1)), norms)
+    model.zero_grad(set_to_none=True)
+    (loss_off, norms_off), (loss_on, norms_on) = arms[False], arms[True]
+    return {
+        "loss_off": loss_off,
+        "loss_on": loss_on,
+        "loss_rel_diff": abs(loss_on - loss_off) / abs(loss_off),
+        "grad_norms_rel_diff": float((norms_on - norms_off).norm() / norms_off.norm()),
+        "grad_norms_max_rel_diff": float(((norms_on - norms_off).abs() / norms_off.clamp_min(1e-12)).max()),
+    }
 
 
 def _uniform(rng: np.random.Generator, bounds: tuple[int, int]) -> int:
@@ -286,6 +315,19 @@ def main(argv: list[str] | None = None) -> dict:
         help="target rows per LM-head chunk in the loss (train.loss_chunk_tokens); 0 = the whole logits at once",
     )
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (recompute not counted)")
+    parser.add_argument(
+        "--varlen",
+        choices=("on", "off"),
+        default="on",
+        help="on: torch's flash varlen kernel for packed LM rows and the ViT (one call per layer, what the stages "
+        "run on CUDA); off: per-sample / per-window SDPA loops",
+    )
+    parser.add_argument(
+        "--check-varlen", action="store_true", help="first compare one step's loss and gradients, varlen off vs on"
+    )
+    parser.add_argument(
+        "--profile", default=None, help="write torch.profiler's top ops of the last warm-up step (untimed) here"
+    )
     parser.add_argument("--freeze-vision", action="store_true", help="train the LM (and nothing of the ViT)")
     parser.add_argument("--optim", default="adamw", choices=("adamw", "adamw-fused", "adamw8bit"))
     parser.add_argument("--lr", type=float, default=1e-5)
@@ -339,12 +381,26 @@ def main(argv: list[str] | None = None) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    agreement = None
+    if args.check_varlen:
+        from components._shared.model.attention import use_varlen
+
+        agreement = varlen_agreement(model, to_device(batches[0][0], device, dtype), args.loss_chunk)
+        use_varlen(args.varlen == "on")
+        print(json.dumps({"varlen_agreement": agreement}))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
+    profiler = None
     for i, (batch, _) in enumerate(batches):
         batch = to_device(batch, device, dtype)
         sync()
+        if args.profile and i == max(warmup - 1, 0):
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            profiler = torch.profiler.profile(activities=activities)
+            profiler.__enter__()
         t0 = time.perf_counter()
         try:
             optimizer.zero_grad(set_to_none=True)
@@ -369,6 +425,14 @@ def main(argv: list[str] | None = None) -> dict:
         if i >= warmup:
             times.append(time.perf_counter() - t0)
             losses.append(float(loss.detach()))
+        if profiler is not None and i == max(warmup - 1, 0):
+            profiler.__exit__(None, None, None)
+            key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+            averages = profiler.key_averages()
+            table = averages.table(sort_by=key, row_limit=25, max_name_column_width=60)
+            cpu_table = averages.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60)
+            Path(args.profile).write_text(f"{table}\n\nby CPU time:\n{cpu_table}\n")
+            profiler = None
 
     timed = [samples for _, samples in batches[warmup:]]
     flops = [flops_per_step(model, s, vision_trains=not args.freeze_vision) for s in timed]
@@ -395,6 +459,8 @@ def main(argv: list[str] | None = None) -> dict:
         "device": device_name,
         "dtype": str(dtype).removeprefix("torch."),
         "attn": args.attn if not args.tiny else "sdpa_packed",
+        "varlen": args.varlen if not args.tiny else "off (CPU)",
+        "varlen_agreement": agreement,
         "optim": args.optim,
         "grad_ckpt": args.grad_ckpt,
         "loss_chunk": args.loss_chunk,

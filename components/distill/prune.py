@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from components._shared.model.attention import enable_vision_varlen
 from components._shared.model.attention import register as packed_attention
 from components._shared.model.families import family_for
 from components._shared.model.packing import forward_logits, to_device
@@ -388,6 +389,7 @@ def prune(teacher, plan: PrunePlan):
     student = AutoModelForImageTextToText.from_config(  # fp32, on the CPU; copy_ casts and moves
         plan.config, attn_implementation=packed_attention()
     )
+    enable_vision_varlen(student)
     teacher_config = qwen_model(teacher).config
     weights = teacher.state_dict()
     for name, param in student.state_dict().items():

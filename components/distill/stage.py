@@ -33,7 +33,7 @@ from components._shared.eval import evaluation as E
 from components._shared.eval import readers
 from components._shared.eval import tasks as T
 from components._shared.model import checkpoint as ckpt
-from components._shared.model.attention import PACKED_SDPA
+from components._shared.model.attention import PACKED_SDPA, enable_vision_varlen
 from components._shared.model.device import resolve_device
 from components._shared.model.head_loss import output_head
 from components._shared.model.packing import (
@@ -341,6 +341,7 @@ def _plain_student(cfg: DistillConfig, config, teacher, pairs: list[tuple[int, i
     from transformers import AutoModelForImageTextToText
 
     student = AutoModelForImageTextToText.from_config(config, attn_implementation=PACKED_SDPA)
+    enable_vision_varlen(student)
     if cfg.loss.hidden:
         attach_projections(student, teacher, pairs, None)
     return student
@@ -351,8 +352,9 @@ def _for_export(cfg: DistillConfig, student, teacher):
     if hasattr(student, "distill_projections"):
         del student.distill_projections
     if cfg.loss.attention:
-        student.set_attn_implementation(PACKED_SDPA)
-        teacher.set_attn_implementation(PACKED_SDPA)
+        for model in (student, teacher):
+            model.set_attn_implementation(PACKED_SDPA)
+            enable_vision_varlen(model)
     student.eval()
     return student
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from components._shared.model.attention import PACKED_SDPA
+from components._shared.model.attention import PACKED_SDPA, enable_vision_varlen
 from components._shared.model.families import family_for
 from components._shared.model.vlm import build_student as random_student
 from components._shared.model.vlm import load_vlm, qwen_model
@@ -57,6 +57,7 @@ def build_student(cfg: DistillConfig, teacher, processor, calibration) -> tuple[
     if s.init == "prune":
         return prune(teacher, plan), plan
     student = AutoModelForImageTextToText.from_config(plan.config, attn_implementation=PACKED_SDPA)  # random weights
+    enable_vision_varlen(student)
     student.generation_config = teacher.generation_config
     return student, None
 

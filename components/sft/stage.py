@@ -92,6 +92,7 @@ def _load_4bit(cfg: SftConfig, base_model: str):
     """
     from transformers import AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
 
+    from components._shared.model.attention import enable_vision_varlen
     from components._shared.model.attention import register as packed_attention
     from components._shared.model.sources import resolve_model
 
@@ -113,6 +114,7 @@ def _load_4bit(cfg: SftConfig, base_model: str):
         output_loading_info=True,
     )
     check_complete(base_model, loading)
+    enable_vision_varlen(model)
     for module in model.modules():
         # bitsandbytes repacks 4-bit weights in place for CPU inference (eval mode, no grad) and training on a
         # repacked weight then fails; held-out evals run between training steps, so keep the trainable layout.

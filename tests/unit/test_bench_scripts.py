@@ -20,8 +20,9 @@ def _run(*args: str) -> str:
     return done.stdout
 
 
-def test_sft_mfu_tiny_prints_the_json_report():
-    out = _run("bench/gpu/sft_mfu.py", "--tiny", "--steps", "2")
+def test_sft_mfu_tiny_prints_the_json_report(tmp_path):
+    profile = tmp_path / "profile.txt"
+    out = _run("bench/gpu/sft_mfu.py", "--tiny", "--steps", "2", "--check-varlen", "--profile", str(profile))
     report = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     for key in (
         "tokens_per_s",
@@ -38,6 +39,9 @@ def test_sft_mfu_tiny_prints_the_json_report():
         assert key in report, key
     assert report["timed_steps"] == 2 and len(report["step_time_s_all"]) == 2
     assert report["mfu_meaningful"] is False and "not meaningful" in report["note"]
+    agreement = report["varlen_agreement"]  # the CPU runs the SDPA loops with the switch on or off: equal
+    assert agreement["loss_rel_diff"] == 0 and agreement["grad_norms_rel_diff"] == 0 and agreement["loss_on"] > 0
+    assert "aten::mm" in profile.read_text()  # torch.profiler's table of the untimed warm-up step
     assert report["tokens_per_s"] > 0 and 0 < report["mfu"]
     assert 0 < report["tokens_per_step"] <= report["budget"]
     assert abs(sum(report["flops_split"].values()) - 1.0) < 1e-9
@@ -133,12 +137,17 @@ def test_gpu_run_all_tiny_writes_one_json_per_check(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     reports = {
-        name: json.loads((tmp_path / f"{name}.json").read_text()) for name in ("sft_mfu", "rl_step", "dali_decode")
+        name: json.loads((tmp_path / f"{name}.json").read_text())
+        for name in ("sft_mfu", "sft_mfu_loops", "rl_step", "dali_decode")
     }
     assert reports["sft_mfu"]["loss_chunk"] == 1024 and reports["sft_mfu"]["tokens_per_s"] > 0
+    assert reports["sft_mfu_loops"]["tokens_per_s"] > 0
+    # the CPU runs the loops either way: the same losses with the varlen switch on and off
+    assert reports["sft_mfu_loops"]["loss_first_last"] == reports["sft_mfu"]["loss_first_last"]
     assert set(reports["rl_step"]["split_seconds"]) == {"generation", "scoring", "update"}
     dali = reports["dali_decode"]
     assert dali["meaningful"] is False and dali["dali_images_per_s"] > 0 and dali["images"] == 16
+    assert dali["dali_error"] is None and dali["torchvision_nvjpeg_images_per_s"] is None  # nvJPEG arm: GPU only
     assert dali["resolutions"] == ["448x448", "640x480", "1024x768", "1280x720"]
     assert all("ok in" in line for line in done.stdout.splitlines() if line.startswith("   "))
 

@@ -9,18 +9,116 @@ call (padded batches, generation with the KV cache, the ViT's per-image calls) g
 unchanged. Registered under its own name in transformers' `AttentionInterface` and `AttentionMaskInterface`, so
 nothing global is overridden; checkpoints still save and load as ordinary `sdpa` models.
 
+On CUDA in bf16/fp16 both loops become one kernel per layer: torch's own flash-attention varlen kernel
+(`torch.nn.attention.varlen.varlen_attn`, no `flash-attn` build needed). A packed LM row's sample bounds are
+found once per forward (cached on the position tensor every layer receives), not once per layer. The ViT's
+per-image / per-window loop is transformers' own, taken whenever the vision config's implementation is not a
+"flash" one; `enable_vision_varlen(model)` gives the ViT's modules a config named `VISION_VARLEN`, which makes
+transformers pass the ViT's `cu_seqlens` in one call, which runs the varlen kernel on CUDA and transformers'
+per-segment SDPA loop elsewhere (the same numbers as before on the CPU). Why: on an H200 the loops left SFT at 5-9%
+MFU (docs/benchmarks.md, GPU checks); the varlen path has not run on a GPU yet (its plumbing is tested against a
+CPU reference of the kernel, tests/unit/test_attention.py). `QVL_ATTN_VARLEN=0` switches it off.
+
     register()                                   # idempotent; load_vlm does it
     model.set_attn_implementation(PACKED_SDPA)
+    enable_vision_varlen(model)                  # the ViT in one varlen call per block
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import inspect
 import itertools
+import os
 
 import torch
 import torch.nn.functional as F
 
 PACKED_SDPA = "sdpa_packed"
+VISION_VARLEN = "sdpa_packed_vision_flash_varlen"  # "flash" in the name: transformers' one-call varlen ViT branch
+_VARLEN = {"enabled": os.environ.get("QVL_ATTN_VARLEN", "1") != "0"}  # QVL_ATTN_VARLEN=0: the SDPA loops
+_SEGMENT_CACHE: dict[str, object] = {}
+
+
+def use_varlen(enabled: bool) -> None:
+    """Turn the CUDA varlen kernel on or off (on by default); off = the per-sample SDPA loops everywhere. For
+    benchmarks that compare the two in one process."""
+    _VARLEN["enabled"] = enabled
+
+
+@functools.cache
+def _torch_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
+@functools.cache
+def _flash_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)  # flash attention: Ampere and later
+
+
+def varlen_applies(query: torch.Tensor, dropout: float) -> bool:
+    """True where the flash varlen kernel runs: CUDA (Ampere or later), bf16/fp16, head dim <= 256, no dropout,
+    torch >= 2.10, not switched off (`QVL_ATTN_VARLEN=0` or `use_varlen(False)`)."""
+    return (
+        _VARLEN["enabled"]
+        and query.is_cuda
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] <= 256
+        and not dropout
+        and _torch_varlen() is not None
+        and _flash_capable(query.device.index or 0)
+    )
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    *,
+    causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """Attention within each segment of (tokens, heads, head_dim) tensors, segments given by `cu_seqlens`, by torch's
+    flash varlen kernel. Handles its two APIs (torch 2.10: `is_causal`; later: `window_size`) and GQA."""
+    fn = _torch_varlen()
+    params = inspect.signature(fn).parameters
+    extra: dict[str, object] = {}
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if "window_size" in params:
+        extra["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        extra["is_causal"] = causal
+    cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    return fn(query, key, value, cu, cu, max_len, max_len, scale=scale, **extra)
+
+
+def _packed_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens, longest sample) of a packed row, computed once per forward: every layer gets the same position
+    tensor, so the one host sync (the sample count and the longest sample) is paid once, not per layer."""
+    cached = _SEGMENT_CACHE.get("key")
+    if cached is not None and cached[0] is position_ids and cached[1] == position_ids._version:
+        return _SEGMENT_CACHE["value"]  # type: ignore[return-value]
+    positions = position_ids.reshape(-1)
+    starts = torch.nonzero(positions[1:] != positions[:-1] + 1).reshape(-1) + 1
+    edge = torch.tensor([0], device=positions.device)
+    end = torch.tensor([positions.numel()], device=positions.device)
+    cu = torch.cat([edge, starts, end]).to(torch.int32)
+    value = (cu, int((cu[1:] - cu[:-1]).max()))
+    _SEGMENT_CACHE["key"], _SEGMENT_CACHE["value"] = (position_ids, position_ids._version), value
+    return value
 
 
 def segment_lengths(position_ids: torch.Tensor) -> list[int] | None:
@@ -58,6 +156,18 @@ def packed_sdpa_forward(
         and is_causal is not False
         and getattr(module, "is_causal", True)
     )
+    if packed and varlen_applies(query, dropout):
+        cu, longest = _packed_bounds(position_ids)
+        out = varlen_attention(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            cu,
+            longest,
+            causal=True,
+            scale=scaling,
+        )
+        return out.unsqueeze(0), None
     lengths = segment_lengths(position_ids) if packed else None
     if lengths is None:
         return sdpa_attention_forward(
@@ -71,6 +181,73 @@ def packed_sdpa_forward(
         )
     ]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def vision_varlen_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+):
+    """The ViT's attention over all images / windows of a forward in one call (`VISION_VARLEN`): the varlen kernel
+    on CUDA, else transformers' own loop (sdpa per segment), so CPU numbers do not change. (B, L, heads, dim)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    for name in ("cu_seq_lens_k", "max_length_k"):
+        kwargs.pop(name, None)
+    if cu_seq_lens_q is None or attention_mask is not None or query.shape[0] != 1:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    if varlen_applies(query, dropout):
+        longest = int(max_length_q) if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
+        out = varlen_attention(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            cu_seq_lens_q,
+            longest,
+            causal=False,
+            scale=scaling,
+        )
+        return out.unsqueeze(0), None
+    lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
+    outputs = [
+        sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=False, **kwargs)[0]
+        for q, k, v in zip(
+            query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2), strict=True
+        )
+    ]
+    return torch.cat(outputs, dim=1), None
+
+
+def enable_vision_varlen(model: torch.nn.Module) -> bool:
+    """Run the model's ViT under `VISION_VARLEN` when it runs `PACKED_SDPA`; True when it does (now or before).
+
+    The ViT's modules get their own copy of the vision config carrying the name; `model.config` keeps
+    `PACKED_SDPA`, so a model built from it, a saved checkpoint or `set_attn_implementation` never meets the "flash"
+    name (transformers would look for a flash-attn build behind it)."""
+    register()
+    visual = next((m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "visual"), None)
+    shared = getattr(visual, "config", None)
+    current = getattr(shared, "_attn_implementation", None)
+    if current == VISION_VARLEN:
+        return True
+    if current != PACKED_SDPA:
+        return False
+    own = copy.deepcopy(shared)
+    own._attn_implementation = VISION_VARLEN
+    for module in visual.modules():
+        if getattr(module, "config", None) is shared:
+            module.config = own
+    return True
 
 
 def packed_sdpa_mask(
@@ -107,4 +284,6 @@ def register() -> str:
 
     AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
     AttentionMaskInterface.register(PACKED_SDPA, packed_sdpa_mask)
+    AttentionInterface.register(VISION_VARLEN, vision_varlen_forward)
+    AttentionMaskInterface.register(VISION_VARLEN, packed_sdpa_mask)
     return PACKED_SDPA

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from components._shared.model.attention import enable_vision_varlen
 from components._shared.model.attention import register as packed_attention
 from components._shared.model.families import family_for
 from components._shared.model.sources import resolve_model, validate_model_dir
@@ -25,7 +26,8 @@ _LM_LAYER = re.compile(r"(?:^|\.)language_model\.layers\.(\d+)\.")
 
 def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """(model, processor) for a model URI (dir, s3://, builtin:NAME); safetensors only, no remote code. Attention
-    runs per packed sample (`attention.PACKED_SDPA`), plain sdpa otherwise."""
+    runs per packed sample (`attention.PACKED_SDPA`), plain sdpa otherwise; the ViT attends over all its images in
+    one call per block (`attention.enable_vision_varlen`: one kernel on CUDA, the same loop as before elsewhere)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     path = resolve_model(str(uri))
@@ -43,6 +45,7 @@ def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str
         output_loading_info=True,
     )
     check_complete(uri, loading)
+    enable_vision_varlen(model)
     model = model.to(device)
     model.qvl_checkpoint_dtype = checkpoint_dtype(path)  # what save_vlm exports in (training may run in fp32)
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=False)
@@ -209,9 +212,11 @@ def build_student(teacher_config, **sizes):
     """A randomly initialised student model (see `student_config`), same class as the teacher's."""
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_config(
+    student = AutoModelForImageTextToText.from_config(
         student_config(teacher_config, **sizes), attn_implementation=packed_attention()
     )
+    enable_vision_varlen(student)
+    return student
 
 
 def count_parameters(model, *, trainable_only: bool = False) -> int:
