@@ -38,7 +38,7 @@ import torch.nn.functional as F
 PACKED_SDPA = "sdpa_packed"
 VISION_VARLEN = "sdpa_packed_vision_flash_varlen"  # "flash" in the name: transformers' one-call varlen ViT branch
 _VARLEN = {"enabled": os.environ.get("QVL_ATTN_VARLEN", "1") != "0"}  # QVL_ATTN_VARLEN=0: the SDPA loops
-_SEGMENT_CACHE: dict[str, object] = {}
+_LAST_BOUNDS: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []  # (positions, version, cu_seqlens, longest)
 
 
 def use_varlen(enabled: bool) -> None:
@@ -108,17 +108,17 @@ def varlen_attention(
 def _packed_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(cu_seqlens, longest sample) of a packed row, computed once per forward: every layer gets the same position
     tensor, so the one host sync (the sample count and the longest sample) is paid once, not per layer."""
-    cached = _SEGMENT_CACHE.get("key")
-    if cached is not None and cached[0] is position_ids and cached[1] == position_ids._version:
-        return _SEGMENT_CACHE["value"]  # type: ignore[return-value]
+    for positions, version, cu, longest in _LAST_BOUNDS:
+        if positions is position_ids and version == position_ids._version:
+            return cu, longest
     positions = position_ids.reshape(-1)
     starts = torch.nonzero(positions[1:] != positions[:-1] + 1).reshape(-1) + 1
     edge = torch.tensor([0], device=positions.device)
     end = torch.tensor([positions.numel()], device=positions.device)
     cu = torch.cat([edge, starts, end]).to(torch.int32)
-    value = (cu, int((cu[1:] - cu[:-1]).max()))
-    _SEGMENT_CACHE["key"], _SEGMENT_CACHE["value"] = (position_ids, position_ids._version), value
-    return value
+    longest = int((cu[1:] - cu[:-1]).max())
+    _LAST_BOUNDS[:] = [(position_ids, position_ids._version, cu, longest)]
+    return cu, longest
 
 
 def segment_lengths(position_ids: torch.Tensor) -> list[int] | None:
@@ -237,6 +237,8 @@ def enable_vision_varlen(model: torch.nn.Module) -> bool:
     register()
     visual = next((m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "visual"), None)
     shared = getattr(visual, "config", None)
+    if visual is None or shared is None:
+        return False
     current = getattr(shared, "_attn_implementation", None)
     if current == VISION_VARLEN:
         return True
