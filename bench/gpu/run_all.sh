@@ -5,11 +5,13 @@
 #   bash bench/gpu/run_all.sh OUT_DIR --tiny       # CPU smoke run of the same scripts (tests/unit/test_bench_scripts.py)
 #
 #   sft_mfu.json      SFT MFU at Qwen2.5-VL-7B's shape: packed 4,096-token rows, bf16, the chunked LM-head loss,
-#                     gradient checkpointing, the varlen attention kernel (bench/gpu/sft_mfu.py), with one step's
+#                     gradient checkpointing, the varlen attention kernel, rows packed ahead by one data worker
+#                     (the stages' step_inputs, pinned memory) (bench/gpu/sft_mfu.py), with one step's
 #                     loss / gradients compared against the SDPA loops first (--check-varlen)
 #   sft_mfu_loops.json  the same with --varlen off: per-sample / per-window SDPA loops (the ratio of the two)
 #   rl_step.json      one RL step's time split: rollout / scoring / update, rollout tokens/s (bench/gpu/rl_step.py)
-#   dali_decode.json  DALI nvJPEG decode + smart_resize images/s against the CPU path (bench/gpu/dali_decode.py)
+#   dali_decode.json  DALI nvJPEG decode + smart_resize images/s, and torchvision's nvJPEG, against the CPU path
+#                     (bench/gpu/dali_decode.py; DALI reported as missing where its wheel is not installed)
 #
 # A check that fails writes its log beside the JSON files and the others still run; the exit status is the
 # number of failed checks. Each check's stdout/stderr is in OUT_DIR/<check>.log. Environment: PYTHON (default
@@ -23,7 +25,7 @@ PYTHON=${PYTHON:-python3}
 CHECK_TIMEOUT_S=${CHECK_TIMEOUT_S:-600}
 mkdir -p "$OUT"
 if [[ "$MODE" == "--tiny" ]]; then
-  SFT=(--tiny --steps 2)
+  SFT=(--tiny --steps 2 --data-workers 1)
   SFT_LOOPS=(--tiny --steps 2 --varlen off)
   RL=(--tiny --steps 1 --prompts 2 --samples 2 --max-new-tokens 4)
   DALI=(--tiny)

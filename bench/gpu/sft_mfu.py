@@ -14,9 +14,11 @@ no fp32 master copy: ~66 GB for 8.3B parameters with torch AdamW), built directl
 Data: synthetic SFT samples built without a tokenizer (`packing.Sample`: random text ids below the special tokens,
 <|vision_start|> + image pads + <|vision_end|>, labels on the answer only, M-RoPE positions from the model's own
 `get_rope_index`, random pixel values of a random image size), packed first-fit-decreasing
-(`plan_micro_batches`, at most `--budget` tokens) into one `pack` row per optimizer step; loss = the stages'
-`sequence_loss` (the LM head in `--loss-chunk` rows, never the whole logits) / target tokens. `--warmup` steps are
-untimed; each timed step is synchronised and the median step time counts.
+(`plan_micro_batches`, at most `--budget` tokens) into one row per optimizer step; each step's row is packed
+(`pack`) by the stages' input pipeline (`step_inputs`: `--data-workers` processes ahead of the step, pinned memory
+on CUDA, a non-blocking copy), and the step's time includes waiting for it (`data_wait_share` in the JSON). Loss =
+the stages' `sequence_loss` (the LM head in `--loss-chunk` rows, never the whole logits) / target tokens.
+`--warmup` steps are untimed; each timed step is synchronised and the median step time counts.
 
 MFU = model FLOPs per step / median step time / peak FLOP/s (`--peak-tflops`; default 989 = H200 bf16 dense).
 Model FLOPs per step (PaLM convention: attention counted non-causal, recomputation by --grad-ckpt not counted):
@@ -64,6 +66,7 @@ from components._shared.model.packing import (
     pack,
     plan_micro_batches,
 )
+from components._shared.model.step_inputs import step_inputs
 from components._shared.model.vlm import qwen_model
 
 H200_BF16_DENSE_TFLOPS = 989.0
@@ -223,8 +226,9 @@ def synthetic_sample(model, rng: np.random.Generator, profile: Profile, index: i
     )
 
 
-def step_batches(model, profile: Profile, budget: int, steps: int, seed: int) -> list[tuple[dict, list[Sample]]]:
-    """`steps` packed micro-batches, fullest first: FFD over a sample pool grown until `steps` bins are >= 90% full."""
+def step_groups(model, profile: Profile, budget: int, steps: int, seed: int) -> list[list[Sample]]:
+    """The samples of `steps` packed micro-batches, fullest first: FFD over a sample pool grown until `steps` bins
+    are >= 90% full."""
     rng = np.random.default_rng([seed, 31])
     samples: list[Sample] = []
     while True:
@@ -233,7 +237,18 @@ def step_batches(model, profile: Profile, budget: int, steps: int, seed: int) ->
         groups.sort(key=lambda g: -sum(samples[i].num_tokens for i in g))
         full = [g for g in groups if sum(samples[i].num_tokens for i in g) >= 0.9 * budget]
         if len(full) >= steps or (len(groups) >= steps and len(samples) > 64 * steps):
-            return [(pack([samples[i] for i in g]), [samples[i] for i in g]) for g in groups[:steps]]
+            return [[samples[i] for i in g] for g in groups[:steps]]
+
+
+@dataclass
+class PackedStep:
+    """One step's packed row, as a data worker hands it over (pinned on CUDA by the DataLoader's pin thread)."""
+
+    batch: dict
+
+    def pin_memory(self) -> PackedStep:
+        self.batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in self.batch.items()}
+        return self
 
 
 def flops_per_step(model, samples: list[Sample], *, vision_trains: bool) -> dict[str, float]:
@@ -347,6 +362,12 @@ def main(argv: list[str] | None = None) -> dict:
         "bf16; with --tiny a nominal CPU figure)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (--tiny)")
+    parser.add_argument(
+        "--data-workers",
+        type=int,
+        default=None,
+        help="processes packing the next steps' rows (train.data_workers; default 1 on a GPU, 0 with --tiny)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args(argv)
@@ -374,7 +395,8 @@ def main(argv: list[str] | None = None) -> dict:
         qwen_model(model).visual.requires_grad_(False)
     model.train()
     build_s = time.perf_counter() - started
-    batches = step_batches(model, profile, budget, warmup + steps, args.seed)
+    groups = step_groups(model, profile, budget, warmup + steps, args.seed)
+    workers = args.data_workers if args.data_workers is not None else (0 if args.tiny else 1)
     optimizer = make_optimizer(args.optim, [p for p in model.parameters() if p.requires_grad], args.lr)
 
     def sync() -> None:
@@ -385,16 +407,24 @@ def main(argv: list[str] | None = None) -> dict:
     if args.check_varlen:
         from components._shared.model.attention import use_varlen
 
-        agreement = varlen_agreement(model, to_device(batches[0][0], device, dtype), args.loss_chunk)
+        agreement = varlen_agreement(model, to_device(pack(groups[0]), device, dtype), args.loss_chunk)
         use_varlen(args.varlen == "on")
         print(json.dumps({"varlen_agreement": agreement}))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
+    times, waits, losses = [], [], []
     profiler = None
-    for i, (batch, _) in enumerate(batches):
-        batch = to_device(batch, device, dtype)
-        sync()
+    # The stages' input pipeline (step_inputs): each step's row packed by data workers ahead of the step, pinned
+    # on CUDA, copied without blocking; the step's time includes waiting for it.
+    inputs = step_inputs(
+        list(range(len(groups))),
+        lambda k: PackedStep(pack(groups[k])),
+        workers=workers,
+        depth=2,
+        pin=device.type == "cuda",
+    )
+    sync()
+    for i in range(len(groups)):
         if args.profile and i == max(warmup - 1, 0):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
@@ -402,6 +432,8 @@ def main(argv: list[str] | None = None) -> dict:
             profiler = torch.profiler.profile(activities=activities)
             profiler.__enter__()
         t0 = time.perf_counter()
+        batch = to_device(next(inputs).batch, device, dtype)
+        waited = time.perf_counter() - t0
         try:
             optimizer.zero_grad(set_to_none=True)
             loss_sum, n_targets = sequence_loss(model, batch, chunk_rows=args.loss_chunk)
@@ -424,6 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(3) from None
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            waits.append(waited)
             losses.append(float(loss.detach()))
         if profiler is not None and i == max(warmup - 1, 0):
             profiler.__exit__(None, None, None)
@@ -434,7 +467,8 @@ def main(argv: list[str] | None = None) -> dict:
             Path(args.profile).write_text(f"{table}\n\nby CPU time:\n{cpu_table}\n")
             profiler = None
 
-    timed = [samples for _, samples in batches[warmup:]]
+    inputs.close()
+    timed = groups[warmup:]
     flops = [flops_per_step(model, s, vision_trains=not args.freeze_vision) for s in timed]
     step_s = statistics.median(times)
     mean_flops = statistics.mean(f["total"] for f in flops)
@@ -476,6 +510,9 @@ def main(argv: list[str] | None = None) -> dict:
         "patches_per_step": statistics.mean(f["patches"] for f in flops),
         "step_time_s": step_s,
         "step_time_s_all": times,
+        "data_workers": workers,
+        "data_wait_s_median": statistics.median(waits),
+        "data_wait_share": sum(waits) / sum(times),
         "tokens_per_s": sum(f["tokens"] for f in flops) / sum(times),
         "model_flops_per_step": mean_flops,
         "flops_split": {

@@ -142,8 +142,10 @@ def test_gpu_run_all_tiny_writes_one_json_per_check(tmp_path):
     }
     assert reports["sft_mfu"]["loss_chunk"] == 1024 and reports["sft_mfu"]["tokens_per_s"] > 0
     assert reports["sft_mfu_loops"]["tokens_per_s"] > 0
-    # the CPU runs the loops either way: the same losses with the varlen switch on and off
+    # the CPU runs the SDPA loops either way, and rows packed by a data worker are the same rows: equal losses
+    assert reports["sft_mfu"]["data_workers"] == 1 and reports["sft_mfu_loops"]["data_workers"] == 0
     assert reports["sft_mfu_loops"]["loss_first_last"] == reports["sft_mfu"]["loss_first_last"]
+    assert 0 <= reports["sft_mfu"]["data_wait_share"] < 1
     assert set(reports["rl_step"]["split_seconds"]) == {"generation", "scoring", "update"}
     dali = reports["dali_decode"]
     assert dali["meaningful"] is False and dali["dali_images_per_s"] > 0 and dali["images"] == 16
