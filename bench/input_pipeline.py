@@ -3,6 +3,7 @@ workers, on a real-resolution image mix with Qwen's real processor settings, on 
 
     python bench/input_pipeline.py [--steps 12] [--samples-per-step 4] [--workers 0,1,2] [--threads 1]
                                    [--model builtin:tiny-qwen2_5-vl] [--json]
+    python bench/input_pipeline.py --stage rl [--steps 12] [--samples-per-step 4] [--workers 0,1]
 
 Data: photo-like JPEGs at 448x448, 640x480, 1024x768 and 1280x720 (bench/decode_throughput.py's recipe), each with
 a question and a sentence-long answer; a sample = decode (Pillow) + the model's processor at Qwen2.5-VL's
@@ -13,6 +14,12 @@ per `--workers` value (`train.data_workers`; 0 = the synchronous baseline), each
 this process one after the other. Per arm: the summed `time/data_wait_s` over the summed `time/step_s` of the timed
 steps (the first step, which also starts the workers, is untimed), the median step time, and whether the final
 weights equal the baseline's bit for bit. Goal printed beside the numbers: wait <= 5% of step time with prefetch.
+
+`--stage rl`: the rl stage's own loop (`RlTrainer.run`, PPO, 2 samples per prompt, efficacy + format rewards, the
+tiny model) on a synthetic world rendered at 1024x768 (1,000 visual tokens per prompt at Qwen2.5-VL's min/max
+pixels), `--samples-per-step` prompts per step. What a data worker builds ahead there is each step's prompts:
+image decode, grounding frame, processor and chat template (rollouts, scoring and the update need the current
+model and stay in the step). Step time = the wait + generation + scoring + update.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from components._shared.model.packing import ConversationEncoder  # noqa: E402
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig  # noqa: E402
 from components._shared.model.training import Phase, TrainLoop  # noqa: E402
 from components._shared.model.vlm import load_vlm  # noqa: E402
+
+RL_IMAGE = (1024, 768)
 
 SIZES = [(448, 448), (640, 480), (1024, 768), (1280, 720)]
 MIN_PIXELS, MAX_PIXELS = 3136, 12845056  # Qwen2.5-VL-Instruct's preprocessor_config.json
@@ -85,9 +94,53 @@ def run_arm(model, encoder, jpegs: list[bytes], workers: int, args, out: Path) -
     }
 
 
+def run_rl_arm(workers: int, args, out: Path) -> dict:
+    """The rl stage's loop with `train.data_workers = workers`, from the same initial weights and seed per arm."""
+    from bench.gpu.rl_step import build_trainer
+
+    setup = argparse.Namespace(
+        model=args.model,
+        tiny=True,
+        algorithm="ppo",
+        prompts=args.samples_per_step,
+        samples=2,
+        max_new_tokens=args.rl_new_tokens,
+        pixels=None,
+        threads=args.threads,
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    trainer, _, policy = build_trainer(
+        setup,
+        torch.device("cpu"),
+        out / "world",
+        out / "checkpoints",
+        steps=args.steps,
+        data_workers=workers,
+        image_size=RL_IMAGE,
+        min_pixels=MIN_PIXELS,
+        max_pixels=MAX_PIXELS,
+    )
+    torch.manual_seed(1)
+    trainer.run(None)
+    timed = trainer.loop.history[1:]
+    steps = [h["time/data_wait_s"] + h["time/generation"] + h["time/scoring"] + h["time/update"] for h in timed]
+    wait = [h["time/data_wait_s"] for h in timed]
+    return {
+        "workers": workers,
+        "wait_share": sum(wait) / sum(steps),
+        "step_s_median": statistics.median(steps),
+        "wait_s_median": statistics.median(wait),
+        "_weights": {n: p.detach().clone() for n, p in policy.named_parameters()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stage", choices=("sft", "rl"), default="sft", help="the training loop measured")
     parser.add_argument("--model", default="builtin:tiny-qwen2_5-vl")
+    parser.add_argument("--rl-new-tokens", type=int, default=16, help="max_new_tokens of the RL rollouts")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--samples-per-step", type=int, default=4)
     parser.add_argument("--budget", type=int, default=8192, help="tokens per packed micro-batch")
@@ -95,14 +148,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the training process")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    initial, processor = load_vlm(args.model)
-    encoder = ConversationEncoder(processor, initial, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    jpegs = make_jpegs(args.steps * args.samples_per_step, sizes=SIZES)
     arms = []
     with tempfile.TemporaryDirectory(prefix="qvl-input-bench-") as tmp:
-        for workers in (int(w) for w in args.workers.split(",")):
-            arms.append(run_arm(copy.deepcopy(initial), encoder, jpegs, workers, args, Path(tmp) / f"w{workers}"))
+        if args.stage == "rl":
+            for workers in (int(w) for w in args.workers.split(",")):
+                arms.append(run_rl_arm(workers, args, Path(tmp) / f"w{workers}"))
+        else:
+            torch.manual_seed(0)
+            initial, processor = load_vlm(args.model)
+            encoder = ConversationEncoder(processor, initial, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+            jpegs = make_jpegs(args.steps * args.samples_per_step, sizes=SIZES)
+            for workers in (int(w) for w in args.workers.split(",")):
+                arms.append(run_arm(copy.deepcopy(initial), encoder, jpegs, workers, args, Path(tmp) / f"w{workers}"))
     baseline = arms[0]
     for arm in arms:
         same = arm["_weights"].keys() == baseline["_weights"].keys() and all(
@@ -112,8 +169,9 @@ def main() -> None:
         arm["step_time_ratio"] = arm["step_s_median"] / baseline["step_s_median"]
     for arm in arms:
         del arm["_weights"]
+    images = f"{RL_IMAGE[0]}x{RL_IMAGE[1]}" if args.stage == "rl" else ", ".join(f"{w}x{h}" for w, h in SIZES)
     print(
-        f"{args.steps - 1} timed steps x {args.samples_per_step} samples ({', '.join(f'{w}x{h}' for w, h in SIZES)}; "
+        f"{args.stage}: {args.steps - 1} timed steps x {args.samples_per_step} samples ({images}; "
         f"min/max_pixels {MIN_PIXELS}/{MAX_PIXELS}), {args.threads} training thread(s), model {args.model}"
     )
     print(f"{'data_workers':>12} {'wait share':>10} {'step s':>7} {'wait s':>7} {'step x':>7} {'identical':>9}")
@@ -125,7 +183,11 @@ def main() -> None:
         )
     print("goal: wait share <= 5% with prefetch (data_workers >= 1); the baseline (0) waits for every step's inputs")
     if args.json:
-        print(json.dumps({"arms": arms, "steps": args.steps, "samples_per_step": args.samples_per_step}))
+        print(
+            json.dumps(
+                {"stage": args.stage, "arms": arms, "steps": args.steps, "samples_per_step": args.samples_per_step}
+            )
+        )
 
 
 if __name__ == "__main__":

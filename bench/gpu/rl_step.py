@@ -60,6 +60,84 @@ def build_models(args, device: torch.device):
     return model.to(device), reference.requires_grad_(False), processor
 
 
+def build_trainer(
+    args,
+    device: torch.device,
+    data: Path,
+    checkpoints: Path,
+    *,
+    steps: int,
+    data_workers: int = 0,
+    image_size: tuple[int, int] = (112, 112),
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+):
+    """(the rl stage's RlTrainer, its prompts, its policy) on a synthetic world written to `data`: efficacy + format
+    rewards, no reward model, no evaluations; `args` carries model / algorithm / prompts / samples / max_new_tokens /
+    pixels / threads (bench/input_pipeline.py builds its RL arm with it too)."""
+    low, high = min_pixels or args.pixels, max_pixels or args.pixels
+    write_splits(
+        data,
+        seed=11,
+        eval_per_type=1,
+        sft_records=max(64, args.prompts * (steps + 1)),
+        preference_pairs=2,
+        image_size=image_size,
+    )
+    cfg = RlConfig.model_validate(
+        {
+            "algorithm": args.algorithm,
+            "min_pixels": low,
+            "max_pixels": high,
+            "rewards": {"efficacy": 1.0, "format": 0.2},
+            "rollout": {
+                "samples_per_prompt": max(args.samples, 2 if args.algorithm == "grpo" else 1),
+                "max_new_tokens": args.max_new_tokens,
+                "batch_size": 64,
+            },
+            "update": {"epochs": 2, "minibatches": 2},
+            "ppo": {"kl_stop": 1e9},
+            "gates": {"kl_max": 0, "length_ratio_min": 0, "length_ratio_max": 0},
+            "train": {
+                "steps": steps,
+                "samples_per_step": args.prompts,
+                "eval_every": 0,
+                "max_tokens_per_micro_batch": 16384 if device.type == "cuda" else 4096,
+                "device": device.type,
+                "threads": args.threads,
+                "data_workers": data_workers,
+                "log_every": steps,
+            },
+            "optim": {"lr": 1e-6},
+        }
+    )
+    model, reference, processor = build_models(args, device)
+    policy = Policy(model, value_head=args.algorithm == "ppo")
+    encoder = ConversationEncoder(processor, model, min_pixels=low, max_pixels=high)
+    prompts = load_prompts(data, cfg)
+    engine = RolloutEngine(
+        encoder,
+        max_new_tokens=args.max_new_tokens,
+        temperature=1.0,
+        batch_size=64,
+        max_tokens=cfg.train.max_tokens_per_micro_batch,
+        chunk_rows=cfg.train.loss_chunk_tokens,
+    )
+    rewards = build_rewards(dict(cfg.rewards), reward_model_uri=None, min_pixels=low, max_pixels=high, device=device)
+    trainer = RlTrainer(
+        policy,
+        reference,
+        cfg=cfg,
+        prompts=prompts,
+        image=lambda ref: readers.load_image(data, ref),
+        engine=engine,
+        rewards=rewards,
+        checkpoints=CheckpointStore(checkpoints),
+        tracker=NullTracker(),
+    )
+    return trainer, prompts, policy
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on builtin:tiny-qwen2_5-vl.")
@@ -87,64 +165,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="qvl-rl-bench-") as tmp:
         data = Path(tmp) / "world"
-        write_splits(
-            data,
-            seed=11,
-            eval_per_type=1,
-            sft_records=max(64, args.prompts * (args.steps + args.warmup + 1)),
-            preference_pairs=2,
+        trainer, prompts, policy = build_trainer(
+            args, device, data, Path(tmp) / "ckpt", steps=args.steps + args.warmup + 1
         )
-        cfg = RlConfig.model_validate(
-            {
-                "algorithm": args.algorithm,
-                "min_pixels": args.pixels,
-                "max_pixels": args.pixels,
-                "rewards": {"efficacy": 1.0, "format": 0.2},
-                "rollout": {
-                    "samples_per_prompt": max(args.samples, 2 if args.algorithm == "grpo" else 1),
-                    "max_new_tokens": args.max_new_tokens,
-                    "batch_size": 64,
-                },
-                "update": {"epochs": 2, "minibatches": 2},
-                "ppo": {"kl_stop": 1e9},
-                "gates": {"kl_max": 0, "length_ratio_min": 0, "length_ratio_max": 0},
-                "train": {
-                    "steps": args.steps + args.warmup + 1,
-                    "samples_per_step": args.prompts,
-                    "eval_every": 0,
-                    "max_tokens_per_micro_batch": 16384 if device.type == "cuda" else 4096,
-                    "device": device.type,
-                    "threads": args.threads,
-                },
-                "optim": {"lr": 1e-6},
-            }
-        )
-        model, reference, processor = build_models(args, device)
-        policy = Policy(model, value_head=args.algorithm == "ppo")
-        encoder = ConversationEncoder(processor, model, min_pixels=args.pixels, max_pixels=args.pixels)
-        prompts = load_prompts(data, cfg)
-        engine = RolloutEngine(
-            encoder,
-            max_new_tokens=args.max_new_tokens,
-            temperature=1.0,
-            batch_size=64,
-            max_tokens=cfg.train.max_tokens_per_micro_batch,
-            chunk_rows=cfg.train.loss_chunk_tokens,
-        )
-        rewards = build_rewards(
-            dict(cfg.rewards), reward_model_uri=None, min_pixels=args.pixels, max_pixels=args.pixels, device=device
-        )
-        trainer = RlTrainer(
-            policy,
-            reference,
-            cfg=cfg,
-            prompts=prompts,
-            image=lambda ref: readers.load_image(data, ref),
-            engine=engine,
-            rewards=rewards,
-            checkpoints=CheckpointStore(Path(tmp) / "ckpt"),
-            tracker=NullTracker(),
-        )
+        model, engine, cfg = policy.model, trainer.engine, trainer.cfg
         params = sum(p.numel() for p in model.parameters())
         steps = []
         for i in range(args.warmup + args.steps):

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -172,3 +174,18 @@ def test_logits_memory_bench_reports_the_chunked_head_lower():
     (row,) = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["rows"]
     assert row["plain_measured"] and row["loss_rel_diff"] < 1e-5
     assert row["peak_ratio"] > 2  # 1024 rows at once against 128: the plain arm holds far more
+
+
+@pytest.mark.slow
+def test_input_pipeline_rl_arm_reports_the_wait_and_equal_weights():
+    """The rl stage's loop with its prompts built in the step and by a data worker: same final weights."""
+    out = _run(
+        "bench/input_pipeline.py",
+        *("--stage", "rl", "--steps", "2", "--samples-per-step", "1", "--workers", "0,1", "--rl-new-tokens", "4"),
+        "--json",
+    )
+    report = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    assert report["stage"] == "rl" and [arm["workers"] for arm in report["arms"]] == [0, 1]
+    for arm in report["arms"]:
+        assert arm["bit_identical_to_baseline"] is True
+        assert 0 <= arm["wait_share"] < 1 and arm["step_s_median"] > 0
