@@ -72,11 +72,13 @@ def reference_kernel(monkeypatch):
     """Route the varlen path to the CPU reference: `attention._torch_varlen` returns it, the CUDA guard passes."""
     kernel = ReferenceVarlen()
     monkeypatch.setattr(attention, "_torch_varlen", kernel)
+    attention._varlen_parameters.cache_clear()
     monkeypatch.setattr(
         attention, "varlen_applies", lambda query, dropout: attention._VARLEN["enabled"] and not dropout
     )
     yield kernel
     attention.use_varlen(True)
+    attention._varlen_parameters.cache_clear()
 
 
 def _packed_batch(model, processor):
@@ -167,10 +169,12 @@ def test_varlen_attention_speaks_both_kernel_apis_and_gqa():
         kernel = ReferenceVarlen(api)
         original = attention._torch_varlen
         attention._torch_varlen = kernel
+        attention._varlen_parameters.cache_clear()
         try:
             out = attention.varlen_attention(q, k, v, cu, 5, causal=True, scale=None)
         finally:
             attention._torch_varlen = original
+            attention._varlen_parameters.cache_clear()
         assert kernel.calls == [{"causal": True, "segments": 2, "tokens": 9}]
         assert torch.allclose(out, expected, atol=1e-6), api  # torch 2.10's API has no GQA: KV heads repeated
 

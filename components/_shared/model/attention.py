@@ -57,6 +57,11 @@ def _torch_varlen():
 
 
 @functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    return frozenset(inspect.signature(_torch_varlen()).parameters)
+
+
+@functools.cache
 def _flash_capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)  # flash attention: Ampere and later
 
@@ -88,7 +93,7 @@ def varlen_attention(
     """Attention within each segment of (tokens, heads, head_dim) tensors, segments given by `cu_seqlens`, by torch's
     flash varlen kernel. Handles its two APIs (torch 2.10: `is_causal`; later: `window_size`) and GQA."""
     fn = _torch_varlen()
-    params = inspect.signature(fn).parameters
+    params = _varlen_parameters()
     extra: dict[str, object] = {}
     if key.shape[1] != query.shape[1]:
         if "enable_gqa" in params:
