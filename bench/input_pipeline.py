@@ -108,8 +108,6 @@ def run_rl_arm(workers: int, args, out: Path) -> dict:
         pixels=None,
         threads=args.threads,
     )
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     trainer, _, policy = build_trainer(
         setup,

@@ -110,6 +110,12 @@ def varlen_attention(
     return fn(query, key, value, cu, cu, max_len, max_len, scale=scale, **extra)
 
 
+def _varlen_row(query, key, value, cu_seqlens, max_len: int, *, causal: bool, scale: float | None) -> torch.Tensor:
+    """`varlen_attention` on one row in transformers' layout: (1, heads, L, dim) in, (1, L, heads, dim) out."""
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    return varlen_attention(q, k, v, cu_seqlens, max_len, causal=causal, scale=scale).unsqueeze(0)
+
+
 def _packed_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(cu_seqlens, longest sample) of a packed row, computed once per forward: every layer gets the same position
     tensor, so the one host sync (the sample count and the longest sample) is paid once, not per layer."""
@@ -163,16 +169,7 @@ def packed_sdpa_forward(
     )
     if packed and varlen_applies(query, dropout):
         cu, longest = _packed_bounds(position_ids)
-        out = varlen_attention(
-            query[0].transpose(0, 1),
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            cu,
-            longest,
-            causal=True,
-            scale=scaling,
-        )
-        return out.unsqueeze(0), None
+        return _varlen_row(query, key, value, cu, longest, causal=True, scale=scaling), None
     lengths = segment_lengths(position_ids) if packed else None
     if lengths is None:
         return sdpa_attention_forward(
@@ -213,16 +210,7 @@ def vision_varlen_forward(
         )
     if varlen_applies(query, dropout):
         longest = int(max_length_q) if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
-        out = varlen_attention(
-            query[0].transpose(0, 1),
-            key[0].transpose(0, 1),
-            value[0].transpose(0, 1),
-            cu_seq_lens_q,
-            longest,
-            causal=False,
-            scale=scaling,
-        )
-        return out.unsqueeze(0), None
+        return _varlen_row(query, key, value, cu_seq_lens_q, longest, causal=False, scale=scaling), None
     lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
     outputs = [
         sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=False, **kwargs)[0]
