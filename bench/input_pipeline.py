@@ -1,7 +1,7 @@
 """The share of training step time spent waiting for inputs: built in the step (synchronous) vs prefetched by data
 workers, on a real-resolution image mix with Qwen's real processor settings, on the CPU.
 
-    python bench/input_pipeline.py [--steps 12] [--samples-per-step 4] [--workers 0,1,2] [--threads 1]
+    python bench/input_pipeline.py [--steps 12] [--samples-per-step 4] [--workers 0,1,2,1:float32] [--threads 1]
                                    [--model builtin:tiny-qwen2_5-vl] [--json]
     python bench/input_pipeline.py --stage rl [--steps 12] [--samples-per-step 4] [--workers 0,1]
 
@@ -53,7 +53,10 @@ MIN_PIXELS, MAX_PIXELS = 3136, 12845056  # Qwen2.5-VL-Instruct's preprocessor_co
 ANSWER = "The picture shows a few coloured shapes over a smooth gradient, with a short white label near the corner."
 
 
-def run_arm(model, encoder, jpegs: list[bytes], workers: int, args, out: Path) -> dict:
+def run_arm(model, encoder, jpegs: list[bytes], workers: int, pixels: str, args, out: Path) -> dict:
+    """One training run with `workers` data workers; `pixels` "float32" gives the samples the processor's normalised
+    rows instead of the encoder's uint8 ones (the transfer through the workers' queue then carries 4x the bytes)."""
+
     def sample(i: int):
         image = Image.open(io.BytesIO(jpegs[i])).convert("RGB")
         turns = [
@@ -79,13 +82,20 @@ def run_arm(model, encoder, jpegs: list[bytes], workers: int, args, out: Path) -
         phases=[Phase("all", args.steps, list(range(len(jpegs))))],
         checkpoints=CheckpointStore(out / "checkpoints", scratch=out / "scratch"),
     )
-    result = loop.run()
+    norm = encoder.pixel_norm
+    if pixels == "float32":
+        encoder.pixel_norm = None  # the processor normalises: float32 rows, as before uint8 rows existed
+    try:
+        result = loop.run()
+    finally:
+        encoder.pixel_norm = norm
     timed = result.history[1:]
     wait = sum(h["time/data_wait_s"] for h in timed)
     total = sum(h["time/step_s"] for h in timed)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {
         "workers": workers,
+        "pixels": pixels,
         "wait_share": wait / total,
         "step_s_median": statistics.median(h["time/step_s"] for h in timed),
         "wait_s_median": statistics.median(h["time/data_wait_s"] for h in timed),
@@ -127,6 +137,7 @@ def run_rl_arm(workers: int, args, out: Path) -> dict:
     wait = [h["time/data_wait_s"] for h in timed]
     return {
         "workers": workers,
+        "pixels": "uint8",
         "wait_share": sum(wait) / sum(steps),
         "step_s_median": statistics.median(steps),
         "wait_s_median": statistics.median(wait),
@@ -142,22 +153,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--samples-per-step", type=int, default=4)
     parser.add_argument("--budget", type=int, default=8192, help="tokens per packed micro-batch")
-    parser.add_argument("--workers", default="0,1,2", help="train.data_workers per arm; the first is the baseline")
+    parser.add_argument(
+        "--workers",
+        default="0,1,2,1:float32",
+        help="train.data_workers per arm, the first the baseline; N:float32 = N workers carrying the processor's "
+        "float32 rows instead of uint8 ones (sft only)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the training process")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     arms = []
     with tempfile.TemporaryDirectory(prefix="qvl-input-bench-") as tmp:
+        specs = [(int(w), p or "uint8") for w, _, p in (a.partition(":") for a in args.workers.split(","))]
         if args.stage == "rl":
-            for workers in (int(w) for w in args.workers.split(",")):
+            specs = [(w, p) for w, p in specs if p == "uint8"]
+            for workers, _ in specs:
                 arms.append(run_rl_arm(workers, args, Path(tmp) / f"w{workers}"))
         else:
             torch.manual_seed(0)
             initial, processor = load_vlm(args.model)
             encoder = ConversationEncoder(processor, initial, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
             jpegs = make_jpegs(args.steps * args.samples_per_step, sizes=SIZES)
-            for workers in (int(w) for w in args.workers.split(",")):
-                arms.append(run_arm(copy.deepcopy(initial), encoder, jpegs, workers, args, Path(tmp) / f"w{workers}"))
+            rows = [encoder.prepare_image(Image.open(io.BytesIO(j)).convert("RGB"))[0] for j in jpegs]
+            rows_mb = sum(r.nbytes for r in rows) / len(rows) * args.samples_per_step / 1e6
+            for k, (workers, pixels) in enumerate(specs):
+                model = copy.deepcopy(initial)
+                arms.append(run_arm(model, encoder, jpegs, workers, pixels, args, Path(tmp) / f"arm{k}"))
     baseline = arms[0]
     for arm in arms:
         same = arm["_weights"].keys() == baseline["_weights"].keys() and all(
@@ -172,10 +193,13 @@ def main() -> None:
         f"{args.stage}: {args.steps - 1} timed steps x {args.samples_per_step} samples ({images}; "
         f"min/max_pixels {MIN_PIXELS}/{MAX_PIXELS}), {args.threads} training thread(s), model {args.model}"
     )
-    print(f"{'data_workers':>12} {'wait share':>10} {'step s':>7} {'wait s':>7} {'step x':>7} {'identical':>9}")
+    if args.stage == "sft":
+        print(f"pixel rows per step: {rows_mb:.1f} MB as uint8, {4 * rows_mb:.1f} MB as float32")
+    header = f"{'data_workers':>12} {'pixels':>7} {'wait share':>10} {'step s':>7} {'wait s':>7} {'step x':>7}"
+    print(f"{header} {'identical':>9}")
     for arm in arms:
         print(
-            f"{arm['workers']:>12} {arm['wait_share']:>10.1%} {arm['step_s_median']:>7.2f} "
+            f"{arm['workers']:>12} {arm['pixels']:>7} {arm['wait_share']:>10.1%} {arm['step_s_median']:>7.2f} "
             f"{arm['wait_s_median']:>7.2f} "
             f"{arm['step_time_ratio']:>7.2f} {arm['bit_identical_to_baseline']!s:>9}"
         )

@@ -52,6 +52,7 @@ if __package__ in (None, ""):  # run as a script: make `components` importable f
 from components._shared.model.packing import (
     ConversationEncoder,
     Sample,
+    batch_pixels,
     batch_tokens,
     forward_logits,
     pack,
@@ -195,7 +196,7 @@ def vision_epoch(model, batches: list[dict]) -> float:
     visual = qwen_model(model).visual
     cpu = time.process_time()
     for batch in batches:
-        out = visual(batch["pixel_values"], grid_thw=batch["image_grid_thw"])
+        out = visual(batch_pixels(batch), grid_thw=batch["image_grid_thw"])
         out.pooler_output.float().sum().backward()
     model.zero_grad(set_to_none=True)
     return time.process_time() - cpu

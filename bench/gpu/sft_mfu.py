@@ -66,11 +66,16 @@ from components._shared.model.packing import (
     pack,
     plan_micro_batches,
 )
+from components._shared.model.pixels import PixelNorm
 from components._shared.model.step_inputs import step_inputs
 from components._shared.model.vlm import qwen_model
 
 H200_BF16_DENSE_TFLOPS = 989.0
 CPU_NOMINAL_TFLOPS_PER_THREAD = 0.1
+# The synthetic rows are uint8 like the stages' (components/_shared/model/pixels.py), normalised on the device.
+PIXEL_NORM = PixelNorm(
+    mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711), rescale_factor=1 / 255
+)
 
 
 @dataclass(frozen=True)
@@ -215,13 +220,15 @@ def synthetic_sample(model, rng: np.random.Generator, profile: Profile, index: i
     token_types = (input_ids == config.image_token_id).to(torch.int32)
     positions, _ = qwen_model(model).get_rope_index(input_ids[None], token_types[None], image_grid_thw=grid)
     patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-    pixels = torch.randn(h * w, patch_dim)
+    # uint8 like the encoder's rows, from their own stream: the shapes drawn above stay those of earlier runs
+    pixels = torch.from_numpy(np.random.default_rng([index, 256]).integers(0, 256, (h * w, patch_dim), dtype=np.uint8))
     return Sample(
         input_ids=input_ids,
         labels=torch.tensor(labels, dtype=torch.int64),
         position_ids=positions[:, 0],
         image_grid_thw=grid,
         pixel_values=pixels,
+        pixel_norm=PIXEL_NORM,
         sample_id=f"syn{index}",
     )
 

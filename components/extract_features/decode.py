@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from components._shared.model.pixels import PixelNorm
+
 BACKENDS = ("dali", "torchvision", "pil")
 JPEG_MAGIC = b"\xff\xd8\xff"
 MAX_DECODE_PIXELS = 1 << 30  # clean_data enforced the real limit; this only keeps Pillow's bomb guard out of the way
@@ -147,6 +149,10 @@ class PatchSpec:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    @property
+    def norm(self) -> PixelNorm:
+        return PixelNorm(mean=self.image_mean, std=self.image_std, rescale_factor=self.rescale_factor)
+
     @classmethod
     def from_model_dir(cls, model_dir: Path, vision_config) -> PatchSpec:
         """Geometry from the vision config (authoritative), mean/std/rescale from the saved processor."""
@@ -190,18 +196,13 @@ def resize_for_qwen(image: torch.Tensor, *, factor: int, min_pixels: int, max_pi
 
 
 def patch_rows(image: torch.Tensor, spec: PatchSpec) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """Normalise and patchify a resized [3, H, W] image -> (float32 rows [gh*gw, 3*T*P*P], (1, gh, gw))."""
-    from torchvision.transforms.v2 import functional as tvF
-
+    """Patchify and normalise a resized [3, H, W] image -> (float32 rows [gh*gw, 3*T*P*P], (1, gh, gw))."""
     channels, height, width = image.shape
     p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
     if height % (p * m) or width % (p * m):
         raise ValueError(f"image of {height}x{width} is not a multiple of patch*merge={p * m}; resize it first.")
-    # The processor's fused rescale+normalise: mean and std divided by rescale_factor, one sub and one div.
-    mean = torch.tensor(spec.image_mean, device=image.device) * (1.0 / spec.rescale_factor)
-    std = torch.tensor(spec.image_std, device=image.device) * (1.0 / spec.rescale_factor)
-    x = tvF.normalize(image.to(torch.float32), mean, std, inplace=image.dtype != torch.float32)
     grid_h, grid_w = height // p, width // p
-    x = x.reshape(channels, grid_h // m, m, p, grid_w // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    x = image.reshape(channels, grid_h // m, m, p, grid_w // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
     rows = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1).reshape(grid_h * grid_w, channels * t * p * p)
-    return rows, (1, grid_h, grid_w)
+    # The processor's fused rescale+normalise (elementwise, so after patchifying gives the same values).
+    return spec.norm(rows), (1, grid_h, grid_w)

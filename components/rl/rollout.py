@@ -21,6 +21,7 @@ from components._shared.model.packing import (
     ConversationEncoder,
     Sample,
     forward_hidden,
+    generation_vision_inputs,
     pack,
     plan_micro_batches,
     to_device,
@@ -212,8 +213,7 @@ class RolloutEngine:
                     input_ids=ids.to(device),
                     attention_mask=mask.to(device),
                     mm_token_type_ids=(ids == self.encoder.image_token_id).to(torch.int32).to(device),
-                    pixel_values=torch.cat([p.pixel_values for _, p in chunk]).to(device),
-                    image_grid_thw=torch.cat([p.image_grid_thw for _, p in chunk]).to(device),
+                    **generation_vision_inputs([p for _, p in chunk], device),
                     max_new_tokens=self.max_new_tokens,
                     do_sample=True,
                     temperature=self.temperature,
@@ -239,6 +239,7 @@ class RolloutEngine:
             position_ids=self.encoder.rope_positions(ids, prompt.image_grid_thw),
             image_grid_thw=prompt.image_grid_thw,
             pixel_values=prompt.pixel_values,
+            pixel_norm=prompt.pixel_norm,
             sample_id=prompt.sample_id,
         )
         text_ids = completion[:-1] if finished else completion

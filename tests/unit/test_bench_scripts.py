@@ -189,3 +189,18 @@ def test_input_pipeline_rl_arm_reports_the_wait_and_equal_weights():
     for arm in report["arms"]:
         assert arm["bit_identical_to_baseline"] is True
         assert 0 <= arm["wait_share"] < 1 and arm["step_s_median"] > 0
+
+
+@pytest.mark.slow
+def test_input_pipeline_sft_arms_train_the_same_weights_from_uint8_and_float_rows():
+    """In the step vs by a worker carrying the processor's float32 rows: uint8 rows normalised at the model train
+    bit-identical weights."""
+    out = _run(
+        "bench/input_pipeline.py",
+        *("--steps", "2", "--samples-per-step", "1", "--workers", "0,1:float32", "--budget", "4096"),
+        "--json",
+    )
+    assert "pixel rows per step:" in out
+    report = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    assert [(arm["workers"], arm["pixels"]) for arm in report["arms"]] == [(0, "uint8"), (1, "float32")]
+    assert all(arm["bit_identical_to_baseline"] is True for arm in report["arms"])

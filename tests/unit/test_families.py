@@ -15,12 +15,14 @@ from PIL import Image
 from components._shared.model.families import FAMILIES, SUPPORTED_MODEL_TYPES, family_for
 from components._shared.model.packing import (
     ConversationEncoder,
+    batch_pixels,
     forward_logits,
     image_embeddings,
     pack,
     pad,
     per_sample_loss,
 )
+from components._shared.model.pixels import model_pixels
 from components._shared.model.sources import resolve_model
 from components._shared.model.vlm import load_vlm, named_groups, qwen_model
 from components.extract_features.stage import load_vision_tower, pre_merger_features
@@ -118,7 +120,8 @@ def test_encoding_equals_the_processor_with_the_checkpoints_own_template(family_
     reference = processor(text=[text], images=[image], return_tensors="pt", images_kwargs={"size": size})
     assert torch.equal(reference["input_ids"][0], sample.input_ids)
     assert torch.equal(reference["image_grid_thw"][0], sample.image_grid_thw[0])
-    assert torch.allclose(reference["pixel_values"], sample.pixel_values)
+    assert sample.pixel_values.dtype == torch.uint8  # normalised only where the rows reach the model: bit-identical
+    assert torch.equal(reference["pixel_values"], model_pixels(sample.pixel_values, sample.pixel_norm))
     assert processor.tokenizer.decode(sample.input_ids[sample.labels != -100]) == "3<|im_end|>two circles<|im_end|>"
     has_system = "<|im_start|>system" in processor.tokenizer.decode(sample.input_ids)
     assert has_system == (name in ("qwen2_vl", "qwen2_5_vl"))  # Qwen3 templates add no default system turn
@@ -152,7 +155,7 @@ def test_qwen3_5_linear_attention_leaks_across_packed_samples_without_their_leng
         exact = forward_logits(model, packed)
         leaky = model(  # the same packed row and positions, but no sample lengths reach the linear attention
             input_ids=packed["input_ids"],
-            pixel_values=packed["pixel_values"],
+            pixel_values=batch_pixels(packed),
             image_grid_thw=packed["image_grid_thw"],
             position_ids=packed["position_ids"],
             use_cache=False,
@@ -172,7 +175,8 @@ def test_cached_features_equal_the_pixel_path_for_every_family(family_model):
     turns = [{"role": "user", "text": "<image>\nDescribe the image."}, {"role": "assistant", "text": "a red circle"}]
     pixel_samples = [encoder.encode(turns, images=[image]) for image in images]
     features = [
-        pre_merger_features(tower, s.pixel_values, s.image_grid_thw)[0] for s in pixel_samples
+        pre_merger_features(tower, model_pixels(s.pixel_values, s.pixel_norm), s.image_grid_thw)[0]
+        for s in pixel_samples
     ]  # what extract_features writes per image
     levels = 1 + len(family_for(model).cached_levels(qwen_model(model).config.vision_config))
     assert features[0].shape[-1] == levels * tower.patch_embed.proj.out_channels

@@ -19,6 +19,7 @@ from components._shared.model.packing import (
     ConversationEncoder,
     Sample,
     forward_logits,
+    generation_vision_inputs,
     pack,
     plan_micro_batches,
     to_device,
@@ -94,15 +95,7 @@ def generate_completions(
             mask[b, width - s.num_tokens :] = 1
         # mm_token_type_ids: without it, generate gives the image tokens plain text positions (no 2-D M-RoPE)
         image_token = encoder.image_token_id
-        pixels = [s.pixel_values for s in samples if s.pixel_values is not None]
-        vision = (
-            {
-                "pixel_values": torch.cat(pixels).to(device),
-                "image_grid_thw": torch.cat([s.image_grid_thw for s in samples]).to(device),
-            }
-            if pixels
-            else {}
-        )
+        vision = generation_vision_inputs(samples, device)
         with own_generation_config(model):  # only these settings: a checkpoint's repetition_penalty etc. stay out
             out = model.generate(
                 input_ids=ids.to(device),

@@ -28,6 +28,7 @@ from components._shared.model.attention import segment_lengths
 from components._shared.model.chat import ChatTemplate
 from components._shared.model.families import VisualTokens, family_for
 from components._shared.model.families.qwen3_5 import packed_sample_lengths
+from components._shared.model.pixels import PixelNorm, model_pixels
 from components._shared.model.vlm import qwen_model
 
 IGNORE_INDEX = -100
@@ -42,7 +43,8 @@ class Sample:
     labels: torch.Tensor  # (L,) int64
     position_ids: torch.Tensor  # (3, L) M-RoPE rows (temporal, height, width)
     image_grid_thw: torch.Tensor  # (n_images, 3) int64
-    pixel_values: torch.Tensor | None = None  # (patches, C*T*P*P), processor layout
+    pixel_values: torch.Tensor | None = None  # (patches, C*T*P*P), processor layout: uint8 until the model
+    pixel_norm: PixelNorm | None = None  # how model_pixels normalises uint8 rows (None: float rows, used as given)
     features: torch.Tensor | None = None  # (patches, vision hidden): cached pre-merger rows instead of pixels
     sample_id: str = ""
     meta: dict = field(default_factory=dict)
@@ -93,6 +95,7 @@ class ConversationEncoder:
     ) -> None:
         self.tokenizer = processor.tokenizer
         self.image_processor = processor.image_processor
+        self.pixel_norm = PixelNorm.of(self.image_processor)  # None: the processor's float rows, as they come
         qwen = qwen_model(model)
         self.config = config = qwen.config
         self.rope_index = RopeIndex(qwen)  # not the model: an encoder must not keep a dropped model alive
@@ -132,13 +135,22 @@ class ConversationEncoder:
         }
 
     def prepare_image(self, image) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pixel_values, grid_thw (3,)) of a PIL image, resized exactly as the Qwen image processor does."""
+        """(pixel rows, grid_thw (3,)) of a PIL image, resized and patchified exactly as the Qwen image processor
+        does; uint8 rows when `pixel_norm` is set (model_pixels normalises them where they reach the model)."""
+        unnormalised = {"do_rescale": False, "do_normalize": False} if self.pixel_norm is not None else {}
         out = self.image_processor(
             images=[image],
             size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
             return_tensors="pt",
+            **unnormalised,
         )
-        return out["pixel_values"], out["image_grid_thw"][0]
+        rows = out["pixel_values"]
+        if self.pixel_norm is not None and rows.dtype != torch.uint8:
+            raise TypeError(
+                f"{type(self.image_processor).__name__} gave {rows.dtype} rows without rescale/normalise (uint8 "
+                "expected); give it uint8 RGB images (PIL mode 'RGB')."
+            )
+        return rows, out["image_grid_thw"][0]
 
     def encode(
         self,
@@ -235,6 +247,7 @@ class ConversationEncoder:
             position_ids=self.rope_positions(input_ids, grid),
             image_grid_thw=grid,
             pixel_values=pixel_values,
+            pixel_norm=self.pixel_norm if pixel_values is not None else None,
             features=None if features is None else torch.cat(list(features)),
             sample_id=sample_id,
             meta=dict(meta or {}),
@@ -307,7 +320,12 @@ def _vision_inputs(samples: list[Sample]) -> dict:
             raise ValueError("a micro-batch mixes cached features and pixels; use one image source per stage.")
         out["features"] = torch.cat([s.features for s in samples if s.features is not None])
     elif any(s.pixel_values is not None for s in samples):
-        out["pixel_values"] = torch.cat([s.pixel_values for s in samples if s.pixel_values is not None])
+        rows = [s.pixel_values for s in samples if s.pixel_values is not None]
+        norms = {s.pixel_norm for s in samples if s.pixel_values is not None}
+        if len(norms) > 1 or len({r.dtype for r in rows}) > 1:
+            raise ValueError("a micro-batch mixes pixel rows of different image processors; use one encoder per stage.")
+        out["pixel_values"] = torch.cat(rows)
+        out["pixel_norm"] = norms.pop()
     return out
 
 
@@ -356,8 +374,24 @@ def pad(samples: list[Sample], pad_token_id: int) -> dict:
 
 
 def to_device(batch: dict, device) -> dict:
-    """The batch with its tensors on `device` (counts and None values pass through)."""
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """The batch with its tensors on `device` (counts and None values pass through); pinned tensors (a data
+    worker's prepared step) are copied asynchronously, ordered before their use on the device's stream."""
+    return {k: v.to(device, non_blocking=v.is_pinned()) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def batch_pixels(batch: dict) -> torch.Tensor:
+    """The batch's pixel rows as the vision tower reads them (uint8 rows normalised where they are, on the device)."""
+    return model_pixels(batch["pixel_values"], batch.get("pixel_norm"))
+
+
+def generation_vision_inputs(samples: list[Sample], device) -> dict:
+    """pixel_values (copied as stored, normalised on `device`) and image_grid_thw of samples, for generate(); {} when
+    none has pixels."""
+    vision = _vision_inputs(samples)
+    if "pixel_values" not in vision:
+        return {}
+    vision = to_device(vision, device)
+    return {"pixel_values": batch_pixels(vision), "image_grid_thw": vision["image_grid_thw"]}
 
 
 def batch_tokens(batch: dict) -> tuple[int, int]:
@@ -373,7 +407,7 @@ def image_embeddings(model, batch: dict) -> VisualTokens | None:
     if "features" in batch:
         return family.visual_tokens(qwen.visual, batch["features"])
     if "pixel_values" in batch:
-        return family.pixel_tokens(qwen, batch["pixel_values"], batch["image_grid_thw"])
+        return family.pixel_tokens(qwen, batch_pixels(batch), batch["image_grid_thw"])
     return None
 
 
@@ -420,6 +454,8 @@ def _forward(model, batch: dict, image_embeds: VisualTokens | None, **flags):
         kwargs["mm_encoder_outputs"] = {"image": family.encoder_output(image_embeds)}
     else:
         kwargs.update({k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch})
+        if "pixel_values" in batch:
+            kwargs["pixel_values"] = batch_pixels(batch)
     with packed_sample_lengths(_packed_lengths(batch)):
         return model(input_ids=batch["input_ids"], **kwargs)
 
