@@ -135,7 +135,7 @@ def reference_vit_to_lm_cost(name: str) -> float:
     """`vit_to_lm_cost` of a released model's shape (built on the meta device: no weights, no download)."""
     from transformers import AutoModelForImageTextToText
 
-    from bench.gpu.sft_mfu import config_7b
+    from bench.gpu.sft_workload import config_7b
 
     configs = {"7b": config_7b}  # Qwen2.5-VL-7B-Instruct's sizes
     with torch.device("meta"):

@@ -204,3 +204,14 @@ def test_input_pipeline_sft_arms_train_the_same_weights_from_uint8_and_float_row
     report = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert [(arm["workers"], arm["pixels"]) for arm in report["arms"]] == [(0, "uint8"), (1, "float32")]
     assert all(arm["bit_identical_to_baseline"] is True for arm in report["arms"])
+
+
+@pytest.mark.slow
+def test_host_ops_counts_one_attention_call_per_layer_with_varlen():
+    """At the 7B geometry (28 LM layers, 32 ViT blocks) the varlen arm calls attention once per layer and block each
+    way; the loops arm once per sample / window, and dispatches more kernels."""
+    out = _run("bench/host_ops.py", "--steps", "1", "--json")
+    (row,) = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["rows"]
+    assert row["varlen"]["attention_calls"] == 2 * (28 + 32)
+    assert row["loops"]["attention_calls"] > 2 * (28 * row["samples"] + 32 * row["images"])
+    assert row["kernels_ratio"] > 1.5 and row["loops"]["scalar_reads"] > row["varlen"]["scalar_reads"]
