@@ -165,6 +165,9 @@ def main() -> None:
     arms = []
     with tempfile.TemporaryDirectory(prefix="qvl-input-bench-") as tmp:
         specs = [(int(w), p or "uint8") for w, _, p in (a.partition(":") for a in args.workers.split(","))]
+        unknown = sorted({p for _, p in specs} - {"uint8", "float32"})
+        if unknown:
+            parser.error(f"--workers: pixel rows {unknown} unknown; write N (uint8 rows) or N:float32.")
         if args.stage == "rl":
             specs = [(w, p) for w, p in specs if p == "uint8"]
             for workers, _ in specs:

@@ -202,7 +202,11 @@ def patch_rows(image: torch.Tensor, spec: PatchSpec) -> tuple[torch.Tensor, tupl
     if height % (p * m) or width % (p * m):
         raise ValueError(f"image of {height}x{width} is not a multiple of patch*merge={p * m}; resize it first.")
     grid_h, grid_w = height // p, width // p
+    n = grid_h * grid_w
     x = image.reshape(channels, grid_h // m, m, p, grid_w // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-    rows = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1).reshape(grid_h * grid_w, channels * t * p * p)
-    # The processor's fused rescale+normalise (elementwise, so after patchifying gives the same values).
-    return spec.norm(rows), (1, grid_h, grid_w)
+    frames = x.reshape(n, channels * p * p)  # a copy in the processor's patch order, one frame per row
+    # The processor's fused rescale+normalise: elementwise, so after patchifying it gives the same values; before
+    # the frame is repeated temporal_patch_size times, so on half the elements.
+    frames = spec.norm(frames, inplace=frames.data_ptr() != image.data_ptr())
+    rows = frames.reshape(n, channels, 1, p * p).expand(-1, -1, t, -1).reshape(n, channels * t * p * p)
+    return rows, (1, grid_h, grid_w)

@@ -119,5 +119,6 @@ def test_normalising_float_rows_leaves_the_callers_rows_alone():
     mean = torch.tensor(norm.mean)[channel_of_column] * 255
     std = torch.tensor(norm.std)[channel_of_column] * 255
     torch.testing.assert_close(out, (before - mean) / std, rtol=1e-6, atol=1e-6)
+    assert torch.equal(norm(rows, inplace=True), out) and torch.equal(rows, out)  # asked to: written in place
     with pytest.raises(ValueError, match="do not split into 3 channels"):
         norm(torch.zeros(2, 10, dtype=torch.uint8))

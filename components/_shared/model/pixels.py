@@ -43,15 +43,16 @@ class PixelNorm:
         std = tuple(float(v) for v in (std if isinstance(std, (list, tuple)) else [std] * channels))
         return cls(mean=mean, std=std, rescale_factor=float(image_processor.rescale_factor))
 
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        """float32 rows (patches, C*T*P*P) of uint8 (or unnormalised float) rows, on the rows' device."""
+    def __call__(self, rows: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+        """float32 rows (patches, C*T*P*P) of uint8 (or unnormalised float) rows, on the rows' device; `inplace`
+        lets float32 rows be overwritten (otherwise they are copied first)."""
         channels = len(self.mean)
         patches, width = rows.shape
         if width % channels:
             raise ValueError(f"pixel rows of width {width} do not split into {channels} channels.")
         mean, std = _fused_mean_std(self, rows.device)
         x = rows.reshape(patches, channels, width // channels).to(torch.float32)
-        if x.data_ptr() == rows.data_ptr():  # already float32: do not write into the caller's rows
+        if x.data_ptr() == rows.data_ptr() and not inplace:  # already float32: keep the caller's rows
             x = x.clone()
         return x.sub_(mean).div_(std).reshape(patches, width)
 
@@ -60,8 +61,8 @@ class PixelNorm:
 def _fused_mean_std(norm: PixelNorm, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The processor's fused form (image_processing_backends: mean and std times 1/rescale, then one sub and one
     div), built once per device: a tensor made from Python numbers on a GPU is a synchronous copy."""
-    mean = torch.tensor(norm.mean) * (1.0 / norm.rescale_factor)
-    std = torch.tensor(norm.std) * (1.0 / norm.rescale_factor)
+    mean = torch.tensor(norm.mean, dtype=torch.float32) * (1.0 / norm.rescale_factor)
+    std = torch.tensor(norm.std, dtype=torch.float32) * (1.0 / norm.rescale_factor)
     return mean.to(device)[:, None], std.to(device)[:, None]
 
 
