@@ -13,10 +13,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*args: str) -> str:
+def _run(*args: str, timeout: int = 300) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, *args], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
     assert done.returncode == 0, f"{args[0]} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
@@ -215,3 +215,16 @@ def test_host_ops_counts_one_attention_call_per_layer_with_varlen():
     assert row["varlen"]["attention_calls"] == 2 * (28 + 32)
     assert row["loops"]["attention_calls"] > 2 * (28 * row["samples"] + 32 * row["images"])
     assert row["kernels_ratio"] > 1.5 and row["loops"]["scalar_reads"] > row["varlen"]["scalar_reads"]
+
+
+@pytest.mark.slow
+def test_sft_mfu_compiled_blocks_train_like_eager_ones():
+    """--compile (each LM layer and ViT block through torch.compile) changes the tiny run's losses by rounding only."""
+    reports = []
+    for flags in ((), ("--compile",)):
+        out = _run("bench/gpu/sft_mfu.py", "--tiny", "--steps", "1", "--warmup", "1", *flags, timeout=900)
+        reports.append(json.loads([line for line in out.splitlines() if line.startswith("{")][-1]))
+    eager, compiled = reports
+    assert (eager["compile"], compiled["compile"]) == (False, True) and len(compiled["warmup_step_s"]) == 1
+    for a, b in zip(eager["loss_first_last"], compiled["loss_first_last"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a)
