@@ -89,6 +89,13 @@ def compile_blocks(model) -> int:
     return len(blocks)
 
 
+def compiled_frames() -> int:
+    """Frames torch.compile compiled in this process (0 without --compile: nothing was compiled)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
 def varlen_agreement(model, batch: dict, chunk: int) -> dict:
     """Loss and per-tensor gradient norms of one step with the varlen kernel off (per-sample / per-window SDPA
     loops) and on, same weights and batch: their relative differences (bf16 rounding is expected, not more)."""
@@ -343,6 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
         "optim": args.optim,
         "grad_ckpt": args.grad_ckpt,
         "compile": args.compile,
+        "compiled_frames": compiled_frames(),
         "warmup_step_s": warmup_times,
         "loss_chunk": args.loss_chunk,
         "freeze_vision": args.freeze_vision,
