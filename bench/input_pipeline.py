@@ -177,8 +177,12 @@ def main() -> None:
             initial, processor = load_vlm(args.model)
             encoder = ConversationEncoder(processor, initial, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
             jpegs = make_jpegs(args.steps * args.samples_per_step, sizes=SIZES)
-            rows = [encoder.prepare_image(Image.open(io.BytesIO(j)).convert("RGB"))[0] for j in jpegs]
-            rows_mb = sum(r.nbytes for r in rows) / len(rows) * args.samples_per_step / 1e6
+            # uint8 row bytes from the sizes the model sees (headers only): patches x C*T*P*P values of one byte
+            image_processor = encoder.image_processor
+            values = 3 * image_processor.temporal_patch_size * image_processor.patch_size**2
+            sizes = [encoder.model_image_size(Image.open(io.BytesIO(j))) for j in jpegs]
+            patches = [w * h // image_processor.patch_size**2 for w, h in sizes]
+            rows_mb = sum(patches) * values / len(jpegs) * args.samples_per_step / 1e6
             for k, (workers, pixels) in enumerate(specs):
                 model = copy.deepcopy(initial)
                 arms.append(run_arm(model, encoder, jpegs, workers, pixels, args, Path(tmp) / f"arm{k}"))

@@ -453,7 +453,8 @@ def _forward(model, batch: dict, image_embeds: VisualTokens | None, **flags):
             )
         kwargs["mm_encoder_outputs"] = {"image": family.encoder_output(image_embeds)}
     else:
-        kwargs.update({k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch})
+        if "image_grid_thw" in batch:
+            kwargs["image_grid_thw"] = batch["image_grid_thw"]
         if "pixel_values" in batch:
             kwargs["pixel_values"] = batch_pixels(batch)
     with packed_sample_lengths(_packed_lengths(batch)):
