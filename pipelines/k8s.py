@@ -104,7 +104,10 @@ class ClusterProfile(_Strict):
     """Cluster-wide names plus one StageProfile per stage (list_shards and the exit task run with preflight's)."""
 
     s3_secret: str = Field("qvl-s3-credentials", description="Secret with AWS_ACCESS_KEY_ID/SECRET/ENDPOINT_URL.")
-    mlflow_secret: str = Field("qvl-mlflow", description="Secret with MLFLOW_TRACKING_URI (and optional auth).")
+    mlflow_secret: str = Field(
+        "qvl-mlflow",
+        description="Secret with MLFLOW_TRACKING_URI (optionally MLFLOW_TRACKING_TOKEN or _USERNAME/_PASSWORD).",
+    )
     image_pull_secrets: list[str] = Field(default_factory=list)
     scratch_pvc: str = "qvl-scratch"
     scratch_mount_path: str = "/scratch"
@@ -209,7 +212,12 @@ def launch_plan(cluster: ClusterProfile, stage: str, image: str) -> LaunchPlan:
 
 
 _S3_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")
-_MLFLOW_KEYS = ("MLFLOW_TRACKING_URI",)
+_MLFLOW_KEYS = (  # the URI, and the login a server with auth wants (each key optional in the Secret)
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_TRACKING_TOKEN",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+)
 
 
 def _tolerations(p: StageProfile) -> list[Toleration]:

@@ -12,7 +12,13 @@ class PreflightConfig(StageConfig):
 
     check_lake: bool = Field(True, description="List the lake and require at least one shard.")
     check_tracking: bool = Field(True, description="Reach the MLflow tracking server (HTTP URIs only).")
-    resolve_models: bool = Field(True, description="Resolve (download or build) every model URI into the cache.")
+    resolve_models: bool = Field(
+        True,
+        description=(
+            "Check every model URI: s3:// models where they lie (marker, sizes, config.json, safetensors headers; "
+            "weights not downloaded), local and builtin ones resolved as the stages resolve them."
+        ),
+    )
     timeout_s: Annotated[float, Field(gt=0, le=600, description="Network timeout per check, seconds.")] = 20.0
     records_download_mb: Annotated[
         float,

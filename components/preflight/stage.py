@@ -57,9 +57,10 @@ def check_visual_budget(stage_configs: dict[str, dict[str, Any]]) -> int:
     return next(iter(bounds.values()))[1] if bounds else 0
 
 
-def check_patch_size(model_dir: Path, clean_data: dict[str, Any]) -> int:
-    """clean_data counts visual tokens on the base model's grid: its patch_size must be the model's ViT patch."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+def check_patch_size(model: Path | dict[str, Any], clean_data: dict[str, Any]) -> int:
+    """clean_data counts visual tokens on the base model's grid: its patch_size must be the model's ViT patch.
+    `model`: the model's directory or its parsed config.json."""
+    config = model if isinstance(model, dict) else json.loads((Path(model) / "config.json").read_text())
     patch = (config.get("vision_config") or {}).get("patch_size")
     wanted = clean_data.get("patch_size", 14)
     if patch is not None and patch != wanted:
@@ -81,8 +82,21 @@ def count_lake_shards(lake_uri: str) -> int:
 
 
 def check_tracking_server(timeout_s: float) -> str:
-    """Reach an HTTP MLflow server's /health; file and sqlite stores need no check."""
+    """Reach an HTTP MLflow server's /health, then one authenticated API call (a server that wants a login answers
+    /health without one); file and sqlite stores need no check. In a KFP task pod an unset MLFLOW_TRACKING_URI is
+    an error: every stage would track into a throwaway sqlite file in its own pod."""
+    from components._shared.platform.mlflow_runs import KFP_RUN_ENV
+
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri and os.environ.get(KFP_RUN_ENV):
+        raise ValueError(
+            "MLFLOW_TRACKING_URI is not set in this KFP task pod: the Secret named by cluster.mlflow_secret (default "
+            "qvl-mlflow) is missing from the run's namespace or has no MLFLOW_TRACKING_URI key, so every stage would "
+            "log its metrics and register its model in a sqlite file inside its own pod, lost when the pod ends. "
+            "Create it (kubectl -n NAMESPACE create secret generic qvl-mlflow "
+            "--from-literal=MLFLOW_TRACKING_URI=http://mlflow.qvl.svc.cluster.local:5000; docs/operations.md), "
+            "or set preflight.check_tracking: false to run without a tracking server on purpose."
+        )
     if not uri.startswith(("http://", "https://")):
         return "local"
     try:
@@ -94,7 +108,52 @@ def check_tracking_server(timeout_s: float) -> str:
             f"MLflow tracking server {uri} is not reachable ({err}). Check MLFLOW_TRACKING_URI and that the "
             "server is up (manifests/ deploys one)."
         ) from err
+    check_tracking_login(uri, timeout_s)
     return "server"
+
+
+def check_tracking_login(uri: str, timeout_s: float) -> None:
+    """One API call with the credentials MLflow itself would send (MLFLOW_TRACKING_TOKEN, _USERNAME/_PASSWORD,
+    TLS settings), so a missing or wrong login fails here and not at a stage's first metric."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    try:
+        response = http_request(
+            get_default_host_creds(uri),
+            "/api/2.0/mlflow/experiments/search",
+            "GET",
+            params={"max_results": 1},
+            max_retries=0,
+            timeout=timeout_s,
+            raise_on_status=False,
+        )
+    except (OSError, MlflowException) as err:
+        raise ValueError(f"MLflow tracking server {uri} failed an experiments search ({err}).") from err
+    if response.status_code in (401, 403):
+        raise ValueError(
+            f"MLflow tracking server {uri} refused this pod's credentials (HTTP {response.status_code}). Put "
+            "MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, into the Secret named "
+            "by cluster.mlflow_secret (default qvl-mlflow)."
+        )
+    if response.status_code != 200:
+        raise ValueError(
+            f"MLflow tracking server {uri} answered HTTP {response.status_code} to an experiments search "
+            f"({response.text[:200]!r}); check MLFLOW_TRACKING_URI points at the MLflow server itself."
+        )
+
+
+def check_model(uri: str) -> tuple[str, dict[str, Any]]:
+    """(where the model is, its config.json) for one model URI. An s3:// model is checked where it lies, weights
+    not downloaded (a 7B model would fill this CPU pod's disk on every run; each stage downloads and verifies what
+    it loads); local directories and builtin models are resolved as the stages resolve them."""
+    from components._shared.model.sources import check_s3_model, resolve_model
+
+    if uri.strip().startswith("s3://"):
+        return uri.strip().rstrip("/"), check_s3_model(uri)["config"]
+    path = resolve_model(uri)
+    return str(path), json.loads((path / "config.json").read_text())
 
 
 def model_uris_in(stage_configs: dict[str, dict[str, Any]]) -> list[str]:
@@ -335,15 +394,14 @@ def run(
         )
     if cfg.check_tracking:
         metrics["tracking"] = check_tracking_server(cfg.timeout_s)
-    resolved = {}
+    resolved: dict[str, str] = {}
     if cfg.resolve_models:
-        from components._shared.model.sources import resolve_model
-
+        configs = {}
         for uri in dict.fromkeys(u for u in model_uris if u):
-            resolved[uri] = str(resolve_model(uri))
+            resolved[uri], configs[uri] = check_model(uri)
         metrics["models_resolved"] = len(resolved)
         if model_uris and model_uris[0] and "clean_data" in stage_configs:  # the first URI is the base model
-            metrics["patch_size"] = check_patch_size(Path(resolved[model_uris[0]]), stage_configs["clean_data"] or {})
+            metrics["patch_size"] = check_patch_size(configs[model_uris[0]], stage_configs["clean_data"] or {})
     keys = content_keys(uris or {}, stage_configs)
     (output_dir / "preflight.json").write_text(
         json.dumps({"metrics": metrics, "models": resolved, "content_keys": keys}, indent=2)

@@ -129,6 +129,14 @@ def test_credentials_come_from_kubernetes_secrets_only(compiled):
             for s in executor.get("secretAsEnv", [])
         }
         assert "qvl-s3-credentials" in secret_names, name
+        mlflow = [s for s in executor["secretAsEnv"] if s.get("secretName") == "qvl-mlflow"]
+        assert len(mlflow) == 1 and mlflow[0]["optional"] is True, name  # each key optional: auth is the server's
+        assert {k["secretKey"] for k in mlflow[0]["keyToEnv"]} == {
+            "MLFLOW_TRACKING_URI",
+            "MLFLOW_TRACKING_TOKEN",
+            "MLFLOW_TRACKING_USERNAME",
+            "MLFLOW_TRACKING_PASSWORD",
+        }, name
     assert SENTINEL not in text
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert not any("secret" in p.lower() or "password" in p.lower() for p in params)

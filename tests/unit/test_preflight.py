@@ -53,6 +53,102 @@ def test_unreachable_tracking_server_is_refused(tmp_path, lake, monkeypatch):
         _run(tmp_path, lake, cfg=PreflightConfig(timeout_s=2))
 
 
+def test_a_kfp_task_pod_without_a_tracking_uri_is_refused(tmp_path, lake, monkeypatch):
+    """The mlflow secret mounts optionally: missing, each stage would track into a sqlite file inside its pod."""
+    from components._shared.platform.mlflow_runs import KFP_RUN_ENV
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv(KFP_RUN_ENV, "run-1")
+    with pytest.raises(ValueError, match=r"MLFLOW_TRACKING_URI is not set in this KFP task pod.*qvl-mlflow"):
+        _run(tmp_path, lake, cfg=PreflightConfig(timeout_s=2))
+    assert _run(tmp_path, lake, cfg=PreflightConfig(check_tracking=False))["lake_shards"] == 1  # the opt-out
+    monkeypatch.delenv(KFP_RUN_ENV)
+    assert _run(tmp_path, lake, cfg=PreflightConfig(timeout_s=2))["tracking"] == "local"  # qvl run --local
+
+
+@pytest.fixture
+def login_server():
+    """An MLflow-like server that answers /health to anyone and its API only with `Authorization: Bearer s3cret`."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("Authorization")))
+            ok = self.path == "/health" or self.headers.get("Authorization") == "Bearer s3cret"
+            body = b"OK" if self.path == "/health" else b'{"experiments": []}'
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Length", str(len(body) if ok else 0))
+            self.end_headers()
+            if ok:
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    server.shutdown()
+
+
+def test_a_tracking_server_that_wants_a_login_is_checked_with_the_pods_credentials(
+    tmp_path, lake, monkeypatch, login_server
+):
+    uri, seen = login_server
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_TRACKING_TOKEN", raising=False)
+    with pytest.raises(ValueError, match=r"refused this pod's credentials \(HTTP 401\).*MLFLOW_TRACKING_TOKEN"):
+        _run(tmp_path, lake, cfg=PreflightConfig(timeout_s=5))
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "s3cret")
+    assert _run(tmp_path, lake, cfg=PreflightConfig(timeout_s=5))["tracking"] == "server"
+    assert seen[-1][0].startswith("/api/2.0/mlflow/experiments/search") and seen[-1][1] == "Bearer s3cret"
+
+
+def test_s3_models_are_checked_where_they_lie_without_downloading_weights(tmp_path, s3_env, monkeypatch):
+    """Preflight runs on a small CPU pod: an s3:// model is checked by its marker, object sizes, config.json and
+    safetensors headers; a broken one is named, and no weights reach the pod's disk."""
+    from components._shared.model.sources import resolve_model
+    from components._shared.platform import storage
+    from components.preflight.stage import check_model, check_patch_size
+
+    local = resolve_model("builtin:tiny-qwen2_5-vl", cache_dir=tmp_path / "build")
+    monkeypatch.setenv("QVL_CACHE_DIR", str(tmp_path / "cache"))
+    uri = f"{s3_env.uri}/models/tiny"
+    storage.publish_dir(local, uri)
+    where, config = check_model(uri + "/")
+    assert where == uri and config["model_type"] == "qwen2_5_vl"
+    assert check_patch_size(config, {"patch_size": 14}) == 14
+    assert not (tmp_path / "cache").exists()  # nothing downloaded
+
+    weights = sorted(p.name for p in local.glob("*.safetensors"))[0]
+    data = (local / weights).read_bytes()
+    bucket, key = storage.split_s3(f"{uri}/{weights}")
+    client = s3_env.client()
+    client.put_object(Bucket=bucket, Key=key, Body=data[:-10])  # a truncated upload
+    with pytest.raises(ValueError, match=rf"{weights} is listed in _COMMITTED.json with {len(data)} bytes but is"):
+        check_model(uri)
+    client.put_object(Bucket=bucket, Key=key, Body=b"\xff" * 8 + data[8:])  # same size, header length garbage
+    with pytest.raises(ValueError, match=rf"{weights} is not a readable safetensors file \(header length"):
+        check_model(uri)
+    client.delete_object(Bucket=bucket, Key=key)
+    with pytest.raises(ValueError, match="but is missing"):
+        check_model(uri)
+
+    (local.parent / "pickled").mkdir()
+    pickled = local.parent / "pickled"
+    for file in local.iterdir():
+        (pickled / file.name).write_bytes(file.read_bytes())
+    (pickled / "pytorch_model.bin").write_bytes(b"not really")
+    storage.publish_dir(pickled, f"{s3_env.uri}/models/pickled")
+    with pytest.raises(ValueError, match=r"pickle-format weights \['pytorch_model.bin'\]"):
+        check_model(f"{s3_env.uri}/models/pickled")
+    with pytest.raises(ValueError, match="no readable _COMMITTED.json"):
+        check_model(f"{s3_env.uri}/models/nothing-here")
+
+
 def test_unknown_model_uri_is_refused(tmp_path, lake):
     with pytest.raises(ValueError, match="builtin"):
         _run(tmp_path, lake, model_uris=["builtin:no-such-model"])

@@ -95,6 +95,86 @@ def _check_readable(path: Path) -> None:
         raise ValueError(f"Model directory {path} holds no tensors in its *.safetensors files; it has no weights.")
 
 
+def check_s3_model(uri: str) -> dict:
+    """Check a committed s3:// model where it lies, without downloading its weights (preflight: a CPU pod with no
+    room for a 7B model). The marker lists config.json and *.safetensors and no pickle-format file; every listed
+    object is there with its listed size; config.json matches its sha256 and names a model_type; every
+    safetensors header parses (two ranged reads per file) and its tensors fit in the file. Returns the parsed
+    config.json under "config" with the file count and bytes. The bytes themselves are verified by each stage's
+    download (`resolve_model`)."""
+    from components._shared.platform import storage
+
+    prefix = uri.strip().rstrip("/")
+    try:
+        marker = storage.read_marker(prefix)
+    except (storage.IntegrityError, OSError) as error:
+        raise ValueError(
+            f"Model prefix {uri} has no readable _COMMITTED.json marker ({error}); publish it with "
+            "storage.publish_dir so downloads can be verified."
+        ) from error
+    files = marker["files"]
+    unsafe = sorted(name for name in files if Path(name).suffix.lower() in UNSAFE_WEIGHT_SUFFIXES)
+    if unsafe:
+        raise ValueError(
+            f"Model prefix {uri} holds pickle-format weights {unsafe}; they can run code when loaded. Convert to "
+            "safetensors (model.save_pretrained(dir) in transformers >= 5) and re-publish."
+        )
+    weights = sorted(name for name in files if name.endswith(".safetensors") and "/" not in name)
+    if "config.json" not in files or not weights:
+        raise ValueError(
+            f"Model prefix {uri} lists no config.json or no top-level *.safetensors in its _COMMITTED.json; "
+            "publish a save_pretrained directory."
+        )
+    present = storage.list_etags(prefix) if storage.is_s3(prefix) else {}
+    for name, expected in sorted(files.items()):
+        size = int(present[name].split(":", 1)[0]) if name in present else None
+        if size != expected["size"]:
+            found = "missing" if size is None else f"{size} bytes"
+            raise ValueError(
+                f"{prefix}/{name} is listed in _COMMITTED.json with {expected['size']} bytes but is {found}; "
+                f"re-publish {uri}."
+            )
+    raw = storage.read_bytes(f"{prefix}/config.json")
+    if hashlib.sha256(raw).hexdigest() != files["config.json"]["sha256"]:
+        raise ValueError(f"{prefix}/config.json does not match its sha256 in _COMMITTED.json; re-publish {uri}.")
+    try:
+        config = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{prefix}/config.json is not valid JSON ({err}); re-publish {uri}.") from None
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ValueError(f"{prefix}/config.json has no model_type; it is not a transformers model config.")
+    tensors = sum(_safetensors_tensor_count(f"{prefix}/{name}", files[name]["size"]) for name in weights)
+    if tensors == 0:
+        raise ValueError(f"Model prefix {uri} holds no tensors in its *.safetensors files; it has no weights.")
+    return {"config": config, "files": len(files), "bytes": sum(f["size"] for f in files.values())}
+
+
+def _safetensors_tensor_count(uri: str, size: int) -> int:
+    """Tensors in a safetensors file, read from its header alone (8-byte length + JSON); raises on a header that
+    does not parse or tensors that end past the file."""
+    from components._shared.platform import storage
+
+    problem = None
+    length = int.from_bytes(storage.read_range(uri, 0, 8), "little") if size >= 8 else 0
+    if not 0 < length <= size - 8:
+        problem = f"header length {length} for a {size}-byte file"
+    else:
+        try:
+            header = json.loads(storage.read_range(uri, 8, length))
+        except (ValueError, UnicodeDecodeError) as err:
+            header, problem = None, f"header is not JSON ({err})"
+        if header is not None:
+            entries = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
+            ends = [v.get("data_offsets", [0, 0])[1] for v in (entries or {}).values() if isinstance(v, dict)]
+            if entries is None or len(ends) != len(entries):
+                problem = "header is not a table of tensors"
+            elif ends and max(ends) > size - 8 - length:
+                problem = f"tensors end at byte {max(ends)} of a {size - 8 - length}-byte data section"
+            else:
+                return len(entries)
+    raise ValueError(f"{uri} is not a readable safetensors file ({problem}); re-save the model and re-publish it.")
+
+
 def describe(uri: str, *, cache_dir: Path | None = None) -> dict:
     """What `uri` resolves to: local path, model type, architectures, and builtin.json when present."""
     path = resolve_model(uri, cache_dir=cache_dir)

@@ -151,6 +151,20 @@ def read_bytes(uri: str | Path) -> bytes:
         return stream.read()
 
 
+def read_range(uri: str | Path, start: int, length: int) -> bytes:
+    """`length` bytes from byte `start` (fewer at the end of the file): one ranged GET on S3, a seek locally."""
+    if length <= 0:
+        return b""
+    if not is_s3(uri):
+        with open(_local(uri), "rb") as handle:
+            handle.seek(start)
+            return handle.read(length)
+    bucket, key = split_s3(str(uri))
+    with s3_client.errors(str(uri)):
+        response = s3_client.client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
+        return response["Body"].read()
+
+
 def write_bytes(uri: str | Path, data: bytes) -> None:
     """Write a whole file: atomically (temp file + rename) locally, one checksummed PUT on S3."""
     if is_s3(uri):
