@@ -175,9 +175,11 @@ def packed_sdpa_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    groups = query.shape[1] // key.shape[1]
+    # The module's own group count is a plain int: under torch.compile with dynamic shapes a comparison of the
+    # head dims would be a symbolic bool that SDPA cannot take without a graph break.
+    gqa = getattr(module, "num_key_value_groups", query.shape[1] // key.shape[1]) > 1
     outputs = [
-        F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=groups > 1)
+        F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
         for q, k, v in zip(
             query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2), strict=True
         )
