@@ -143,3 +143,134 @@ def test_dataset_yaml_offers_every_record_shape_and_benchmark_format():
     offered = set(typing.get_args(readers.DataFile.model_fields["format"].annotation))
     assert offered == set(RECORD_FORMATS) | set(BENCHMARKS)
     assert {b.scorer for b in BENCHMARKS.values()} <= set(SCORERS)
+
+
+def _write(root, files: dict, entry: str):
+    for name, content in files.items():
+        (root / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    (root / "dataset.yaml").write_text(f"eval:\n  - {entry}\n")
+
+
+def _jpeg_base64(photo: str) -> str:
+    buffer = io.BytesIO()
+    P.photo(photo).save(buffer, format="JPEG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_vqav2_files_in_the_wrong_layout_name_the_file_and_the_layout_expected(tmp_path):
+    questions = {"data_subtype": "val2014", "questions": [{"question_id": 1, "image_id": 5, "question": "q?"}]}
+    annotations = {"annotations": [{"question_id": 1, "answers": [{"answer": "x"}]}]}
+    entry = "{path: q.json, format: vqav2, annotations: a.json}"
+    _write(tmp_path, {"q.json": questions, "a.json": annotations["annotations"]}, entry)  # annotations as a list
+    with pytest.raises(
+        ValueError, match=r"^a\.json: expected VQAv2's annotations file .*'annotations' list, got a list"
+    ):
+        readers.load_questions(tmp_path)
+    _write(tmp_path, {"q.json": questions["questions"], "a.json": annotations}, entry)  # questions as a list
+    with pytest.raises(ValueError, match=r"^q\.json: expected VQAv2's questions file .*'questions' list, got a list"):
+        readers.load_questions(tmp_path)
+    _write(tmp_path, {"q.json": annotations, "a.json": questions}, entry)  # the two files swapped
+    with pytest.raises(ValueError, match=r"^q\.json: .*swap path and annotations"):
+        readers.load_questions(tmp_path)
+    _write(tmp_path, {"q.json": questions, "a.json": {"annotations": [["x"]]}}, entry)
+    with pytest.raises(ValueError, match=r"^a\.json annotations\[0\]: expected an object with 'question_id'"):
+        readers.load_questions(tmp_path)
+
+
+def test_a_non_numeric_refcoco_bbox_is_reported_with_every_other_bad_record(tmp_path):
+    from components._shared.platform import bad_records
+
+    _save(tmp_path, "a.jpg", "coffee")
+    rows = [
+        {"id": "r1", "image": "a.jpg", "expression": "the cup", "bbox": [1, 2, "3a", 4]},
+        {"id": "r2", "image": "a.jpg", "expression": "the cup", "bbox": [1, 2, None, 4]},
+        {"id": "r3", "image": "a.jpg", "expression": "the cup", "bbox": [1, 2, "3", 4]},  # a numeric string is fine
+        {"id": "r4", "image": "a.jpg", "bbox": [1, 2, 3, 4]},
+    ]
+    _write(tmp_path, {"ref.jsonl": "".join(json.dumps(r) + "\n" for r in rows)}, "{path: ref.jsonl, format: refcoco}")
+    with pytest.raises(ValueError) as caught:
+        readers.load_questions(tmp_path)
+    message = str(caught.value)
+    assert message.startswith("3 bad question record(s) in ref.jsonl")
+    assert "ref.jsonl:1 (id='r1'): bbox[2] is '3a', not a number; give bbox as [x, y, width, height]" in message
+    assert "ref.jsonl:2 (id='r2'): bbox[2] is None, not a number" in message
+    assert "ref.jsonl:4 (id='r4'): no referring expression" in message
+    with bad_records.policy("skip") as ledger:
+        kept = readers.load_questions(tmp_path)
+    assert [r["id"] for r in kept] == ["r3"] and kept[0]["box"] == [1.0, 2.0, 4.0, 6.0]
+    assert ledger.metrics()["data/skipped_records"] == 3
+
+
+def test_refcoco_rows_without_ids_get_file_index_ids(tmp_path):
+    _save(tmp_path, "a.jpg", "coffee")
+    rows = [
+        {"image": "a.jpg", "expression": "the cup", "bbox": [1, 2, 3, 4]},
+        {"image": "a.jpg", "expression": "the saucer", "bbox": [5, 6, 3, 4]},
+        {"question_id": 9, "image": "a.jpg", "expression": "the spoon", "bbox": [0, 0, 3, 4]},
+        {"image": "a.jpg", "expression": "the table", "bbox": [0, 0, 30, 40]},
+    ]
+    _write(tmp_path, {"ref.jsonl": "".join(json.dumps(r) + "\n" for r in rows)}, "{path: ref.jsonl, format: refcoco}")
+    records = readers.load_questions(tmp_path)
+    assert [r["id"] for r in records] == ["ref:0", "ref:1", "9", "ref:3"]
+    assert [r["box"] for r in records][1] == [5.0, 6.0, 8.0, 10.0]
+
+
+def test_chartqa_labels_are_one_answer_and_bad_ones_are_rejected_per_record(tmp_path):
+    _save(tmp_path, "c.png", "chelsea")
+    labels = ["12", ["12"], 3.5, None, [], ["1", "2"], "  "]
+    items = [{"imgname": "c.png", "query": "Value?", "label": label} for label in labels]
+    _write(tmp_path, {"test_human.json": items}, "{path: test_human.json, format: chartqa}")
+    with pytest.raises(ValueError) as caught:
+        readers.load_questions(tmp_path)
+    message = str(caught.value)
+    assert message.startswith("4 bad question record(s) in test_human.json")
+    assert (
+        "test_human.json[3] (id=None): label must be the answer (a non-empty string or a number), got None" in message
+    )
+    assert "test_human.json[4] (id=None): label [] holds 0 answers; ChartQA has one per query" in message
+    assert "test_human.json[5] (id=None): label ['1', '2'] holds 2 answers" in message
+    assert "test_human.json[6] (id=None): label must be the answer" in message
+    from components._shared.platform import bad_records
+
+    with bad_records.policy("skip") as ledger:
+        records = readers.load_questions(tmp_path)
+    assert {r["id"]: r["answer"] for r in records} == {
+        "test_human:0": "12",
+        "test_human:1": "12",
+        "test_human:2": "3.5",
+    }
+    assert ledger.metrics()["data/skipped_records"] == 4
+
+
+def test_mmbench_image_cells_holding_another_rows_index_are_resolved(tmp_path):
+    from components._shared.platform import bad_records
+
+    cat, dog = _jpeg_base64("chelsea"), _jpeg_base64("coffee")
+    header = ["index", "question", "hint", "A", "B", "C", "D", "answer", "image"]
+    rows = [
+        [1000000, "What?", "nan", "dog", "cat", "nan", "nan", "A", "0"],  # points at a later row
+        [0, "What?", "nan", "cat", "dog", "nan", "nan", "B", cat],
+        [2, "Which?", "nan", "cat", "dog", "nan", "nan", "A", dog],
+        [3, "Which?", "nan", "dog", "cat", "nan", "nan", "B", "2"],
+        [4, "Which?", "nan", "dog", "cat", "nan", "nan", "B", "99"],  # no row 99
+        [5, "Which?", "nan", "dog", "cat", "nan", "nan", "D", dog],  # no option D: nothing could score
+    ]
+    with (tmp_path / "MMBench_DEV_EN.tsv").open("w", newline="") as f:
+        csv.writer(f, delimiter="\t").writerows([header, *rows])
+    (tmp_path / "dataset.yaml").write_text("eval: [{path: MMBench_DEV_EN.tsv, format: mmbench}]\n")
+    with pytest.raises(ValueError) as caught:
+        readers.load_questions(tmp_path)
+    message = str(caught.value)
+    assert message.startswith("2 bad question record(s) in MMBench_DEV_EN.tsv")
+    assert "MMBench_DEV_EN.tsv:7 (id='5'): answer 'D' is not one of its options ['A', 'B']" in message
+    assert (
+        "MMBench_DEV_EN.tsv:6 (id='4'): image cell '99' is neither base64 image data nor the index of a row holding "
+        "an image in this file; put the image's base64 (or that row's index) in the image column"
+    ) in message
+    with bad_records.policy("skip") as ledger:
+        records = {r["id"]: r for r in readers.load_questions(tmp_path)}
+    assert ledger.metrics()["data/skipped_records"] == 2 and ledger.metrics()["data/skipped/image"] == 1
+    assert list(records) == ["1000000", "0", "2", "3"]
+    assert records["1000000"]["image"] == records["0"]["image"] == base64.b64decode(cat)
+    assert records["3"]["image"] == records["2"]["image"] == base64.b64decode(dog)
+    assert records["1000000"]["answer"] == "A" and records["1000000"]["choices"] == {"A": "dog", "B": "cat"}

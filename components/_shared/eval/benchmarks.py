@@ -10,9 +10,9 @@ train_images}`; a second file (VQAv2's annotations) is `annotations:`.
 | vqav2 | v2_OpenEnded_mscoco_*_questions.json + annotations: v2_mscoco_*_annotations.json | vqa_accuracy |
 | textvqa | TextVQA_0.5.1_{val,train}.json ({"data": [...]}) | vqa_accuracy |
 | docvqa | {train,val}_v1.0(_withQT).json ({"data": [...]}) | anls |
-| chartqa | {test,val}_{human,augmented}.json ([{imgname, query, label}]) | relaxed_accuracy |
+| chartqa | {test,val}_{human,augmented}.json ([{imgname, query, label: str or [str]}]) | relaxed_accuracy |
 | refcoco | MDETR's final_refcoco*.json (COCO style), or rows {bbox x,y,w,h, expression} (JSONL, Parquet) | grounding |
-| mmbench | MMBench_*.tsv (index, question, hint, A..D, answer, image base64) | multiple_choice |
+| mmbench | MMBench_*.tsv (index, question, hint, A..D, answer, image base64 or a row's index) | multiple_choice |
 | pope | coco_pope_{random,popular,adversarial}.json (JSON lines: question_id, image, text, label) | yes_no |
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -82,24 +83,68 @@ def coco_image(image_id: int, split: str) -> str:
     return f"COCO_{split}_{int(image_id):012d}.jpg"
 
 
+def _shape(value) -> str:
+    """What a JSON value is, for format errors: 'a list of 3 items', 'an object with keys [...]'."""
+    if isinstance(value, list):
+        return f"a list of {len(value)} items"
+    if isinstance(value, dict):
+        return f"an object with keys {sorted(value)[:6]}"
+    return f"a {type(value).__name__}"
+
+
 def _vqav2_items(path: Path, annotations: Path | None) -> Rows:
+    """VQAv2's two files: {"data_subtype", "questions": [...]} and {"annotations": [{question_id, answers}]}."""
     if annotations is None:
         raise ValueError(f"{path.name}: vqav2 needs its annotations file (dataset.yaml: annotations: ...).")
-    questions = _json(path)
+    questions, answer_file = _json(path), _json(annotations)
+    if not (isinstance(questions, dict) and isinstance(questions.get("questions"), list)):
+        swapped = ""
+        if isinstance(questions, dict) and "annotations" in questions:
+            swapped = " (it looks like the annotations file: swap path and annotations)"
+        raise ValueError(
+            f"{path.name}: expected VQAv2's questions file (v2_OpenEnded_mscoco_*_questions.json), an object with a "
+            f"'questions' list, got {_shape(questions)}{swapped}; name that file as the dataset.yaml entry's path."
+        )
+    if not (isinstance(answer_file, dict) and isinstance(answer_file.get("annotations"), list)):
+        raise ValueError(
+            f"{annotations.name}: expected VQAv2's annotations file (v2_mscoco_*_annotations.json), an object with an "
+            f"'annotations' list, got {_shape(answer_file)}; name that file as the dataset.yaml entry's annotations."
+        )
+    answers = {}
+    for i, a in enumerate(answer_file["annotations"]):
+        if not (isinstance(a, dict) and "question_id" in a):
+            raise ValueError(
+                f"{annotations.name} annotations[{i}]: expected an object with 'question_id' and 'answers' "
+                f"(VQAv2's annotation), got {_shape(a)}; fix or remove that entry."
+            )
+        answers[a["question_id"]] = a
     split = questions.get("data_subtype", "val2014")
-    answers = {a["question_id"]: a for a in _json(annotations)["annotations"]}
     for i, q in enumerate(questions["questions"]):
-        yield f"{path.name} questions[{i}]", {**q, "_split": split, "_annotation": answers.get(q.get("question_id"))}
+        source = f"{path.name} questions[{i}]"
+        if not isinstance(q, dict):
+            yield source, q  # reported by the reader as not a record object
+            continue
+        yield source, {**q, "_split": split, "_annotation": answers.get(q.get("question_id"))}
 
 
 def _vqav2(item: dict) -> dict:
     if item["_annotation"] is None:
         raise RecordError(f"question_id {item['question_id']} has no annotation in the annotations file")
+    given = item["_annotation"].get("answers")
+    if not (isinstance(given, list) and given and all(isinstance(a, dict) and "answer" in a for a in given)):
+        raise RecordError(
+            f"its annotation's 'answers' must be VQAv2's list of {{answer: ...}} objects, got {given!r}; fix the "
+            "annotations file"
+        )
+    try:
+        image = coco_image(item["image_id"], item["_split"])
+    except (TypeError, ValueError) as error:
+        raise RecordError(f"image_id must be COCO's integer image id, got {item['image_id']!r}") from error
     return {
         "id": str(item["question_id"]),
-        "image": coco_image(item["image_id"], item["_split"]),
+        "image": image,
         "question": item["question"],
-        "answers": [a["answer"] for a in item["_annotation"]["answers"]],
+        "answers": [a["answer"] for a in given],
     }
 
 
@@ -124,18 +169,50 @@ def _docvqa(item: dict) -> dict:
 
 
 def _chartqa(item: dict) -> dict:
+    """ChartQA's release has one answer per query, a string in "label" (HuggingFaceM4/ChartQA: a one-item list)."""
+    label = item["label"]
+    if isinstance(label, list):
+        if len(label) != 1:
+            raise RecordError(
+                f"label {label!r} holds {len(label)} answers; ChartQA has one per query (a string, or a one-item "
+                "list): fix or drop the record"
+            )
+        label = label[0]
+    finite = not isinstance(label, float) or math.isfinite(label)
+    if isinstance(label, bool) or not isinstance(label, str | int | float) or not finite or not str(label).strip():
+        raise RecordError(
+            f"label must be the answer (a non-empty string or a number), got {label!r}; give the reference answer "
+            "or drop the record"
+        )
     return {
         "id": f"{item['_stem']}:{item['_index']}",
         "image": item["imgname"],
         "question": item["query"],
-        "answer": str(item["label"]),
+        "answer": str(label),
     }
+
+
+def _number(value) -> float | None:
+    """A finite number from a number or numeric string, else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _xywh(box) -> list[float]:
     if not (isinstance(box, list) and len(box) == 4):
         raise RecordError(f"bbox must be [x, y, width, height], got {box!r}")
-    x, y, w, h = (float(v) for v in box)
+    numbers = [_number(v) for v in box]
+    for k, (value, number) in enumerate(zip(box, numbers, strict=True)):
+        if number is None:
+            raise RecordError(f"bbox[{k}] is {value!r}, not a number; give bbox as [x, y, width, height] in pixels")
+    x, y, w, h = numbers
+    if w <= 0 or h <= 0:
+        raise RecordError(f"bbox {box!r} has no area; give bbox as [x, y, width, height] with width, height > 0")
     return [x, y, x + w, y + h]
 
 
@@ -143,14 +220,30 @@ def _refcoco_items(path: Path, _: Path | None) -> Rows:
     """MDETR's COCO-style final_refcoco*.json, else rows (JSON lines / Parquet, lmms-eval's layout)."""
     data = _json(path) if path.suffix == ".json" else None
     if isinstance(data, dict):
-        boxes = {a["image_id"]: a["bbox"] for a in data.get("annotations", [])}
-        for i, image in enumerate(data["images"]):
-            yield (
-                f"{path.name} images[{i}]",
-                {**image, "bbox": boxes.get(image.get("id")), "expression": image.get("caption")},
+        images, annotations = data.get("images"), data.get("annotations", [])
+        if not (isinstance(images, list) and isinstance(annotations, list)):
+            raise ValueError(
+                f"{path.name}: expected MDETR's COCO-style layout, an object with 'images' and 'annotations' lists, "
+                f"got {_shape(data)}; or give rows (a JSON list, JSON lines or Parquet)."
             )
+        boxes = {}
+        for i, a in enumerate(annotations):
+            if not (isinstance(a, dict) and "image_id" in a and "bbox" in a):
+                raise ValueError(
+                    f"{path.name} annotations[{i}]: expected an object with 'image_id' and 'bbox', got {_shape(a)}; "
+                    "fix or remove that entry."
+                )
+            boxes[a["image_id"]] = a["bbox"]
+        for i, image in enumerate(images):
+            source = f"{path.name} images[{i}]"
+            if not isinstance(image, dict):
+                yield source, image  # reported by the reader as not a record object
+                continue
+            item = {**image, "bbox": boxes.get(image.get("id")), "expression": image.get("caption")}
+            yield source, {**item, "_stem": path.stem, "_index": i}
         return
-    yield from iter_file(path)
+    for i, (source, row) in enumerate(iter_file(path)):
+        yield source, {**row, "_stem": path.stem, "_index": i} if isinstance(row, dict) else row
 
 
 def _refcoco(item: dict) -> dict:
@@ -161,8 +254,9 @@ def _refcoco(item: dict) -> dict:
         raise RecordError("no referring expression (expression / caption / answer)")
     if item.get("bbox") is None:
         raise RecordError("no bbox (an annotation with the image's id)")
+    given = next((item[k] for k in ("question_id", "id") if item.get(k) is not None), None)
     return {
-        "id": str(item.get("question_id", item.get("id"))),
+        "id": str(given) if given is not None else f"{item['_stem']}:{item['_index']}",  # rows without ids: FILE:INDEX
         "image": item.get("image") or item["file_name"],
         "question": GROUNDING_PROMPT.format(expression=expression),
         "answer": "",
@@ -171,10 +265,24 @@ def _refcoco(item: dict) -> dict:
 
 
 def _tsv(path: Path, _: Path | None = None) -> Rows:
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist; name the benchmark's file in dataset.yaml.")
     csv.field_size_limit(sys.maxsize)  # MMBench's images are base64 cells
     with path.open(encoding="utf-8", newline="") as f:
         for n, row in enumerate(csv.DictReader(f, delimiter="\t"), 2):
             yield f"{path.name}:{n}", row
+
+
+_IMAGE_REFERENCE_CHARS = 64  # VLMEvalKit: an image cell of at most 64 characters is another row's index
+
+
+def _mmbench_items(path: Path, _: Path | None = None) -> Rows:
+    """MMBench's rows, each with the file's {index: image cell} (VLMEvalKit's TSVs store a repeated image once; later
+    rows hold the index of the row that has it)."""
+    rows = list(_tsv(path))
+    images = {row["index"].strip(): row["image"] for _, row in rows if _present(row.get("index")) and "image" in row}
+    for source, row in rows:
+        yield source, {**row, "_images": images}
 
 
 def _present(value) -> bool:
@@ -188,12 +296,27 @@ def _mmbench(row: dict) -> dict:
         raise RecordError("no answer (MMBench's test split has none; evaluate on dev)")
     if not _present(row.get("image")):
         raise RecordError("no image cell")
+    image = row["image"].strip()
+    if len(image) <= _IMAGE_REFERENCE_CHARS:  # the index of the row holding this image
+        target = row.get("_images", {}).get(image)
+        if not _present(target) or len(target.strip()) <= _IMAGE_REFERENCE_CHARS:
+            raise RecordError(
+                f"image cell {image!r} is neither base64 image data nor the index of a row holding an image in this "
+                "file; put the image's base64 (or that row's index) in the image column"
+            )
+        image = target.strip()
+    choices = {c: row[c] for c in "ABCDE" if _present(row.get(c))}
+    if row["answer"].strip() not in choices:
+        raise RecordError(
+            f"answer {row['answer']!r} is not one of its options {list(choices)} (columns A..E); no prediction "
+            "could score on it: fix the answer or the option columns"
+        )
     return {
         "id": str(row["index"]),
-        "image": "data:image/jpeg;base64," + row["image"],
+        "image": "data:image/jpeg;base64," + image,
         "question": question,
-        "choices": {c: row[c] for c in "ABCDE" if _present(row.get(c))},
-        "answer": row["answer"],
+        "choices": choices,
+        "answer": row["answer"].strip(),
     }
 
 
@@ -207,6 +330,6 @@ BENCHMARKS: dict[str, Benchmark] = {
     "docvqa": Benchmark("anls", _data_list, _docvqa),
     "chartqa": Benchmark("relaxed_accuracy", _list, _chartqa),
     "refcoco": Benchmark("grounding", _refcoco_items, _refcoco),
-    "mmbench": Benchmark("multiple_choice", _tsv, _mmbench),
+    "mmbench": Benchmark("multiple_choice", _mmbench_items, _mmbench),
     "pope": Benchmark("yes_no", _json_lines, _pope),
 }
