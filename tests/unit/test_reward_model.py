@@ -114,3 +114,22 @@ def test_prefetching_data_workers_leave_the_model_bit_identical(data_dir, tmp_pa
         run(cfg, base_model=BASE, data=str(data_dir), output_dir=out, tracker=NullTracker())
 
     assert_same_with_and_without_workers(run_with, tmp_path)
+
+
+def test_gradient_checkpointing_trains_the_same_reward_model(data_dir, tmp_path):
+    """prod presets train the reward model with gradient checkpointing: the backbone's layers are checkpointed
+    (recomputed in the backward) and the run follows the plain one."""
+    from safetensors.torch import load_file
+
+    def run_with(checkpointing, out):
+        cfg = _cfg()
+        train = {**cfg.train.model_dump(), "steps": 3, "eval_every": 0, "gradient_checkpointing": checkpointing}
+        return run(_cfg(train=train), base_model=BASE, data=str(data_dir), output_dir=out, tracker=NullTracker())
+
+    plain, checkpointed = run_with(False, tmp_path / "plain"), run_with(True, tmp_path / "ckpt")
+    assert checkpointed["train_loss_final"] == pytest.approx(plain["train_loss_final"], rel=1e-5)
+    heads = [load_file(str(tmp_path / name / "model" / "reward_head.safetensors")) for name in ("plain", "ckpt")]
+    assert torch.allclose(heads[0]["weight"], heads[1]["weight"], atol=1e-6)
+    model = RewardModel(load_vlm(BASE)[0])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert model.backbone.is_activation_checkpointing

@@ -35,6 +35,14 @@ class RewardModel(torch.nn.Module):
     def get_input_embeddings(self):
         return self.backbone.get_input_embeddings()
 
+    def gradient_checkpointing_enable(self, **kwargs):
+        """Checkpoint the backbone's layers (the head is one Linear): what TrainLoop asks of a model when
+        `train.gradient_checkpointing` is on."""
+        self.backbone.gradient_checkpointing_enable(**kwargs)
+
+    def enable_input_require_grads(self):
+        self.backbone.enable_input_require_grads()
+
     def scores(self, batch: dict, samples: list[Sample]) -> torch.Tensor:
         """One reward per sample of a packed batch, read at each sample's `reward_index`."""
         hidden = forward_hidden(self.backbone, batch)[0]
