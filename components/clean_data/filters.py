@@ -74,6 +74,8 @@ def garbage_caption(text: str, *, min_words: int, min_letter_ratio: float, max_r
 
 def check_caption(raw: bytes, cfg) -> tuple[str | None, Rejection | None]:
     """(caption text, None) or (None, (reason, detail)) for caption bytes."""
+    if not isinstance(raw, (bytes, bytearray)):  # the readers turn other values into rejections; never crash here
+        return None, ("missing_caption", f"caption is {type(raw).__name__}, not text (UTF-8 bytes)")
     if len(raw) > 4 * cfg.max_caption_chars + 4:  # cheap bound before decoding (UTF-8 is at most 4 bytes a char)
         return None, ("caption_too_long", f"{len(raw)} bytes > 4 x max_caption_chars={cfg.max_caption_chars}")
     try:

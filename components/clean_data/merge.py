@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 from components._shared.platform.tracking import Tracker
 from components.clean_data import filters
 from components.clean_data.config import CleanDataConfig
+from components.clean_data.readers import shard_names
 from components.clean_data.records import (
     FINAL_KEPT_SCHEMA,
     REJECTED_SCHEMA,
@@ -50,6 +51,11 @@ def _read_shard_dir(shard_dir: Path) -> tuple[dict[str, Any], pa.Table, pa.Table
     if missing:
         raise ValueError(f"shard dir {shard_dir} lacks {missing}; it must be the output_dir of a finished clean_shard.")
     return json.loads(paths[0].read_text()), pq.read_table(paths[1]), pq.read_table(paths[2])
+
+
+def _with_shard(table: pa.Table, name: str) -> pa.Table:
+    index = table.schema.get_field_index("shard")
+    return table.set_column(index, "shard", pa.array([name] * table.num_rows, pa.string()))
 
 
 def _outliers(
@@ -162,9 +168,17 @@ def merge_shards(cfg: CleanDataConfig, *, shard_dirs: list[Path], output_dir: Pa
         reports.append(report)
         kept_tables.append(kept.cast(SHARD_KEPT_SCHEMA))
         rejected_tables.append(rejected.cast(REJECTED_SCHEMA))
-    names = [r["shard"] for r in reports]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two shard dirs report the same shard name: {sorted(n for n in names if names.count(n) > 1)}")
+    uris = [r.get("shard_uri") or r["shard"] for r in reports]
+    if len(set(uris)) != len(uris):
+        raise ValueError(
+            f"two shard dirs report the same shard: {sorted({u for u in uris if uris.count(u) > 1})}; pass each "
+            "clean_shard output once."
+        )
+    for i, name in enumerate(shard_names(uris)):  # `part1/00000.tar` and `part2/00000.tar` stay apart
+        if name != reports[i]["shard"]:
+            reports[i]["shard"] = name
+            kept_tables[i] = _with_shard(kept_tables[i], name)
+            rejected_tables[i] = _with_shard(rejected_tables[i], name)
     table = pa.concat_tables(kept_tables)
     timer = Timer()
     info: dict[str, Any] = {}

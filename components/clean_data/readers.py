@@ -1,12 +1,14 @@
 """Stream records out of lake shards: WebDataset tars (in memory, never extracted) and Parquet files.
 
-A record is the members of a tar that share a key (`KEY.jpg`, `KEY.txt`, `KEY.json`), or one Parquet row.
-Readers never raise for bad content: unsafe or oversized members become records with a `reject` reason,
-and a shard that breaks part-way ends the stream with a `ShardError` describing what was lost.
+A record is the consecutive members of a tar that share a key (`KEY.jpg`, `KEY.txt`, `KEY.json`), or one
+Parquet row. Readers never raise for bad content: unsafe or oversized members, a key used twice in a shard and a
+key with two images or two captions become records with a `reject` reason, and a shard that breaks part-way ends
+the stream with a `ShardError` describing what was lost.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import posixpath
@@ -33,6 +35,7 @@ class Record:
     caption: bytes | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     reject: tuple[str, str] | None = None  # (reason, detail)
+    image_sha256: str | None = None  # set instead of `image` when the reader dropped the bytes of a rejected record
 
 
 @dataclass
@@ -46,8 +49,22 @@ class ShardError:
 
 
 def shard_name(uri: str) -> str:
-    """The shard's file name (`00003.tar`), the value of the `shard` column."""
+    """The shard's file name (`00003.tar`), the value of the `shard` column until the merge names it (shard_names)."""
     return posixpath.basename(uri.rstrip("/")) if "://" in uri else Path(uri).name
+
+
+def shard_names(uris: list[str]) -> list[str]:
+    """Names for a lake's shards that cannot collide: each URI's path below the deepest folder all of them share.
+
+    A flat lake keeps the file names (`00003.tar`); a nested one gets `part1/00000.tar` and `part2/00000.tar`.
+    """
+    parts = [uri.rstrip("/").split("/") for uri in uris]
+    if not parts:
+        return []
+    common, limit = 0, min(len(p) for p in parts) - 1  # the file name always stays
+    while common < limit and all(p[common] == parts[0][common] for p in parts):
+        common += 1
+    return ["/".join(p[common:]) for p in parts]
 
 
 def open_shard(uri: str):
@@ -82,31 +99,73 @@ def unsafe_reason(member: tarfile.TarInfo) -> str | None:
     return None
 
 
+DUPLICATE_MEMBER_FIX = "keep one image, one caption (.txt) and at most one .json per key"
+
+
 class _Group:
+    """The consecutive members of one key, assembled into its Record."""
+
     def __init__(self, key: str, shard: str) -> None:
         self.record = Record(key=key, shard=shard)
-        self.captions: list[str] = []
+        self.caption_member: str | None = None
+        self.json_member: str | None = None
+
+    def reject(self, reason: str, detail: str) -> None:
+        if self.record.reject is None:  # the first problem names the record's reason
+            self.record.reject = (reason, detail)
 
     def add(self, ext: str, member: str, data: bytes | None, problem: tuple[str, str] | None) -> None:
         rec = self.record
-        if problem and rec.reject is None:
-            rec.reject = problem
+        if problem:
+            self.reject(*problem)
         if data is None:
             return
         base_ext = ext.rsplit(".", 1)[-1]
-        if base_ext in IMAGE_EXTENSIONS and rec.image is None:
-            rec.image, rec.image_member = data, member
-        elif base_ext in CAPTION_EXTENSIONS and rec.caption is None:
-            rec.caption = data
+        if base_ext in IMAGE_EXTENSIONS:
+            if rec.image is None:
+                rec.image, rec.image_member = data, member
+            else:
+                self.reject(
+                    "duplicate_member",
+                    f"key {rec.key!r} has two images, {rec.image_member!r} and {member!r}; {DUPLICATE_MEMBER_FIX}",
+                )
+        elif base_ext in CAPTION_EXTENSIONS:
+            if rec.caption is None:
+                rec.caption, self.caption_member = data, member
+            else:
+                self.reject(
+                    "duplicate_member",
+                    f"key {rec.key!r} has two captions, {self.caption_member!r} and {member!r}; {DUPLICATE_MEMBER_FIX}",
+                )
         elif base_ext == "json":
-            rec.metadata = _parse_metadata(data)
+            if self.json_member is None:
+                rec.metadata, self.json_member = _parse_metadata(data), member
+            else:
+                self.reject(
+                    "duplicate_member",
+                    f"key {rec.key!r} has two .json members, {self.json_member!r} and {member!r}; "
+                    f"{DUPLICATE_MEMBER_FIX}",
+                )
+
+    @property
+    def complete(self) -> bool:
+        """True when the record is settled: rejected already, or with its image and caption."""
+        rec = self.record
+        return rec.reject is not None or (rec.image is not None and rec.caption is not None)
+
+    def park(self) -> None:
+        """Keep only what the rejection row needs (the image's sha256) while the key waits for the shard's end."""
+        rec = self.record
+        if rec.image is not None:
+            rec.image_sha256 = hashlib.sha256(rec.image).hexdigest()
+        rec.image = rec.caption = None
 
     def finish(self) -> Record:
         rec = self.record
-        if rec.reject is None and rec.image is None:
-            rec.reject = ("missing_image", "no image member (.jpg/.png/.webp) for this key")
-        elif rec.reject is None and rec.caption is None:
-            rec.reject = ("missing_caption", "no caption member (.txt) for this key")
+        if rec.image is None and rec.image_sha256 is None:
+            self.reject("missing_image", "no image member (.jpg/.png/.webp) for this key")
+        elif rec.caption is None and self.caption_member is None:
+            self.reject("missing_caption", "no caption member (.txt) for this key")
         return rec
 
 
@@ -120,60 +179,125 @@ def _parse_metadata(data: bytes) -> dict[str, Any]:
     )
 
 
+SPLIT_KEY_FIX = (
+    "WebDataset needs the members of one sample next to each other; rewrite the shard sorted by member name "
+    "(e.g. `tar --sort=name`)"
+)
+
+
+class _TarRecords:
+    """Turns a tar's members, in order, into records: one per run of consecutive members sharing a key.
+
+    A record still missing its image or caption waits (its bytes dropped, `park`) until the shard's end, because its
+    key may come back; a key that comes back is rejected as `duplicate_key` (counted once if it was waiting, as a
+    second record if its record was already yielded). Memory: the shard's keys and waiting metadata, no image bytes.
+    """
+
+    def __init__(self, shard: str) -> None:
+        self.shard = shard
+        self.group: _Group | None = None
+        self.waiting: dict[str, _Group] = {}
+        self.settled: set[str] = set()  # keys whose record was yielded
+        self.count = 0  # records yielded
+
+    def switch(self, key: str, member: str, index: int) -> Iterator[Record]:
+        """Start (or resume) the group of `key` when it differs from the current one, yielding what that settles."""
+        if self.group is not None and key == self.group.record.key:
+            return
+        yield from self._close()
+        if key in self.waiting:
+            self.group = self.waiting.pop(key)
+            self.group.reject(
+                "duplicate_key",
+                f"members of key {key!r} are not consecutive: {member!r} (member {index}) comes after other keys' "
+                f"members; {SPLIT_KEY_FIX}",
+            )
+            return
+        self.group = _Group(key, self.shard)
+        if key in self.settled:
+            self.group.reject(
+                "duplicate_key",
+                f"key {key!r} comes back at {member!r} (member {index}) after its record was read; these later "
+                f"members are a second record with the same key; {SPLIT_KEY_FIX}",
+            )
+
+    def _close(self) -> Iterator[Record]:
+        done, self.group = self.group, None
+        if done is None:
+            return
+        if done.complete:
+            self.settled.add(done.record.key)
+            self.count += 1
+            yield done.finish()
+        else:
+            done.park()
+            self.waiting[done.record.key] = done
+
+    def broken(self, error: Exception) -> Iterator[Record]:
+        """The tar broke: the record being read is a `shard_error`; the waiting ones keep their own reason."""
+        if self.group is not None:
+            self.group.record.reject = ("shard_error", f"shard broke while reading this record: {error}"[:300])
+            self.count += 1
+            yield self.group.record
+            self.group = None
+        yield from self.end()
+
+    def end(self) -> Iterator[Record]:
+        yield from self._close()
+        for done in self.waiting.values():
+            self.count += 1
+            yield done.finish()
+        self.waiting.clear()
+
+
+def _member_data(tar: tarfile.TarFile, member: tarfile.TarInfo, max_member_bytes: int):
+    """(bytes, None), or (None, (reason, detail)) for a member that must not be read."""
+    problem = unsafe_reason(member)
+    if problem is not None:
+        return None, ("unsafe_member", problem)
+    if member.size > max_member_bytes:
+        return None, (
+            "file_too_large",
+            f"member {member.name!r} has {member.size} bytes > max_file_bytes={max_member_bytes}",
+        )
+    handle = tar.extractfile(member)
+    data = handle.read() if handle is not None else b""
+    if len(data) != member.size:
+        raise tarfile.ReadError(f"member {member.name!r} ends after {len(data)} of {member.size} bytes")
+    return data, None
+
+
 def read_tar(stream: BinaryIO, shard: str, *, max_member_bytes: int, errors: list[ShardError]) -> Iterator[Record]:
-    """Records of a WebDataset tar read as a stream (`r|*`: no seeking, nothing written to disk).
+    """Records of a WebDataset tar read as a stream (`r|*`: plain or gzip/bz2/xz, no seeking, nothing written to disk).
 
     Consecutive members sharing a key form one record. A member that is unsafe (absolute name, `..`,
-    link, device) or larger than `max_member_bytes` is never read and makes its record rejected. If the
-    tar breaks, the record being assembled is rejected as `shard_error` and a `ShardError` is appended.
+    link, device) or larger than `max_member_bytes` is never read and makes its record rejected. A key with two
+    images or two captions is `duplicate_member`; a key whose members are not consecutive is `duplicate_key`
+    (`_TarRecords`). If the tar breaks, the record being assembled is rejected as `shard_error` and a
+    `ShardError` is appended.
     """
-    count = 0
-    group: _Group | None = None
+    records = _TarRecords(shard)
     offset = 0
     try:
         with tarfile.open(fileobj=stream, mode="r|*") as tar:
-            for member in tar:
+            for index, member in enumerate(tar):
                 offset = member.offset
                 if member.isdir():
                     continue
                 key, ext = _split_member(member.name)
-                if group is None or key != group.record.key:
-                    if group is not None:
-                        count += 1
-                        yield group.finish()
-                    group = _Group(key, shard)
-                problem = unsafe_reason(member)
-                if problem is not None:
-                    group.add(ext, member.name, None, ("unsafe_member", problem))
-                    continue
-                if member.size > max_member_bytes:
-                    group.add(
-                        ext,
-                        member.name,
-                        None,
-                        (
-                            "file_too_large",
-                            f"member {member.name!r} has {member.size} bytes > max_file_bytes={max_member_bytes}",
-                        ),
-                    )
-                    continue
-                handle = tar.extractfile(member)
-                data = handle.read() if handle is not None else b""
-                if len(data) != member.size:
-                    raise tarfile.ReadError(f"member {member.name!r} ends after {len(data)} of {member.size} bytes")
-                group.add(ext, member.name, data, None)
+                yield from records.switch(key, member.name, index)
+                data, problem = _member_data(tar, member, max_member_bytes)
+                assert records.group is not None  # switch always leaves a group for `key`
+                records.group.add(ext, member.name, data, problem)
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:  # zlib/gzip errors surface as OSError
-        if group is not None:
-            group.record.reject = ("shard_error", f"shard broke while reading this record: {exc}"[:300])
-            count += 1
-            yield group.record
-            group = None
+        yield from records.broken(exc)
         errors.append(
-            ShardError(shard=shard, error=f"{type(exc).__name__}: {exc}"[:500], records_read=count, offset=offset)
+            ShardError(
+                shard=shard, error=f"{type(exc).__name__}: {exc}"[:500], records_read=records.count, offset=offset
+            )
         )
         return
-    if group is not None:
-        yield group.finish()
+    yield from records.end()
 
 
 def _first_column(names: list[str], candidates: tuple[str, ...]) -> str | None:
@@ -192,10 +316,29 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
+def _describe(value: Any) -> str:
+    text = repr(_json_safe(value))
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _fallback_key(index: int, taken: set[str]) -> str:
+    """`row-000000007` for a row without a key; `row-000000007~1` if a real key of the shard has that name."""
+    key, n = f"row-{index:09d}", 0
+    while key in taken:
+        n += 1
+        key = f"row-{index:09d}~{n}"
+    return key
+
+
 def read_parquet(
     source: BinaryIO, shard: str, *, max_member_bytes: int, errors: list[ShardError], batch_rows: int = 256
 ) -> Iterator[Record]:
-    """Records of a Parquet lake file: image column jpg|png|webp|image, caption column caption|txt, key column."""
+    """Records of a Parquet lake file: image column jpg|png|webp|image, caption column caption|txt, key column.
+
+    A row without a key is named `row-NNNNNNNNN` by its index (never a name a real key of the shard has); a key used
+    by an earlier row is rejected as `duplicate_key`; a caption that is not a string (a list, a number) is rejected
+    as `missing_caption` naming the type.
+    """
     import pyarrow.parquet as pq
 
     count = 0
@@ -204,9 +347,15 @@ def read_parquet(
         names = parquet.schema_arrow.names
         image_col = _first_column(names, PARQUET_IMAGE_COLUMNS)
         caption_col = _first_column(names, PARQUET_CAPTION_COLUMNS)
+        real_keys = (
+            {str(k) for k in parquet.read(columns=["key"]).column("key").to_pylist() if k is not None}
+            if "key" in names
+            else set()
+        )
+        first_row: dict[str, int] = {}  # key -> the row that used it first
         for batch in parquet.iter_batches(batch_size=batch_rows):
             for row in batch.to_pylist():
-                key = str(row["key"]) if row.get("key") is not None else f"row-{count:09d}"
+                key = str(row["key"]) if row.get("key") is not None else _fallback_key(count, real_keys)
                 rec = Record(key=key, shard=shard)
                 image = row.get(image_col) if image_col else None
                 if isinstance(image, dict):  # Hugging Face datasets' {"bytes", "path"} struct
@@ -215,7 +364,14 @@ def read_parquet(
                 if isinstance(caption, str):
                     caption = caption.encode("utf-8")
                 rec.metadata = {k: _json_safe(v) for k, v in row.items() if k not in (image_col, caption_col, "key")}
-                if image is None:
+                if key in first_row:
+                    rec.reject = (
+                        "duplicate_key",
+                        f"row {count} has key {key!r}, already used by row {first_row[key]} of this shard; keys must "
+                        "be unique within a shard: fix the writer, or drop the key column and clean_data names the "
+                        "rows row-NNNNNNNNN",
+                    )
+                elif image is None:
                     rec.reject = ("missing_image", f"no image value (columns tried: {list(PARQUET_IMAGE_COLUMNS)})")
                 elif not isinstance(image, bytes):
                     rec.reject = (
@@ -229,10 +385,17 @@ def read_parquet(
                         "missing_caption",
                         f"no caption value (columns tried: {list(PARQUET_CAPTION_COLUMNS)})",
                     )
+                elif not isinstance(caption, bytes):
+                    rec.reject = (
+                        "missing_caption",
+                        f"caption column {caption_col!r} holds {type(caption).__name__} {_describe(caption)}, not a "
+                        "string; write one caption string (or UTF-8 bytes) per row",
+                    )
+                first_row.setdefault(key, count)
                 rec.image, rec.image_member, rec.caption = (
                     (image if isinstance(image, bytes) else None),
                     image_col,
-                    caption,
+                    (caption if isinstance(caption, bytes) else None),
                 )
                 count += 1
                 yield rec

@@ -23,6 +23,8 @@ REASONS = (
     "file_too_large",
     "missing_image",
     "missing_caption",
+    "duplicate_key",
+    "duplicate_member",
     "shard_error",
     "empty_file",
     "caption_not_utf8",

@@ -33,7 +33,7 @@ from components.clean_data.records import (
 
 
 def _cheap_checks(rec: Record, cfg: CleanDataConfig, timer: Timer) -> Candidate | dict[str, Any]:
-    image_hash = hashlib.sha256(rec.image).hexdigest() if rec.image is not None else None
+    image_hash = hashlib.sha256(rec.image).hexdigest() if rec.image is not None else rec.image_sha256
     if rec.reject is not None:
         return rejection(rec.key, rec.shard, *rec.reject, image_hash)
     if not rec.image:

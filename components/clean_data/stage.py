@@ -6,15 +6,16 @@ In the pipeline:  list_shards_op -> clean_shard_op per shard (ParallelFor) -> me
                   the same three functions `run` calls in one process.
 
 Per shard (shard.py; cheapest first): reader problems (unsafe_member, file_too_large, missing_image/caption,
-shard_error), caption checks, safe decode, size/aspect, exact and near dedup, then the model levels on what is
-left: CLIP score, NSFW, OCR text the caption never mentions (docs/stages/clean_data.md). The merge (merge.py)
-repeats exact/near dedup across shards (the smallest key wins), drops kNN outliers in CLIP image space and, if a
-judge model is set, the worst fraction by its caption loss; then writes kept/ and rejected/ Parquet parts,
-manifest.json and report.md.
+duplicate_key/member, shard_error), caption checks, safe decode, size/aspect, exact and near dedup, then the model
+levels on what is left: CLIP score, NSFW, OCR text the caption never mentions (docs/stages/clean_data.md). The merge
+(merge.py) names the shards apart (shard_names), repeats exact/near dedup across shards (the smallest key wins),
+drops kNN outliers in CLIP image space and, if a judge model is set, the worst fraction by its caption loss; then
+writes kept/ and rejected/ Parquet parts, manifest.json and report.md.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,33 @@ from components.clean_data.config import CleanDataConfig
 from components.clean_data.merge import merge_shards
 from components.clean_data.shard import clean_shard
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["clean_shard", "list_shards", "main", "merge_shards", "run"]  # the functions the components call
 
 
 def list_shards(lake_uri: str) -> list[str]:
-    """The lake's shard URIs (`*.tar`, `*.parquet`), local or s3://, sorted."""
-    from components._shared.platform.storage import list_lake_shards
+    """The lake's shard URIs (`*.tar`, `*.tar.gz`, `*.tgz`, `*.parquet`, subfolders included), local or s3://, sorted.
 
-    return list_lake_shards(str(lake_uri))
+    Other files in the lake (img2dataset's `*_stats.json`, stray files) are not read; a warning names how many and
+    the first few, so none is skipped silently.
+    """
+    from components._shared.platform.storage import LAKE_SHARD_SUFFIXES, list_lake_files, list_lake_shards
+
+    shards, others = list_lake_files(str(lake_uri))
+    if not shards:
+        return list_lake_shards(str(lake_uri))  # raises: no shard, naming the lake and the fix
+    if others:
+        shown = ", ".join(others[:5]) + (f", ... ({len(others) - 5} more)" if len(others) > 5 else "")
+        logger.warning(
+            "lake_uri=%s: %d file(s) are not shards and are not read: %s (shards end in %s; move other files out of "
+            "the lake to silence this)",
+            lake_uri,
+            len(others),
+            shown,
+            " ".join(LAKE_SHARD_SUFFIXES),
+        )
+    return shards
 
 
 def shard_items(lake_uri: str, content_key: str = "") -> list[dict[str, str]]:

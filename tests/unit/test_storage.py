@@ -104,6 +104,23 @@ def test_file_round_trip_and_list_files(base, tmp_path):
     assert back.read_bytes() == source.read_bytes()
 
 
+def test_lake_listing_goes_into_subfolders_takes_compressed_tars_and_returns_other_files(base):
+    lake = storage.join(base, "lake")
+    names = ("00000.tar", "part2/00000.tar", "part2/x/00001.tgz", "00002.tar.gz", "00003.parquet")  # 00003: images
+    others = ("00000.parquet", "00000_stats.json", "part2/00000.parquet", "part2/readme.md")  # img2dataset metadata
+    for name in names + others:
+        storage.write_bytes(storage.join(lake, name), b"x")
+    shards = storage.list_lake_shards(lake)
+    assert shards == [storage.join(lake, n) for n in sorted(names)]  # sorted, every folder, .tar.gz and .tgz too
+    assert storage.list_lake_files(lake) == (shards, [storage.join(lake, n) for n in others])
+    for name in ("00000_stats.json", "part2/readme.md"):
+        storage.write_bytes(storage.join(base, "no-shards", name), b"x")
+    with pytest.raises(
+        ValueError, match=r"No \*\.tar, .* or \*\.parquet shards .*it holds 2 other file\(s\), e\.g\. .*00000_stats"
+    ):
+        storage.list_lake_shards(storage.join(base, "no-shards"))
+
+
 def test_multipart_upload_really_splits_and_round_trips(s3_env, tmp_path):
     data = os.urandom(11 * MiB)  # boto3 parts are at least 5 MiB: 11 MiB -> 3 parts
     (tmp_path / "big.bin").write_bytes(data)
