@@ -47,7 +47,7 @@ def test_llava_array_pretty_printed_and_jsonl_read_the_same(photos, tmp_path):
     assert by_format["llava.json"] == by_format["llava.jsonl"]
     records = readers.load_conversations(root, file_name="llava.json")
     assert len(records) == 6 and records[0]["type"] == "photo_caption"
-    assert records[0]["source"] == "llava.json:2"  # the line the record starts on in the pretty-printed array
+    assert records[0]["source"] == "llava.json:2 [0]"  # the line the record starts on, its index in the array
     pair = records[-1]
     assert pair["images"] == [paths["chelsea"], paths["rocket"]] and pair["turns"][0]["text"].count("<image>") == 2
     shutil.copytree(root / "images", tmp_path / "images")

@@ -1,8 +1,9 @@
 """The data formats people have, read once into the stages' records.
 
-Containers: JSON Lines (`.jsonl`, `.ndjson`), a JSON array (`.json`, LLaVA's own release form, pretty-printed or on
-one line) and Parquet (`.parquet`, the hub's layout: an image column of {"bytes", "path"} structs or raw bytes,
-read lazily row group by row group). Record shapes, detected per record or fixed by a file's `format`:
+Containers (read by eval/containers.py): JSON Lines (`.jsonl`, `.ndjson`), a JSON array (`.json`, LLaVA's own release
+form, pretty-printed or on one line) and Parquet (`.parquet`, the hub's layout: an image column of {"bytes", "path"}
+structs or raw bytes, read lazily row group by row group). Record shapes, detected per record or fixed by a file's
+`format`:
 
 - `llava` / `sharegpt`: {"id", "image" | "images", "conversations": [{"from": "system"|"human"|"gpt", "value"}]}
   (or role/content turns; a top-level "system" string is a system turn); `<image>` marks each image's place.
@@ -14,20 +15,26 @@ read lazily row group by row group). Record shapes, detected per record or fixed
   style), the prompt a string or messages, chosen / rejected strings or one assistant message.
 
 Images are referenced by path (inside the data directory), s3:// URI, a data: URI, or Parquet bytes. Every record
-keeps `source` ("file:line", "file row N") and every bad record is reported with it, all at once.
+keeps `source` ("file:line", "file:line [index in the array]", "file row N") and every bad record is reported with it,
+all at once. Texts are checked here, before any training, for what the tokenizer would stop on later: the chat
+template's control tokens (CONTROL_TOKENS) and lone surrogates (a broken \\u escape).
 Video is not read (a video part is refused with its source): decoding and sampling video is its own input path.
 """
 
 from __future__ import annotations
 
 import base64
-import bisect
-import json
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from components._shared.eval.containers import (  # noqa: F401 - the containers are read through this module
+    ParquetImage,
+    Unparsable,
+    iter_file,
+    read_parquet_image,
+)
+
+ImageRef = str | bytes | ParquetImage
 
 RECORD_FORMATS = ("auto", "llava", "sharegpt", "messages", "flat", "preference")
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
@@ -35,208 +42,38 @@ IMAGE_MARKER = "<image>"
 MAX_REPORTED = 20
 _LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _DATA_URI = re.compile(r"^data:image/[\w.+-]+;base64,", re.I)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
+# The Qwen VL tokenizers' special tokens (Qwen2-VL's added tokens, shared by Qwen2.5-VL, Qwen3-VL and Qwen3.5; the
+# synthetic world's tokenizer has the same). model/packing.py's ConversationEncoder refuses text holding any of them
+# (with the checkpoint's own special tokens) when it encodes; the readers refuse such records here, before training.
+CONTROL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>",
+)  # fmt: skip
 
 
 class RecordError(ValueError):
     """A record that cannot be used; the message says why and how to fix it."""
 
 
-@dataclass(frozen=True)
-class ParquetImage:
-    """An image stored in a Parquet file: row `row` of `column` (element `index` of a list column)."""
-
-    path: str
-    row: int
-    column: str
-    index: int | None = None
-
-
-ImageRef = str | bytes | ParquetImage
-
-
-# ------------------------------------------------------------------------------------------ containers ---
-
-
-def iter_file(path: Path) -> Iterator[tuple[str, Any]]:
-    """(source, raw record) of a data file, in file order; the container is chosen by the file's suffix."""
-    if not path.is_file():
-        raise ValueError(f"{path} does not exist; name a file inside the data directory.")
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
-        yield from _iter_jsonl(path)
-    elif suffix == ".json":
-        yield from _iter_json_array(path)
-    elif suffix == ".parquet":
-        yield from _iter_parquet(path)
-    else:
-        raise ValueError(f"{path}: unknown data file type {suffix!r}; use .jsonl, .json (an array) or .parquet.")
-
-
-def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    """(source, record) per non-blank line; a line that is not UTF-8 or not JSON comes as an `Unparsable`, so the
-    reader reports it with every other bad record."""
-    with path.open("rb") as lines:
-        for n, raw in enumerate(lines, 1):
-            source = f"{path.name}:{n}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                yield (
-                    source,
-                    Unparsable(f"not UTF-8 text (byte {error.start} of the line); re-encode the file as UTF-8"),
-                )
-                continue
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                yield source, Unparsable(f"not valid JSON ({error.msg}); fix or remove that line")
-                continue
-            if isinstance(record, list) and n == 1:
-                raise ValueError(f"{source}: a JSON array on a .jsonl line; name the file .json (one array) instead.")
-            yield source, record
-
-
-class Unparsable(str):
-    """A data line that could not be read, with the reason (reported like any other bad record)."""
-
-
-def _iter_json_array(path: Path) -> Iterator[tuple[str, dict]]:
-    """Items of a top-level JSON array with the line each starts on (raw_decode walks the array item by item)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path.name}: not UTF-8 text (byte {error.start}); re-encode the file as UTF-8.") from None
-    decoder = json.JSONDecoder()
-    pos = _skip_space(text, 0)
-    if pos < len(text) and text[pos] == "{":
-        raise ValueError(
-            f"{path.name}: a JSON object, not an array of records; a .json data file holds one array (LLaVA's form). "
-            "Benchmark annotation files are read with their format (dataset.yaml: format: docvqa, ...)."
+def check_text(text: str, where: str) -> str:
+    """`text` unchanged, or a RecordError naming `where` when the tokenizer would stop on it mid-run: a chat control
+    token (read as template structure) or a lone surrogate (not text; a broken \\u escape in the JSON)."""
+    found = [token for token in CONTROL_TOKENS if token in text]
+    if found:
+        raise RecordError(
+            f"{where}: the text holds the chat control token(s) {found}, which the chat template would read as "
+            "structure; remove them from the data"
         )
-    if pos >= len(text) or text[pos] != "[":
-        raise ValueError(f"{path.name}: not a JSON array; a .json data file holds one array of records.")
-    pos = _skip_space(text, pos + 1)
-    index = 0
-    while pos < len(text) and text[pos] != "]":
-        line = text.count("\n", 0, pos) + 1
-        try:
-            record, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"{path.name}:{error.lineno}: not valid JSON ({error.msg}) in record {index}; fix the file."
-            ) from error
-        yield f"{path.name}:{line}", record
-        index += 1
-        pos = _skip_space(text, end)
-        if pos < len(text) and text[pos] == ",":
-            pos = _skip_space(text, pos + 1)
-        elif pos < len(text) and text[pos] != "]":
-            raise ValueError(
-                f"{path.name}:{text.count(chr(10), 0, pos) + 1}: expected ',' or ']' after record {index - 1}."
-            )
-
-
-def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t\r\n":
-        pos += 1
-    return pos
-
-
-def _image_columns(schema) -> dict[str, bool]:
-    """Columns that hold images: {name: is a list column}; a struct with a "bytes" field, or raw binary."""
-    import pyarrow as pa
-
-    def is_image(kind) -> bool:
-        return (
-            pa.types.is_binary(kind)
-            or pa.types.is_large_binary(kind)
-            or (pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0)
+    surrogate = _SURROGATE.search(text)
+    if surrogate:
+        raise RecordError(
+            f"{where}: a lone surrogate {surrogate.group()!r} at character {surrogate.start()} (a broken \\u escape), "
+            "which no tokenizer can encode; fix the escape or re-export the file"
         )
-
-    out = {}
-    for field in schema:
-        if is_image(field.type):
-            out[field.name] = False
-        elif (pa.types.is_list(field.type) or pa.types.is_large_list(field.type)) and is_image(field.type.value_type):
-            out[field.name] = True
-    return out
-
-
-def _iter_parquet(path: Path) -> Iterator[tuple[str, dict]]:
-    """Rows as dicts, image cells as ParquetImage references (read later, one row group at a time)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    handle = pq.ParquetFile(path)
-    images = _image_columns(handle.schema_arrow)
-    others = [name for name in handle.schema_arrow.names if name not in images]
-    leaves = [handle.schema.column(i).path for i in range(len(handle.schema))]
-    # a list column's lengths from a leaf other than the image bytes (the struct's "path"), so no image is read here
-    length_of = {
-        name: next((p for p in leaves if p.startswith(f"{name}.") and not p.endswith(".bytes")), name)
-        for name, is_list in images.items()
-        if is_list
-    }
-    row = 0
-    for group in range(handle.num_row_groups):
-        table = handle.read_row_group(group, columns=others)
-        lengths = {
-            name: pc.list_value_length(handle.read_row_group(group, columns=[leaf]).column(0)).to_pylist()
-            for name, leaf in length_of.items()
-        }
-        for i, record in enumerate(table.to_pylist()):
-            for name, is_list in images.items():
-                if is_list:
-                    record[name] = [ParquetImage(str(path), row + i, name, k) for k in range(lengths[name][i] or 0)]
-                else:
-                    record[name] = ParquetImage(str(path), row + i, name)
-            yield f"{path.name} row {row + i}", record
-        row += table.num_rows
-
-
-def read_parquet_image(ref: ParquetImage) -> tuple[bytes | None, str | None]:
-    """(bytes, path) of a Parquet image cell; a struct cell may hold a path instead of bytes."""
-    offsets = _group_offsets(ref.path)
-    group = bisect.bisect_right(offsets, ref.row) - 1
-    value = _row_group_column(ref.path, group, ref.column)[ref.row - offsets[group]]
-    if ref.index is not None:
-        value = value[ref.index]
-    if isinstance(value, dict):
-        return value.get("bytes"), value.get("path")
-    return value, None
-
-
-_OFFSETS: dict[str, list[int]] = {}
-
-
-def _group_offsets(path: str) -> list[int]:
-    if path not in _OFFSETS:
-        import pyarrow.parquet as pq
-
-        meta = pq.ParquetFile(path).metadata
-        offsets, total = [], 0
-        for g in range(meta.num_row_groups):
-            offsets.append(total)
-            total += meta.row_group(g).num_rows
-        _OFFSETS[path] = offsets
-    return _OFFSETS[path]
-
-
-_GROUP_CACHE: dict[tuple[str, int, str], list] = {}
-
-
-def _row_group_column(path: str, group: int, column: str) -> list:
-    """One row group's image column as Python values; the two most recent are kept (a shuffled sampler rereads)."""
-    key = (path, group, column)
-    if key not in _GROUP_CACHE:
-        import pyarrow.parquet as pq
-
-        if len(_GROUP_CACHE) >= 2:
-            _GROUP_CACHE.pop(next(iter(_GROUP_CACHE)))
-        _GROUP_CACHE[key] = pq.ParquetFile(path).read_row_group(group, columns=[column])[column].to_pylist()
-    return _GROUP_CACHE[key]
+    return text
 
 
 # ---------------------------------------------------------------------------------------------- fields ---
@@ -248,8 +85,16 @@ def image_ref(value: Any, image_root: str = "") -> ImageRef:
     if isinstance(value, ParquetImage | bytes):
         return value
     if isinstance(value, dict):
-        if value.get("bytes"):
-            return value["bytes"] if isinstance(value["bytes"], bytes) else _data_bytes(value["bytes"])
+        data = value.get("bytes")
+        if data is not None and data not in ("", b""):
+            if isinstance(data, bytes):
+                return data
+            if isinstance(data, str):
+                return _data_bytes(data)
+            raise RecordError(
+                f"'bytes' is a {type(data).__name__} ({str(data)[:40]}), not the image file's bytes; give them as "
+                "base64 text in JSON (bytes in Parquet), or give the image's 'path' instead"
+            )
         value = value.get("path") or value.get("url")
     if not isinstance(value, str) or not value.strip():
         raise RecordError(f"an image must be a path, s3:// URI or data: URI, got {value!r}")
@@ -272,13 +117,20 @@ def _data_bytes(text: str) -> bytes:
 
 
 def record_images(raw: dict, image_root: str) -> list[ImageRef]:
-    value = raw.get("images")
-    if value is None:
-        value = raw.get("image")
-        value = [] if value is None else [value]
-    if not isinstance(value, list):
-        value = [value]
-    return [image_ref(v, image_root) for v in value]
+    """The images of a record's 'images' (else 'image'); an unusable one is an error naming the field (and index)."""
+    key = "images" if raw.get("images") is not None else "image"
+    value = raw.get(key)
+    single = raw.get("image")
+    if key == "images" and single not in (None, "", []) and not (isinstance(value, list) and single in value):
+        raise RecordError("'image' is given beside 'images' and is not among them; put every image in 'images'")
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    out = []
+    for k, item in enumerate(values):
+        try:
+            out.append(image_ref(item, image_root))
+        except RecordError as error:
+            raise RecordError(f"'{key}'{f'[{k}]' if isinstance(value, list) else ''}: {error}") from None
+    return out
 
 
 def _text_of(content: Any, where: str, images: list, image_root: str) -> str:
@@ -321,12 +173,17 @@ def conversation(raw: dict, image_root: str = "") -> tuple[list[ImageRef], list[
         messages, key = raw["messages"], "messages"
     else:
         raise RecordError("no 'conversations' or 'messages' list")
-    if not isinstance(messages, list) or not messages:
-        raise RecordError(f"'{key}' must be a non-empty list of turns")
+    if not isinstance(messages, list):
+        raise RecordError(f"'{key}' must be a list of turns, got {type(messages).__name__}")
+    if not messages:
+        raise RecordError(f"'{key}' is empty; give the turns or drop the record")
     carried: list[ImageRef] = []
     turns = []
-    if isinstance(raw.get("system"), str) and raw["system"].strip():
-        turns.append({"role": "system", "text": raw["system"]})
+    system = raw.get("system")
+    if system is not None and not isinstance(system, str):
+        raise RecordError(f"'system' must be a string (the system prompt), got {type(system).__name__}")
+    if system is not None and system.strip():  # a blank top-level 'system' (a table's unset column) is no system
+        turns.append({"role": "system", "text": check_text(system, "'system'")})
     for i, turn in enumerate(messages):
         if not isinstance(turn, dict):
             raise RecordError(f"{key}[{i}] is {type(turn).__name__}, not a turn object")
@@ -343,7 +200,7 @@ def conversation(raw: dict, image_root: str = "") -> tuple[list[ImageRef], list[
             )
         if role != "user" and IMAGE_MARKER in text:
             raise RecordError(f"{key}[{i}]: an image marker in a {role} turn; images go in user turns")
-        turns.append({"role": role, "text": text})
+        turns.append({"role": role, "text": check_text(text, f"{key}[{i}]")})
     if carried and images:
         raise RecordError("images both in the record's 'images' and inside message parts; give them one way")
     images = images or carried
@@ -352,9 +209,11 @@ def conversation(raw: dict, image_root: str = "") -> tuple[list[ImageRef], list[
         raise RecordError(f"{len(images)} image(s) but {markers} {IMAGE_MARKER} marker(s); give one marker per image")
     if not any(t["role"] == "assistant" for t in turns):
         raise RecordError("no gpt/assistant turn to learn from")
-    empty = next((i for i, t in enumerate(turns) if t["role"] != "system" and not t["text"].strip()), None)
+    empty = next((i for i, t in enumerate(turns) if not t["text"].strip()), None)
     if empty is not None:
-        raise RecordError(f"turn {empty} ({turns[empty]['role']}) is empty; drop the turn or write it")
+        system = turns[empty]["role"] == "system"
+        fix = "drop the turn to keep the model's default system prompt" if system else "drop the turn"
+        raise RecordError(f"turn {empty} ({turns[empty]['role']}) is empty; {fix}, or write it")
     return images, turns
 
 
@@ -369,7 +228,13 @@ def choices_of(raw: dict) -> dict[str, str] | None:
         value = dict(zip(_LETTERS, value, strict=False))
     if not isinstance(value, dict) or len(value) < 2 or not all(isinstance(v, str) for v in value.values()):
         raise RecordError(f"choices must be two or more option strings (a list or {{letter: text}}), got {value!r}")
-    return {str(k).strip().upper(): v for k, v in value.items()}
+    return {str(k).strip().upper(): check_text(v, f"'choices' {k}") for k, v in value.items()}
+
+
+def _check_markers(text: str, images: list) -> None:
+    markers = text.count(IMAGE_MARKER)
+    if markers and markers != len(images):
+        raise RecordError(f"{len(images)} image(s) but {markers} {IMAGE_MARKER} marker(s); give one marker per image")
 
 
 def _strip_markers(text: str) -> str:
@@ -379,11 +244,11 @@ def _strip_markers(text: str) -> str:
 def _answers(value: Any) -> list[str]:
     """Reference answers: a string, a list of strings, or VQAv2's [{"answer": ...}, ...]."""
     if isinstance(value, str):
-        return [value]
+        return [check_text(value, "the answer")]
     if isinstance(value, list) and value:
         out = [v.get("answer") if isinstance(v, dict) else v for v in value]
         if all(isinstance(v, str) for v in out):
-            return [str(v) for v in out]
+            return [check_text(v, f"answer {k}") for k, v in enumerate(out)]
     raise RecordError(f"answers must be a string or a list of strings, got {value!r}")
 
 
@@ -398,23 +263,27 @@ def with_options(question: str, choices: dict[str, str]) -> str:
 def question(raw: dict, image_root: str = "") -> dict:
     """A held-out / RL question {"images", "question", "answers", "choices", "box"} of a flat or chat record."""
     if "question" in raw:
-        if not isinstance(raw["question"], str) or not raw["question"].strip():
-            raise RecordError("'question' must be a non-empty string")
+        if not isinstance(raw["question"], str):
+            raise RecordError(f"'question' must be a string, got {type(raw['question']).__name__}")
+        if not raw["question"].strip():
+            raise RecordError("'question' is empty; write the question or drop the record")
         if "answers" not in raw and "answer" not in raw:
             raise RecordError("a flat record needs 'answer' (or 'answers')")
-        images, text = record_images(raw, image_root), _strip_markers(raw["question"])
+        images = record_images(raw, image_root)
+        _check_markers(check_text(raw["question"], "'question'"), images)
+        text = _strip_markers(raw["question"])
         answers = _answers(raw.get("answers", raw.get("answer")))
     else:
         images, turns = conversation(raw, image_root)
-        user = next((t["text"] for t in turns if t["role"] == "user"), None)
-        if user is None:
-            raise RecordError("no human/user turn to ask")
-        text = _strip_markers(user)
-        answers = (
-            _answers(raw["answers"])
-            if "answers" in raw
-            else [next(t["text"] for t in turns if t["role"] == "assistant")]
-        )
+        roles = [t["role"] for t in turns]
+        if roles != ["user", "assistant"]:
+            raise RecordError(
+                f"turns {roles}: a held-out or RL question is one user turn and its answer, nothing else (no system "
+                "turn, no further exchanges: they would be dropped); split the conversation into one record per "
+                "question, or write it as a flat record (question, answer)"
+            )
+        text = _strip_markers(turns[0]["text"])
+        answers = _answers(raw["answers"]) if "answers" in raw else [turns[1]["text"]]
     if len(images) != 1:
         raise RecordError(f"{len(images)} images; a held-out or RL question needs exactly one")
     if not any(a.strip() for a in answers) and raw.get("box") is None:
@@ -435,14 +304,38 @@ def question(raw: dict, image_root: str = "") -> dict:
     return out
 
 
-def _side(value: Any, name: str) -> str:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
-        value = value[0].get("content")
-        if isinstance(value, list):
-            value = "".join(p.get("text", "") for p in value if isinstance(p, dict) and p.get("type") == "text")
-    if not isinstance(value, str) or not value.strip():
-        raise RecordError(f"'{name}' must be a non-empty string (or one assistant message), got {value!r}")
-    return value
+def _message(message: Any, where: str, carried: list, image_root: str) -> tuple[str, str]:
+    """(role, text) of one message object of a preference record, checked the way conversation() checks turns."""
+    if not isinstance(message, dict):
+        raise RecordError(f"{where} is {type(message).__name__}, not a message object {{role, content}}")
+    named = message.get("role", message.get("from"))
+    role = ROLES.get(str(named))
+    if role is None:
+        raise RecordError(f"{where}: role {named!r}; use role=system|user|assistant (or from=system|human|gpt)")
+    return role, _text_of(message.get("content", message.get("value")), where, carried, image_root)
+
+
+def _side(value: Any, name: str, image_root: str) -> str:
+    """A preference pair's answer: a string or one assistant message (TRL's layout), text only."""
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise RecordError(
+                f"'{name}' holds {len(value)} messages; an answer is one assistant message (or a string): a "
+                "multi-turn answer is not supported"
+            )
+        carried: list[ImageRef] = []
+        role, value = _message(value[0], f"'{name}'[0]", carried, image_root)
+        if role != "assistant":
+            raise RecordError(f"'{name}'[0]: a {role} message; the answer is one message with role=assistant")
+        if carried or IMAGE_MARKER in value:
+            raise RecordError(f"'{name}': an image part in the answer; images go in the prompt")
+    if not isinstance(value, str):
+        raise RecordError(f"'{name}' must be a string or one assistant message, got {type(value).__name__}")
+    if IMAGE_MARKER in value:
+        raise RecordError(f"'{name}': an image marker in the answer; images go in the prompt")
+    if not value.strip():
+        raise RecordError(f"'{name}' is empty; write the answer or drop the pair")
+    return check_text(value, f"'{name}'")
 
 
 def preference(raw: dict, image_root: str = "") -> dict:
@@ -453,19 +346,24 @@ def preference(raw: dict, image_root: str = "") -> dict:
     images, prompt = record_images(raw, image_root), raw["prompt"]
     if isinstance(prompt, list):
         carried: list[ImageRef] = []
-        users = [
-            _text_of(m.get("content"), f"prompt[{i}]", carried, image_root)
-            for i, m in enumerate(prompt)
-            if isinstance(m, dict) and ROLES.get(str(m.get("role"))) == "user"
-        ]
-        if not users:
-            raise RecordError("the prompt messages hold no user turn")
-        prompt, images = users[-1], images or carried
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise RecordError(f"'prompt' must be a non-empty string or messages, got {prompt!r}")
+        messages = [_message(m, f"'prompt'[{i}]", carried, image_root) for i, m in enumerate(prompt)]
+        roles = [role for role, _ in messages]
+        if roles != ["user"]:
+            raise RecordError(
+                f"'prompt' messages {roles}: a preference prompt is one user message, nothing else (no system "
+                "message, no earlier exchanges: they would be dropped); keep the one question the pair answers"
+            )
+        if carried and images:
+            raise RecordError("images both in the record's 'image(s)' and inside prompt parts; give them one way")
+        prompt, images = messages[0][1], images or carried
+    if not isinstance(prompt, str):
+        raise RecordError(f"'prompt' must be a string or messages, got {type(prompt).__name__}")
+    if not prompt.strip():
+        raise RecordError("'prompt' is empty; write the question or drop the pair")
+    _check_markers(check_text(prompt, "'prompt'"), images)
     if len(images) != 1:
         raise RecordError(f"{len(images)} images; a preference pair needs exactly one")
-    chosen, rejected = _side(raw["chosen"], "chosen"), _side(raw["rejected"], "rejected")
+    chosen, rejected = _side(raw["chosen"], "chosen", image_root), _side(raw["rejected"], "rejected", image_root)
     if " ".join(chosen.split()) == " ".join(rejected.split()):
         raise RecordError("chosen and rejected are the same text (up to whitespace)")
     return {"images": images, "prompt": _strip_markers(prompt), "chosen": chosen, "rejected": rejected}

@@ -117,6 +117,11 @@ def parse_manifest(text: str, where: str) -> Manifest:
     except ValidationError as error:
         raise ValueError(f"{where}: {_describe(error)}; see docs/data.md for the fields.") from error
     for task in result.tasks:
+        if not BENCHMARK_NAME.match(task):
+            raise ValueError(
+                f"{where}: task name {task!r}: use letters, digits, '_', '.', '-' and start with a letter or digit "
+                f"(it names the metrics task/<name> and count/<name>), e.g. {re.sub(r'[^A-Za-z0-9_.-]', '_', task)!r}."
+            )
         if task in T.BUILTIN_TASKS:
             raise ValueError(f"{where}: task {task!r} is a builtin task; give your task another name.")
         T.resolve(task, result.tasks, where=f"{where} tasks")
@@ -166,6 +171,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
                 raw, shape = benchmark.record(raw), "flat"
             else:
                 shape = F.detect(raw) if spec.format == "auto" else spec.format
+            _check_stray_images(raw, paths=False)  # before the shape's own errors ("0 images") hide the cause
             record = convert(raw, shape, spec)
             _check_images(data_dir, raw, record)
             record_id = str(raw.get("id", raw.get("question_id", f"{_stem(spec.path)}:{n}")))
@@ -203,23 +209,45 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
     return out
 
 
-_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
-
-
 def _check_images(data_dir: Path, raw: dict, record: dict) -> None:
     """Before any training: every image a record names exists and its header decodes (s3:// objects are read when
-    used), and no field outside image / images holds an image path (a misspelled key would train text only)."""
+    used), and no field outside image / images holds an image (a misspelled key would train text only)."""
     refs = record.get("images") or ([record["image"]] if "image" in record else [])
-    if not refs:
-        stray = [k for k, v in raw.items() if isinstance(v, str) and v.lower().endswith(_IMAGE_SUFFIXES)]
-        if stray:
-            raise F.RecordError(
-                f"field {stray[0]!r} holds an image path ({raw[stray[0]]!r}); name it 'image' or 'images'"
-            )
+    _check_stray_images(raw, paths=not refs)  # a path beside the record's images may be metadata (file_name)
     for ref in refs:
         problem = probe_image(data_dir, ref)
         if problem:
             raise F.RecordError(problem)
+
+
+def _check_stray_images(raw: dict, *, paths: bool) -> None:
+    """No field but image / images holds an image (with `paths`, an image file path counts)."""
+    for key, value in raw.items():
+        what = None if key in ("image", "images") else _image_like(value, paths=paths)
+        if what:
+            raise F.RecordError(
+                f"field {key!r} holds {what}, which is read only from 'image' (one) or 'images' (a list, one per "
+                f"<image> marker): rename the field, or drop it"
+            )
+
+
+def _image_like(value: Any, *, paths: bool) -> str | None:
+    """What image `value` holds, if it looks like one: a Parquet image column's cell, a data: URI, an HF {"bytes"}
+    struct, a list of them, or (with `paths`) an image file path or a list of them; else None."""
+    if isinstance(value, F.ParquetImage):
+        return "a Parquet image column (binary or {bytes, path} structs)"
+    if isinstance(value, str) and F._DATA_URI.match(value):
+        return "a data: URI image"
+    if isinstance(value, dict) and "bytes" in value:
+        return "an image struct {bytes, path}"
+    if paths and isinstance(value, str) and value.lower().endswith(F.IMAGE_SUFFIXES):
+        return f"an image path ({value[:80]!r})"
+    if paths and isinstance(value, dict) and isinstance(value.get("path"), str):
+        return _image_like(value["path"], paths=True) and f"an image struct {{path: {value['path'][:80]!r}}}"
+    if isinstance(value, list):
+        found = next((w for w in (_image_like(v, paths=paths) for v in value) if w), None)
+        return found and f"a list of images ({found})"
+    return None
 
 
 def probe_image(root: Path, reference: F.ImageRef) -> str | None:
@@ -236,7 +264,10 @@ def probe_image(root: Path, reference: F.ImageRef) -> str | None:
         if isinstance(reference, F.ParquetImage):
             data, path_in_cell = F.read_parquet_image(reference)
             if not data:
-                return None if path_in_cell is None else probe_image(root, path_in_cell)
+                if not path_in_cell:
+                    state = "empty" if data == b"" else "null"
+                    return f"{_cell_name(reference)} holds no image (bytes {state}, no path); give it or drop the row"
+                return probe_image(root, path_in_cell)
             source: Any = io.BytesIO(data)
         elif isinstance(reference, bytes):
             source = io.BytesIO(reference)
@@ -254,6 +285,12 @@ def probe_image(root: Path, reference: F.ImageRef) -> str | None:
     if width * height > MAX_IMAGE_PIXELS:
         return f"image {reference!r} declares {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} limit"
     return None
+
+
+def _cell_name(ref: F.ParquetImage) -> str:
+    """`image cell data.parquet row 3 column 'images' element 1`: where a Parquet image is."""
+    element = "" if ref.index is None else f" element {ref.index}"
+    return f"image cell {Path(ref.path).name} row {ref.row} column {ref.column!r}{element}"
 
 
 def _task_name(raw: dict, spec: DataFile) -> str | None:
@@ -314,6 +351,11 @@ def _question(tasks: dict[str, str]):
             record["scorer"] = task.scorer
         if task.scorer == "multiple_choice" and "choices" not in record:
             raise F.RecordError("a multiple_choice task needs 'choices' (a list or {letter: text}, or A..D columns)")
+        check = T.SCORERS[task.scorer].check
+        try:  # an answer its scorer cannot use fails here, not after generation or in RL's rewards
+            check and check(record)
+        except ValueError as error:
+            raise F.RecordError(str(error).removeprefix(f"record {record.get('id')!r}: ").rstrip(".")) from None
         return record
 
     return convert

@@ -180,8 +180,9 @@ def parse_choice(response: str, choices: Mapping[str, str]) -> str | None:
     return max(found, key=lambda c: max(text.rfind(form.format(c)) for form in ("({})", " {} ", " {}.", " {}:")))
 
 
-def multiple_choice(prediction: str, record: Record) -> float:
-    """1 if the option parsed from the prediction is the reference letter (record: "choices" {letter: text})."""
+def choice_golds(record: Record) -> set[str]:
+    """The reference option letters of a multiple_choice record; ValueError when it has no options or an answer is
+    not one of them (no prediction could score on it). The readers call it when a record is read."""
     choices = record.get("choices")
     if not isinstance(choices, Mapping) or not choices:
         raise ValueError(
@@ -191,9 +192,15 @@ def multiple_choice(prediction: str, record: Record) -> float:
     golds = {a.strip().strip("()").upper() for a in answers_of(record)}
     if not golds <= set(choices):
         raise ValueError(
-            f"record {record.get('id')!r}: answer {sorted(golds)} is not one of the options {list(choices)}."
+            f"record {record.get('id')!r}: answer {sorted(golds)} is not one of the options {list(choices)}; "
+            "give the answer as an option letter."
         )
-    return float(parse_choice(prediction, choices) in golds)
+    return golds
+
+
+def multiple_choice(prediction: str, record: Record) -> float:
+    """1 if the option parsed from the prediction is the reference letter (record: "choices" {letter: text})."""
+    return float(parse_choice(prediction, record["choices"]) in choice_golds(record))
 
 
 # ------------------------------------------------------------------------------- captions (COCO-style) ---
@@ -233,12 +240,18 @@ def yes_no(text: str) -> str:
     return "no" if {"no", "not", "No"} & set(words) else "yes"
 
 
-def yes_no_accuracy(prediction: str, record: Record) -> float:
+def yes_no_golds(record: Record) -> set[str]:
+    """The reference answers of a yes_no record ({"yes"} / {"no"}); ValueError for any other answer (POPE's labels
+    are yes / no). The readers call it when a record is read."""
     golds = {a.strip().lower().rstrip(".") for a in answers_of(record)}
     bad = golds - {"yes", "no"}
     if bad:
         raise ValueError(f"record {record.get('id')!r}: a yes_no task needs yes/no answers, got {sorted(bad)}.")
-    return float(yes_no(prediction) in golds)
+    return golds
+
+
+def yes_no_accuracy(prediction: str, record: Record) -> float:
+    return float(yes_no(prediction) in yes_no_golds(record))
 
 
 def yes_no_report(rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:

@@ -43,6 +43,7 @@ class Scorer:
     parses: Callable[[str, Mapping[str, Any]], bool] | None = None
     report: Callable[[Rows], dict[str, float]] | None = None
     baseline: bool = True  # a majority-answer baseline is meaningful (not for boxes or captions)
+    check: Callable[[Mapping[str, Any]], object] | None = None  # ValueError for a record no prediction can score on
 
 
 SCORERS: dict[str, Scorer] = {
@@ -50,8 +51,10 @@ SCORERS: dict[str, Scorer] = {
     "vqa_accuracy": Scorer(S.vqa_accuracy),  # VQAv2, TextVQA
     "anls": Scorer(S.anls),  # DocVQA, InfographicVQA
     "relaxed_accuracy": Scorer(S.relaxed_accuracy),  # ChartQA
-    "multiple_choice": Scorer(S.multiple_choice, parses=lambda p, r: S.parse_choice(p, r["choices"]) is not None),
-    "yes_no": Scorer(S.yes_no_accuracy, report=S.yes_no_report),  # POPE
+    "multiple_choice": Scorer(
+        S.multiple_choice, parses=lambda p, r: S.parse_choice(p, r["choices"]) is not None, check=S.choice_golds
+    ),
+    "yes_no": Scorer(S.yes_no_accuracy, report=S.yes_no_report, check=S.yes_no_golds),  # POPE
     "grounding": Scorer(  # RefCOCO / RefCOCO+ / RefCOCOg: accuracy at IoU 0.5
         S.grounding,
         reward=S.grounding_iou,

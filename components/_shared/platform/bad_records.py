@@ -20,20 +20,21 @@ from dataclasses import dataclass, field
 
 MAX_LISTED = 20
 
-# reason -> the words that identify it in a reader's message (first match wins; else "invalid_fields")
+# reason -> the pattern that identifies it in a reader's message (first match wins; else "invalid_fields")
 _REASONS = (
-    ("not_utf8", ("UTF-8",)),
-    ("invalid_json", ("not valid JSON",)),
-    ("not_an_object", ("not a record object",)),
-    ("duplicate_id", ("more than once",)),
-    ("image", ("image",)),
-    ("empty", ("empty", "whitespace")),
+    ("not_utf8", r"UTF-8"),
+    ("invalid_json", r"not valid JSON"),
+    ("not_an_object", r"not a record object"),
+    ("duplicate_id", r"more than once"),
+    ("identical_pair", r"chosen and rejected are the same text"),
+    ("image", r"image"),
+    ("empty", r"(?<!non-)\bempty\b"),  # "is empty", not "must be a non-empty string" (a wrong type)
 )
 
 
 def reason_of(message: str) -> str:
-    for reason, words in _REASONS:
-        if any(w in message for w in words):
+    for reason, pattern in _REASONS:
+        if re.search(pattern, message):
             return reason
     return "invalid_fields"
 

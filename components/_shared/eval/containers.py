@@ -1,0 +1,210 @@
+"""The containers data files come in, read record by record: JSON Lines (`.jsonl`, `.ndjson`), a JSON array (`.json`,
+LLaVA's release form, pretty-printed or on one line) and Parquet (`.parquet`, the hub's layout: image columns of
+{"bytes", "path"} structs or raw bytes, read lazily row group by row group). Each record comes with its `source`
+("file:line", "file:line [index in the array]", "file row N"); eval/formats.py reads the record shapes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ParquetImage:
+    """An image stored in a Parquet file: row `row` of `column` (element `index` of a list column)."""
+
+    path: str
+    row: int
+    column: str
+    index: int | None = None
+
+
+# ------------------------------------------------------------------------------------------ containers ---
+
+
+def iter_file(path: Path) -> Iterator[tuple[str, Any]]:
+    """(source, raw record) of a data file, in file order; the container is chosen by the file's suffix."""
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist; name a file inside the data directory.")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        yield from _iter_jsonl(path)
+    elif suffix == ".json":
+        yield from _iter_json_array(path)
+    elif suffix == ".parquet":
+        yield from _iter_parquet(path)
+    else:
+        raise ValueError(f"{path}: unknown data file type {suffix!r}; use .jsonl, .json (an array) or .parquet.")
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    """(source, record) per non-blank line; a line that is not UTF-8 or not JSON comes as an `Unparsable`, so the
+    reader reports it with every other bad record."""
+    with path.open("rb") as lines:
+        for n, raw in enumerate(lines, 1):
+            source = f"{path.name}:{n}"
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a byte-order mark may start the file
+            except UnicodeDecodeError as error:
+                yield (
+                    source,
+                    Unparsable(f"not UTF-8 text (byte {error.start} of the line); re-encode the file as UTF-8"),
+                )
+                continue
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                yield source, Unparsable(f"not valid JSON ({error.msg}); fix or remove that line")
+                continue
+            if isinstance(record, list) and n == 1:
+                raise ValueError(f"{source}: a JSON array on a .jsonl line; name the file .json (one array) instead.")
+            yield source, record
+
+
+class Unparsable(str):
+    """A data line that could not be read, with the reason (reported like any other bad record)."""
+
+
+def _iter_json_array(path: Path) -> Iterator[tuple[str, dict]]:
+    """Items of a top-level JSON array with the line each starts on and its index in the array (`file:LINE [INDEX]`:
+    LLaVA's releases are one line, so the line alone names no record); raw_decode walks the array item by item."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark may start the file
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path.name}: not UTF-8 text (byte {error.start}); re-encode the file as UTF-8.") from None
+    decoder = json.JSONDecoder()
+    pos = _skip_space(text, 0)
+    if pos < len(text) and text[pos] == "{":
+        raise ValueError(
+            f"{path.name}: a JSON object, not an array of records; a .json data file holds one array (LLaVA's form). "
+            "Benchmark annotation files are read with their format (dataset.yaml: format: docvqa, ...)."
+        )
+    if pos >= len(text) or text[pos] != "[":
+        raise ValueError(f"{path.name}: not a JSON array; a .json data file holds one array of records.")
+    pos = _skip_space(text, pos + 1)
+    index = 0
+    while pos < len(text) and text[pos] != "]":
+        line = text.count("\n", 0, pos) + 1
+        try:
+            record, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{path.name}:{error.lineno}: not valid JSON ({error.msg}) in record {index}; fix the file."
+            ) from error
+        yield f"{path.name}:{line} [{index}]", record
+        index += 1
+        pos = _skip_space(text, end)
+        if pos < len(text) and text[pos] == ",":
+            pos = _skip_space(text, pos + 1)
+        elif pos < len(text) and text[pos] != "]":
+            raise ValueError(
+                f"{path.name}:{text.count(chr(10), 0, pos) + 1}: expected ',' or ']' after record {index - 1}."
+            )
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _image_columns(schema) -> dict[str, bool]:
+    """Columns that hold images: {name: is a list column}; a struct with a "bytes" field, or raw binary."""
+    import pyarrow as pa
+
+    def is_image(kind) -> bool:
+        return (
+            pa.types.is_binary(kind)
+            or pa.types.is_large_binary(kind)
+            or (pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0)
+        )
+
+    out = {}
+    for field in schema:
+        if is_image(field.type):
+            out[field.name] = False
+        elif (pa.types.is_list(field.type) or pa.types.is_large_list(field.type)) and is_image(field.type.value_type):
+            out[field.name] = True
+    return out
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[str, dict]]:
+    """Rows as dicts, image cells as ParquetImage references (read later, one row group at a time)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    handle = pq.ParquetFile(path)
+    images = _image_columns(handle.schema_arrow)
+    others = [name for name in handle.schema_arrow.names if name not in images]
+    leaves = [handle.schema.column(i).path for i in range(len(handle.schema))]
+    # a list column's lengths from a leaf other than the image bytes (the struct's "path"), so no image is read here
+    length_of = {
+        name: next((p for p in leaves if p.startswith(f"{name}.") and not p.endswith(".bytes")), name)
+        for name, is_list in images.items()
+        if is_list
+    }
+    row = 0
+    for group in range(handle.num_row_groups):
+        table = handle.read_row_group(group, columns=others)
+        lengths = {
+            name: pc.list_value_length(handle.read_row_group(group, columns=[leaf]).column(0)).to_pylist()
+            for name, leaf in length_of.items()
+        }
+        for i, record in enumerate(table.to_pylist()):
+            for name, is_list in images.items():
+                if is_list:
+                    record[name] = [ParquetImage(str(path), row + i, name, k) for k in range(lengths[name][i] or 0)]
+                else:
+                    record[name] = ParquetImage(str(path), row + i, name)
+            yield f"{path.name} row {row + i}", record
+        row += table.num_rows
+
+
+def read_parquet_image(ref: ParquetImage) -> tuple[bytes | None, str | None]:
+    """(bytes, path) of a Parquet image cell; a struct cell may hold a path instead of bytes."""
+    offsets = _group_offsets(ref.path)
+    group = bisect.bisect_right(offsets, ref.row) - 1
+    value = _row_group_column(ref.path, group, ref.column)[ref.row - offsets[group]]
+    if ref.index is not None:
+        value = value[ref.index]
+    if isinstance(value, dict):
+        return value.get("bytes"), value.get("path")
+    return value, None
+
+
+_OFFSETS: dict[str, list[int]] = {}
+
+
+def _group_offsets(path: str) -> list[int]:
+    if path not in _OFFSETS:
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(path).metadata
+        offsets, total = [], 0
+        for g in range(meta.num_row_groups):
+            offsets.append(total)
+            total += meta.row_group(g).num_rows
+        _OFFSETS[path] = offsets
+    return _OFFSETS[path]
+
+
+_GROUP_CACHE: dict[tuple[str, int, str], list] = {}
+
+
+def _row_group_column(path: str, group: int, column: str) -> list:
+    """One row group's image column as Python values; the two most recent are kept (a shuffled sampler rereads)."""
+    key = (path, group, column)
+    if key not in _GROUP_CACHE:
+        import pyarrow.parquet as pq
+
+        if len(_GROUP_CACHE) >= 2:
+            _GROUP_CACHE.pop(next(iter(_GROUP_CACHE)))
+        _GROUP_CACHE[key] = pq.ParquetFile(path).read_row_group(group, columns=[column])[column].to_pylist()
+    return _GROUP_CACHE[key]

@@ -1,0 +1,379 @@
+"""Records that used to pass the start check and then stop or silently change training: each is refused when the
+data is read, with the file, line (or row), record and field named and the fix said; nothing is dropped unnamed."""
+
+import base64
+import io
+import json
+
+import pytest
+from PIL import Image
+
+from components._shared.eval import formats as F
+from components._shared.eval import readers
+from components._shared.platform import bad_records
+
+H = lambda text: {"from": "human", "value": text}  # noqa: E731
+G = lambda text: {"from": "gpt", "value": text}  # noqa: E731
+
+
+def _png() -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (32, 24), (200, 30, 30)).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture
+def data(tmp_path):
+    (tmp_path / "a.png").write_bytes(_png())
+    return tmp_path
+
+
+def _jsonl(path, records) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _error(load, *args, **kwargs) -> str:
+    with pytest.raises(ValueError) as caught:
+        load(*args, **kwargs)
+    assert not isinstance(caught.value, TypeError)
+    return str(caught.value)
+
+
+def _line(message: str, source: str) -> str:
+    """The line of a bad-record report that names `source`."""
+    found = [line for line in message.splitlines() if line.strip().startswith(source)]
+    assert found, (source, message)
+    return found[0]
+
+
+# --------------------------------------------------------------------------- 1. null Parquet image cells ---
+
+
+def test_null_parquet_image_cells_are_refused_naming_row_column_and_element(data):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    good = {"bytes": _png(), "path": None}
+    conversation = [[H("<image>What colour?"), G("red")]]
+    cells = [good, None, {"bytes": None, "path": None}, {"bytes": b"", "path": None}]
+    table = pa.table({"image": pa.array(cells, type=struct), "conversations": pa.array(conversation * 4)})
+    pq.write_table(table, data / "one.parquet")
+    message = _error(readers.load_conversations, data, file_name="one.parquet")
+    assert message.startswith("3 bad conversation record(s) in one.parquet")
+    assert "one.parquet row 0" not in message
+    line = _line(message, "one.parquet row 1 (id=None)")
+    assert "image cell one.parquet row 1 column 'image' holds no image (bytes null, no path)" in line
+    assert "give it or drop the row" in line
+    assert "column 'image' holds no image (bytes null" in _line(message, "one.parquet row 2")
+    assert "column 'image' holds no image (bytes empty" in _line(message, "one.parquet row 3")
+
+    lists = pa.table(
+        {
+            "images": pa.array([[good, None]], type=pa.list_(struct)),
+            "conversations": pa.array([[H("<image><image>Same?"), G("yes")]]),
+        }
+    )
+    pq.write_table(lists, data / "list.parquet")
+    message = _error(readers.load_conversations, data, file_name="list.parquet")
+    assert "list.parquet row 0 column 'images' element 1 holds no image" in _line(message, "list.parquet row 0")
+    with bad_records.policy("skip") as ledger:
+        kept = readers.load_conversations(data, file_name="one.parquet")
+    assert len(kept) == 1 and ledger.metrics() == {"data/skipped_records": 3, "data/skipped/image": 3}
+
+
+# ------------------------------------------------------------------- 2. images under an unexpected key ---
+
+
+def test_images_under_another_key_are_refused_not_trained_text_only(data):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "picture": pa.array([{"bytes": _png(), "path": None}]),
+            "conversations": pa.array([[H("What colour?"), G("red")]]),
+        }
+    )
+    pq.write_table(table, data / "pic.parquet")
+    message = _error(readers.load_conversations, data, file_name="pic.parquet")
+    line = _line(message, "pic.parquet row 0")
+    assert "field 'picture' holds a Parquet image column" in line
+    assert "read only from 'image' (one) or 'images'" in line and "rename the field" in line
+    pq.write_table(pa.table({"jpg": pa.array([_png()], type=pa.binary()), "question": ["Colour?"], "answer": ["red"]}),
+                   data / "raw.parquet")  # fmt: skip
+    (data / "dataset.yaml").write_text("eval: [{path: raw.parquet, task: exact_match}]\n")
+    message = _error(readers.load_questions, data)
+    assert "field 'jpg' holds a Parquet image column" in _line(message, "raw.parquet row 0")
+    (data / "dataset.yaml").unlink()
+
+    uri = "data:image/png;base64," + base64.b64encode(_png()).decode()
+    records = [
+        {"id": "uri", "img": uri, "conversations": [H("What colour?"), G("red")]},
+        {"id": "files", "image_files": ["a.png"], "conversations": [H("What colour?"), G("red")]},
+        {"id": "struct", "photo": {"bytes": base64.b64encode(_png()).decode()}, "conversations": [H("Hi?"), G("red")]},
+        {"id": "second", "image": "a.png", "thumb": uri, "conversations": [H("<image>Hi?"), G("red")]},
+        {"id": "beside", "images": [], "image": "a.png", "conversations": [H("Colour?"), G("red")]},
+        {"id": "ok", "image": "a.png", "file_name": "a.png", "conversations": [H("<image>Colour?"), G("red")]},
+    ]
+    _jsonl(data / "sft.jsonl", records)
+    message = _error(readers.load_conversations, data)
+    assert message.startswith("5 bad conversation record(s) in sft.jsonl")
+    assert "'image' is given beside 'images' and is not among them" in _line(message, "sft.jsonl:5 (id='beside')")
+    assert "field 'img' holds a data: URI image" in _line(message, "sft.jsonl:1 (id='uri')")
+    assert "field 'image_files' holds a list of images" in _line(message, "sft.jsonl:2 (id='files')")
+    assert "field 'photo' holds an image struct" in _line(message, "sft.jsonl:3 (id='struct')")
+    assert "field 'thumb' holds a data: URI image" in _line(message, "sft.jsonl:4 (id='second')")
+    with bad_records.policy("skip") as ledger:
+        kept = readers.load_conversations(data)
+    assert [r["id"] for r in kept] == ["ok"] and kept[0]["images"] == ["a.png"]  # file_name beside image: metadata
+    assert ledger.metrics() == {"data/skipped_records": 5, "data/skipped/image": 5}
+
+
+# ------------------------------------------------------------------------- 3. image bytes of a wrong type ---
+
+
+def test_image_bytes_of_a_wrong_type_are_a_record_error_not_a_traceback(data):
+    records = [
+        {"id": "ints", "image": {"bytes": [1, 2, 3]}, "conversations": [H("<image>Colour?"), G("red")]},
+        {"id": "number", "images": ["a.png", {"bytes": 5}], "conversations": [H("<image><image>Same?"), G("no")]},
+    ]
+    _jsonl(data / "sft.jsonl", records)
+    message = _error(readers.load_conversations, data)
+    line = _line(message, "sft.jsonl:1 (id='ints')")
+    assert "'image': 'bytes' is a list ([1, 2, 3]), not the image file's bytes" in line and "base64" in line
+    assert "'images'[1]: 'bytes' is a int (5)" in _line(message, "sft.jsonl:2 (id='number')")
+
+
+# ---------------------------------------------------------------------- 4. one-line JSON arrays (LLaVA) ---
+
+
+def test_every_bad_record_of_a_one_line_json_array_is_named_and_counted(data):
+    bad = {"image": "a.png", "conversations": [H("<image>\nhi"), G("")]}
+    good = {"image": "a.png", "conversations": [H("<image>\nhi"), G("ok")]}
+    (data / "sft.json").write_text(json.dumps([bad, bad, good, bad]))
+    message = _error(readers.load_conversations, data, file_name="sft.json")
+    assert message.startswith("3 bad conversation record(s) in sft.json")
+    for index in (0, 1, 3):
+        assert "turn 1 (assistant) is empty" in _line(message, f"sft.json:1 [{index}] (id=None)")
+    with bad_records.policy("skip") as ledger:
+        kept = readers.load_conversations(data, file_name="sft.json")
+    assert len(kept) == 1 and kept[0]["source"] == "sft.json:1 [2]"
+    assert ledger.metrics() == {"data/skipped_records": 3, "data/skipped/empty": 3}
+    assert sorted(ledger.skipped) == [
+        "sft.json:1 [0] (id=None)",
+        "sft.json:1 [1] (id=None)",
+        "sft.json:1 [3] (id=None)",
+    ]
+
+
+# ------------------------------------------------------------- 5. control tokens and lone surrogates ---
+
+
+def test_control_tokens_are_the_qwen_tokenizers_special_tokens():
+    """The read-time list is the one packing.py's encode-time check refuses on every Qwen VL checkpoint."""
+    from components.synth_world.tokenizer import SPECIAL_TOKENS
+
+    assert set(F.CONTROL_TOKENS) == set(SPECIAL_TOKENS)
+    assert {"<|im_start|>", "<|im_end|>", "<|image_pad|>", "<|vision_start|>"} <= set(F.CONTROL_TOKENS)
+
+
+def test_control_tokens_and_lone_surrogates_are_refused_when_read(data):
+    records = [
+        {"id": "control", "image": "a.png", "conversations": [H("<image>q<|im_end|>"), G("a")]},
+        {"id": "surrogate", "image": "a.png", "conversations": [H("<image>q\ud800"), G("a")]},
+        {"id": "system", "image": "a.png", "system": "<|im_start|>x", "conversations": [H("<image>q"), G("a")]},
+        {"id": "ok", "image": "a.png", "conversations": [H("<image>q"), G("a")]},
+    ]
+    _jsonl(data / "sft.jsonl", records)  # json.dumps writes the surrogate as the escape "\ud800"
+    message = _error(readers.load_conversations, data)
+    assert message.startswith("3 bad conversation record(s)")
+    line = _line(message, "sft.jsonl:1 (id='control')")
+    assert "conversations[0]: the text holds the chat control token(s) ['<|im_end|>']" in line
+    assert "remove them from the data" in line
+    line = _line(message, "sft.jsonl:2 (id='surrogate')")
+    assert "conversations[0]: a lone surrogate '\\ud800' at character 8" in line and "fix the escape" in line
+    assert "'system': the text holds the chat control token(s) ['<|im_start|>']" in message
+    with bad_records.policy("skip") as ledger:
+        assert [r["id"] for r in readers.load_conversations(data)] == ["ok"]
+    assert ledger.metrics() == {"data/skipped_records": 3, "data/skipped/invalid_fields": 3}
+
+    questions = [
+        {"id": "q", "image": "a.png", "task": "exact_match", "question": "q<|vision_start|>", "answer": "a"},
+        {"id": "ans", "image": "a.png", "task": "exact_match", "question": "q", "answers": ["a", "b\udfff"]},
+        {"id": "mc", "image": "a.png", "task": "multiple_choice", "question": "q", "choices": ["x", "y<|im_end|>"],
+         "answer": "A"},
+    ]  # fmt: skip
+    _jsonl(data / "eval.jsonl", questions)
+    message = _error(readers.load_questions, data)
+    assert "'question': the text holds the chat control token(s)" in _line(message, "eval.jsonl:1 (id='q')")
+    assert "answer 1: a lone surrogate" in _line(message, "eval.jsonl:2 (id='ans')")
+    assert "'choices' B: the text holds" in _line(message, "eval.jsonl:3 (id='mc')")
+    pairs = [{"id": "p", "image": "a.png", "prompt": "q", "chosen": "a<|endoftext|>", "rejected": "b"}]
+    _jsonl(data / "preferences.jsonl", pairs)
+    message = _error(readers.load_preferences, data)
+    assert "'chosen': the text holds the chat control token(s) ['<|endoftext|>']" in _line(
+        message, "preferences.jsonl:1"
+    )
+
+
+# ------------------------------------------------------------- 6. multi-turn records are refused, not cut ---
+
+
+def test_multi_turn_questions_are_refused_not_cut_to_the_first_exchange(data):
+    records = [
+        {"id": "two", "image": "a.png", "task": "exact_match",
+         "conversations": [H("<image>What colour?"), G("red"), H("What shape?"), G("square")]},
+        {"id": "sys", "image": "a.png", "task": "exact_match",
+         "conversations": [{"from": "system", "value": "Be terse."}, H("<image>Colour?"), G("red")]},
+        {"id": "ok", "image": "a.png", "task": "exact_match", "conversations": [H("<image>Colour?"), G("red")]},
+    ]  # fmt: skip
+    _jsonl(data / "eval.jsonl", records)
+    message = _error(readers.load_questions, data)
+    line = _line(message, "eval.jsonl:1 (id='two')")
+    assert "turns ['user', 'assistant', 'user', 'assistant']: a held-out or RL question is one user turn" in line
+    assert "split the conversation into one record per question" in line
+    assert "turns ['system', 'user', 'assistant']" in _line(message, "eval.jsonl:2 (id='sys')")
+    _jsonl(data / "sft.jsonl", records)  # RL prompts default to sft.jsonl: the same rule
+    assert "a held-out or RL question is one user turn" in _error(readers.conversation_questions, data, None)
+    with bad_records.policy("skip") as ledger:
+        kept = readers.load_questions(data)
+    assert [r["id"] for r in kept] == ["ok"] and ledger.metrics()["data/skipped_records"] == 2
+
+
+def test_preference_prompts_and_answers_are_checked_like_conversations(data):
+    (data / "b.png").write_bytes(_png())
+    user = {"role": "user", "content": "<image>Describe"}
+    pairs = [
+        {"id": "multi", "image": "a.png", "chosen": "crimson", "rejected": "blue",
+         "prompt": [{"role": "system", "content": "Be terse."}, user, {"role": "assistant", "content": "A box"},
+                    {"role": "user", "content": "What colour exactly?"}]},
+        {"id": "typo", "image": "a.png", "chosen": "a", "rejected": "b",
+         "prompt": [{"role": "human_typo", "content": "<image>zzz"}, {"role": "user", "content": "q"}]},
+        {"id": "both", "image": "a.png", "chosen": "a", "rejected": "b",
+         "prompt": [{"role": "user", "content": [{"type": "image", "image": "b.png"}, {"type": "text", "text": "q"}]}]},
+        {"id": "markers", "image": "a.png", "prompt": "<image><image>compare", "chosen": "a", "rejected": "b"},
+        {"id": "chosen-image", "image": "a.png", "prompt": "q", "rejected": "b",
+         "chosen": [{"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "image"}]}]},
+        {"id": "chosen-turns", "image": "a.png", "prompt": "q", "rejected": "b",
+         "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"id": "chosen-user", "image": "a.png", "prompt": "q", "rejected": "b",
+         "chosen": [{"role": "user", "content": "a"}]},
+        {"id": "loose", "image": "a.png", "prompt": ["hello", user], "chosen": "a", "rejected": "b"},
+        {"id": "ok", "image": "a.png", "prompt": [user], "chosen": [{"role": "assistant", "content": "A red box."}],
+         "rejected": "A blue box."},
+    ]  # fmt: skip
+    _jsonl(data / "preferences.jsonl", pairs)
+    message = _error(readers.load_preferences, data)
+    assert message.startswith("8 bad preference record(s) in preferences.jsonl")
+    line = _line(message, "preferences.jsonl:1 (id='multi')")
+    assert "'prompt' messages ['system', 'user', 'assistant', 'user']: a preference prompt is one user message" in line
+    assert "'prompt'[0]: role 'human_typo'; use role=system|user|assistant" in _line(message, "preferences.jsonl:2")
+    assert "images both in the record's 'image(s)' and inside prompt parts" in _line(message, "preferences.jsonl:3")
+    assert "1 image(s) but 2 <image> marker(s)" in _line(message, "preferences.jsonl:4")
+    assert "'chosen': an image part in the answer; images go in the prompt" in _line(message, "preferences.jsonl:5")
+    assert "'chosen' holds 2 messages; an answer is one assistant message" in _line(message, "preferences.jsonl:6")
+    assert "'chosen'[0]: a user message; the answer is one message with role=assistant" in message
+    assert "'prompt'[0] is str, not a message object" in _line(message, "preferences.jsonl:8")
+    with bad_records.policy("skip") as ledger:
+        (kept,) = readers.load_preferences(data)
+    assert kept["id"] == "ok" and kept["prompt"] == "Describe" and kept["chosen"] == "A red box."
+    assert ledger.metrics()["data/skipped_records"] == 8
+
+
+# ------------------------------------------------------------------------------------------ 7. small ones ---
+
+
+def test_a_byte_order_mark_does_not_hide_the_records(data):
+    record = {"id": "r", "image": "a.png", "conversations": [H("<image>Colour?"), G("red")]}
+    (data / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([record]).encode())
+    (data / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(record).encode() + b"\n")
+    for name in ("bom.json", "bom.jsonl"):
+        (kept,) = readers.load_conversations(data, file_name=name)
+        assert kept["id"] == "r" and kept["turns"][1]["text"] == "red"
+
+
+def test_task_names_must_be_usable_as_metric_names(data):
+    (data / "dataset.yaml").write_text('tasks: {"q&a (v2)": exact_match}\n')
+    with pytest.raises(ValueError) as caught:
+        readers.manifest(data)
+    message = str(caught.value)
+    assert "dataset.yaml: task name 'q&a (v2)': use letters, digits, '_', '.', '-'" in message
+    assert "task/<name>" in message and "e.g. 'q_a__v2_'" in message
+    (data / "dataset.yaml").write_text("tasks: {qa.v2: exact_match, chart-value_1: relaxed_accuracy}\n")
+    assert set(readers.manifest(data).tasks) == {"qa.v2", "chart-value_1"}
+
+
+def test_a_system_prompt_that_is_not_text_or_blank_is_refused(data):
+    records = [
+        {"id": "list", "image": "a.png", "system": ["be nice"], "conversations": [H("<image>hi"), G("yo")]},
+        {"id": "blank", "image": "a.png",
+         "conversations": [{"from": "system", "value": "  "}, H("<image>hi"), G("yo")]},
+        {"id": "unset", "image": "a.png", "system": "", "conversations": [H("<image>hi"), G("yo")]},
+    ]  # fmt: skip
+    _jsonl(data / "sft.jsonl", records)
+    message = _error(readers.load_conversations, data)
+    assert message.startswith("2 bad conversation record(s)")
+    assert "'system' must be a string (the system prompt), got list" in _line(message, "sft.jsonl:1 (id='list')")
+    line = _line(message, "sft.jsonl:2 (id='blank')")
+    assert "turn 0 (system) is empty; drop the turn to keep the model's default system prompt, or write it" in line
+    with bad_records.policy("skip") as ledger:
+        (kept,) = readers.load_conversations(data)
+    assert [t["role"] for t in kept["turns"]] == ["user", "assistant"]  # an empty top-level 'system': no system turn
+    assert ledger.metrics() == {
+        "data/skipped_records": 2,
+        "data/skipped/empty": 1,
+        "data/skipped/invalid_fields": 1,
+    }
+
+
+def test_skip_reasons_tell_a_wrong_type_from_an_empty_value(data):
+    assert bad_records.reason_of("'chosen' must be a non-empty string (or one assistant message), got [1]") == (
+        "invalid_fields"
+    )
+    assert bad_records.reason_of("'chosen' is empty; write the answer or drop the pair") == "empty"
+    assert bad_records.reason_of("chosen and rejected are the same text (up to whitespace)") == "identical_pair"
+    pairs = [
+        {"id": "type", "image": "a.png", "prompt": "q", "chosen": 5, "rejected": "b"},
+        {"id": "blank", "image": "a.png", "prompt": "q", "chosen": " ", "rejected": "b"},
+        {"id": "same", "image": "a.png", "prompt": "q", "chosen": "a  b", "rejected": "a b"},
+        {"id": "ok", "image": "a.png", "prompt": "q", "chosen": "a", "rejected": "b"},
+    ]
+    _jsonl(data / "preferences.jsonl", pairs)
+    message = _error(readers.load_preferences, data)
+    assert "'chosen' must be a string or one assistant message, got int" in _line(message, "preferences.jsonl:1")
+    with bad_records.policy("skip") as ledger:
+        readers.load_preferences(data)
+    assert ledger.metrics() == {
+        "data/skipped_records": 3,
+        "data/skipped/empty": 1,
+        "data/skipped/identical_pair": 1,
+        "data/skipped/invalid_fields": 1,
+    }
+
+
+# ------------------------------------------------------------------------ answers the task's scorer can use ---
+
+
+def test_answers_no_prediction_could_score_on_are_refused_when_read(data):
+    """A multiple-choice answer outside its options, or a yes_no answer other than yes / no, used to pass the read
+    and stop evaluation (or RL's rewards) only when the first prediction was scored."""
+    (data / "dataset.yaml").write_text("tasks: {pick: multiple_choice, present: yes_no}\n")
+    records = [
+        {"id": "mc-ok", "image": "a.png", "task": "pick", "question": "Colour?", "choices": ["red", "blue"],
+         "answer": "A"},
+        {"id": "mc-bad", "image": "a.png", "task": "pick", "question": "Colour?", "choices": ["red", "blue"],
+         "answer": "dog"},
+        {"id": "yn-ok", "image": "a.png", "task": "present", "question": "A cat?", "answer": "Yes"},
+        {"id": "yn-bad", "image": "a.png", "task": "present", "question": "A cat?", "answer": "true"},
+    ]  # fmt: skip
+    _jsonl(data / "eval.jsonl", records)
+    message = _error(readers.load_questions, data)
+    assert message.startswith("2 bad question record(s) in eval.jsonl")
+    assert "answer ['DOG'] is not one of the options ['A', 'B']; give the answer as an option letter" in _line(
+        message, "eval.jsonl:2 (id='mc-bad')"
+    )
+    assert "a yes_no task needs yes/no answers, got ['true']" in _line(message, "eval.jsonl:4 (id='yn-bad')")
+    with bad_records.policy("skip") as ledger:
+        kept = readers.load_questions(data)
+    assert [r["id"] for r in kept] == ["mc-ok", "yn-ok"] and ledger.metrics()["data/skipped_records"] == 2
