@@ -193,15 +193,19 @@ class ProgressView:
     def _finish(self, row: Row, status: str, metrics: dict[str, Any] | None = None) -> None:
         row.status = status
         result_file = self.results_dir / f"{row.stage}.json"
+        ignored: list[str] = []
         if metrics is None and result_file.is_file():
             try:
-                metrics = json.loads(result_file.read_text()).get("metrics", {})
+                result = json.loads(result_file.read_text())
+                metrics, ignored = result.get("metrics", {}), result.get("ignored_settings", [])
             except ValueError:
                 metrics = None
         row.headline = labelled_headline(row.stage, metrics)
         self._event(
             row, f"{status} in {clock(row.elapsed(time.time()))}" + (f"  {row.headline}" if row.headline else "")
         )
+        for note in ignored:  # settings the run was given that had no effect (StageConfig.ignored_settings)
+            self.print(f"        note: {note}")
 
     def _milestone(self, row: Row, progress: dict[str, Any]) -> None:
         quarter = min(3, 4 * int(progress["done"]) // int(progress["total"]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,20 @@ def validate_stage_configs(stage_configs: dict[str, dict[str, Any]]) -> int:
     if problems:
         raise ValueError("\n".join(problems))
     return len(stage_configs)
+
+
+def ignored_settings(stage_configs: dict[str, dict[str, Any]]) -> list[str]:
+    """Every stage's settings that have no effect in its configuration ("stage.setting: why"), said before any GPU
+    is asked for; each stage says its own again when it runs."""
+    from components._shared.platform.presets import validate
+    from components.stages import STAGES, load_config_class
+
+    return [
+        f"{stage}.{note}"
+        for stage, data in stage_configs.items()
+        if stage in STAGES
+        for note in validate(load_config_class(stage), stage, data or {}).ignored_settings()
+    ]
 
 
 def check_visual_budget(stage_configs: dict[str, dict[str, Any]]) -> int:
@@ -384,6 +399,9 @@ def run(
     failure. Writes preflight.json with the metrics, where the models resolved to and each stage's content key
     (`content_keys` of `uris`: the pipeline's URI parameters by name)."""
     metrics: dict[str, Any] = {"configs_validated": validate_stage_configs(stage_configs)}
+    ignored = ignored_settings(stage_configs)
+    for note in ignored:
+        print(f"warning: setting without effect: {note}", file=sys.stderr, flush=True)
     metrics["max_pixels"] = check_visual_budget(stage_configs)
     if cfg.check_lake:
         metrics["lake_shards"] = count_lake_shards(lake_uri)
@@ -404,7 +422,9 @@ def run(
             metrics["patch_size"] = check_patch_size(configs[model_uris[0]], stage_configs["clean_data"] or {})
     keys = content_keys(uris or {}, stage_configs)
     (output_dir / "preflight.json").write_text(
-        json.dumps({"metrics": metrics, "models": resolved, "content_keys": keys}, indent=2)
+        json.dumps(
+            {"metrics": metrics, "models": resolved, "content_keys": keys, "ignored_settings": ignored}, indent=2
+        )
     )
     return metrics
 

@@ -6,8 +6,14 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from components._shared.model.train_config import ModuleGroup, OptimConfig, ScheduleConfig, TrainConfig
-from components._shared.platform.config import StageConfig, SubConfig
+from components._shared.model.train_config import (
+    ModuleGroup,
+    OptimConfig,
+    ScheduleConfig,
+    TrainConfig,
+    TrainedStageConfig,
+)
+from components._shared.platform.config import SubConfig
 
 
 class Stage1Config(SubConfig):
@@ -20,7 +26,8 @@ class Stage1Config(SubConfig):
 
 
 class Stage2Config(SubConfig):
-    """Joint training from pixels; `train.steps: 0` skips it. Per-module learning rates via optim.group_lr."""
+    """Joint training from pixels, after stage 1; runs only with `enabled: true` (the default skips it, and its other
+    settings are then unused). Per-module learning rates via optim.group_lr."""
 
     enabled: bool = False
     freeze: list[ModuleGroup] = Field(default_factory=list, description="Module groups kept frozen in stage 2.")
@@ -52,7 +59,7 @@ class PretrainEvalConfig(SubConfig):
     ] = 32
 
 
-class PretrainConfig(StageConfig):
+class PretrainConfig(TrainedStageConfig):
     """Image-caption alignment of a Qwen2(.5)-VL: stage 1 on cached features, optional stage 2 from pixels."""
 
     prompt: str = Field("Describe the image.", min_length=1, description="User turn that precedes each caption.")

@@ -175,7 +175,7 @@ class HeldoutCaptions:
                 f"the held-out data in {data_dir} has {len(records)} caption records (task caption, or a task scored "
                 "by cider_d); pretrain needs >= 2 to measure held-out caption loss and retrieval."
             )
-        self.cfg, self.encoder = cfg, encoder
+        self.encoder = encoder
 
         def turns(caption: str) -> list[dict]:
             return [{"role": "user", "text": f"<image>\n{cfg.prompt}"}, {"role": "assistant", "text": caption}]
@@ -199,8 +199,9 @@ class HeldoutCaptions:
         self.pool = len(pool)
 
     @torch.no_grad()
-    def __call__(self, model) -> dict[str, float]:
-        losses = E.heldout_loss(model, self.loss_samples, chunk_rows=self.cfg.stage1.train.loss_chunk_tokens)
+    def __call__(self, model, chunk_rows: int) -> dict[str, float]:
+        """`chunk_rows`: the training phase's train.loss_chunk_tokens (its memory budget for LM-head logits)."""
+        losses = E.heldout_loss(model, self.loss_samples, chunk_rows=chunk_rows)
         device = next(model.parameters()).device
         batch = to_device(pack(self.image_samples), device)
         embeds = image_embeddings(model, batch)
@@ -213,8 +214,7 @@ class HeldoutCaptions:
             micro = [self.pairs[k] for k in group]
             mb = to_device(pack(micro), device)
             embeds = VisualTokens.cat([per_image[k // self.pool] for k in group])
-            chunk = self.cfg.stage1.train.loss_chunk_tokens
-            pair_losses = per_sample_sequence_loss(model, mb, chunk_rows=chunk, image_embeds=embeds)
+            pair_losses = per_sample_sequence_loss(model, mb, chunk_rows=chunk_rows, image_embeds=embeds)
             for k, value in zip(group, pair_losses.tolist(), strict=True):
                 scores[k // self.pool, k % self.pool] = value
         # Caption-prior normalisation (PMI): a caption that is likely under every image must not win for all.
@@ -266,6 +266,18 @@ def select_best(loop: TrainLoop, cfg: PretrainConfig) -> tuple[dict[str, float],
     return best, len(candidates)
 
 
+def _feature_store(features: Path, records: list[dict]) -> FeatureStore:
+    """The feature cache, checked to hold every kept image."""
+    store = FeatureStore(features)
+    missing = [r["image_hash"] for r in records if r["image_hash"] not in store]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} kept images have no cached features (first: {missing[0]}); run "
+            "extract_features on this clean_data output."
+        )
+    return store
+
+
 def run(
     cfg: PretrainConfig,
     *,
@@ -279,13 +291,7 @@ def run(
     """Stage 1 (+ optional stage 2); returns held-out caption loss before/after, retrieval R@1 and throughput."""
     output_dir = Path(output_dir)
     records = load_kept(Path(clean_data), cfg.max_records, with_images=cfg.stage2.enabled)
-    store = FeatureStore(Path(features))
-    missing = [r["image_hash"] for r in records if r["image_hash"] not in store]
-    if missing:
-        raise ValueError(
-            f"{len(missing)} kept images have no cached features (first: {missing[0]}); run "
-            "extract_features on this clean_data output."
-        )
+    store = _feature_store(Path(features), records)
     key = run_key(cfg, {"clean_data": clean_data, "features": features, "base_model": base_model, "data": data})
     torch.manual_seed(cfg.seed)
     model, processor = load_vlm(base_model)
@@ -299,7 +305,13 @@ def run(
     frozen = ["vision_lower", "vision_upper"] + ([] if cfg.stage1.train_lm else ["lm_lower", "lm_upper"])
     freeze(model, tuple(frozen))
     phase_args = (cfg, len(records), output_dir, tracker, key)
-    loop, first = train_phase("stage1", model, cfg.stage1, from_features, lambda step: heldout(model), *phase_args)
+
+    def phase(name: str, block, samples):  # its held-out evals chunk the LM head by the phase's loss_chunk_tokens
+        chunk = block.train.loss_chunk_tokens
+        return train_phase(name, model, block, samples, lambda step: heldout(model, chunk), *phase_args)
+
+    last = cfg.stage1
+    loop, first = phase("stage1", cfg.stage1, from_features)
     results = {"stage1": first}
     if cfg.stage2.enabled:
         # A fresh module for stage 2: a DeepSpeed engine keeps hooks and flat buffers on the module it wrapped,
@@ -309,10 +321,10 @@ def run(
         model, _ = load_vlm(base_model)
         model.load_state_dict(weights)
         freeze(model, tuple(cfg.stage2.freeze))
-        loop, second = train_phase("stage2", model, cfg.stage2, from_pixels, lambda step: heldout(model), *phase_args)
-        results["stage2"] = second
+        last = cfg.stage2
+        loop, results["stage2"] = phase("stage2", cfg.stage2, from_pixels)
     best, candidates = select_best(loop, cfg)
-    final = heldout(model) if best["step"] != loop.step else best
+    final = heldout(model, last.train.loss_chunk_tokens) if best["step"] != loop.step else best
     initial = first.evals[0]
     metrics: dict[str, Any] = {name: value for n, r in results.items() for name, value in _phase_metrics(n, r).items()}
     metrics.update(
@@ -337,7 +349,7 @@ def run(
                 processor,
                 output_dir / "model",
                 metadata={"stage": "pretrain", "base_model": str(base_model), "selected_step": best["step"]},
-                dtype=(cfg.stage2 if cfg.stage2.enabled else cfg.stage1).train.export_dtype,
+                dtype=last.train.export_dtype,
             )
             phases = [("stage1", cfg.stage1)] + ([("stage2", cfg.stage2)] if cfg.stage2.enabled else [])
             ckpt.write_pointer(output_dir, [checkpoint_root(name, block, key, output_dir) for name, block in phases])

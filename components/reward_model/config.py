@@ -6,11 +6,16 @@ from typing import Annotated
 
 from pydantic import Field
 
-from components._shared.model.train_config import ModuleGroup, OptimConfig, ScheduleConfig, TrainConfig
-from components._shared.platform.config import StageConfig
+from components._shared.model.train_config import (
+    ModuleGroup,
+    OptimConfig,
+    ScheduleConfig,
+    TrainConfig,
+    TrainedStageConfig,
+)
 
 
-class RewardModelConfig(StageConfig):
+class RewardModelConfig(TrainedStageConfig):
     """Bradley-Terry reward model on {image, prompt, chosen, rejected} pairs, initialised from the SFT model."""
 
     score_first_k: Annotated[

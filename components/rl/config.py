@@ -6,8 +6,15 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from components._shared.model.train_config import ModuleGroup, OptimConfig, ScheduleConfig, TrainConfig
-from components._shared.platform.config import StageConfig, SubConfig
+from components._shared.model.train_config import (
+    ModuleGroup,
+    OptimConfig,
+    ScheduleConfig,
+    TrainConfig,
+    TrainedStageConfig,
+    changed_fields,
+)
+from components._shared.platform.config import SubConfig
 
 REWARD_NAMES = ("efficacy", "format", "reward_model", "ocr_consistency")  # rewards.REWARD_BUILDERS builds each
 
@@ -167,7 +174,7 @@ class RlEvalConfig(SubConfig):
     max_new_tokens: Annotated[int, Field(ge=1)] = 48
 
 
-class RlConfig(StageConfig):
+class RlConfig(TrainedStageConfig):
     """Policy optimisation of the SFT model with PPO, TER or GRPO on verifiable prompts."""
 
     algorithm: Literal["ppo", "ter", "grpo"] = "ppo"
@@ -239,3 +246,21 @@ class RlConfig(StageConfig):
                 "(train.samples_per_step x rollout.samples_per_prompt)."
             )
         return self
+
+    def ignored_settings(self) -> list[str]:
+        """Another algorithm's settings changed from their defaults, and the clips TER replaces."""
+        notes = super().ignored_settings()
+        for block, default in (("ppo", PpoConfig()), ("ter", TerConfig()), ("grpo", GrpoConfig())):
+            if block != self.algorithm:
+                notes += [
+                    f"{block}.{name}: a {block} setting; algorithm is {self.algorithm}"
+                    for name in changed_fields(getattr(self, block), default)
+                ]
+        if self.algorithm == "ter":
+            replaced = changed_fields(self.optim, type(self).model_fields["optim"].default)
+            notes += [
+                f"optim.{name}: algorithm ter clips every group at ter.max_grad_norm instead"
+                for name in replaced
+                if name in ("max_grad_norm", "group_max_grad_norm")
+            ]
+        return notes

@@ -7,8 +7,15 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from components._shared.model.train_config import ModuleGroup, OptimConfig, ScheduleConfig, TrainConfig
-from components._shared.platform.config import StageConfig, SubConfig
+from components._shared.model.train_config import (
+    ModuleGroup,
+    OptimConfig,
+    ScheduleConfig,
+    TrainConfig,
+    TrainedStageConfig,
+    changed_fields,
+)
+from components._shared.platform.config import SubConfig
 
 
 class LoraConfig(SubConfig):
@@ -18,8 +25,9 @@ class LoraConfig(SubConfig):
     target_modules: list[str] = Field(
         default_factory=list,
         description=(
-            "Regexes (full match on module names) of the Linear layers that get adapters; empty: the model family's "
-            "defaults (LM attention + MLP, Qwen3.5's linear attention, the ViT qkv and every merger)."
+            "Regexes (full match on module names, after any prefix) of the Linear layers that get adapters; each must "
+            "match at least one Linear layer. Empty: the model family's defaults (LM attention + MLP, Qwen3.5's "
+            "linear attention, the ViT qkv and every merger)."
         ),
     )
     require_targets: Annotated[
@@ -50,7 +58,8 @@ class QLoraConfig(SubConfig):
 
 
 class CurriculumPhase(SubConfig):
-    """Train `steps` steps on the records whose difficulty is in `difficulties` (empty = all), lr scaled."""
+    """Train `steps` steps on the records whose difficulty is in `difficulties` (empty = all), lr scaled; every name
+    in `difficulties` must occur in the data (records without one are "all")."""
 
     name: str
     steps: Annotated[int, Field(ge=1)]
@@ -87,7 +96,7 @@ class CalibrationConfig(SubConfig):
     ] = 0.5
 
 
-class SftConfig(StageConfig):
+class SftConfig(TrainedStageConfig):
     """Supervised fine-tuning of a Qwen2(.5)-VL on image conversations (ShareGPT / LLaVA style)."""
 
     mode: Literal["lora", "qlora", "full"] = "lora"
@@ -125,4 +134,22 @@ class SftConfig(StageConfig):
             raise ValueError("difficulty_scheduler needs train.eval_every > 0 (it reweights after each eval).")
         if self.mode == "qlora" and self.train.backend == "deepspeed":
             raise ValueError("mode=qlora runs with train.backend=torch (4-bit weights are not ZeRO-partitioned).")
+        if self.freeze and self.mode != "full":
+            raise ValueError(
+                f"freeze={list(self.freeze)} applies to mode: full; with mode: {self.mode} the base weights are frozen "
+                "already and only adapters train. To keep a module group unadapted, leave it out of "
+                "lora.target_modules; to freeze groups of the full model, set mode: full."
+            )
         return self
+
+    def ignored_settings(self) -> list[str]:
+        """LoRA settings in full mode, QLoRA's quantisation outside qlora mode."""
+        notes = super().ignored_settings()
+        if self.mode == "full":
+            notes += [f"lora.{name}: a LoRA setting; mode is full" for name in changed_fields(self.lora, LoraConfig())]
+        if self.mode != "qlora":
+            notes += [
+                f"qlora.{name}: a QLoRA setting; mode is {self.mode}"
+                for name in changed_fields(self.qlora, QLoraConfig())
+            ]
+        return notes

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -70,9 +71,14 @@ def build_model(cfg: SftConfig, base_model: str):
     family = family_for(model)
     targets = cfg.lora.target_modules or family.lora_targets
     required = cfg.lora.require_targets or family.lora_required
-    pattern = r".*(?:" + "|".join(f"(?:{t})" for t in targets) + r")"
+    if cfg.lora.target_modules:  # the defaults may list modules a variant lacks (MoE); lora_required guards them
+        check_lora_targets(model, cfg.lora.target_modules, family.name)
     lora = LoraConfig(
-        r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout, target_modules=pattern, bias="none"
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=lora_pattern(targets),
+        bias="none",
     )
     model = get_peft_model(model, lora)
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
@@ -83,6 +89,33 @@ def build_model(cfg: SftConfig, base_model: str):
             f"model's defaults: {family.lora_targets}) or lora.require_targets."
         )
     return model, processor
+
+
+def lora_pattern(targets: list[str]) -> str:
+    """One PEFT `target_modules` regex for `targets`: PEFT full-matches it on each module name, so a target matches
+    a module name that ends with it (after any prefix such as "model.")."""
+    return r".*(?:" + "|".join(f"(?:{t})" for t in targets) + r")"
+
+
+def check_lora_targets(model, targets: list[str], family: str) -> None:
+    """Fail on each `sft.lora.target_modules` pattern that matches no Linear layer (PEFT would skip it silently);
+    each pattern is matched the way PEFT matches the combined one (peft's own check_target_module_exists)."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    unmatched = [
+        t
+        for t in targets
+        if not any(check_target_module_exists(LoraConfig(target_modules=lora_pattern([t])), n) for n in linear)
+    ]
+    if unmatched:
+        kinds = list(dict.fromkeys(re.sub(r"\.\d+\.", ".N.", n) for n in linear))  # one name per layer kind
+        raise ValueError(
+            f"sft.lora.target_modules: {unmatched} match no Linear layer of this {family} model (each is a regex "
+            "matched against the end of the module name); fix or remove them. Linear layers here "
+            f"(N = layer index): {kinds[:20]}{' ...' if len(kinds) > 20 else ''}."
+        )
 
 
 def _load_4bit(cfg: SftConfig, base_model: str):
@@ -166,15 +199,19 @@ def phases_for(cfg: SftConfig, records: list[dict]) -> list[Phase]:
     if not cfg.curriculum:
         pool = list(range(len(records)))
         return [Phase("all", cfg.train.steps, pool, weights=type_weights(cfg, records, pool))]
+    known = sorted({r["difficulty"] for r in records})
     phases = []
-    for p in cfg.curriculum:
+    for k, p in enumerate(cfg.curriculum):
+        missing = [d for d in p.difficulties if d not in known]
+        if missing:  # a misspelt name would otherwise just narrow the phase to the names that do match
+            raise ValueError(
+                f"sft.curriculum[{k}] (phase '{p.name}').difficulties: {missing} match no training record; the "
+                f"data's difficulties are {known} (records without one are 'all'). Use names from that list, "
+                "or leave difficulties empty for every record."
+            )
         pool = [i for i, r in enumerate(records) if not p.difficulties or r["difficulty"] in p.difficulties]
         if not pool:
-            known = sorted({r["difficulty"] for r in records})
-            raise ValueError(
-                f"curriculum phase '{p.name}' selects difficulties {p.difficulties}, but the data has "
-                f"only {known}; fix the phase or the data."
-            )
+            raise ValueError(f"sft.curriculum[{k}] (phase '{p.name}') has no training records: the data is empty.")
         phases.append(Phase(p.name, p.steps, pool, p.lr_scale, weights=type_weights(cfg, records, pool)))
     return phases
 

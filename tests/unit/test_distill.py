@@ -228,6 +228,25 @@ def test_student_checkpoint_init_and_config_errors(data_dir, tmp_path):
         DistillConfig.model_validate({"student": {"model_uri": "builtin:tiny-qwen2-vl"}})
 
 
+def test_an_on_policy_fraction_that_rounds_to_no_sample_is_rejected_with_the_smallest_that_gives_one():
+    with pytest.raises(ValueError) as err:
+        DistillConfig.model_validate({"on_policy": {"fraction": 0.01}, "train": {"samples_per_step": 32}})
+    assert (
+        "distill.on_policy.fraction=0.01 x train.samples_per_step=32 rounds to 0 on-policy samples per step; set "
+        "on_policy.fraction >= 0.03125 (one sample per step), raise train.samples_per_step, or set "
+        "on_policy.fraction: 0 for off-policy distillation only."
+    ) in str(err.value)
+    with pytest.raises(ValueError, match=r"fraction=0\.1 x train\.samples_per_step=5 rounds to 0 .* >= 0\.2 "):
+        DistillConfig.model_validate({"on_policy": {"fraction": 0.1}, "train": {"samples_per_step": 5}})
+    for per_step in (1, 3, 7, 32, 100):  # the suggested fraction is accepted and gives one sample
+        smallest = float(f"{1 / per_step:.4g}")
+        cfg = DistillConfig.model_validate(
+            {"on_policy": {"fraction": smallest}, "train": {"samples_per_step": per_step}}
+        )
+        assert round(cfg.on_policy.fraction * cfg.train.samples_per_step) == 1
+    DistillConfig.model_validate({"on_policy": {"fraction": 0.0}, "train": {"samples_per_step": 32}})  # off-policy
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_distill_runs_on_the_deepspeed_backend(zero_stage, data_dir, teacher, tmp_path):

@@ -103,3 +103,16 @@ def test_a_modified_committed_input_is_refused(env):
             experiment="t",
             record_as="down",
         )
+
+
+class NotesConfig(ToyConfig):
+    def ignored_settings(self) -> list[str]:
+        return ["factor: no effect here"]
+
+
+def test_settings_without_effect_are_said_at_the_start_and_kept_with_the_result(env, capsys):
+    execute("toy", NotesConfig(), toy_run, inputs={"value": 3}, output_dir=env / "out", experiment="t", record_as="toy")
+    assert "warning: setting without effect: toy.factor: no effect here" in capsys.readouterr().err
+    result = json.loads((env / "results" / "toy.json").read_text())
+    assert result["ignored_settings"] == ["toy.factor: no effect here"]
+    assert "ignored_settings" not in json.loads((env / "out" / RESULT_FILE).read_text())["metrics"]

@@ -175,6 +175,36 @@ def test_stage2_trains_the_vision_tower_from_pixels_with_infonce(inputs, tmp_pat
     assert block0 and any(not torch.equal(before[k], after[k]) for k in block0)
 
 
+def test_each_phase_evaluates_with_its_own_loss_chunk_tokens(inputs, tmp_path, monkeypatch):
+    """The held-out eval runs inside a phase: stage 2's evals (and the final one) chunk the LM head by
+    stage2.train.loss_chunk_tokens, not stage 1's (stage 2 from pixels may need a smaller logits budget)."""
+    from components.pretrain import stage as pretrain_stage
+
+    seen: list[tuple[str, int]] = []
+    heldout_loss, pair_loss = pretrain_stage.E.heldout_loss, pretrain_stage.per_sample_sequence_loss
+
+    def spy_heldout_loss(model, samples, *, chunk_rows, **kw):
+        seen.append(("caption", chunk_rows))
+        return heldout_loss(model, samples, chunk_rows=chunk_rows, **kw)
+
+    def spy_pair_loss(model, batch, *, chunk_rows, **kw):
+        seen.append(("retrieval", chunk_rows))
+        return pair_loss(model, batch, chunk_rows=chunk_rows, **kw)
+
+    monkeypatch.setattr(pretrain_stage.E, "heldout_loss", spy_heldout_loss)
+    monkeypatch.setattr(pretrain_stage, "per_sample_sequence_loss", spy_pair_loss)
+    train = {"steps": 1, "samples_per_step": 4, "threads": 1, "max_tokens_per_micro_batch": 512, "eval_every": 1}
+    cfg = _cfg(
+        stage1={"train": {**train, "loss_chunk_tokens": 64}},
+        stage2={"enabled": True, "train": {**train, "loss_chunk_tokens": 96}},
+        keep_best_of_last=1,
+    )
+    _run(cfg, inputs, tmp_path)
+    captions = [chunk for kind, chunk in seen if kind == "caption"]
+    assert captions[0] == 64 and captions[-1] == 96 and set(captions) == {64, 96}, captions
+    assert {chunk for kind, chunk in seen if kind == "retrieval"} == {64, 96}
+
+
 def test_infonce_prefers_aligned_pairs_and_hard_negatives_focus_the_loss():
     torch.manual_seed(0)
     n, d = 6, 16

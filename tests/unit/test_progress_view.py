@@ -144,3 +144,14 @@ def test_task_logs_take_a_tasks_output_and_tell_the_view(run_dirs):
     assert log.read_text().splitlines() == ["executor input ...", "boom"]
     assert (run_dirs["logs"] / "sft_op-2.log").is_file()
     assert "FAILED" in out.getvalue() and "| boom" in out.getvalue()
+
+
+def test_settings_without_effect_are_shown_under_the_stage_that_had_them(run_dirs):
+    out = io.StringIO()
+    view = _view(run_dirs, out)
+    view.task_started("sft_op", run_dirs["logs"] / "sft_op.log")
+    result = {"metrics": {"vqa_exact_match": 0.5}, "ignored_settings": ["sft.train.zero_stage: a DeepSpeed setting"]}
+    (run_dirs["stage_results"] / "sft.json").write_text(json.dumps(result))
+    view.task_finished("sft_op", 0, run_dirs["logs"] / "sft_op.log")
+    lines = out.getvalue().splitlines()
+    assert "succeeded in" in lines[-2] and lines[-1] == "        note: sft.train.zero_stage: a DeepSpeed setting"

@@ -10,6 +10,7 @@ the stage runs on several processes instead.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -61,6 +62,9 @@ def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifac
     artifacts = {"output": str(output_dir), **(artifacts or {})}
     started = time.time()
     params = cfg.model_dump(mode="json")
+    ignored = [f"{stage}.{note}" for note in cfg.ignored_settings()]  # said at the start, kept with the result
+    for note in ignored:
+        print(f"warning: setting without effect: {note}", file=sys.stderr, flush=True)
     other_rank = os.environ.get("RANK", "0").strip() not in ("", "0")  # logs nothing; its node's system metrics
     try:
         tracking = (
@@ -72,6 +76,8 @@ def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifac
             metrics = run(cfg, **inputs, output_dir=output_dir, tracker=tracker)
             metrics = {**metrics, **ledger.metrics()}  # records skipped under on_bad_record: skip, per reason
             tracker.log_metrics(flatten_metrics(metrics))
+            if ignored:
+                tracker.set_tags({"qvl.ignored_settings": "; ".join(ignored)[:4900]})
             if (output_dir / "report.md").is_file():  # the page the KFP UI shows, in the stage's MLflow run too
                 tracker.log_artifact(output_dir / "report.md")
     except BaseException as err:
@@ -97,6 +103,7 @@ def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifac
                 "metrics": metrics,
                 "artifacts": artifacts,
                 "seconds": round(time.time() - started, 3),
+                **({"ignored_settings": ignored} if ignored else {}),
             },
             output_dir,
         )

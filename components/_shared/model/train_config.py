@@ -13,7 +13,7 @@ from typing import Annotated, Literal, get_args
 from pydantic import Field, field_validator, model_validator
 
 from components._shared.platform import storage
-from components._shared.platform.config import SubConfig
+from components._shared.platform.config import StageConfig, SubConfig
 
 # The parameter groups of a Qwen VLM (model/vlm.py assigns every trainable parameter to exactly one): the one
 # spelling of their names, for configs (freeze lists, per-group LRs) and the model code alike.
@@ -171,3 +171,56 @@ def lr_factor(step: int, total: int, schedule: ScheduleConfig) -> float:
     if schedule.decay == "linear":
         return floor + (peak - floor) * (1.0 - progress)
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def changed_fields(block: SubConfig, default: SubConfig) -> list[str]:
+    """Names of the fields of `block` whose values differ from `default`'s (the settings a user gave a value)."""
+    return [name for name in type(block).model_fields if getattr(block, name) != getattr(default, name)]
+
+
+class TrainedStageConfig(StageConfig):
+    """A stage that trains: one or more training runs, each a block with `train`, `optim` and `schedule` (the config
+    itself, or sub-blocks such as pretrain's stage1 / stage2). Settings of a run that contradict each other are
+    validation errors; settings that do nothing in this configuration are listed by `ignored_settings`."""
+
+    def training_blocks(self) -> list[tuple[str, object]]:
+        """(setting prefix, block) of every training run that takes place (a block with `enabled: false` does not)."""
+        candidates = [("", self)] + [(f"{name}.", getattr(self, name)) for name in type(self).model_fields]
+        return [
+            (prefix, block)
+            for prefix, block in candidates
+            if isinstance(getattr(block, "train", None), TrainConfig) and getattr(block, "enabled", True) is not False
+        ]
+
+    @model_validator(mode="after")
+    def _training_settings_agree(self):
+        for prefix, block in self.training_blocks():
+            clips = block.optim.group_max_grad_norm
+            if block.train.backend == "deepspeed" and clips:
+                raise ValueError(
+                    f"{prefix}optim.group_max_grad_norm={dict(clips)} with {prefix}train.backend: deepspeed: DeepSpeed "
+                    f"clips the whole model's gradient norm once, so per-group clips cannot apply (the smallest would "
+                    f"clip every group); set {prefix}optim.max_grad_norm, or {prefix}train.backend: torch."
+                )
+        return self
+
+    def ignored_settings(self) -> list[str]:
+        notes = super().ignored_settings()
+        for prefix, block in self.training_blocks():
+            train, schedule = block.train, block.schedule
+            deepspeed_only = [
+                name
+                for name in ("offload_optimizer", "zero_stage")
+                if getattr(train, name) != TrainConfig.model_fields[name].default
+            ]
+            if train.backend == "torch":
+                notes += [
+                    f"{prefix}train.{name}: a DeepSpeed setting; train.backend is torch" for name in deepspeed_only
+                ]
+            if schedule.warmup_steps >= train.steps:
+                reached = lr_factor(train.steps - 1, train.steps, schedule)
+                notes.append(
+                    f"{prefix}schedule.warmup_steps={schedule.warmup_steps} >= {prefix}train.steps={train.steps}: the "
+                    f"learning rate rises to {reached:.2f} of optim.lr and its {schedule.decay} decay never starts"
+                )
+        return notes

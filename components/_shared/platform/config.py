@@ -64,6 +64,11 @@ class StageConfig(BaseModel):
     def _coerce_kfp_floats(cls, data: Any) -> Any:
         return coerce_whole_floats(cls, data)
 
+    def ignored_settings(self) -> list[str]:
+        """Settings whose values have no effect in this configuration, each "setting: why" (the runner and preflight
+        print them and record them with the run). Contradictions are validation errors instead; stages extend this."""
+        return []
+
 
 class SubConfig(BaseModel):
     """A nested block of a stage config (same strictness, same float coercion)."""
