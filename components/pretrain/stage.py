@@ -43,7 +43,7 @@ from components._shared.platform import storage
 from components._shared.platform.imaging import decode_image
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
-from components.pretrain.config import InfoNceConfig, PretrainConfig
+from components.pretrain.config import InfoNceConfig, PretrainConfig, Stage1Config, Stage2Config
 
 MAX_IMAGE_PIXELS = 89_478_485
 
@@ -310,7 +310,7 @@ def run(
         chunk = block.train.loss_chunk_tokens
         return train_phase(name, model, block, samples, lambda step: heldout(model, chunk), *phase_args)
 
-    last = cfg.stage1
+    last: Stage1Config | Stage2Config = cfg.stage1
     loop, first = phase("stage1", cfg.stage1, from_features)
     results = {"stage1": first}
     if cfg.stage2.enabled:

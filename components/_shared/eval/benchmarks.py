@@ -206,10 +206,12 @@ def _number(value) -> float | None:
 def _xywh(box) -> list[float]:
     if not (isinstance(box, list) and len(box) == 4):
         raise RecordError(f"bbox must be [x, y, width, height], got {box!r}")
-    numbers = [_number(v) for v in box]
-    for k, (value, number) in enumerate(zip(box, numbers, strict=True)):
+    numbers: list[float] = []
+    for k, value in enumerate(box):
+        number = _number(value)
         if number is None:
             raise RecordError(f"bbox[{k}] is {value!r}, not a number; give bbox as [x, y, width, height] in pixels")
+        numbers.append(number)
     x, y, w, h = numbers
     if w <= 0 or h <= 0:
         raise RecordError(f"bbox {box!r} has no area; give bbox as [x, y, width, height] with width, height > 0")

@@ -247,8 +247,9 @@ def _answers(value: Any) -> list[str]:
         return [check_text(value, "the answer")]
     if isinstance(value, list) and value:
         out = [v.get("answer") if isinstance(v, dict) else v for v in value]
-        if all(isinstance(v, str) for v in out):
-            return [check_text(v, f"answer {k}") for k, v in enumerate(out)]
+        texts = [v for v in out if isinstance(v, str)]
+        if len(texts) == len(out):
+            return [check_text(v, f"answer {k}") for k, v in enumerate(texts)]
     raise RecordError(f"answers must be a string or a list of strings, got {value!r}")
 
 

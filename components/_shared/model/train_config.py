@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
@@ -183,7 +183,7 @@ class TrainedStageConfig(StageConfig):
     itself, or sub-blocks such as pretrain's stage1 / stage2). Settings of a run that contradict each other are
     validation errors; settings that do nothing in this configuration are listed by `ignored_settings`."""
 
-    def training_blocks(self) -> list[tuple[str, object]]:
+    def training_blocks(self) -> list[tuple[str, Any]]:
         """(setting prefix, block) of every training run that takes place (a block with `enabled: false` does not)."""
         candidates = [("", self)] + [(f"{name}.", getattr(self, name)) for name in type(self).model_fields]
         return [
