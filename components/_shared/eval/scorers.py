@@ -200,7 +200,8 @@ def choice_golds(record: Record) -> set[str]:
 
 def multiple_choice(prediction: str, record: Record) -> float:
     """1 if the option parsed from the prediction is the reference letter (record: "choices" {letter: text})."""
-    return float(parse_choice(prediction, record["choices"]) in choice_golds(record))
+    golds = choice_golds(record)  # first: it names a record without choices
+    return float(parse_choice(prediction, record["choices"]) in golds)
 
 
 # ------------------------------------------------------------------------------- captions (COCO-style) ---
