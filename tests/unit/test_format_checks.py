@@ -377,3 +377,29 @@ def test_answers_no_prediction_could_score_on_are_refused_when_read(data):
     with bad_records.policy("skip") as ledger:
         kept = readers.load_questions(data)
     assert [r["id"] for r in kept] == ["mc-ok", "yn-ok"] and ledger.metrics()["data/skipped_records"] == 2
+
+
+def test_turns_out_of_order_and_marker_lookalikes_are_refused(data):
+    """A leading assistant turn answers nothing and a trailing user turn is never answered (both used to be kept and
+    tokenised, teaching nothing); two turns in a row by one role; '<Image>' stayed text while its image moved."""
+    records = [
+        {"id": "ends-user", "image": "a.png", "conversations": [H("<image>q1"), G("a1"), H("q2")]},
+        {"id": "starts-gpt", "image": "a.png", "conversations": [G("hello"), H("<image>q1"), G("a1")]},
+        {"id": "two-gpt", "image": "a.png", "conversations": [H("<image>q1"), G("a1"), G("a2")]},
+        {"id": "lookalike", "image": "a.png", "conversations": [H("<Image> what"), G("a")]},
+        {"id": "ok", "image": "a.png", "system": "Be terse.", "conversations": [H("<image>q"), G("a"), H("q2"), G("b")]},
+    ]  # fmt: skip
+    _jsonl(data / "sft.jsonl", records)
+    message = _error(readers.load_conversations, data)
+    assert message.startswith("4 bad conversation record(s) in sft.jsonl")
+    assert "conversations[2]: the conversation ends on a user turn that nothing answers" in _line(
+        message, "sft.jsonl:1 (id='ends-user')"
+    )
+    assert "conversations[0]: the conversation starts with an assistant turn" in _line(message, "sft.jsonl:2")
+    assert "conversations[2]: a second assistant turn in a row; merge it" in _line(message, "sft.jsonl:3")
+    assert "conversations[0]: '<Image>' looks like the image marker but is not; write <image>" in _line(
+        message, "sft.jsonl:4"
+    )
+    with bad_records.policy("skip") as ledger:
+        kept = readers.load_conversations(data)
+    assert [r["id"] for r in kept] == ["ok"] and ledger.metrics()["data/skipped_records"] == 4

@@ -24,6 +24,7 @@ Video is not read (a video part is refused with its source): decoding and sampli
 from __future__ import annotations
 
 import base64
+import itertools
 import re
 from typing import Any
 
@@ -43,6 +44,7 @@ MAX_REPORTED = 20
 _LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _DATA_URI = re.compile(r"^data:image/[\w.+-]+;base64,", re.I)
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_MARKER_LOOKALIKE = re.compile(r"<\s*image\s*>", re.IGNORECASE)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 # The Qwen VL tokenizers' special tokens (Qwen2-VL's added tokens, shared by Qwen2.5-VL, Qwen3-VL and Qwen3.5; the
 # synthetic world's tokenizer has the same). model/packing.py's ConversationEncoder refuses text holding any of them
@@ -200,6 +202,9 @@ def conversation(raw: dict, image_root: str = "") -> tuple[list[ImageRef], list[
             )
         if role != "user" and IMAGE_MARKER in text:
             raise RecordError(f"{key}[{i}]: an image marker in a {role} turn; images go in user turns")
+        lookalike = next((m for m in _MARKER_LOOKALIKE.findall(text) if m != IMAGE_MARKER), None)
+        if lookalike:
+            raise RecordError(f"{key}[{i}]: {lookalike!r} looks like the image marker but is not; write {IMAGE_MARKER}")
         turns.append({"role": role, "text": check_text(text, f"{key}[{i}]")})
     if carried and images:
         raise RecordError("images both in the record's 'images' and inside message parts; give them one way")
@@ -214,7 +219,31 @@ def conversation(raw: dict, image_root: str = "") -> tuple[list[ImageRef], list[
         system = turns[empty]["role"] == "system"
         fix = "drop the turn to keep the model's default system prompt" if system else "drop the turn"
         raise RecordError(f"turn {empty} ({turns[empty]['role']}) is empty; {fix}, or write it")
+    _check_turn_order(turns, key, first=len(turns) - len(messages))
     return images, turns
+
+
+def _check_turn_order(turns: list[dict], key: str, first: int) -> None:
+    """The user and the assistant take turns, the user first and the assistant last (after any system turn): a
+    leading assistant turn answers nothing and a trailing user turn is never answered, so either would be dropped
+    from what the model learns. `first`: the position of `key`[0] in `turns` (1 after a top-level system)."""
+    dialogue = [(i - first, t["role"]) for i, t in enumerate(turns) if t["role"] != "system"]
+    if dialogue[0][1] != "user":
+        raise RecordError(
+            f"{key}[{dialogue[0][0]}]: the conversation starts with an assistant turn, which answers "
+            "nothing; start with the user's turn (drop the leading assistant turn)"
+        )
+    if dialogue[-1][1] != "assistant":
+        raise RecordError(
+            f"{key}[{dialogue[-1][0]}]: the conversation ends on a user turn that nothing answers; add "
+            "its answer or drop the turn"
+        )
+    for (_, before), (i, role) in itertools.pairwise(dialogue):
+        if role == before:
+            raise RecordError(
+                f"{key}[{i}]: a second {role} turn in a row; merge it into the one before, or put the "
+                f"{'assistant' if role == 'user' else 'user'}'s turn between them"
+            )
 
 
 def choices_of(raw: dict) -> dict[str, str] | None:
