@@ -387,7 +387,8 @@ def test_turns_out_of_order_and_marker_lookalikes_are_refused(data):
         {"id": "starts-gpt", "image": "a.png", "conversations": [G("hello"), H("<image>q1"), G("a1")]},
         {"id": "two-gpt", "image": "a.png", "conversations": [H("<image>q1"), G("a1"), G("a2")]},
         {"id": "lookalike", "image": "a.png", "conversations": [H("<Image> what"), G("a")]},
-        {"id": "ok", "image": "a.png", "system": "Be terse.", "conversations": [H("<image>q"), G("a"), H("q2"), G("b")]},
+        {"id": "ok", "image": "a.png", "system": "Be terse.",
+         "conversations": [H("<image>q"), G("a"), H("q2"), G("b")]},
     ]  # fmt: skip
     _jsonl(data / "sft.jsonl", records)
     message = _error(readers.load_conversations, data)
