@@ -358,8 +358,9 @@ def read_parquet(
                 key = str(row["key"]) if row.get("key") is not None else _fallback_key(count, real_keys)
                 rec = Record(key=key, shard=shard)
                 image = row.get(image_col) if image_col else None
+                path_only = None
                 if isinstance(image, dict):  # Hugging Face datasets' {"bytes", "path"} struct
-                    image = image.get("bytes")
+                    image, path_only = image.get("bytes"), image.get("path")
                 caption = row.get(caption_col) if caption_col else None
                 if isinstance(caption, str):
                     caption = caption.encode("utf-8")
@@ -370,6 +371,13 @@ def read_parquet(
                         f"row {count} has key {key!r}, already used by row {first_row[key]} of this shard; keys must "
                         "be unique within a shard: fix the writer, or drop the key column and clean_data names the "
                         "rows row-NNNNNNNNN",
+                    )
+                elif image is None and path_only:
+                    rec.reject = (
+                        "missing_image",
+                        f"image column {image_col!r} holds only a path ({str(path_only)[:80]!r}), not the image's "
+                        "bytes; the lake is read from its shards alone: write the bytes into the cell (img2dataset "
+                        "and datasets' Image(decode=False) with embedded files do)",
                     )
                 elif image is None:
                     rec.reject = ("missing_image", f"no image value (columns tried: {list(PARQUET_IMAGE_COLUMNS)})")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -217,9 +218,29 @@ def build_trainer(
         rewards=rewards,
         checkpoints=checkpoint_store("rl", cfg.train, key, output_dir),
         tracker=tracker,
-        ptx_pool=load_prompts(data_dir, cfg, types=cfg.ptx.types, setting="ptx.types") if cfg.ptx.coef else None,
+        ptx_pool=ptx_pool(data_dir, cfg) if cfg.ptx.coef else None,
     )
     return trainer, encoder, processor, rewards
+
+
+def ptx_pool(data_dir: Path, cfg: RlConfig) -> list[dict]:
+    """The records ptx draws its reference answers from; ptx.samples_per_step larger than the pool is an error (each
+    step would use the whole pool, fewer than asked), the default (train.samples_per_step) is capped, said."""
+    pool = load_prompts(data_dir, cfg, types=cfg.ptx.types, setting="ptx.types")
+    if cfg.ptx.samples_per_step > len(pool):
+        raise ValueError(
+            f"ptx.samples_per_step={cfg.ptx.samples_per_step} exceeds the {len(pool)} ptx records (the prompts file"
+            f"{f', ptx.types {list(cfg.ptx.types)}' if cfg.ptx.types else ''}); set ptx.samples_per_step <= "
+            f"{len(pool)}, or widen ptx.types."
+        )
+    if not cfg.ptx.samples_per_step and cfg.train.samples_per_step > len(pool):
+        print(
+            f"warning: ptx uses all {len(pool)} ptx records per step (fewer than train.samples_per_step="
+            f"{cfg.train.samples_per_step}, its default per-step count)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return pool
 
 
 def heldout_change(before_scores: list[float], final_rows: list[dict], evals: list[dict], *, seed: int) -> dict:

@@ -89,6 +89,17 @@ def test_numeric_caption_is_rejected_not_crashing_nor_read_as_empty(tmp_path):
     assert filters.check_caption(["x"], CFG) == (None, ("missing_caption", "caption is list, not text (UTF-8 bytes)"))
 
 
+def test_hugging_face_image_cells_holding_only_a_path_say_so(tmp_path):
+    """datasets' Image column saved without embedding the files: {bytes: None, path: ...}; the lake has no image."""
+    shard = tmp_path / "00000.parquet"
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    cells = pa.array([{"bytes": None, "path": "imgs/cat.jpg"}, {"bytes": _image(1), "path": None}], type=struct)
+    pq.write_table(pa.table({"key": ["k0", "k1"], "image": cells, "caption": [CAPTION.decode()] * 2}), shard)
+    metrics, rejected, kept = _clean(shard, tmp_path / "out")
+    assert kept == ["k1"] and rejected["k0"]["reason"] == "missing_image"
+    assert "image column 'image' holds only a path ('imgs/cat.jpg'), not the image's bytes" in rejected["k0"]["detail"]
+
+
 # --- finding 2: nested and compressed shards, other files ------------------------------------------------------
 
 

@@ -404,3 +404,27 @@ def test_turns_out_of_order_and_marker_lookalikes_are_refused(data):
     with bad_records.policy("skip") as ledger:
         kept = readers.load_conversations(data)
     assert [r["id"] for r in kept] == ["ok"] and ledger.metrics()["data/skipped_records"] == 4
+
+
+def test_boxes_without_area_and_choices_that_collide_are_refused(data):
+    """JSON true/false are ints to Python (a box [true, 0, false, 1] was read as [1, 0, 0, 1]); an inverted box
+    scores every prediction 0; options 'a' and 'A' became one option, losing the other."""
+    records = [
+        {"id": "bool", "image": "a.png", "task": "grounding", "question": "where", "answer": "",
+         "box": [True, 0, False, 1]},
+        {"id": "inverted", "image": "a.png", "task": "grounding", "question": "where", "answer": "",
+         "box": [50, 40, 10, 5]},
+        {"id": "collide", "image": "a.png", "task": "multiple_choice", "question": "Pick",
+         "choices": {"a": "cat", "A": "dog"}, "answer": "A"},
+        {"id": "ok", "image": "a.png", "task": "grounding", "question": "where", "answer": "", "box": [1, 2, 10, 12]},
+    ]  # fmt: skip
+    _jsonl(data / "eval.jsonl", records)
+    message = _error(readers.load_questions, data)
+    assert message.startswith("3 bad question record(s) in eval.jsonl")
+    assert "'box' must be [x1, y1, x2, y2] in image pixels, got [True, 0, False, 1]" in _line(message, "eval.jsonl:1")
+    assert "(x2 must exceed x1 and y2 exceed y1: a box with area), got [50, 40, 10, 5]" in _line(
+        message, "eval.jsonl:2"
+    )
+    assert "choices ['a', 'A'] name an option twice once upper-cased" in _line(message, "eval.jsonl:3")
+    with bad_records.policy("skip"):
+        assert [r["box"] for r in readers.load_questions(data)] == [[1.0, 2.0, 10.0, 12.0]]

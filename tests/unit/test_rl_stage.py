@@ -363,3 +363,19 @@ def test_the_report_lists_each_benchmark_before_and_after():
     text = report(metrics)
     assert "| photo_qa | 0.200 | 0.400 |" in text and "| pope | 0.500 | 0.600 |" in text
     assert "| photo_qa | 0.100 | 0.200 |" in text  # the efficacy table of the custom task
+
+
+def test_ptx_asking_for_more_records_than_its_pool_is_refused(tmp_path, capsys):
+    """ptx.samples_per_step larger than the ptx pool used to be capped silently to the pool."""
+    from components.rl.stage import ptx_pool
+
+    data = tmp_path / "data"
+    write_splits(data, seed=7, eval_per_type=1, sft_records=16, preference_pairs=2)
+    pool = ptx_pool(data, _cfg("ppo", ptx={"coef": 1.0, "types": ["color"]}))
+    with pytest.raises(ValueError, match=rf"ptx.samples_per_step=1000 exceeds the {len(pool)} ptx records .*'color'"):
+        ptx_pool(data, _cfg("ppo", ptx={"coef": 1.0, "types": ["color"], "samples_per_step": 1000}))
+    big = _cfg(
+        "ppo", ptx={"coef": 1.0, "types": ["color"]}, train={**_cfg("ppo").train.model_dump(), "samples_per_step": 64}
+    )
+    assert len(ptx_pool(data, big)) == len(pool) < 64
+    assert f"warning: ptx uses all {len(pool)} ptx records per step" in capsys.readouterr().err

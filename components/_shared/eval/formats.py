@@ -246,6 +246,13 @@ def _check_turn_order(turns: list[dict], key: str, first: int) -> None:
             )
 
 
+def _is_number(value) -> bool:
+    """A finite int or float, not a bool (JSON true / false are ints to Python)."""
+    return (
+        isinstance(value, int | float) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+    )
+
+
 def choices_of(raw: dict) -> dict[str, str] | None:
     """Multiple-choice options as {letter: text}: a dict, a list (lettered A, B, ...) or MMBench's A..E columns."""
     value = raw.get("choices", raw.get("options"))
@@ -257,7 +264,10 @@ def choices_of(raw: dict) -> dict[str, str] | None:
         value = dict(zip(_LETTERS, value, strict=False))
     if not isinstance(value, dict) or len(value) < 2 or not all(isinstance(v, str) for v in value.values()):
         raise RecordError(f"choices must be two or more option strings (a list or {{letter: text}}), got {value!r}")
-    return {str(k).strip().upper(): check_text(v, f"'choices' {k}") for k, v in value.items()}
+    letters = [str(k).strip().upper() for k in value]
+    if len(set(letters)) != len(letters):
+        raise RecordError(f"choices {list(value)} name an option twice once upper-cased (letters are A, B, ...)")
+    return {letter: check_text(v, f"'choices' {k}") for letter, (k, v) in zip(letters, value.items(), strict=True)}
 
 
 def _check_markers(text: str, images: list) -> None:
@@ -328,8 +338,10 @@ def question(raw: dict, image_root: str = "") -> dict:
         out["choices"] = choices
     box = raw.get("box")
     if box is not None:
-        if not (isinstance(box, list) and len(box) == 4 and all(isinstance(v, int | float) for v in box)):
-            raise RecordError(f"'box' must be [x1, y1, x2, y2] in image pixels, got {box!r}")
+        numbers = isinstance(box, list) and len(box) == 4 and all(_is_number(v) for v in box)
+        if not numbers or not (box[0] < box[2] and box[1] < box[3]):
+            why = "" if not numbers else " (x2 must exceed x1 and y2 exceed y1: a box with area)"
+            raise RecordError(f"'box' must be [x1, y1, x2, y2] in image pixels{why}, got {box!r}")
         out["box"] = [float(v) for v in box]
     return out
 
