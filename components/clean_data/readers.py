@@ -357,10 +357,10 @@ def read_parquet(
             for row in batch.to_pylist():
                 key = str(row["key"]) if row.get("key") is not None else _fallback_key(count, real_keys)
                 rec = Record(key=key, shard=shard)
-                image = row.get(image_col) if image_col else None
-                path_only = None
-                if isinstance(image, dict):  # Hugging Face datasets' {"bytes", "path"} struct
-                    image, path_only = image.get("bytes"), image.get("path")
+                cell = row.get(image_col) if image_col else None
+                image, path_only = cell, None
+                if isinstance(cell, dict):  # Hugging Face datasets' {"bytes", "path"} struct
+                    image, path_only = cell.get("bytes"), cell.get("path") or None
                 caption = row.get(caption_col) if caption_col else None
                 if isinstance(caption, str):
                     caption = caption.encode("utf-8")
