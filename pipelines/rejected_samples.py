@@ -58,11 +58,34 @@ def _lake_images(lake: Path, wanted: dict[str, set[str]]) -> dict[str, bytes | N
             path = next(iter(sorted(lake.rglob(shard))), path)
         if not path.is_file():
             continue
+        if path.name.endswith((".tar", ".tar.gz", ".tgz")):
+            found.update(_tar_images(path, keys))
+            continue
         for record in read_shard(str(path), max_member_bytes=MAX_IMAGE_BYTES, errors=[]):
             if record.key in keys:
                 found[record.key] = record.image
                 if keys <= found.keys():
                     break
+    return found
+
+
+def _tar_images(path: Path, keys: set[str]) -> dict[str, bytes | None]:
+    """key -> the bytes of its image member (KEY.jpg / .png / ...), read straight from the tar: the clean_data reader
+    drops the bytes of a record it rejects at the shard's end (a missing caption, a split key)."""
+    import tarfile
+
+    from components.clean_data.readers import IMAGE_EXTENSIONS, _split_member, unsafe_reason
+
+    found: dict[str, bytes | None] = {}
+    with tarfile.open(path, mode="r|*") as tar:
+        for member in tar:
+            key, ext = _split_member(member.name)
+            if key not in keys or key in found or ext not in IMAGE_EXTENSIONS or unsafe_reason(member):
+                continue
+            handle = tar.extractfile(member) if member.size <= MAX_IMAGE_BYTES else None
+            found[key] = handle.read() if handle is not None else None
+            if keys <= found.keys():
+                break
     return found
 
 

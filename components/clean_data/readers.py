@@ -121,7 +121,7 @@ class _Group:
         if data is None:
             return
         base_ext = ext.rsplit(".", 1)[-1]
-        if base_ext in IMAGE_EXTENSIONS:
+        if ext in IMAGE_EXTENSIONS:  # KEY.jpg; KEY.mask.png is another field of the sample (WebDataset), not its image
             if rec.image is None:
                 rec.image, rec.image_member = data, member
             else:

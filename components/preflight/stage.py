@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -115,37 +114,46 @@ def check_tracking_server(timeout_s: float) -> str:
     if not uri.startswith(("http://", "https://")):
         return "local"
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as resp:
-            if resp.status != 200:
-                raise OSError(f"HTTP {resp.status}")
-    except OSError as err:
+        health = _mlflow_get(uri, "/health", timeout_s)
+    except ValueError as err:
         raise ValueError(
-            f"MLflow tracking server {uri} is not reachable ({err}). Check MLFLOW_TRACKING_URI and that the "
+            f"MLflow tracking server {uri} is not reachable ({err.__cause__}). Check MLFLOW_TRACKING_URI and that the "
             "server is up (manifests/ deploys one)."
         ) from err
+    if health.status_code != 200:
+        raise ValueError(f"MLflow tracking server {uri} is not reachable (/health answered HTTP {health.status_code}).")
     check_tracking_login(uri, timeout_s)
     return "server"
 
 
-def check_tracking_login(uri: str, timeout_s: float) -> None:
-    """One API call with the credentials MLflow itself would send (MLFLOW_TRACKING_TOKEN, _USERNAME/_PASSWORD,
-    TLS settings), so a missing or wrong login fails here and not at a stage's first metric."""
+def _mlflow_get(uri: str, endpoint: str, timeout_s: float, **params):
+    """One GET as MLflow's own client sends it: its credentials (MLFLOW_TRACKING_TOKEN, _USERNAME/_PASSWORD,
+    MLFLOW_TRACKING_AUTH) and TLS settings (MLFLOW_TRACKING_SERVER_CERT_PATH, _INSECURE_TLS), no retries."""
     from mlflow.exceptions import MlflowException
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
 
     try:
-        response = http_request(
-            get_default_host_creds(uri),
-            "/api/2.0/mlflow/experiments/search",
+        return http_request(
+            get_default_host_creds(uri.rstrip("/")),
+            endpoint,
             "GET",
-            params={"max_results": 1},
+            params=params or None,
             max_retries=0,
             timeout=timeout_s,
             raise_on_status=False,
         )
     except (OSError, MlflowException) as err:
-        raise ValueError(f"MLflow tracking server {uri} failed an experiments search ({err}).") from err
+        raise ValueError(f"GET {endpoint} failed") from err
+
+
+def check_tracking_login(uri: str, timeout_s: float) -> None:
+    """One API call with the credentials MLflow itself would send, so a missing or wrong login fails here and not
+    at a stage's first metric (/health answers without a login)."""
+    try:
+        response = _mlflow_get(uri, "/api/2.0/mlflow/experiments/search", timeout_s, max_results=1)
+    except ValueError as err:
+        raise ValueError(f"MLflow tracking server {uri} failed an experiments search ({err.__cause__}).") from err
     if response.status_code in (401, 403):
         raise ValueError(
             f"MLflow tracking server {uri} refused this pod's credentials (HTTP {response.status_code}). Put "

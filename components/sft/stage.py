@@ -98,12 +98,14 @@ def lora_pattern(targets: list[str]) -> str:
 
 
 def check_lora_targets(model, targets: list[str], family: str) -> None:
-    """Fail on each `sft.lora.target_modules` pattern that matches no Linear layer (PEFT would skip it silently);
+    """Fail on each `sft.lora.target_modules` pattern that matches no layer LoRA can adapt (Linear, Embedding, Conv;
+    PEFT would skip it silently);
     each pattern is matched the way PEFT matches the combined one (peft's own check_target_module_exists)."""
     from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    adaptable = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)  # PEFT's
+    linear = [n for n, m in model.named_modules() if isinstance(m, adaptable)]
     unmatched = [
         t
         for t in targets
@@ -112,8 +114,8 @@ def check_lora_targets(model, targets: list[str], family: str) -> None:
     if unmatched:
         kinds = list(dict.fromkeys(re.sub(r"\.\d+\.", ".N.", n) for n in linear))  # one name per layer kind
         raise ValueError(
-            f"sft.lora.target_modules: {unmatched} match no Linear layer of this {family} model (each is a regex "
-            "matched against the end of the module name); fix or remove them. Linear layers here "
+            f"sft.lora.target_modules: {unmatched} match no Linear, Embedding or Conv layer of this {family} model "
+            "(each is a regex matched against the end of the module name); fix or remove them. Such layers here "
             f"(N = layer index): {kinds[:20]}{' ...' if len(kinds) > 20 else ''}."
         )
 

@@ -214,3 +214,20 @@ def test_parquet_fallback_keys_never_collide_and_duplicate_keys_are_rejected(tmp
     assert len(set(kept)) == len(kept)
     assert rejected["k2"]["reason"] == "duplicate_key"
     assert "row 3 has key 'k2', already used by row 2" in rejected["k2"]["detail"]
+
+
+def test_report_thumbnails_find_images_of_records_rejected_at_the_shards_end(tmp_path):
+    """A record missing its caption waits (bytes dropped) until the shard's end; the run report still shows its
+    image, read straight from the tar. KEY.mask.png is another field of the sample, never its image."""
+    from pipelines.rejected_samples import rejected_samples
+
+    lake = tmp_path / "lake"
+    members = [("k0.jpg", _image(0)), ("k1.mask.png", _image(9)), ("k1.png", _image(1)), ("k1.txt", CAPTION)]
+    _write(lake / "00000.tar", _tar_bytes(members))
+    out = tmp_path / "clean"
+    run(CFG, lake_uri=str(lake), output_dir=out, tracker=NullTracker())
+    samples, note = rejected_samples(out, str(lake))
+    assert note == "" and [key for key, _, _ in samples["missing_caption"]] == ["k0"]
+    assert samples["missing_caption"][0][2] == _image(0)
+    kept = pq.read_table(next((out / "kept").glob("*.parquet"))).to_pylist()
+    assert [(r["key"], r["image"]) for r in kept] == [("k1", _image(1))]  # the image, not the mask

@@ -155,7 +155,7 @@ def test_every_bad_record_of_a_one_line_json_array_is_named_and_counted(data):
     message = _error(readers.load_conversations, data, file_name="sft.json")
     assert message.startswith("3 bad conversation record(s) in sft.json")
     for index in (0, 1, 3):
-        assert "turn 1 (assistant) is empty" in _line(message, f"sft.json:1 [{index}] (id=None)")
+        assert "conversations[1] (assistant) is empty" in _line(message, f"sft.json:1 [{index}] (id=None)")
     with bad_records.policy("skip") as ledger:
         kept = readers.load_conversations(data, file_name="sft.json")
     assert len(kept) == 1 and kept[0]["source"] == "sft.json:1 [2]"
@@ -234,8 +234,6 @@ def test_multi_turn_questions_are_refused_not_cut_to_the_first_exchange(data):
     assert "turns ['user', 'assistant', 'user', 'assistant']: a held-out or RL question is one user turn" in line
     assert "split the conversation into one record per question" in line
     assert "turns ['system', 'user', 'assistant']" in _line(message, "eval.jsonl:2 (id='sys')")
-    _jsonl(data / "sft.jsonl", records)  # RL prompts default to sft.jsonl: the same rule
-    assert "a held-out or RL question is one user turn" in _error(readers.conversation_questions, data, None)
     with bad_records.policy("skip") as ledger:
         kept = readers.load_questions(data)
     assert [r["id"] for r in kept] == ["ok"] and ledger.metrics()["data/skipped_records"] == 2
@@ -316,7 +314,9 @@ def test_a_system_prompt_that_is_not_text_or_blank_is_refused(data):
     assert message.startswith("2 bad conversation record(s)")
     assert "'system' must be a string (the system prompt), got list" in _line(message, "sft.jsonl:1 (id='list')")
     line = _line(message, "sft.jsonl:2 (id='blank')")
-    assert "turn 0 (system) is empty; drop the turn to keep the model's default system prompt, or write it" in line
+    assert (
+        "conversations[0] (system) is empty; drop the turn to keep the model's default system prompt, or write" in line
+    )
     with bad_records.policy("skip") as ledger:
         (kept,) = readers.load_conversations(data)
     assert [t["role"] for t in kept["turns"]] == ["user", "assistant"]  # an empty top-level 'system': no system turn
@@ -428,3 +428,30 @@ def test_boxes_without_area_and_choices_that_collide_are_refused(data):
     assert "choices ['a', 'A'] name an option twice once upper-cased" in _line(message, "eval.jsonl:3")
     with bad_records.policy("skip"):
         assert [r["box"] for r in readers.load_questions(data)] == [[1.0, 2.0, 10.0, 12.0]]
+
+
+def test_rl_prompts_take_a_conversations_first_exchange_counted_and_said(data, capsys):
+    """RL prompts default to the SFT conversations: a multi-turn or system-prompted one gives its first user turn and
+    the answer to it (documented in rl.prompts_file), counted on stderr, instead of stopping the RL stage."""
+    (data / "b.png").write_bytes((data / "a.png").read_bytes())
+    records = [
+        {"id": "two", "image": "a.png", "task": "exact_match",
+         "conversations": [H("<image>What colour?"), G("red"), H("What shape?"), G("square")]},
+        {"id": "sys", "image": "a.png", "task": "exact_match",
+         "conversations": [{"from": "system", "value": "Be terse."}, H("<image>Colour?"), G("red")]},
+        {"id": "later-image", "images": ["a.png", "b.png"], "task": "exact_match",
+         "conversations": [H("<image>Colour?"), G("red"), H("<image>And this one?"), G("red")]},
+        {"id": "one", "image": "a.png", "task": "exact_match", "conversations": [H("<image>Colour?"), G("red")]},
+    ]  # fmt: skip
+    _jsonl(data / "sft.jsonl", records)
+    prompts = {r["id"]: r for r in readers.conversation_questions(data, None)}
+    assert [(p["question"], p["answers"]) for p in prompts.values()] == [
+        ("What colour?", ["red"]),
+        ("Colour?", ["red"]),
+        ("Colour?", ["red"]),
+        ("Colour?", ["red"]),
+    ]
+    assert prompts["later-image"]["image"] == "a.png" and "shortened" not in prompts["two"]
+    assert "note: 3 of 4 RL prompts of sft.jsonl are the first exchange of a longer conversation" in (
+        capsys.readouterr().err
+    )

@@ -184,7 +184,7 @@ BAD_RECORDS = [  # (record, the reason its line must be reported with; None: a g
     ),
     (
         {"id": "empty", "image": "a.png", "conversations": [HUMAN, {"from": "gpt", "value": " "}]},
-        "turn 1 .assistant. is empty",
+        "conversations.1. .assistant. is empty",
     ),
 ]
 BAD_LINES = [(json.dumps(record), reason) for record, reason in BAD_RECORDS]

@@ -133,6 +133,16 @@ def test_s3_models_are_checked_where_they_lie_without_downloading_weights(tmp_pa
     client.put_object(Bucket=bucket, Key=key, Body=b"\xff" * 8 + data[8:])  # same size, header length garbage
     with pytest.raises(ValueError, match=rf"{weights} is not a readable safetensors file \(header length"):
         check_model(uri)
+    header = b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0]}}'  # no end offset: named, no traceback
+    client.put_object(
+        Bucket=bucket,
+        Key=key,
+        Body=(len(header) + (len(data) - 8 - len(header))).to_bytes(8, "little")
+        + header
+        + b" " * (len(data) - 8 - len(header)),
+    )
+    with pytest.raises(ValueError, match=rf"{weights} is not a readable safetensors file \(header is not a table"):
+        check_model(uri)
     client.delete_object(Bucket=bucket, Key=key)
     with pytest.raises(ValueError, match="but is missing"):
         check_model(uri)

@@ -1,5 +1,5 @@
 """sft settings that would otherwise be dropped silently fail with the setting's name and the fix: LoRA target
-patterns that match no Linear layer, curriculum difficulty names the data does not have."""
+patterns that match no layer LoRA can adapt, curriculum difficulty names the data does not have."""
 
 import re
 
@@ -27,14 +27,16 @@ def test_lora_target_patterns_that_match_no_linear_layer_are_named_with_the_real
         build_model(cfg, BUILTINS["qwen2_5_vl"])
     message = str(err.value)
     assert message.startswith(
-        r"sft.lora.target_modules: ['typo_proj', 'visual\\..*nonexistent'] match no Linear layer of this qwen2_5_vl "
-        "model"
+        r"sft.lora.target_modules: ['typo_proj', 'visual\\..*nonexistent'] match no Linear, Embedding or Conv layer "
+        "of this qwen2_5_vl model"
     )
     assert "fix or remove them" in message
     assert "'model.language_model.layers.N.self_attn.q_proj'" in message  # real names, layer index folded
     assert "'model.visual.merger.mlp.0'" in message
-    # a pattern that matches only a non-Linear module (the ViT's patch embedding is a Conv3d) is named too
-    with pytest.raises(ValueError, match=re.escape("sft.lora.target_modules: ['patch_embed'] match no Linear layer")):
+    # a pattern that matches only a container module (the ViT's patch embedding wraps its Conv3d `proj`) is named too
+    with pytest.raises(
+        ValueError, match=re.escape("sft.lora.target_modules: ['patch_embed'] match no Linear, Embedding or Conv layer")
+    ):
         build_model(
             SftConfig.model_validate({"mode": "lora", "lora": {"target_modules": ["patch_embed", "q_proj"]}}),
             BUILTINS["qwen2_5_vl"],
@@ -48,7 +50,9 @@ def test_every_family_default_lora_target_matches_a_linear_layer(name):
     family = family_for(model)
     assert family.name == name
     check_lora_targets(model, family.lora_targets, family.name)
-    with pytest.raises(ValueError, match=re.escape(f"['nope'] match no Linear layer of this {name} model")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"['nope'] match no Linear, Embedding or Conv layer of this {name} model")
+    ):
         check_lora_targets(model, [*family.lora_targets, "nope"], family.name)
 
 

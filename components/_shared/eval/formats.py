@@ -218,7 +218,9 @@ def conversation(raw: dict, image_root: str = "") -> tuple[list[ImageRef], list[
     if empty is not None:
         system = turns[empty]["role"] == "system"
         fix = "drop the turn to keep the model's default system prompt" if system else "drop the turn"
-        raise RecordError(f"turn {empty} ({turns[empty]['role']}) is empty; {fix}, or write it")
+        first = len(turns) - len(messages)  # 1 when a top-level 'system' came first
+        where = "'system'" if empty < first else f"{key}[{empty - first}]"
+        raise RecordError(f"{where} ({turns[empty]['role']}) is empty; {fix}, or write it")
     _check_turn_order(turns, key, first=len(turns) - len(messages))
     return images, turns
 
@@ -300,8 +302,12 @@ def with_options(question: str, choices: dict[str, str]) -> str:
     return f"{question}\n{options}\nAnswer with the option's letter from the given choices directly."
 
 
-def question(raw: dict, image_root: str = "") -> dict:
-    """A held-out / RL question {"images", "question", "answers", "choices", "box"} of a flat or chat record."""
+def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -> dict:
+    """A held-out / RL question {"images", "question", "answers", "choices", "box"} of a flat or chat record.
+
+    A chat record is one user turn and its answer; with `first_exchange` (RL prompts, which default to the SFT
+    conversations) a longer conversation gives its first user turn and the answer to it, and the result carries
+    "shortened": True so the reader can count it."""
     if "question" in raw:
         if not isinstance(raw["question"], str):
             raise RecordError(f"'question' must be a string, got {type(raw['question']).__name__}")
@@ -316,6 +322,17 @@ def question(raw: dict, image_root: str = "") -> dict:
     else:
         images, turns = conversation(raw, image_root)
         roles = [t["role"] for t in turns]
+        shortened = first_exchange and roles != ["user", "assistant"]
+        if shortened:
+            start = roles.index("user")  # conversation() checked: user first after any system turn, assistant next
+            if any(IMAGE_MARKER in t["text"] for t in turns):  # markers in order: the first turn's images first
+                images = images[: turns[start]["text"].count(IMAGE_MARKER)]
+            turns, roles = turns[start : start + 2], ["user", "assistant"]
+            if len(images) != 1:
+                raise RecordError(
+                    f"{len(images)} images in the first exchange (or images in later turns only); an RL prompt is "
+                    "the first user turn with exactly one image"
+                )
         if roles != ["user", "assistant"]:
             raise RecordError(
                 f"turns {roles}: a held-out or RL question is one user turn and its answer, nothing else (no system "
@@ -336,6 +353,8 @@ def question(raw: dict, image_root: str = "") -> dict:
     }
     if choices:
         out["choices"] = choices
+    if "question" not in raw and shortened:
+        out["shortened"] = True
     box = raw.get("box")
     if box is not None:
         numbers = isinstance(box, list) and len(box) == 4 and all(_is_number(v) for v in box)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Literal
@@ -329,11 +330,11 @@ def load_conversations(
     return records
 
 
-def _question(tasks: dict[str, str]):
+def _question(tasks: dict[str, str], *, first_exchange: bool = False):
     def convert(raw: dict, shape: str, spec: DataFile) -> dict:
         if shape == "preference":
             raise F.RecordError("a preference record where a question is expected")
-        q = F.question(raw, spec.images)
+        q = F.question(raw, spec.images, first_exchange=first_exchange)
         name = _task_name(raw, spec) or (spec.format if spec.format in BENCHMARKS else None)
         declared = {spec.format: BENCHMARKS[spec.format].scorer, **tasks} if spec.format in BENCHMARKS else tasks
         if name is None:
@@ -365,12 +366,22 @@ def load_questions(
     data_dir: Path, files: list[str] | tuple[str, ...] | None = None, *, role: str = "eval"
 ) -> list[dict]:
     """Question records {"id", "image", "question", "answer", "answers", "type" (the task), "scorer", "benchmark",
-    optional "choices" / "box", "source"} of the role's files; ids unique across them."""
+    optional "choices" / "box", "source"} of the role's files; ids unique across them. RL prompts (role "rl") take
+    a longer conversation's first exchange, counted and said; a held-out question must be one exchange."""
     info = manifest(data_dir)
     records: list[dict] = []
     seen: dict[str, str] = {}
     for spec in info.files(role, files):
-        for record in _read(data_dir, spec, _question(info.tasks), "question"):
+        read = _read(data_dir, spec, _question(info.tasks, first_exchange=role == "rl"), "question")
+        shortened = sum(bool(r.pop("shortened", False)) for r in read)
+        if shortened:
+            print(
+                f"note: {shortened} of {len(read)} RL prompts of {spec.path} are the first exchange of a longer "
+                "conversation (its system prompt and later turns are not used)",
+                file=sys.stderr,
+                flush=True,
+            )
+        for record in read:
             if record["id"] in seen:
                 raise ValueError(
                     f"record id {record['id']!r} is in both {seen[record['id']]} and {spec.path}; "

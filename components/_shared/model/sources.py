@@ -149,6 +149,17 @@ def check_s3_model(uri: str) -> dict:
     return {"config": config, "files": len(files), "bytes": sum(f["size"] for f in files.values())}
 
 
+MAX_SAFETENSORS_HEADER = 100_000_000  # the safetensors library's own limit on a header
+
+
+def _data_end(entry) -> int | None:
+    """Where a safetensors header entry's bytes end, or None when it has no [begin, end] pair of ints."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(v) is int for v in offsets)):
+        return None
+    return offsets[1] if 0 <= offsets[0] <= offsets[1] else None
+
+
 def _safetensors_tensor_count(uri: str, size: int) -> int:
     """Tensors in a safetensors file, read from its header alone (8-byte length + JSON); raises on a header that
     does not parse or tensors that end past the file."""
@@ -156,7 +167,7 @@ def _safetensors_tensor_count(uri: str, size: int) -> int:
 
     problem = None
     length = int.from_bytes(storage.read_range(uri, 0, 8), "little") if size >= 8 else 0
-    if not 0 < length <= size - 8:
+    if not 0 < length <= min(size - 8, MAX_SAFETENSORS_HEADER):
         problem = f"header length {length} for a {size}-byte file"
     else:
         try:
@@ -165,9 +176,9 @@ def _safetensors_tensor_count(uri: str, size: int) -> int:
             header, problem = None, f"header is not JSON ({err})"
         if header is not None:
             entries = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
-            ends = [v.get("data_offsets", [0, 0])[1] for v in (entries or {}).values() if isinstance(v, dict)]
+            ends = [end for end in map(_data_end, (entries or {}).values()) if end is not None]
             if entries is None or len(ends) != len(entries):
-                problem = "header is not a table of tensors"
+                problem = "header is not a table of tensors with data_offsets [begin, end]"
             elif ends and max(ends) > size - 8 - length:
                 problem = f"tensors end at byte {max(ends)} of a {size - 8 - length}-byte data section"
             else:
