@@ -125,27 +125,23 @@ class _Group:
             if rec.image is None:
                 rec.image, rec.image_member = data, member
             else:
-                self.reject(
-                    "duplicate_member",
-                    f"key {rec.key!r} has two images, {rec.image_member!r} and {member!r}; {DUPLICATE_MEMBER_FIX}",
-                )
+                self._second("images", rec.image_member, member)
         elif base_ext in CAPTION_EXTENSIONS:
             if rec.caption is None:
                 rec.caption, self.caption_member = data, member
             else:
-                self.reject(
-                    "duplicate_member",
-                    f"key {rec.key!r} has two captions, {self.caption_member!r} and {member!r}; {DUPLICATE_MEMBER_FIX}",
-                )
+                self._second("captions", self.caption_member, member)
         elif base_ext == "json":
             if self.json_member is None:
                 rec.metadata, self.json_member = _parse_metadata(data), member
             else:
-                self.reject(
-                    "duplicate_member",
-                    f"key {rec.key!r} has two .json members, {self.json_member!r} and {member!r}; "
-                    f"{DUPLICATE_MEMBER_FIX}",
-                )
+                self._second(".json members", self.json_member, member)
+
+    def _second(self, what: str, first: str | None, member: str) -> None:
+        self.reject(
+            "duplicate_member",
+            f"key {self.record.key!r} has two {what}, {first!r} and {member!r}; {DUPLICATE_MEMBER_FIX}",
+        )
 
     @property
     def complete(self) -> bool:

@@ -10,6 +10,8 @@ from components._shared.model.train_config import OptimConfig, ScheduleConfig, T
 from components._shared.platform import storage
 from components._shared.platform.config import SubConfig
 
+STUDENT_SIZES = ("layers", "hidden", "intermediate", "kv_heads", "vision_depth", "vision_hidden", "vision_intermediate")
+
 
 class StudentConfig(SubConfig):
     """The student's architecture and how its weights start.
@@ -122,18 +124,9 @@ class DistillConfig(TrainedStageConfig):
         notes = super().ignored_settings()
         student = self.student
         if student.init == "model":
-            sizes = (
-                "layers",
-                "hidden",
-                "intermediate",
-                "kv_heads",
-                "vision_depth",
-                "vision_hidden",
-                "vision_intermediate",
-            )
             notes += [
                 f"student.{name}: a size for init prune / random; init is model"
-                for name in sizes
+                for name in STUDENT_SIZES
                 if getattr(student, name)
             ]
         if self.on_policy.fraction == 1 and self.loss.ce:

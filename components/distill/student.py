@@ -11,23 +11,12 @@ from components._shared.model.attention import PACKED_SDPA, enable_vision_varlen
 from components._shared.model.families import family_for
 from components._shared.model.vlm import build_student as random_student
 from components._shared.model.vlm import load_vlm, qwen_model
-from components.distill.config import DistillConfig, StudentConfig
+from components.distill.config import STUDENT_SIZES, DistillConfig, StudentConfig
 from components.distill.prune import PrunePlan, measure_importance, plan_pruning, prune
 
 
 def student_sizes(cfg: StudentConfig) -> dict[str, int]:
-    return {
-        k: getattr(cfg, k)
-        for k in (
-            "layers",
-            "hidden",
-            "intermediate",
-            "kv_heads",
-            "vision_depth",
-            "vision_hidden",
-            "vision_intermediate",
-        )
-    }
+    return {k: getattr(cfg, k) for k in STUDENT_SIZES}
 
 
 def build_student(cfg: DistillConfig, teacher, processor, calibration) -> tuple[Any, PrunePlan | None]:
