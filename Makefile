@@ -6,7 +6,7 @@
 #   make image-data | image-train     one of them (data: DATA_BASE=..., DATA_TORCH_INDEX_URL=...)
 #   make push                         push both tags
 #   make lint-docker                  hadolint both Dockerfiles with .hadolint.yaml
-#   make print-tags                   the tags, exactly as components/_shared/platform/images.py spells them
+#   make print-tags                   the tags, exactly as components/_shared/platform/container_images.py spells them
 #   make buildah-base                 debootstrap a bookworm + python3.11 base for offline buildah builds
 #   make compile | make test          qvl compile / the default test run
 #   make lint                         ruff check, ruff format --check, mypy (what CI and pre-commit run)
@@ -20,16 +20,16 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PYTHON ?= python3
 
-# Tags: <registry>/<kind>:<package version>, as in components/_shared/platform/images.py. The version is always the
+# Tags: <registry>/<kind>:<package version>, as in components/_shared/platform/container_images.py. The version is always the
 # package's (a command-line VERSION=... is ignored): an image tag that lies about its content is worse than none.
 override VERSION := $(shell $(PYTHON) -c "import components; print(components.__version__)")
 ifeq ($(VERSION),)
 $(error could not read components.__version__ with $(PYTHON); run make from the repo root)
 endif
-# The registry: IMAGE_REGISTRY, else QVL_IMAGE_REGISTRY, else images.py's default (images.py reads the same
+# The registry: IMAGE_REGISTRY, else QVL_IMAGE_REGISTRY, else container_images.py's default (it reads the same
 # QVL_IMAGE_REGISTRY, so `make` and `qvl compile` agree).
 ifeq ($(origin IMAGE_REGISTRY),undefined)
-IMAGE_REGISTRY := $(shell $(PYTHON) -c "from components._shared.platform.images import REGISTRY; print(REGISTRY)")
+IMAGE_REGISTRY := $(shell $(PYTHON) -c "from components._shared.platform.container_images import REGISTRY; print(REGISTRY)")
 endif
 TRAIN_IMAGE := $(IMAGE_REGISTRY)/train:$(VERSION)
 DATA_IMAGE := $(IMAGE_REGISTRY)/data:$(VERSION)
@@ -114,7 +114,7 @@ buildah-base:
 	@echo "Now: make image-data ENGINE=buildah DATA_BASE=$(LOCAL_BASE)"
 
 compile:
-	QVL_IMAGE_REGISTRY=$(IMAGE_REGISTRY) $(PYTHON) -m pipelines.cli compile --preset $(PRESET) --out $(PIPELINE_YAML)
+	QVL_IMAGE_REGISTRY=$(IMAGE_REGISTRY) $(PYTHON) -m pipelines.qvl.app compile --preset $(PRESET) --out $(PIPELINE_YAML)
 
 test:
 	$(PYTHON) -m pytest -q

@@ -41,7 +41,7 @@ if __package__ in (None, ""):  # run as a script: make `components` and `bench` 
 
 from bench.decode_throughput import make_jpegs  # noqa: E402
 from components._shared.model.checkpoint import CheckpointStore  # noqa: E402
-from components._shared.model.packing import ConversationEncoder  # noqa: E402
+from components._shared.model.encoder import ConversationEncoder  # noqa: E402
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig  # noqa: E402
 from components._shared.model.training import Phase, TrainLoop  # noqa: E402
 from components._shared.model.vlm import load_vlm  # noqa: E402

@@ -49,9 +49,8 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `components` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from components._shared.model.encoder import ConversationEncoder, Sample
 from components._shared.model.packing import (
-    ConversationEncoder,
-    Sample,
     batch_pixels,
     batch_tokens,
     forward_logits,

@@ -25,11 +25,11 @@ import pyarrow.parquet as pq
 import torch
 
 from components._shared.model.checkpoint import CheckpointStore
-from components._shared.model.packing import ConversationEncoder
+from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
 from components._shared.model.training import Phase, TrainLoop
 from components._shared.model.vlm import freeze, load_vlm
-from components._shared.platform.imaging import decode_image
+from components._shared.platform.image_decode import decode_image
 from components._shared.platform.tracking import NullTracker
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.stage import run as extract

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipelines.presets import Preset
 
 COMPILED = Path(__file__).parent / "compiled" / "vlm_training.yaml"
 
 
-def compile_pipeline(preset: str = "prod-7b", out: Path = COMPILED) -> Path:
+def compile_pipeline(preset: Preset | str = "prod-7b", out: Path = COMPILED) -> Path:
     """Write the full DAG with `preset`'s configs as parameter defaults; returns the file written."""
     from kfp import compiler
 

@@ -26,8 +26,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from pipelines import credentials
 
 # Pipeline parameters settable as `key=value` (the stage configs are set through dotted preset settings).
@@ -133,10 +131,9 @@ def prepare(preset: str, pairs: list[str], workdir: Path) -> Prepared:
 
     Every check happens here, before a client exists: a bad setting never reaches the cluster.
     """
-    from components._shared.platform.presets import deep_merge, read_preset_yaml
     from components.stages import STAGES
     from pipelines.compile import compile_pipeline
-    from pipelines.presets import load_preset, preset_path
+    from pipelines.presets import load_preset
 
     params, overrides = split_pairs(pairs)
     try:
@@ -155,13 +152,7 @@ def prepare(preset: str, pairs: list[str], workdir: Path) -> Prepared:
         if stage in STAGES:  # the whole section: a dict parameter is replaced, not merged, by KFP
             params[f"{stage}_config"] = resolved.stages[stage]
 
-    source = preset_path(preset)
-    if overrides:  # the merged preset, `extends` already resolved, under the preset's own name
-        merged = deep_merge(read_preset_yaml(source), overrides)
-        source = workdir / "preset" / f"{resolved.name}.yaml"
-        source.parent.mkdir(parents=True, exist_ok=True)
-        source.write_text(yaml.safe_dump(merged, sort_keys=False))
-    package = compile_pipeline(str(source), workdir / "vlm_training.yaml")
+    package = compile_pipeline(resolved, workdir / "vlm_training.yaml")  # the preset as read and checked above
     return Prepared(package=Path(package), params=params, preset_name=resolved.name)
 
 

@@ -23,21 +23,22 @@ from components.sft.component import sft_op
 from components.stages import dag_stages
 from pipelines import credentials
 from pipelines.k8s import apply_profile, apply_task_policy
-from pipelines.presets import load_preset
+from pipelines.presets import Preset, as_preset
 
 PIPELINE_NAME = "vlm-training"
 DEFAULT_PRESET = "prod-7b"
 
 
-def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_cluster: bool = True):
-    """The pipeline function for `preset`, with the stages up to and including `until` (all when None).
+def build_pipeline(preset: Preset | str = DEFAULT_PRESET, until: str | None = None, for_cluster: bool = True):
+    """The pipeline function for `preset` (a loaded Preset, or a name or path read here), with the stages up to and
+    including `until` (all when None).
 
     `for_cluster=False` (kfp.local) leaves the cluster profile out: pod settings mean nothing on one machine,
     and its environment variables (cache on the scratch PVC, launch plans) would mislead the local tasks. A cluster
     build also gets the run-level TTL / deadline and an exit task that ends the run's MLflow parent run with the
     DAG's final state (locally, `qvl run --local` owns the parent run).
     """
-    p = load_preset(preset)
+    p = as_preset(preset)
     credentials.check(p.model_dump(mode="json"), f"preset '{p.name}'")  # its settings become YAML defaults
     wanted = set(dag_stages(p.stages, until))
     cluster = p.cluster_profile()
@@ -159,7 +160,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
             if "sft" in wanted:
                 sft = on_cluster(
                     sft_op(
-                        pretrained=pretrain.outputs["model"],
+                        base_model=pretrain.outputs["model"],
                         sft_data_uri=sft_data_uri,
                         config=sft_config,
                         content_key=preflight.outputs["sft"],
@@ -172,7 +173,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
             if "reward_model" in wanted:
                 reward = on_cluster(
                     reward_model_op(
-                        sft_model=sft.outputs["model"],
+                        base_model=sft.outputs["model"],
                         preference_data_uri=preference_data_uri,
                         config=reward_model_config,
                         content_key=preflight.outputs["reward_model"],
@@ -185,7 +186,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
             if "rl" in wanted:
                 rl = on_cluster(
                     rl_op(
-                        sft_model=sft.outputs["model"],
+                        base_model=sft.outputs["model"],
                         reward_model=reward.outputs["model"],
                         rl_data_uri=rl_data_uri,
                         config=rl_config,
@@ -199,7 +200,7 @@ def build_pipeline(preset: str = DEFAULT_PRESET, until: str | None = None, for_c
             if "distill" in wanted:
                 distill = on_cluster(
                     distill_op(
-                        teacher=rl.outputs["model"],
+                        teacher_model=rl.outputs["model"],
                         sft_data_uri=sft_data_uri,
                         config=distill_config,
                         content_key=preflight.outputs["distill"],

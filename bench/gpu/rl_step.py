@@ -32,9 +32,9 @@ import torch
 if __package__ in (None, ""):  # run as a script: make `components` importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from components._shared.eval import readers
+from components._shared.data import datasets
 from components._shared.model.checkpoint import CheckpointStore
-from components._shared.model.packing import ConversationEncoder
+from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.vlm import build_student, load_vlm
 from components._shared.platform.tracking import NullTracker
 from components.rl.config import RlConfig
@@ -129,7 +129,7 @@ def build_trainer(
         reference,
         cfg=cfg,
         prompts=prompts,
-        image=lambda ref: readers.load_image(data, ref),
+        image=lambda ref: datasets.load_image(data, ref),
         engine=engine,
         rewards=rewards,
         checkpoints=CheckpointStore(checkpoints),
@@ -173,7 +173,7 @@ def main() -> None:
         steps = []
         for i in range(args.warmup + args.steps):
             indices, _ = trainer.loop.next_indices()
-            records = [{**prompts[j], "pil": readers.load_image(data, prompts[j]["image"])} for j in indices]
+            records = [{**prompts[j], "pil": datasets.load_image(data, prompts[j]["image"])} for j in indices]
             metrics = trainer.rl_step(records)
             trainer.loop.step += 1
             if device.type == "cuda":
@@ -183,7 +183,7 @@ def main() -> None:
 
         # baseline: the same kind of batch sampled without the KV cache
         indices, _ = trainer.loop.next_indices()
-        records = [{**prompts[j], "pil": readers.load_image(data, prompts[j]["image"])} for j in indices]
+        records = [{**prompts[j], "pil": datasets.load_image(data, prompts[j]["image"])} for j in indices]
         arms = {}
         for name, cache in (("kv_cache", True), ("no_cache", False)):
             engine.use_cache = cache

@@ -1,6 +1,6 @@
 """The synthetic SFT workload of bench/gpu/sft_mfu.py: Qwen2.5-VL-7B's config, samples, packed steps, model FLOPs.
 
-Samples are built without a tokenizer (`packing.Sample`): random text ids below the special tokens,
+Samples are built without a tokenizer (`encoder.Sample`): random text ids below the special tokens,
 <|vision_start|> + image pads + <|vision_end|>, labels on the answer only, M-RoPE positions from the model's own
 `get_rope_index`, uint8 pixel rows of a random image size (normalised on the device by `PIXEL_NORM`, as the stages'
 encoder rows are); `step_groups` packs them first-fit-decreasing (`plan_micro_batches`) into one row per optimizer
@@ -28,11 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from components._shared.model.packing import IGNORE_INDEX, Sample, plan_micro_batches
-from components._shared.model.pixels import PixelNorm
+from components._shared.model.encoder import IGNORE_INDEX, Sample
+from components._shared.model.packing import plan_micro_batches
+from components._shared.model.pixel_norm import PixelNorm
 from components._shared.model.vlm import qwen_model
 
-# The synthetic rows are uint8 like the stages' (components/_shared/model/pixels.py), normalised on the device.
+# The synthetic rows are uint8 like the stages' (components/_shared/model/pixel_norm.py), normalised on the device.
 PIXEL_NORM = PixelNorm(
     mean=(0.48145466, 0.4578275, 0.40821073), std=(0.26862954, 0.26130258, 0.27577711), rescale_factor=1 / 255
 )

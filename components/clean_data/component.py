@@ -5,7 +5,7 @@ All logic lives in components/clean_data/stage.py.
 
 from kfp import dsl
 
-from components._shared.platform.images import DATA_IMAGE
+from components._shared.platform.container_images import DATA_IMAGE
 
 
 @dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from components._shared.eval.ocr import OcrReader, load_ocr, unmentioned_words  # noqa: F401 (used as filters.*)
+from components._shared.data.ocr import OcrReader, load_ocr, unmentioned_words  # noqa: F401 (used as filters.*)
 
 Rejection = tuple[str, str]
 
@@ -284,7 +284,7 @@ def load_nsfw(threads: int = 0) -> NsfwScorer:
 
 # ---------------------------------------------------------------- level 3: OCR vs caption
 
-# level 3 (OCR vs caption): the reader and the word matching live in components/_shared/eval/ocr.py (rl's
+# level 3 (OCR vs caption): the reader and the word matching live in components/_shared/data/ocr.py (rl's
 # OCR-consistency reward uses them too): OcrReader, load_ocr, unmentioned_words.
 
 

@@ -14,10 +14,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from components._shared.data.lake import shard_names
 from components._shared.platform.tracking import Tracker
 from components.clean_data import filters
 from components.clean_data.config import CleanDataConfig
-from components.clean_data.readers import shard_names
 from components.clean_data.records import (
     FINAL_KEPT_SCHEMA,
     REJECTED_SCHEMA,

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from components._shared.platform.imaging import decode_image
+from components._shared.platform.image_decode import decode_image
 from components.clean_data import filters
 from components.clean_data.config import CleanDataConfig
 

@@ -13,12 +13,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from components._shared.data.lake import Record, ShardError, read_shard, shard_name
 from components._shared.platform import progress
-from components._shared.platform.imaging import ImageRejected, decode_image, visual_tokens
+from components._shared.platform.image_decode import ImageRejected, decode_image, visual_tokens
 from components._shared.platform.tracking import Tracker
 from components.clean_data import filters
 from components.clean_data.config import CleanDataConfig
-from components.clean_data.readers import Record, ShardError, read_shard, shard_name
 from components.clean_data.records import (
     REJECTED_SCHEMA,
     SHARD_KEPT_SCHEMA,

@@ -36,7 +36,7 @@ def list_shards(lake_uri: str) -> list[str]:
     Other files in the lake (img2dataset's `*_stats.json`, stray files) are not read; a warning names how many and
     the first few, so none is skipped silently.
     """
-    from components._shared.platform.storage import LAKE_SHARD_SUFFIXES, list_lake_files, list_lake_shards
+    from components._shared.data.lake import LAKE_SHARD_SUFFIXES, list_lake_files, list_lake_shards
 
     shards, others = list_lake_files(str(lake_uri))
     if not shards:

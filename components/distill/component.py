@@ -2,12 +2,12 @@
 
 from kfp import dsl
 
-from components._shared.platform.images import TRAIN_IMAGE
+from components._shared.platform.container_images import TRAIN_IMAGE
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
 def distill_op(
-    teacher: dsl.Input[dsl.Model],
+    teacher_model: dsl.Input[dsl.Model],
     sft_data_uri: str,
     config: dict,
     model: dsl.Output[dsl.Model],
@@ -19,7 +19,7 @@ def distill_op(
     """Distill the RL policy into a smaller student (pruned from the teacher, random, or a given checkpoint).
 
     Args:
-        teacher: Output of rl (its model/ directory is the frozen teacher).
+        teacher_model: Output of rl (its model/ directory is the frozen teacher).
         sft_data_uri: Conversations to distill on and held-out questions (sft.jsonl / eval.jsonl or dataset.yaml).
         config: DistillConfig as a dict.
         model: model/ (the student, HF format), student.json, checkpoints/, eval_predictions.jsonl.
@@ -30,16 +30,16 @@ def distill_op(
     """
     import shutil
 
-    from components._shared.launch.result import report_metrics
+    from components._shared.launch.result import model_dir, report_metrics
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
         "distill",
         config,
         experiment=experiment,
-        inputs={"teacher_model": teacher.path + "/model", "data": sft_data_uri},
+        inputs={"teacher_model": model_dir(teacher_model.path), "data": sft_data_uri},
         output_dir=model.path,
-        artifacts={"model": model.path + "/model"},
+        artifacts={"model": model_dir(model.path)},
         record_as="distill",
     )
     report_metrics(metrics, results)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from components._shared.model.encoder import IGNORE_INDEX
 from components._shared.model.head_loss import fused_head_loss
-from components._shared.model.packing import IGNORE_INDEX
 
 
 def layer_map(student_layers: int, teacher_layers: int, kept: list[int] | None = None) -> list[tuple[int, int]]:

@@ -29,21 +29,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from components._shared.data import datasets
+from components._shared.data import tasks as T
 from components._shared.eval import evaluation as E
-from components._shared.eval import readers
-from components._shared.eval import tasks as T
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.attention import PACKED_SDPA, enable_vision_varlen
 from components._shared.model.device import resolve_device
+from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder
 from components._shared.model.head_loss import output_head
-from components._shared.model.packing import (
-    IGNORE_INDEX,
-    ConversationEncoder,
-    forward_outputs,
-    pack,
-    plan_micro_batches,
-    to_device,
-)
+from components._shared.model.packing import forward_outputs, pack, plan_micro_batches, to_device
 from components._shared.model.stage_steps import (
     SCRATCH,
     Figure,
@@ -102,9 +96,9 @@ def run(
 ) -> dict[str, Any]:
     """Distill the teacher into the configured student; returns teacher vs student scores, sizes and speed."""
     output_dir = Path(output_dir)
-    data_dir = readers.resolve_data_dir(data, scratch=output_dir / SCRATCH)
-    records = readers.load_conversations(data_dir, cfg.max_records)
-    eval_records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type)
+    data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
+    records = datasets.load_conversations(data_dir, cfg.max_records)
+    eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     store = checkpoint_store(
         "distill",
         cfg.train,
@@ -235,7 +229,7 @@ def write_outputs(
 
 def record_encoder(encoder: ConversationEncoder, records: list[dict], data_dir: Path):
     """(index, turns=None, **kw) -> the encoded record (its own turns unless others are given); images cached."""
-    image = functools.lru_cache(maxsize=4096)(functools.partial(readers.load_image, data_dir))
+    image = functools.lru_cache(maxsize=4096)(functools.partial(datasets.load_image, data_dir))
 
     def encode(i: int, turns: list[dict] | None = None, **kw):
         r = records[i]

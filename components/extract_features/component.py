@@ -2,7 +2,7 @@
 
 from kfp import dsl
 
-from components._shared.platform.images import TRAIN_IMAGE
+from components._shared.platform.container_images import TRAIN_IMAGE
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)

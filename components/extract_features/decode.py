@@ -1,7 +1,7 @@
 """Decode kept images and turn them into the pixel rows the Qwen2-VL / Qwen2.5-VL vision tower reads.
 
 Every decoder returns RGB uint8 [3, H, W] with the EXIF orientation applied and transparency composited
-onto white, the pixels `components._shared.platform.imaging.decode_image` gives (clean_data measured widths,
+onto white, the pixels `components._shared.platform.image_decode.decode_image` gives (clean_data measured widths,
 heights and visual tokens on those). `resize_for_qwen` and `patch_rows` then reproduce
 `Qwen2VLImageProcessor` (its torchvision backend) step by step: smart_resize with factor patch*merge, a
 bicubic antialiased resize of the uint8 image, `(x - mean/rescale) / (std/rescale)`, and patchify into
@@ -23,13 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from components._shared.model.pixels import PixelNorm
+from components._shared.model.families.base import CLIP_MEAN, CLIP_STD
+from components._shared.model.pixel_norm import PixelNorm
 
 BACKENDS = ("dali", "torchvision", "pil")
 JPEG_MAGIC = b"\xff\xd8\xff"
 MAX_DECODE_PIXELS = 1 << 30  # clean_data enforced the real limit; this only keeps Pillow's bomb guard out of the way
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # Qwen2VLImageProcessor defaults (OpenAI CLIP)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def dali_importable() -> bool:
@@ -82,7 +81,7 @@ def decode_torchvision(data: bytes) -> torch.Tensor:
 
 def decode_pil(data: bytes) -> torch.Tensor:
     """Pillow through the shared safe decoder; RGB uint8 [3, H, W]."""
-    from components._shared.platform.imaging import decode_image
+    from components._shared.platform.image_decode import decode_image
 
     decoded = decode_image(data, max_image_pixels=MAX_DECODE_PIXELS)
     return torch.from_numpy(np.asarray(decoded.image, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()

@@ -4,7 +4,7 @@ from typing import NamedTuple
 
 from kfp import dsl
 
-from components._shared.platform.images import DATA_IMAGE
+from components._shared.platform.container_images import DATA_IMAGE
 
 
 @dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)

@@ -87,10 +87,10 @@ def check_patch_size(model: Path | dict[str, Any], clean_data: dict[str, Any]) -
 
 def count_lake_shards(lake_uri: str) -> int:
     """Number of shards (tar/parquet) in the lake; an empty, missing or unreachable lake is an error."""
-    from components._shared.platform import storage
+    from components._shared.data.lake import list_lake_shards
 
     try:
-        return len(storage.list_lake_shards(lake_uri))
+        return len(list_lake_shards(lake_uri))
     except (OSError, PermissionError) as err:  # unreachable S3, missing credentials: name the lake
         raise ValueError(f"Cannot list the lake at {lake_uri}: {err}") from err
 
@@ -314,7 +314,7 @@ def check_records(
 def _local_data(data_files: dict[str, dict[str, Any]], download_mb: float, downloads: Path) -> dict[str, Path | None]:
     """{uri: a local directory of it} for the data URIs: local ones as they are, s3:// ones of at most
     `download_mb` MB downloaded into `downloads`, larger ones None (their stages check them)."""
-    from components._shared.eval import readers
+    from components._shared.data import datasets
     from components._shared.platform import storage
 
     local: dict[str, Path | None] = {}
@@ -329,32 +329,32 @@ def _local_data(data_files: dict[str, dict[str, Any]], download_mb: float, downl
             print(f"preflight: {uri} holds {size_mb:.0f} MB (> records_download_mb); its stages check its records.")
             local[uri] = None
         else:
-            local[uri] = readers.resolve_data_dir(uri, scratch=downloads / str(len(local)))
+            local[uri] = datasets.resolve_data_dir(uri, scratch=downloads / str(len(local)))
     return local
 
 
 def _load_role(role: str, directory: Path, names: list[str] | None) -> list[dict]:
     """The records a stage reads for `role` ('sft', 'eval', 'rl', 'preferences'), checked as it checks them."""
-    from components._shared.eval import readers
+    from components._shared.data import datasets
 
     if role == "sft":
-        return readers.load_conversations(directory, file_name=names[0] if names else None)
+        return datasets.load_conversations(directory, file_name=names[0] if names else None)
     if role == "preferences":
-        return readers.load_preferences(directory)
-    return readers.load_questions(directory, names, role=role)
+        return datasets.load_preferences(directory)
+    return datasets.load_questions(directory, names, role=role)
 
 
 def required_files(uri: str, roles: list[str], names: dict[str, list[str]]) -> list[str]:
     """The files the roles read from the data at `uri`: dataset.yaml's (and the manifest itself), else the defaults."""
-    from components._shared.eval import readers
+    from components._shared.data import datasets
     from components._shared.platform import storage
 
-    manifest_uri = storage.join(uri, readers.MANIFEST)
+    manifest_uri = storage.join(uri, datasets.MANIFEST)
     if storage.exists(manifest_uri):
-        manifest = readers.parse_manifest(storage.read_bytes(manifest_uri).decode("utf-8"), manifest_uri)
-        prefix = [readers.MANIFEST]
+        manifest = datasets.parse_manifest(storage.read_bytes(manifest_uri).decode("utf-8"), manifest_uri)
+        prefix = [datasets.MANIFEST]
     else:
-        manifest, prefix = readers.Manifest(), []
+        manifest, prefix = datasets.Manifest(), []
     files = [f for role in roles for f in manifest.files(role, names.get(role))]
     paths = [f.path for f in files] + [f.annotations for f in files if f.annotations]
     return list(dict.fromkeys(prefix + paths))

@@ -2,7 +2,7 @@
 
 from kfp import dsl
 
-from components._shared.platform.images import TRAIN_IMAGE
+from components._shared.platform.container_images import TRAIN_IMAGE
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
@@ -34,7 +34,7 @@ def pretrain_op(
     """
     import shutil
 
-    from components._shared.launch.result import report_metrics
+    from components._shared.launch.result import model_dir, report_metrics
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
@@ -48,7 +48,7 @@ def pretrain_op(
             "data": eval_data_uri,
         },
         output_dir=model.path,
-        artifacts={"model": model.path + "/model"},
+        artifacts={"model": model_dir(model.path)},
         record_as="pretrain",
     )
     report_metrics(metrics, results)

@@ -22,25 +22,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from components._shared.data import datasets
 from components._shared.eval import evaluation as E
-from components._shared.eval import readers
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.checkpoint import CheckpointStore
+from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder
 from components._shared.model.families import VisualTokens, family_for
 from components._shared.model.head_loss import per_sample_sequence_loss, sequence_loss
-from components._shared.model.packing import (
-    IGNORE_INDEX,
-    ConversationEncoder,
-    image_embeddings,
-    pack,
-    plan_micro_batches,
-    to_device,
-)
+from components._shared.model.packing import image_embeddings, pack, plan_micro_batches, to_device
 from components._shared.model.stage_steps import SCRATCH, Figure, finish_report, run_key
 from components._shared.model.training import Phase, TrainLoop, TrainResult, is_main_process
 from components._shared.model.vlm import freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
 from components._shared.platform import storage
-from components._shared.platform.imaging import decode_image
+from components._shared.platform.image_decode import decode_image
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.pretrain.config import InfoNceConfig, PretrainConfig, Stage1Config, Stage2Config
@@ -168,7 +162,7 @@ class HeldoutCaptions:
 
     def __init__(self, cfg: PretrainConfig, encoder: ConversationEncoder, data_dir: Path) -> None:
         records = [
-            r for r in readers.load_eval_records(data_dir) if r["type"] == "caption" or r.get("scorer") == "cider_d"
+            r for r in datasets.load_eval_records(data_dir) if r["type"] == "caption" or r.get("scorer") == "cider_d"
         ]
         if len(records) < 2:
             raise ValueError(
@@ -300,7 +294,7 @@ def run(
     encoder = ConversationEncoder(
         processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
-    heldout = HeldoutCaptions(cfg, encoder, readers.resolve_data_dir(data, scratch=output_dir / SCRATCH))
+    heldout = HeldoutCaptions(cfg, encoder, datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH))
     from_features, from_pixels = caption_samples(cfg, encoder, records, store)
     frozen = ["vision_lower", "vision_upper"] + ([] if cfg.stage1.train_lm else ["lm_lower", "lm_upper"])
     freeze(model, tuple(frozen))

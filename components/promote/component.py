@@ -2,7 +2,7 @@
 
 from kfp import dsl
 
-from components._shared.platform.images import DATA_IMAGE
+from components._shared.platform.container_images import DATA_IMAGE
 
 
 @dsl.component(base_image=DATA_IMAGE, install_kfp_package=False)
@@ -25,6 +25,7 @@ def promote_op(
     """
     import shutil
 
+    from components._shared.launch.result import model_dir
     from components._shared.launch.runner import run_stage
 
     run_stage(
@@ -33,7 +34,7 @@ def promote_op(
         experiment=experiment,
         inputs={"champion": champion.path, "artifact_uri": model.uri},
         output_dir=model.path,
-        artifacts={"model": model.path + "/model"},
+        artifacts={"model": model_dir(model.path)},
         record_as="promote",
     )
     shutil.copyfile(model.path + "/report.md", report.path)

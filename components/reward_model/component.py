@@ -2,12 +2,12 @@
 
 from kfp import dsl
 
-from components._shared.platform.images import TRAIN_IMAGE
+from components._shared.platform.container_images import TRAIN_IMAGE
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
 def reward_model_op(
-    sft_model: dsl.Input[dsl.Model],
+    base_model: dsl.Input[dsl.Model],
     preference_data_uri: str,
     config: dict,
     model: dsl.Output[dsl.Model],
@@ -19,7 +19,7 @@ def reward_model_op(
     """Train a Bradley-Terry reward model (scalar head on the SFT backbone) on preference pairs.
 
     Args:
-        sft_model: Output of sft (its model/ directory initialises the backbone).
+        base_model: Output of sft (its model/ directory initialises the backbone).
         preference_data_uri: preferences.jsonl with images; a directory or s3:// prefix.
         config: RewardModelConfig as a dict.
         model: model/ (backbone in HF format + reward_head.safetensors + reward_model.json), checkpoints/.
@@ -30,16 +30,16 @@ def reward_model_op(
     """
     import shutil
 
-    from components._shared.launch.result import report_metrics
+    from components._shared.launch.result import model_dir, report_metrics
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
         "reward_model",
         config,
         experiment=experiment,
-        inputs={"base_model": sft_model.path + "/model", "data": preference_data_uri},
+        inputs={"base_model": model_dir(base_model.path), "data": preference_data_uri},
         output_dir=model.path,
-        artifacts={"model": model.path + "/model"},
+        artifacts={"model": model_dir(model.path)},
         record_as="reward_model",
     )
     report_metrics(metrics, results)

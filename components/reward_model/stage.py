@@ -23,14 +23,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from components._shared.eval import readers
-from components._shared.model.packing import (
-    ConversationEncoder,
-    Sample,
-    pack,
-    plan_micro_batches,
-    to_device,
-)
+from components._shared.data import datasets
+from components._shared.model.encoder import ConversationEncoder, Sample
+from components._shared.model.packing import pack, plan_micro_batches, to_device
 from components._shared.model.reward_models import RewardModel, reward_index, save_reward_model
 from components._shared.model.stage_steps import (
     SCRATCH,
@@ -49,9 +44,9 @@ from components.reward_model.config import RewardModelConfig
 
 
 def load_pairs(data_dir: Path, max_records: int | None) -> list[dict]:
-    """Preference pairs of the data directory (readers.load_preferences: preferences.jsonl or dataset.yaml's files,
+    """Preference pairs of the data directory (datasets.load_preferences: preferences.jsonl or dataset.yaml's files,
     TRL's prompt / chosen / rejected layout)."""
-    return readers.load_preferences(data_dir, max_records)
+    return datasets.load_preferences(data_dir, max_records)
 
 
 def is_heldout(record_id: str, fraction: float) -> bool:
@@ -91,7 +86,7 @@ def run(
 ) -> dict[str, Any]:
     """Train the reward model; returns held-out pair accuracy (overall and per rejection kind) and reward stats."""
     output_dir = Path(output_dir)
-    data_dir = readers.resolve_data_dir(data, scratch=output_dir / SCRATCH)
+    data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     train, heldout = split_pairs(load_pairs(data_dir, cfg.max_records), cfg.heldout_fraction)
     store = checkpoint_store(
         "reward_model", cfg.train, run_key(cfg, {"base_model": base_model, "data": data}), output_dir
@@ -182,7 +177,7 @@ def pair_encoder(encoder: ConversationEncoder, data_dir: Path, score_first_k: in
     """record -> [chosen sample, rejected sample], each marked with the token the reward is read at."""
 
     def unit(record: dict) -> list[Sample]:
-        image = readers.load_image(data_dir, record["image"])
+        image = datasets.load_image(data_dir, record["image"])
         out = []
         for side in ("chosen", "rejected"):
             turns = [

@@ -2,12 +2,12 @@
 
 from kfp import dsl
 
-from components._shared.platform.images import TRAIN_IMAGE
+from components._shared.platform.container_images import TRAIN_IMAGE
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
 def rl_op(
-    sft_model: dsl.Input[dsl.Model],
+    base_model: dsl.Input[dsl.Model],
     reward_model: dsl.Input[dsl.Model],
     rl_data_uri: str,
     config: dict,
@@ -20,7 +20,7 @@ def rl_op(
     """Optimise the SFT policy with PPO, TER or GRPO (config `algorithm`), guarded by reward-hacking gates.
 
     Args:
-        sft_model: Output of sft (its model/ directory is the initial policy and the frozen reference).
+        base_model: Output of sft (its model/ directory is the initial policy and the frozen reference).
         reward_model: Output of reward_model (used when config.rewards gives reward_model a weight).
         rl_data_uri: Prompts and held-out questions (dataset.yaml's rl / eval files, else sft.jsonl / eval.jsonl;
             docs/data.md); a directory or s3:// prefix.
@@ -33,7 +33,7 @@ def rl_op(
     """
     import shutil
 
-    from components._shared.launch.result import report_metrics
+    from components._shared.launch.result import model_dir, report_metrics
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
@@ -41,12 +41,12 @@ def rl_op(
         config,
         experiment=experiment,
         inputs={
-            "base_model": sft_model.path + "/model",
-            "reward_model": reward_model.path + "/model",
+            "base_model": model_dir(base_model.path),
+            "reward_model": model_dir(reward_model.path),
             "data": rl_data_uri,
         },
         output_dir=model.path,
-        artifacts={"model": model.path + "/model"},
+        artifacts={"model": model_dir(model.path)},
         record_as="rl",
     )
     report_metrics(metrics, results)

@@ -4,7 +4,7 @@
 each completion ended with <|im_end|> rather than running into max_new_tokens). `build_rewards` picks the
 configured ones from REWARD_BUILDERS by name; the RL stage sums them with their weights.
 
-Task efficacy: on any task but the synthetic world's, the record's task scorer (eval/tasks.py; grounding earns its
+Task efficacy: on any task but the synthetic world's, the record's task scorer (data/tasks.py; grounding earns its
 IoU). On the synthetic world's question types (TER; docs/references.md):
 - VQA types: answer accuracy (exact match; grounding: the box IoU, so near misses earn part of the reward)
   times a length factor that only starts to bite past 1.5x the question's length,
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from components._shared.eval import metrics as M
-from components._shared.eval import tasks as T
-from components._shared.eval.scorers import ngram_overlap
+from components._shared.data import metrics as M
+from components._shared.data import tasks as T
+from components._shared.data.scorers import ngram_overlap
 from components._shared.model.reward_models import RewardModelScorer
 
 RewardFn = Callable[..., list[float]]
@@ -152,7 +152,7 @@ class OcrConsistencyReward:
     """
 
     def __init__(self, *, detect_side: int = 736, threads: int = 0, cache_size: int = 4096) -> None:
-        from components._shared.eval.ocr import load_ocr
+        from components._shared.data.ocr import load_ocr
 
         self.reader = load_ocr(detect_side, threads)
         self.cache: OrderedDict[str, str] = OrderedDict()  # prompt id -> words read in its image
@@ -172,7 +172,7 @@ class OcrConsistencyReward:
         return self.cache[record["id"]]
 
     def __call__(self, prompts: list[str], completions: list[str], *, records: list[dict], **_: Any) -> list[float]:
-        from components._shared.eval.ocr import unmentioned_words
+        from components._shared.data.ocr import unmentioned_words
 
         out = []
         for record, answer in zip(records, completions, strict=True):

@@ -13,13 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from components._shared.eval.readers import prompt_turns
+from components._shared.data.datasets import prompt_turns
+from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder, Sample
 from components._shared.model.generation import own_generation_config
 from components._shared.model.head_loss import head_rows_map, output_head
 from components._shared.model.packing import (
-    IGNORE_INDEX,
-    ConversationEncoder,
-    Sample,
     forward_hidden,
     generation_vision_inputs,
     pack,

@@ -32,13 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from components._shared.data import datasets
+from components._shared.data import metrics as M
+from components._shared.data import tasks as T
 from components._shared.eval import evaluation as E
-from components._shared.eval import metrics as M
-from components._shared.eval import readers
-from components._shared.eval import tasks as T
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.device import resolve_device
-from components._shared.model.packing import ConversationEncoder
+from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.stage_steps import (
     SCRATCH,
     Figure,
@@ -59,13 +59,13 @@ from components.rl.trainer import RlTrainer
 def load_prompts(
     data_dir: Path, cfg: RlConfig, *, types: list[str] | None = None, setting: str = "prompt_types"
 ) -> list[dict]:
-    """Prompt records (readers.load_questions: "id", "image", "question", "answer", "type" = the task, ...) from the
+    """Prompt records (datasets.load_questions: "id", "image", "question", "answer", "type" = the task, ...) from the
     prompts file(s), of `types` (default `prompt_types`; empty = every task); a task no record has is an error
     naming `setting`. Held-out files are never prompt files."""
     types = cfg.prompt_types if types is None else types
     prompts, seen_types = [], set()
-    records = readers.conversation_questions(data_dir, cfg.prompts_file, label="rl prompt")
-    held_out = {f.path for f in readers.manifest(data_dir).files("eval", cfg.eval.files)}
+    records = datasets.conversation_questions(data_dir, cfg.prompts_file, label="rl prompt")
+    held_out = {f.path for f in datasets.manifest(data_dir).files("eval", cfg.eval.files)}
     overlap = sorted(held_out & {r["file"] for r in records})
     if overlap:
         raise ValueError(
@@ -122,9 +122,9 @@ def run(
             "without torchrun (train.backend: deepspeed still works on one GPU)."
         )
     output_dir = Path(output_dir)
-    data_dir = readers.resolve_data_dir(data, scratch=output_dir / SCRATCH)
+    data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     prompts = load_prompts(data_dir, cfg)
-    eval_records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type, files=cfg.eval.files)
+    eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type, files=cfg.eval.files)
     key = run_key(cfg, {"base_model": base_model, "reward_model": reward_model, "data": data})
     trainer, encoder, processor, rewards = build_trainer(
         cfg, base_model, reward_model, data_dir, prompts, key, output_dir, tracker
@@ -213,7 +213,7 @@ def build_trainer(
         reference,
         cfg=cfg,
         prompts=prompts,
-        image=functools.lru_cache(maxsize=4096)(functools.partial(readers.load_image, data_dir)),
+        image=functools.lru_cache(maxsize=4096)(functools.partial(datasets.load_image, data_dir)),
         engine=engine,
         rewards=rewards,
         checkpoints=checkpoint_store("rl", cfg.train, key, output_dir),

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from components._shared.eval import readers
+from components._shared.data import datasets
 from components._shared.model.backends import TorchBackend
 from components._shared.model.checkpoint import CheckpointStore
-from components._shared.model.packing import Sample
+from components._shared.model.encoder import Sample
 from components._shared.model.step_inputs import step_inputs
 from components._shared.model.train_config import OptimConfig, lr_factor
 from components._shared.model.training import Phase, TrainLoop, data_workers
@@ -268,7 +268,7 @@ class RlTrainer:
         records = [self.ptx_pool[i] for i in rng.choice(len(self.ptx_pool), count, replace=False)]
         return [
             self.engine.encoder.encode(
-                readers.prompt_turns(r["question"]) + [{"role": "assistant", "text": r["answer"]}],
+                datasets.prompt_turns(r["question"]) + [{"role": "assistant", "text": r["answer"]}],
                 images=[self.image(r["image"])],
                 sample_id=f"ptx:{r['id']}",
             )

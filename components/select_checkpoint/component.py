@@ -2,7 +2,7 @@
 
 from kfp import dsl
 
-from components._shared.platform.images import TRAIN_IMAGE
+from components._shared.platform.container_images import TRAIN_IMAGE
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
@@ -53,7 +53,7 @@ def select_checkpoint_op(
     """
     import shutil
 
-    from components._shared.launch.result import report_metrics
+    from components._shared.launch.result import model_dir, report_metrics
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
@@ -66,7 +66,7 @@ def select_checkpoint_op(
             "sft": sft.path,
             "rl": rl.path,
             "distill": distill.path,
-            "reward_model": reward_model.path + "/model",
+            "reward_model": model_dir(reward_model.path),
             "clean_data": clean_data.path,
             "stage_configs": {
                 "clean_data": clean_data_config,
@@ -78,7 +78,7 @@ def select_checkpoint_op(
             },
         },
         output_dir=model.path,
-        artifacts={"model": model.path + "/model"},
+        artifacts={"model": model_dir(model.path)},
         record_as="select_checkpoint",
     )
     report_metrics(metrics, results)

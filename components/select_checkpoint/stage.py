@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
+from components._shared.data import datasets
+from components._shared.data import tasks as T
 from components._shared.eval import evaluation as E
-from components._shared.eval import readers
-from components._shared.eval import tasks as T
 from components._shared.launch.result import RESULT_FILE
 from components._shared.model import checkpoint as ckpt
-from components._shared.model.packing import ConversationEncoder
+from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.stage_steps import SCRATCH
 from components._shared.model.vlm import count_parameters, load_vlm, save_vlm, set_pixel_bounds
 from components._shared.platform import progress, storage
@@ -228,8 +228,8 @@ def run(
         raise ValueError(
             f"no candidates: pass the output directories of the stages in select_checkpoint.stages ({cfg.stages})."
         )
-    data_dir = readers.resolve_data_dir(data, scratch=output_dir / SCRATCH)
-    records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type)
+    data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
+    records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("select_checkpoint.device=cuda but no CUDA GPU is visible; use device: auto or cpu.")
     use_cuda = cfg.device == "cuda" or cfg.device == "auto" and torch.cuda.is_available()

@@ -2,12 +2,12 @@
 
 from kfp import dsl
 
-from components._shared.platform.images import TRAIN_IMAGE
+from components._shared.platform.container_images import TRAIN_IMAGE
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
 def sft_op(
-    pretrained: dsl.Input[dsl.Model],
+    base_model: dsl.Input[dsl.Model],
     sft_data_uri: str,
     config: dict,
     model: dsl.Output[dsl.Model],
@@ -19,7 +19,7 @@ def sft_op(
     """Instruction-tune the pretrained VLM (LoRA / QLoRA / full), evaluate held-out VQA, calibrate.
 
     Args:
-        pretrained: Output of pretrain (its model/ directory is the base).
+        base_model: Output of pretrain (its model/ directory is the base).
         sft_data_uri: Conversations and held-out questions (sft.jsonl / eval.jsonl or dataset.yaml); dir or s3://.
         config: SftConfig as a dict.
         model: model/ (merged, HF format), adapter/, checkpoints/, eval_predictions.jsonl, calibration.json.
@@ -30,16 +30,16 @@ def sft_op(
     """
     import shutil
 
-    from components._shared.launch.result import report_metrics
+    from components._shared.launch.result import model_dir, report_metrics
     from components._shared.launch.runner import run_stage
 
     results = run_stage(
         "sft",
         config,
         experiment=experiment,
-        inputs={"base_model": pretrained.path + "/model", "data": sft_data_uri},
+        inputs={"base_model": model_dir(base_model.path), "data": sft_data_uri},
         output_dir=model.path,
-        artifacts={"model": model.path + "/model"},
+        artifacts={"model": model_dir(model.path)},
         record_as="sft",
     )
     report_metrics(metrics, results)

@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
+from components._shared.data import datasets
+from components._shared.data import tasks as T
+from components._shared.data.datasets import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
 from components._shared.eval import evaluation as E
-from components._shared.eval import readers
-from components._shared.eval import tasks as T
-from components._shared.eval.readers import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
 from components._shared.model import checkpoint as ckpt
+from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.families import family_for
-from components._shared.model.packing import ConversationEncoder
 from components._shared.model.stage_steps import (
     SCRATCH,
     Figure,
@@ -221,9 +221,9 @@ def phases_for(cfg: SftConfig, records: list[dict]) -> list[Phase]:
 def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, tracker: Tracker) -> dict[str, Any]:
     """Fine-tune, evaluate against the majority baseline, calibrate, save; returns the stage metrics."""
     output_dir = Path(output_dir)
-    data_dir = readers.resolve_data_dir(data, scratch=output_dir / SCRATCH)
+    data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     records = load_sft_records(data_dir, cfg.max_records)
-    eval_records = readers.load_eval_records(data_dir, per_type=cfg.eval.per_type)
+    eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     store = checkpoint_store("sft", cfg.train, run_key(cfg, {"base_model": base_model, "data": data}), output_dir)
     model, processor = build_model(cfg, base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
@@ -274,7 +274,7 @@ def build_loop(
 
     @functools.lru_cache(maxsize=4096)  # bounded: a real SFT set does not fit in memory decoded
     def image(reference: str):
-        return readers.load_image(data_dir, reference)
+        return datasets.load_image(data_dir, reference)
 
     def sample(i: int):
         r = records[i]

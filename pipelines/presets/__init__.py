@@ -49,6 +49,11 @@ def preset_path(name_or_path: str | Path) -> Path:
     return candidate
 
 
+def as_preset(preset: Preset | str | Path) -> Preset:
+    """A preset read once by a command and handed down as it is; a name or path is read here."""
+    return preset if isinstance(preset, Preset) else load_preset(preset)
+
+
 def load_preset(name_or_path: str | Path = "tiny", overrides: dict[str, Any] | None = None) -> Preset:
     """Read and validate a preset; every stage section goes through its config class (errors name the setting)."""
     from components._shared.launch.plan import check_config

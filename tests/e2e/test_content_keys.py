@@ -13,7 +13,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _run(world: Path, out: Path) -> dict:
-    from pipelines.local_run import run_local
+    from pipelines.qvl.local_run import run_local
 
     return run_local(
         lake_uri=str(world / "lake"),

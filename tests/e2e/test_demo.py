@@ -16,7 +16,7 @@ pytestmark = pytest.mark.demo
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("demo")
-    qvl = [sys.executable, "-m", "pipelines.cli"]
+    qvl = [sys.executable, "-m", "pipelines.qvl.app"]
     world, run = root / "world", root / "run"
     for args in (
         ["lake", "synth", "--out", str(world)],
@@ -34,7 +34,7 @@ def test_a_fresh_run_gives_the_numbers_the_readme_publishes(demo):
     (.ci/constraints.txt), the same shipped helper models and the pinned CPU kernels give the same numbers; the
     tolerances absorb float rounding only."""
     from components._shared.platform.cpu_numerics import cpu_vendor
-    from pipelines.published import compare, published_for
+    from pipelines.qvl.published import compare, published_for
 
     problems = compare(demo["_summary"], json.loads(published_for(cpu_vendor()).read_text()))
     assert not problems, "this run moved off the README's published numbers:\n" + "\n".join(problems)

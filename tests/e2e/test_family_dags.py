@@ -32,7 +32,7 @@ def world(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def run(request, world, tmp_path_factory) -> tuple[str, dict]:
     out = tmp_path_factory.mktemp(request.param)
-    cmd = [sys.executable, "-m", "pipelines.cli", "run", "--local", "--preset", request.param]
+    cmd = [sys.executable, "-m", "pipelines.qvl.app", "run", "--local", "--preset", request.param]
     proc = subprocess.run(
         [*cmd, "--lake", str(world / "lake"), "--out", str(out)], capture_output=True, text=True, timeout=1800
     )

@@ -35,7 +35,7 @@ def _qvl_run(world: Path, out: Path, preset: str = "tiny") -> str:
     cmd = [
         sys.executable,
         "-m",
-        "pipelines.cli",
+        "pipelines.qvl.app",
         "run",
         "--local",
         "--preset",

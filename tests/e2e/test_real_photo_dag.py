@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from components._shared.eval import scorers
+from components._shared.data import scorers
 from tests import real_photos as P
 
 pytestmark = pytest.mark.e2e
@@ -32,7 +32,7 @@ def run(tmp_path_factory):
     write_world(root / "world", records=300, seed=4)
     data = P.write_dag_dataset(root / "photos")
     (root / "photos.yaml").write_text(PRESET)
-    cmd = [sys.executable, "-m", "pipelines.cli", "run", "--local", "--preset", str(root / "photos.yaml")]
+    cmd = [sys.executable, "-m", "pipelines.qvl.app", "run", "--local", "--preset", str(root / "photos.yaml")]
     cmd += ["--lake", str(root / "world" / "lake"), "--data", str(data), "--out", str(root / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

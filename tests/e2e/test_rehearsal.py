@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from pipelines.rehearse import rehearse
+from pipelines.qvl.rehearse import rehearse
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from components._shared.model.checkpoint import CheckpointStore
-from components._shared.model.packing import ConversationEncoder
+from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
 from components._shared.model.training import Phase, TrainLoop
 from components._shared.model.vlm import load_vlm

@@ -171,7 +171,7 @@ def test_a_preset_can_extend_another_and_change_only_some_settings(tmp_path):
 @pytest.mark.parametrize("preset", ["prod-qwen3-vl-8b", "prod-qwen3.5-9b"])
 def test_the_newer_families_prod_presets_compile_to_their_committed_yaml_and_fit_their_gpus(preset, tmp_path):
     """Golden like prod-7b's, and `qvl plan` says every training stage fits the profile's GPUs."""
-    from pipelines.plan import plan, refusals
+    from pipelines.qvl.memory_plan import plan, refusals
 
     committed = COMPILED.parent / f"vlm_training-{preset}.yaml"
     with pytest.MonkeyPatch.context() as mp:

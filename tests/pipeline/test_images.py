@@ -1,5 +1,5 @@
 """The container images (docker/): hadolint-clean Dockerfiles, pinned bases, a numeric non-root user, the
-pyproject pins, and tags that are exactly the ones the components ask for (components/_shared/platform/images.py).
+pyproject pins, and tags that are exactly the ones the components ask for (_shared/platform/container_images.py).
 
 The slow test builds the data image with buildah from a local debootstrap base (docs/images.md).
 """
@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from components import __version__
-from components._shared.platform import images
+from components._shared.platform import container_images as images
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = {"train": ROOT / "docker" / "Dockerfile.train", "data": ROOT / "docker" / "Dockerfile.data"}
@@ -234,7 +234,7 @@ def _make_tags(**env: str) -> dict[str, str]:
 
 def _python_tags(**env: str) -> dict[str, str]:
     environ = {k: v for k, v in os.environ.items() if k != "QVL_IMAGE_REGISTRY"} | env
-    code = "from components._shared.platform import images; print(images.TRAIN_IMAGE); print(images.DATA_IMAGE)"
+    code = "from components._shared.platform import container_images as c; print(c.TRAIN_IMAGE); print(c.DATA_IMAGE)"
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=environ, capture_output=True, text=True, check=True, timeout=60
     )

@@ -19,8 +19,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from pipelines.cli import app
 from pipelines.compile import COMPILED
+from pipelines.qvl.app import app
 from tests.fake_kfp_api import FakeKfpApi, pipeline_spec_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def _console_script(name: str) -> list[str]:
     script = Path(sys.executable).parent / name
     if script.exists():
         return [str(script)]
-    module = {"kfp": "kfp.cli.__main__", "qvl": "pipelines.cli"}[name]
+    module = {"kfp": "kfp.cli.__main__", "qvl": "pipelines.qvl.app"}[name]
     return [sys.executable, "-c", f"import sys; sys.argv[0] = {name!r}; from {module} import main; main()"]
 
 

@@ -106,7 +106,7 @@ def test_a_kfp_task_killed_mid_stage_is_retried_under_kfp_local_and_resumes_bit_
     @dsl.pipeline
     def retried(sft_config: dict):
         model = dsl.importer(artifact_uri=str(pretrained), artifact_class=dsl.Model, reimport=False)
-        task = sft_op(pretrained=model.output, sft_data_uri=str(data_dir), config=sft_config)
+        task = sft_op(base_model=model.output, sft_data_uri=str(data_dir), config=sft_config)
         task.set_retry(num_retries=1).set_caching_options(False)
         task.set_env_variable("QVL_TEST_KILL_AT_STEP", "3")
         task.set_env_variable("QVL_TEST_KILL_ONCE", str(marker))

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from PIL import Image
 
 from components._shared.model import attention
+from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.head_loss import sequence_loss
-from components._shared.model.packing import ConversationEncoder, pack
+from components._shared.model.packing import pack
 from components._shared.model.vlm import load_vlm, qwen_model
 
 FAMILIES = ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2_5-vl", "builtin:tiny-qwen3-vl", "builtin:tiny-qwen3_5"]

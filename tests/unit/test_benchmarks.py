@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from components._shared.eval import readers
-from components._shared.eval.tasks import score, summarize
+from components._shared.data import datasets
+from components._shared.data.tasks import score, summarize
 from tests import real_photos as P
 
 
@@ -82,7 +82,7 @@ eval:
 
 
 def test_each_layout_maps_onto_question_records(bench_dir):
-    records = {r["benchmark"]: r for r in readers.load_eval_records(bench_dir)}
+    records = {r["benchmark"]: r for r in datasets.load_eval_records(bench_dir)}
     assert set(records) == {"vqav2", "textvqa", "docvqa", "chartqa", "refcoco", "mmbench", "pope"}
     assert {b: r["scorer"] for b, r in records.items()} == {
         "vqav2": "vqa_accuracy", "textvqa": "vqa_accuracy", "docvqa": "anls", "chartqa": "relaxed_accuracy",
@@ -99,7 +99,7 @@ def test_each_layout_maps_onto_question_records(bench_dir):
 
 
 def test_perfect_answers_score_one_and_each_benchmark_is_summarised(bench_dir):
-    records = readers.load_eval_records(bench_dir)
+    records = datasets.load_eval_records(bench_dir)
     perfect = {"vqav2": "coffee", "textvqa": "rocket", "docvqa": "cameraman", "chartqa": "41",
                "mmbench": "(B) cat", "pope": None}  # fmt: skip
     rows = []
@@ -123,24 +123,24 @@ def test_a_broken_release_file_names_the_item(bench_dir, tmp_path):
     )
     (tmp_path / "dataset.yaml").write_text("eval: [{path: val_v1.0.json, format: docvqa}]\n")
     with pytest.raises(ValueError, match=r"val_v1.0.json data\[0\] \(id='1'\): no answers \(DocVQA's test split"):
-        readers.load_eval_records(tmp_path)
+        datasets.load_eval_records(tmp_path)
     (tmp_path / "val_v1.0.json").write_text(json.dumps({"data": [{"question": "q", "answers": ["a"]}]}))
     with pytest.raises(ValueError, match=r"val_v1.0.json data\[0\]: the docvqa item has no field 'questionId'"):
-        readers.load_eval_records(tmp_path)
+        datasets.load_eval_records(tmp_path)
     (tmp_path / "dataset.yaml").write_text("eval: [{path: q.json, format: vqav2}]\n")
     (tmp_path / "q.json").write_text(json.dumps({"questions": []}))
     with pytest.raises(ValueError, match="vqav2 needs its annotations file"):
-        readers.load_eval_records(tmp_path)
+        datasets.load_eval_records(tmp_path)
 
 
 def test_dataset_yaml_offers_every_record_shape_and_benchmark_format():
     import typing
 
-    from components._shared.eval.benchmarks import BENCHMARKS
-    from components._shared.eval.formats import RECORD_FORMATS
-    from components._shared.eval.tasks import SCORERS
+    from components._shared.data.benchmarks import BENCHMARKS
+    from components._shared.data.formats import RECORD_FORMATS
+    from components._shared.data.tasks import SCORERS
 
-    offered = set(typing.get_args(readers.DataFile.model_fields["format"].annotation))
+    offered = set(typing.get_args(datasets.DataFile.model_fields["format"].annotation))
     assert offered == set(RECORD_FORMATS) | set(BENCHMARKS)
     assert {b.scorer for b in BENCHMARKS.values()} <= set(SCORERS)
 
@@ -165,16 +165,16 @@ def test_vqav2_files_in_the_wrong_layout_name_the_file_and_the_layout_expected(t
     with pytest.raises(
         ValueError, match=r"^a\.json: expected VQAv2's annotations file .*'annotations' list, got a list"
     ):
-        readers.load_questions(tmp_path)
+        datasets.load_questions(tmp_path)
     _write(tmp_path, {"q.json": questions["questions"], "a.json": annotations}, entry)  # questions as a list
     with pytest.raises(ValueError, match=r"^q\.json: expected VQAv2's questions file .*'questions' list, got a list"):
-        readers.load_questions(tmp_path)
+        datasets.load_questions(tmp_path)
     _write(tmp_path, {"q.json": annotations, "a.json": questions}, entry)  # the two files swapped
     with pytest.raises(ValueError, match=r"^q\.json: .*swap path and annotations"):
-        readers.load_questions(tmp_path)
+        datasets.load_questions(tmp_path)
     _write(tmp_path, {"q.json": questions, "a.json": {"annotations": [["x"]]}}, entry)
     with pytest.raises(ValueError, match=r"^a\.json annotations\[0\]: expected an object with 'question_id'"):
-        readers.load_questions(tmp_path)
+        datasets.load_questions(tmp_path)
 
 
 def test_a_non_numeric_refcoco_bbox_is_reported_with_every_other_bad_record(tmp_path):
@@ -189,14 +189,14 @@ def test_a_non_numeric_refcoco_bbox_is_reported_with_every_other_bad_record(tmp_
     ]
     _write(tmp_path, {"ref.jsonl": "".join(json.dumps(r) + "\n" for r in rows)}, "{path: ref.jsonl, format: refcoco}")
     with pytest.raises(ValueError) as caught:
-        readers.load_questions(tmp_path)
+        datasets.load_questions(tmp_path)
     message = str(caught.value)
     assert message.startswith("3 bad question record(s) in ref.jsonl")
     assert "ref.jsonl:1 (id='r1'): bbox[2] is '3a', not a number; give bbox as [x, y, width, height]" in message
     assert "ref.jsonl:2 (id='r2'): bbox[2] is None, not a number" in message
     assert "ref.jsonl:4 (id='r4'): no referring expression" in message
     with bad_records.policy("skip") as ledger:
-        kept = readers.load_questions(tmp_path)
+        kept = datasets.load_questions(tmp_path)
     assert [r["id"] for r in kept] == ["r3"] and kept[0]["box"] == [1.0, 2.0, 4.0, 6.0]
     assert ledger.metrics()["data/skipped_records"] == 3
 
@@ -210,7 +210,7 @@ def test_refcoco_rows_without_ids_get_file_index_ids(tmp_path):
         {"image": "a.jpg", "expression": "the table", "bbox": [0, 0, 30, 40]},
     ]
     _write(tmp_path, {"ref.jsonl": "".join(json.dumps(r) + "\n" for r in rows)}, "{path: ref.jsonl, format: refcoco}")
-    records = readers.load_questions(tmp_path)
+    records = datasets.load_questions(tmp_path)
     assert [r["id"] for r in records] == ["ref:0", "ref:1", "9", "ref:3"]
     assert [r["box"] for r in records][1] == [5.0, 6.0, 8.0, 10.0]
 
@@ -221,7 +221,7 @@ def test_chartqa_labels_are_one_answer_and_bad_ones_are_rejected_per_record(tmp_
     items = [{"imgname": "c.png", "query": "Value?", "label": label} for label in labels]
     _write(tmp_path, {"test_human.json": items}, "{path: test_human.json, format: chartqa}")
     with pytest.raises(ValueError) as caught:
-        readers.load_questions(tmp_path)
+        datasets.load_questions(tmp_path)
     message = str(caught.value)
     assert message.startswith("4 bad question record(s) in test_human.json")
     assert (
@@ -233,7 +233,7 @@ def test_chartqa_labels_are_one_answer_and_bad_ones_are_rejected_per_record(tmp_
     from components._shared.platform import bad_records
 
     with bad_records.policy("skip") as ledger:
-        records = readers.load_questions(tmp_path)
+        records = datasets.load_questions(tmp_path)
     assert {r["id"]: r["answer"] for r in records} == {
         "test_human:0": "12",
         "test_human:1": "12",
@@ -259,7 +259,7 @@ def test_mmbench_image_cells_holding_another_rows_index_are_resolved(tmp_path):
         csv.writer(f, delimiter="\t").writerows([header, *rows])
     (tmp_path / "dataset.yaml").write_text("eval: [{path: MMBench_DEV_EN.tsv, format: mmbench}]\n")
     with pytest.raises(ValueError) as caught:
-        readers.load_questions(tmp_path)
+        datasets.load_questions(tmp_path)
     message = str(caught.value)
     assert message.startswith("2 bad question record(s) in MMBench_DEV_EN.tsv")
     assert "MMBench_DEV_EN.tsv:7 (id='5'): answer 'D' is not one of its options ['A', 'B']" in message
@@ -268,7 +268,7 @@ def test_mmbench_image_cells_holding_another_rows_index_are_resolved(tmp_path):
         "an image in this file; put the image's base64 (or that row's index) in the image column"
     ) in message
     with bad_records.policy("skip") as ledger:
-        records = {r["id"]: r for r in readers.load_questions(tmp_path)}
+        records = {r["id"]: r for r in datasets.load_questions(tmp_path)}
     assert ledger.metrics()["data/skipped_records"] == 2 and ledger.metrics()["data/skipped/image"] == 1
     assert list(records) == ["1000000", "0", "2", "3"]
     assert records["1000000"]["image"] == records["0"]["image"] == base64.b64decode(cat)

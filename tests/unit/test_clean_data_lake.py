@@ -137,7 +137,7 @@ def test_nested_and_gzip_shards_are_read_and_named_apart_other_files_reported(tm
 
 
 def test_shard_names_keep_flat_lakes_and_tell_nested_ones_apart():
-    from components.clean_data.readers import shard_names
+    from components._shared.data.lake import shard_names
 
     assert shard_names(["s3://b/lake/00000.tar", "s3://b/lake/00001.tar"]) == ["00000.tar", "00001.tar"]
     assert shard_names(["/l/00000.tar", "/l/p/00000.tar"]) == ["00000.tar", "p/00000.tar"]
@@ -219,7 +219,7 @@ def test_parquet_fallback_keys_never_collide_and_duplicate_keys_are_rejected(tmp
 def test_report_thumbnails_find_images_of_records_rejected_at_the_shards_end(tmp_path):
     """A record missing its caption waits (bytes dropped) until the shard's end; the run report still shows its
     image, read straight from the tar. KEY.mask.png is another field of the sample, never its image."""
-    from pipelines.rejected_samples import rejected_samples
+    from pipelines.qvl.rejected_samples import rejected_samples
 
     lake = tmp_path / "lake"
     members = [("k0.jpg", _image(0)), ("k1.mask.png", _image(9)), ("k1.png", _image(1)), ("k1.txt", CAPTION)]

@@ -5,7 +5,7 @@ import json
 import yaml
 from typer.testing import CliRunner
 
-from pipelines.cli import app
+from pipelines.qvl.app import app
 
 runner = CliRunner()
 

@@ -18,8 +18,9 @@ from components.stages import STAGES
 from tests.codebase import ROOT, cycles, import_graph, module_name, source_files
 
 STAGE_PACKAGES = tuple(STAGES)  # the registry names every stage package
-# _shared's layers: an arrow may only point to a lower layer (launch is beside model/eval, above platform).
-LAYERS = {"platform": 0, "model": 1, "eval": 2, "launch": 1}
+# _shared's layers: an arrow may only point to a lower layer (data, model and launch side by side above platform;
+# eval, which runs a model on data, above both).
+LAYERS = {"platform": 0, "data": 1, "model": 1, "launch": 1, "eval": 2}
 ALLOWED_UP = {
     # builtin:NAME model URIs are built by the synthetic world (imported lazily, only there).
     ("components._shared.model.sources", "components.synth_world"),
@@ -148,7 +149,7 @@ def test_qvl_compile_does_not_import_torch(tmp_path):
 
 
 def test_the_local_runner_still_matches_kfp_local_cache_lookups(tmp_path):
-    """pipelines/local_run.py wraps kfp.local's LocalCache.get to learn which tasks were cache hits (kfp has no
+    """pipelines/qvl/local_run.py wraps kfp.local's LocalCache.get to learn which tasks were cache hits (kfp has no
     hook for it; docs/architecture.md): the executor must still look hits up through that method, and a hit must
     still hand back artifacts with their URIs (where the earlier run's _stage_result.json lies)."""
     from kfp import dsl
@@ -160,7 +161,7 @@ def test_the_local_runner_still_matches_kfp_local_cache_lookups(tmp_path):
     local = kfp_cache.LocalCache(str(tmp_path / "cache"))
     local.put("key", {"output": dsl.Model(name="output", uri=str(tmp_path / "artifact"))})
 
-    from pipelines.local_run import _recording_cache_hits
+    from pipelines.qvl.local_run import _recording_cache_hits
 
     original = kfp_cache.LocalCache.get
     with _recording_cache_hits() as hits:
@@ -170,7 +171,7 @@ def test_the_local_runner_still_matches_kfp_local_cache_lookups(tmp_path):
 
 
 def test_the_local_runner_still_matches_kfp_locals_task_stream():
-    """pipelines/local_run.py replaces kfp.local's `run_local_subprocess` to send each task's output to its log
+    """pipelines/qvl/local_run.py replaces kfp.local's `run_local_subprocess` to send each task's output to its log
     file (docs/architecture.md): the subprocess handler must still call it by its module-level name with the
     full command and env, and the lightweight components' command must still name the function it runs."""
     from kfp.local import subprocess_task_handler
@@ -182,7 +183,7 @@ def test_the_local_runner_still_matches_kfp_locals_task_stream():
         "env_vars",
     ]
     from components.sft.component import sft_op
-    from pipelines.local_run import _task_name
+    from pipelines.qvl.local_run import _task_name
 
     container = sft_op.component_spec.implementation.container
     assert _task_name([*container.command, *container.args]) == "sft_op"

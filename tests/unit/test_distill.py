@@ -12,7 +12,8 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from components._shared.model.packing import ConversationEncoder, forward_logits, pack
+from components._shared.model.encoder import ConversationEncoder
+from components._shared.model.packing import forward_logits, pack
 from components._shared.model.vlm import build_student, count_parameters, load_vlm, set_pixel_bounds
 from components._shared.platform.tracking import NullTracker
 from components.distill.config import DistillConfig, LossConfig

@@ -8,9 +8,10 @@ import pytest
 import torch
 from PIL import Image
 
+from components._shared.data import datasets
 from components._shared.eval import evaluation as E
-from components._shared.eval import readers
-from components._shared.model.packing import ConversationEncoder, forward_logits, pack
+from components._shared.model.encoder import ConversationEncoder
+from components._shared.model.packing import forward_logits, pack
 from components._shared.model.vlm import load_vlm
 
 
@@ -50,7 +51,7 @@ def test_batched_generation_equals_teacher_forced_greedy(model_and_encoder):
         )
         for record, answer, logits in zip(records, generated, first_logits, strict=True):
             sample = encoder.encode(
-                readers.prompt_turns(record["question"]), images=[record["pil"]], add_generation_prompt=True
+                datasets.prompt_turns(record["question"]), images=[record["pil"]], add_generation_prompt=True
             )
             ids = sample.input_ids
             expected = []
@@ -85,10 +86,10 @@ def test_eval_records_are_validated(tmp_path: Path):
         '{"id": "q1", "image": "../x.png", "question": "?", "answer": "a", "type": "color"}\n'
     )
     with pytest.raises(ValueError, match="leaves the data directory"):
-        readers.load_eval_records(tmp_path)
+        datasets.load_eval_records(tmp_path)
     (tmp_path / "eval.jsonl").write_text('{"id": "q2", "image": "x.png", "question": "?"}\n')
     with pytest.raises(ValueError, match=r"eval.jsonl:1 \(id='q2'\): a flat record needs 'answer'"):
-        readers.load_eval_records(tmp_path)
+        datasets.load_eval_records(tmp_path)
 
 
 def test_images_load_from_the_data_dir_or_s3_and_bad_ones_are_named(tmp_path: Path, s3_env):
@@ -100,13 +101,13 @@ def test_images_load_from_the_data_dir_or_s3_and_bad_ones_are_named(tmp_path: Pa
     Image.fromarray(np.full((40, 60, 3), 128, dtype=np.uint8)).save(buf, format="PNG")
     (tmp_path / "a.png").write_bytes(buf.getvalue())
     storage.write_bytes(f"{s3_env.uri}/imgs/b.png", buf.getvalue())
-    assert readers.load_image(tmp_path, "a.png").size == (60, 40)
-    assert readers.load_image(tmp_path, f"{s3_env.uri}/imgs/b.png").size == (60, 40)
+    assert datasets.load_image(tmp_path, "a.png").size == (60, 40)
+    assert datasets.load_image(tmp_path, f"{s3_env.uri}/imgs/b.png").size == (60, 40)
     (tmp_path / "broken.png").write_bytes(buf.getvalue()[:30])
     with pytest.raises(ValueError, match="image 'broken.png' cannot be used: undecodable"):
-        readers.load_image(tmp_path, "broken.png")
+        datasets.load_image(tmp_path, "broken.png")
     with pytest.raises(ValueError, match="'missing.png' does not exist"):
-        readers.load_image(tmp_path, "missing.png")
+        datasets.load_image(tmp_path, "missing.png")
 
 
 def test_eval_records_join_files_of_both_formats(tmp_path: Path):
@@ -122,11 +123,11 @@ def test_eval_records_join_files_of_both_formats(tmp_path: Path):
         ],
     }
     (tmp_path / "rl.jsonl").write_text("".join(json.dumps({"id": f"r{i}", **conversation}) + "\n" for i in range(4)))
-    records = readers.load_eval_records(tmp_path, files=["eval.jsonl", "rl.jsonl"])
+    records = datasets.load_eval_records(tmp_path, files=["eval.jsonl", "rl.jsonl"])
     assert [r["id"] for r in records] == ["e0", "e1", "e2", "r0", "r1", "r2", "r3"]
     assert records[3]["question"] == "What colour is the shape?" and records[3]["answer"] == "blue"
     assert records[3]["pil"].size == (28, 28)
-    assert [r["id"] for r in readers.load_eval_records(tmp_path, files=["eval.jsonl", "rl.jsonl"], per_type=5)] == [
+    assert [r["id"] for r in datasets.load_eval_records(tmp_path, files=["eval.jsonl", "rl.jsonl"], per_type=5)] == [
         "e0",
         "e1",
         "e2",
@@ -135,10 +136,10 @@ def test_eval_records_join_files_of_both_formats(tmp_path: Path):
     ]  # the cap counts across files, in file order
     (tmp_path / "dup.jsonl").write_text(json.dumps({"id": "e1", **flat}) + "\n")
     with pytest.raises(ValueError, match="'e1' is in both eval.jsonl and dup.jsonl"):
-        readers.load_eval_records(tmp_path, files=["eval.jsonl", "dup.jsonl"])
+        datasets.load_eval_records(tmp_path, files=["eval.jsonl", "dup.jsonl"])
     two_images = {**flat, "images": ["x.png", "x.png"], "question": "<image> or <image>?"}
     (tmp_path / "multi.jsonl").write_text(json.dumps({"id": "m0", **two_images}) + "\n")
     with pytest.raises(
         ValueError, match=r"multi.jsonl:1 \(id='m0'\): 2 images; a held-out or RL question needs exactly one"
     ):
-        readers.load_eval_records(tmp_path, files=["multi.jsonl"])
+        datasets.load_eval_records(tmp_path, files=["multi.jsonl"])

@@ -14,7 +14,7 @@ import torch
 from PIL import Image, ImageDraw
 from safetensors import safe_open
 
-from components._shared.platform.imaging import visual_tokens as clean_data_visual_tokens
+from components._shared.platform.image_decode import visual_tokens as clean_data_visual_tokens
 from components._shared.platform.tracking import NullTracker
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.decode import (

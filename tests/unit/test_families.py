@@ -12,17 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
+from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.families import FAMILIES, SUPPORTED_MODEL_TYPES, family_for
-from components._shared.model.packing import (
-    ConversationEncoder,
-    batch_pixels,
-    forward_logits,
-    image_embeddings,
-    pack,
-    pad,
-    per_sample_loss,
-)
-from components._shared.model.pixels import model_pixels
+from components._shared.model.packing import batch_pixels, forward_logits, image_embeddings, pack, pad, per_sample_loss
+from components._shared.model.pixel_norm import model_pixels
 from components._shared.model.sources import resolve_model
 from components._shared.model.vlm import load_vlm, named_groups, qwen_model
 from components.extract_features.stage import load_vision_tower, pre_merger_features

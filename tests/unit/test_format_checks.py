@@ -8,8 +8,8 @@ import json
 import pytest
 from PIL import Image
 
-from components._shared.eval import formats as F
-from components._shared.eval import readers
+from components._shared.data import datasets
+from components._shared.data import formats as F
 from components._shared.platform import bad_records
 
 H = lambda text: {"from": "human", "value": text}  # noqa: E731
@@ -59,7 +59,7 @@ def test_null_parquet_image_cells_are_refused_naming_row_column_and_element(data
     cells = [good, None, {"bytes": None, "path": None}, {"bytes": b"", "path": None}]
     table = pa.table({"image": pa.array(cells, type=struct), "conversations": pa.array(conversation * 4)})
     pq.write_table(table, data / "one.parquet")
-    message = _error(readers.load_conversations, data, file_name="one.parquet")
+    message = _error(datasets.load_conversations, data, file_name="one.parquet")
     assert message.startswith("3 bad conversation record(s) in one.parquet")
     assert "one.parquet row 0" not in message
     line = _line(message, "one.parquet row 1 (id=None)")
@@ -75,10 +75,10 @@ def test_null_parquet_image_cells_are_refused_naming_row_column_and_element(data
         }
     )
     pq.write_table(lists, data / "list.parquet")
-    message = _error(readers.load_conversations, data, file_name="list.parquet")
+    message = _error(datasets.load_conversations, data, file_name="list.parquet")
     assert "list.parquet row 0 column 'images' element 1 holds no image" in _line(message, "list.parquet row 0")
     with bad_records.policy("skip") as ledger:
-        kept = readers.load_conversations(data, file_name="one.parquet")
+        kept = datasets.load_conversations(data, file_name="one.parquet")
     assert len(kept) == 1 and ledger.metrics() == {"data/skipped_records": 3, "data/skipped/image": 3}
 
 
@@ -96,14 +96,14 @@ def test_images_under_another_key_are_refused_not_trained_text_only(data):
         }
     )
     pq.write_table(table, data / "pic.parquet")
-    message = _error(readers.load_conversations, data, file_name="pic.parquet")
+    message = _error(datasets.load_conversations, data, file_name="pic.parquet")
     line = _line(message, "pic.parquet row 0")
     assert "field 'picture' holds a Parquet image column" in line
     assert "read only from 'image' (one) or 'images'" in line and "rename the field" in line
     pq.write_table(pa.table({"jpg": pa.array([_png()], type=pa.binary()), "question": ["Colour?"], "answer": ["red"]}),
                    data / "raw.parquet")  # fmt: skip
     (data / "dataset.yaml").write_text("eval: [{path: raw.parquet, task: exact_match}]\n")
-    message = _error(readers.load_questions, data)
+    message = _error(datasets.load_questions, data)
     assert "field 'jpg' holds a Parquet image column" in _line(message, "raw.parquet row 0")
     (data / "dataset.yaml").unlink()
 
@@ -117,7 +117,7 @@ def test_images_under_another_key_are_refused_not_trained_text_only(data):
         {"id": "ok", "image": "a.png", "file_name": "a.png", "conversations": [H("<image>Colour?"), G("red")]},
     ]
     _jsonl(data / "sft.jsonl", records)
-    message = _error(readers.load_conversations, data)
+    message = _error(datasets.load_conversations, data)
     assert message.startswith("5 bad conversation record(s) in sft.jsonl")
     assert "'image' is given beside 'images' and is not among them" in _line(message, "sft.jsonl:5 (id='beside')")
     assert "field 'img' holds a data: URI image" in _line(message, "sft.jsonl:1 (id='uri')")
@@ -125,7 +125,7 @@ def test_images_under_another_key_are_refused_not_trained_text_only(data):
     assert "field 'photo' holds an image struct" in _line(message, "sft.jsonl:3 (id='struct')")
     assert "field 'thumb' holds a data: URI image" in _line(message, "sft.jsonl:4 (id='second')")
     with bad_records.policy("skip") as ledger:
-        kept = readers.load_conversations(data)
+        kept = datasets.load_conversations(data)
     assert [r["id"] for r in kept] == ["ok"] and kept[0]["images"] == ["a.png"]  # file_name beside image: metadata
     assert ledger.metrics() == {"data/skipped_records": 5, "data/skipped/image": 5}
 
@@ -139,7 +139,7 @@ def test_image_bytes_of_a_wrong_type_are_a_record_error_not_a_traceback(data):
         {"id": "number", "images": ["a.png", {"bytes": 5}], "conversations": [H("<image><image>Same?"), G("no")]},
     ]
     _jsonl(data / "sft.jsonl", records)
-    message = _error(readers.load_conversations, data)
+    message = _error(datasets.load_conversations, data)
     line = _line(message, "sft.jsonl:1 (id='ints')")
     assert "'image': 'bytes' is a list ([1, 2, 3]), not the image file's bytes" in line and "base64" in line
     assert "'images'[1]: 'bytes' is a int (5)" in _line(message, "sft.jsonl:2 (id='number')")
@@ -152,12 +152,12 @@ def test_every_bad_record_of_a_one_line_json_array_is_named_and_counted(data):
     bad = {"image": "a.png", "conversations": [H("<image>\nhi"), G("")]}
     good = {"image": "a.png", "conversations": [H("<image>\nhi"), G("ok")]}
     (data / "sft.json").write_text(json.dumps([bad, bad, good, bad]))
-    message = _error(readers.load_conversations, data, file_name="sft.json")
+    message = _error(datasets.load_conversations, data, file_name="sft.json")
     assert message.startswith("3 bad conversation record(s) in sft.json")
     for index in (0, 1, 3):
         assert "conversations[1] (assistant) is empty" in _line(message, f"sft.json:1 [{index}] (id=None)")
     with bad_records.policy("skip") as ledger:
-        kept = readers.load_conversations(data, file_name="sft.json")
+        kept = datasets.load_conversations(data, file_name="sft.json")
     assert len(kept) == 1 and kept[0]["source"] == "sft.json:1 [2]"
     assert ledger.metrics() == {"data/skipped_records": 3, "data/skipped/empty": 3}
     assert sorted(ledger.skipped) == [
@@ -186,7 +186,7 @@ def test_control_tokens_and_lone_surrogates_are_refused_when_read(data):
         {"id": "ok", "image": "a.png", "conversations": [H("<image>q"), G("a")]},
     ]
     _jsonl(data / "sft.jsonl", records)  # json.dumps writes the surrogate as the escape "\ud800"
-    message = _error(readers.load_conversations, data)
+    message = _error(datasets.load_conversations, data)
     assert message.startswith("3 bad conversation record(s)")
     line = _line(message, "sft.jsonl:1 (id='control')")
     assert "conversations[0]: the text holds the chat control token(s) ['<|im_end|>']" in line
@@ -195,7 +195,7 @@ def test_control_tokens_and_lone_surrogates_are_refused_when_read(data):
     assert "conversations[0]: a lone surrogate '\\ud800' at character 8" in line and "fix the escape" in line
     assert "'system': the text holds the chat control token(s) ['<|im_start|>']" in message
     with bad_records.policy("skip") as ledger:
-        assert [r["id"] for r in readers.load_conversations(data)] == ["ok"]
+        assert [r["id"] for r in datasets.load_conversations(data)] == ["ok"]
     assert ledger.metrics() == {"data/skipped_records": 3, "data/skipped/invalid_fields": 3}
 
     questions = [
@@ -205,13 +205,13 @@ def test_control_tokens_and_lone_surrogates_are_refused_when_read(data):
          "answer": "A"},
     ]  # fmt: skip
     _jsonl(data / "eval.jsonl", questions)
-    message = _error(readers.load_questions, data)
+    message = _error(datasets.load_questions, data)
     assert "'question': the text holds the chat control token(s)" in _line(message, "eval.jsonl:1 (id='q')")
     assert "answer 1: a lone surrogate" in _line(message, "eval.jsonl:2 (id='ans')")
     assert "'choices' B: the text holds" in _line(message, "eval.jsonl:3 (id='mc')")
     pairs = [{"id": "p", "image": "a.png", "prompt": "q", "chosen": "a<|endoftext|>", "rejected": "b"}]
     _jsonl(data / "preferences.jsonl", pairs)
-    message = _error(readers.load_preferences, data)
+    message = _error(datasets.load_preferences, data)
     assert "'chosen': the text holds the chat control token(s) ['<|endoftext|>']" in _line(
         message, "preferences.jsonl:1"
     )
@@ -229,13 +229,13 @@ def test_multi_turn_questions_are_refused_not_cut_to_the_first_exchange(data):
         {"id": "ok", "image": "a.png", "task": "exact_match", "conversations": [H("<image>Colour?"), G("red")]},
     ]  # fmt: skip
     _jsonl(data / "eval.jsonl", records)
-    message = _error(readers.load_questions, data)
+    message = _error(datasets.load_questions, data)
     line = _line(message, "eval.jsonl:1 (id='two')")
     assert "turns ['user', 'assistant', 'user', 'assistant']: a held-out or RL question is one user turn" in line
     assert "split the conversation into one record per question" in line
     assert "turns ['system', 'user', 'assistant']" in _line(message, "eval.jsonl:2 (id='sys')")
     with bad_records.policy("skip") as ledger:
-        kept = readers.load_questions(data)
+        kept = datasets.load_questions(data)
     assert [r["id"] for r in kept] == ["ok"] and ledger.metrics()["data/skipped_records"] == 2
 
 
@@ -262,7 +262,7 @@ def test_preference_prompts_and_answers_are_checked_like_conversations(data):
          "rejected": "A blue box."},
     ]  # fmt: skip
     _jsonl(data / "preferences.jsonl", pairs)
-    message = _error(readers.load_preferences, data)
+    message = _error(datasets.load_preferences, data)
     assert message.startswith("8 bad preference record(s) in preferences.jsonl")
     line = _line(message, "preferences.jsonl:1 (id='multi')")
     assert "'prompt' messages ['system', 'user', 'assistant', 'user']: a preference prompt is one user message" in line
@@ -274,7 +274,7 @@ def test_preference_prompts_and_answers_are_checked_like_conversations(data):
     assert "'chosen'[0]: a user message; the answer is one message with role=assistant" in message
     assert "'prompt'[0] is str, not a message object" in _line(message, "preferences.jsonl:8")
     with bad_records.policy("skip") as ledger:
-        (kept,) = readers.load_preferences(data)
+        (kept,) = datasets.load_preferences(data)
     assert kept["id"] == "ok" and kept["prompt"] == "Describe" and kept["chosen"] == "A red box."
     assert ledger.metrics()["data/skipped_records"] == 8
 
@@ -287,19 +287,19 @@ def test_a_byte_order_mark_does_not_hide_the_records(data):
     (data / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([record]).encode())
     (data / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps(record).encode() + b"\n")
     for name in ("bom.json", "bom.jsonl"):
-        (kept,) = readers.load_conversations(data, file_name=name)
+        (kept,) = datasets.load_conversations(data, file_name=name)
         assert kept["id"] == "r" and kept["turns"][1]["text"] == "red"
 
 
 def test_task_names_must_be_usable_as_metric_names(data):
     (data / "dataset.yaml").write_text('tasks: {"q&a (v2)": exact_match}\n')
     with pytest.raises(ValueError) as caught:
-        readers.manifest(data)
+        datasets.manifest(data)
     message = str(caught.value)
     assert "dataset.yaml: task name 'q&a (v2)': use letters, digits, '_', '.', '-'" in message
     assert "task/<name>" in message and "e.g. 'q_a__v2_'" in message
     (data / "dataset.yaml").write_text("tasks: {qa.v2: exact_match, chart-value_1: relaxed_accuracy}\n")
-    assert set(readers.manifest(data).tasks) == {"qa.v2", "chart-value_1"}
+    assert set(datasets.manifest(data).tasks) == {"qa.v2", "chart-value_1"}
 
 
 def test_a_system_prompt_that_is_not_text_or_blank_is_refused(data):
@@ -310,7 +310,7 @@ def test_a_system_prompt_that_is_not_text_or_blank_is_refused(data):
         {"id": "unset", "image": "a.png", "system": "", "conversations": [H("<image>hi"), G("yo")]},
     ]  # fmt: skip
     _jsonl(data / "sft.jsonl", records)
-    message = _error(readers.load_conversations, data)
+    message = _error(datasets.load_conversations, data)
     assert message.startswith("2 bad conversation record(s)")
     assert "'system' must be a string (the system prompt), got list" in _line(message, "sft.jsonl:1 (id='list')")
     line = _line(message, "sft.jsonl:2 (id='blank')")
@@ -318,7 +318,7 @@ def test_a_system_prompt_that_is_not_text_or_blank_is_refused(data):
         "conversations[0] (system) is empty; drop the turn to keep the model's default system prompt, or write" in line
     )
     with bad_records.policy("skip") as ledger:
-        (kept,) = readers.load_conversations(data)
+        (kept,) = datasets.load_conversations(data)
     assert [t["role"] for t in kept["turns"]] == ["user", "assistant"]  # an empty top-level 'system': no system turn
     assert ledger.metrics() == {
         "data/skipped_records": 2,
@@ -340,10 +340,10 @@ def test_skip_reasons_tell_a_wrong_type_from_an_empty_value(data):
         {"id": "ok", "image": "a.png", "prompt": "q", "chosen": "a", "rejected": "b"},
     ]
     _jsonl(data / "preferences.jsonl", pairs)
-    message = _error(readers.load_preferences, data)
+    message = _error(datasets.load_preferences, data)
     assert "'chosen' must be a string or one assistant message, got int" in _line(message, "preferences.jsonl:1")
     with bad_records.policy("skip") as ledger:
-        readers.load_preferences(data)
+        datasets.load_preferences(data)
     assert ledger.metrics() == {
         "data/skipped_records": 3,
         "data/skipped/empty": 1,
@@ -368,14 +368,14 @@ def test_answers_no_prediction_could_score_on_are_refused_when_read(data):
         {"id": "yn-bad", "image": "a.png", "task": "present", "question": "A cat?", "answer": "true"},
     ]  # fmt: skip
     _jsonl(data / "eval.jsonl", records)
-    message = _error(readers.load_questions, data)
+    message = _error(datasets.load_questions, data)
     assert message.startswith("2 bad question record(s) in eval.jsonl")
     assert "answer ['DOG'] is not one of the options ['A', 'B']; give the answer as an option letter" in _line(
         message, "eval.jsonl:2 (id='mc-bad')"
     )
     assert "a yes_no task needs yes/no answers, got ['true']" in _line(message, "eval.jsonl:4 (id='yn-bad')")
     with bad_records.policy("skip") as ledger:
-        kept = readers.load_questions(data)
+        kept = datasets.load_questions(data)
     assert [r["id"] for r in kept] == ["mc-ok", "yn-ok"] and ledger.metrics()["data/skipped_records"] == 2
 
 
@@ -391,7 +391,7 @@ def test_turns_out_of_order_and_marker_lookalikes_are_refused(data):
          "conversations": [H("<image>q"), G("a"), H("q2"), G("b")]},
     ]  # fmt: skip
     _jsonl(data / "sft.jsonl", records)
-    message = _error(readers.load_conversations, data)
+    message = _error(datasets.load_conversations, data)
     assert message.startswith("4 bad conversation record(s) in sft.jsonl")
     assert "conversations[2]: the conversation ends on a user turn that nothing answers" in _line(
         message, "sft.jsonl:1 (id='ends-user')"
@@ -402,7 +402,7 @@ def test_turns_out_of_order_and_marker_lookalikes_are_refused(data):
         message, "sft.jsonl:4"
     )
     with bad_records.policy("skip") as ledger:
-        kept = readers.load_conversations(data)
+        kept = datasets.load_conversations(data)
     assert [r["id"] for r in kept] == ["ok"] and ledger.metrics()["data/skipped_records"] == 4
 
 
@@ -419,7 +419,7 @@ def test_boxes_without_area_and_choices_that_collide_are_refused(data):
         {"id": "ok", "image": "a.png", "task": "grounding", "question": "where", "answer": "", "box": [1, 2, 10, 12]},
     ]  # fmt: skip
     _jsonl(data / "eval.jsonl", records)
-    message = _error(readers.load_questions, data)
+    message = _error(datasets.load_questions, data)
     assert message.startswith("3 bad question record(s) in eval.jsonl")
     assert "'box' must be [x1, y1, x2, y2] in image pixels, got [True, 0, False, 1]" in _line(message, "eval.jsonl:1")
     assert "(x2 must exceed x1 and y2 exceed y1: a box with area), got [50, 40, 10, 5]" in _line(
@@ -427,7 +427,7 @@ def test_boxes_without_area_and_choices_that_collide_are_refused(data):
     )
     assert "choices ['a', 'A'] name an option twice once upper-cased" in _line(message, "eval.jsonl:3")
     with bad_records.policy("skip"):
-        assert [r["box"] for r in readers.load_questions(data)] == [[1.0, 2.0, 10.0, 12.0]]
+        assert [r["box"] for r in datasets.load_questions(data)] == [[1.0, 2.0, 10.0, 12.0]]
 
 
 def test_rl_prompts_take_a_conversations_first_exchange_counted_and_said(data, capsys):
@@ -444,7 +444,7 @@ def test_rl_prompts_take_a_conversations_first_exchange_counted_and_said(data, c
         {"id": "one", "image": "a.png", "task": "exact_match", "conversations": [H("<image>Colour?"), G("red")]},
     ]  # fmt: skip
     _jsonl(data / "sft.jsonl", records)
-    prompts = {r["id"]: r for r in readers.conversation_questions(data, None)}
+    prompts = {r["id"]: r for r in datasets.conversation_questions(data, None)}
     assert [(p["question"], p["answers"]) for p in prompts.values()] == [
         ("What colour?", ["red"]),
         ("Colour?", ["red"]),

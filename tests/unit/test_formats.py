@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from components._shared.eval import readers
+from components._shared.data import datasets
 from tests import real_photos as P
 
 
@@ -26,15 +26,15 @@ def _manifest(root, text):
 def test_awkward_encodings_decode_to_the_upright_rgb_photo(photos):
     root, paths = photos
     for name, path in paths.items():
-        image = readers.load_image(root, path)
+        image = datasets.load_image(root, path)
         assert image.mode == "RGB" and image.size == P.PHOTOS[name][0], name
         reference = np.asarray(P.photo(name), dtype=np.float32)
         difference = np.abs(np.asarray(image, dtype=np.float32) - reference).mean()
         assert difference < 12, (name, difference)  # lossy JPEG / WebP / 64-colour palette, but the same picture
     rotated_wrongly = np.asarray(P.photo("astronaut").transpose(0), dtype=np.float32)  # what ignoring EXIF gives
-    upright = np.asarray(readers.load_image(root, paths["astronaut"]), dtype=np.float32)
+    upright = np.asarray(datasets.load_image(root, paths["astronaut"]), dtype=np.float32)
     assert np.abs(upright - rotated_wrongly).mean() > 30
-    gray = readers.load_image(root, "images/camera_gray.jpg")
+    gray = datasets.load_image(root, "images/camera_gray.jpg")
     assert gray.mode == "RGB" and np.ptp(np.asarray(gray), axis=2).max() <= 1  # grayscale copied to 3 channels
 
 
@@ -42,10 +42,10 @@ def test_llava_array_pretty_printed_and_jsonl_read_the_same(photos, tmp_path):
     root, paths = photos
     by_format = {}
     for name in ("llava.json", "llava.jsonl"):
-        records = readers.load_conversations(root, file_name=name)
+        records = datasets.load_conversations(root, file_name=name)
         by_format[name] = [{k: r[k] for k in ("id", "images", "turns", "type")} for r in records]
     assert by_format["llava.json"] == by_format["llava.jsonl"]
-    records = readers.load_conversations(root, file_name="llava.json")
+    records = datasets.load_conversations(root, file_name="llava.json")
     assert len(records) == 6 and records[0]["type"] == "photo_caption"
     assert records[0]["source"] == "llava.json:2 [0]"  # the line the record starts on, its index in the array
     pair = records[-1]
@@ -53,12 +53,12 @@ def test_llava_array_pretty_printed_and_jsonl_read_the_same(photos, tmp_path):
     shutil.copytree(root / "images", tmp_path / "images")
     one_line = tmp_path / "one_line.json"  # LLaVA's release files are one line: no AttributeError, no "not JSON"
     one_line.write_text(json.dumps(P.llava_records(paths)))
-    assert len(readers.load_conversations(tmp_path, file_name="one_line.json")) == 6
+    assert len(datasets.load_conversations(tmp_path, file_name="one_line.json")) == 6
 
 
 def test_sharegpt_system_turns_are_kept_first(photos):
     root, _ = photos
-    records = readers.load_conversations(root, file_name="sharegpt.jsonl")
+    records = datasets.load_conversations(root, file_name="sharegpt.jsonl")
     assert [r["turns"][0]["role"] for r in records] == ["system"] * 5
     assert records[1]["turns"][0]["text"] == "You describe photos in one sentence."  # the top-level field
     assert [t["role"] for t in records[0]["turns"]] == ["system", "user", "assistant"]
@@ -66,7 +66,7 @@ def test_sharegpt_system_turns_are_kept_first(photos):
 
 def test_messages_with_content_parts_and_carried_images(photos):
     root, paths = photos
-    records = readers.load_conversations(root, file_name="messages.jsonl")
+    records = datasets.load_conversations(root, file_name="messages.jsonl")
     assert records[0]["turns"][0] == {"role": "user", "text": "<image>\nIs there a flag in the image?"}
     assert records[0]["id"] == "messages:0"  # no id in the file: the file and index name it
     last = records[-1]
@@ -77,7 +77,7 @@ def test_messages_with_content_parts_and_carried_images(photos):
 
 def test_parquet_images_are_read_lazily_across_row_groups(photos):
     root, _ = photos
-    records = readers.load_conversations(root, file_name="photos.parquet")
+    records = datasets.load_conversations(root, file_name="photos.parquet")
     assert [r["source"] for r in records[:3]] == [
         "photos.parquet row 0",
         "photos.parquet row 1",
@@ -85,8 +85,8 @@ def test_parquet_images_are_read_lazily_across_row_groups(photos):
     ]
     for record, name in zip(records, P.NAMES, strict=True):
         (ref,) = record["images"]
-        assert isinstance(ref, readers.F.ParquetImage)
-        image = readers.load_image(root, ref)
+        assert isinstance(ref, datasets.F.ParquetImage)
+        image = datasets.load_image(root, ref)
         assert np.array_equal(np.asarray(image), np.asarray(P.photo(name)))  # lossless PNG bytes, row by row
 
 
@@ -95,27 +95,27 @@ def test_a_pair_differing_in_whitespace_and_an_empty_answer_are_refused(tmp_path
     pair = {"id": "p", "image": "c.png", "prompt": "Describe it.", "chosen": "A cup.", "rejected": "A  cup. "}
     (tmp_path / "preferences.jsonl").write_text(json.dumps(pair) + "\n")
     with pytest.raises(ValueError, match=r"preferences.jsonl:1 \(id='p'\): chosen and rejected are the same text"):
-        readers.load_preferences(tmp_path)
+        datasets.load_preferences(tmp_path)
     question = {"id": "q", "image": "c.png", "question": "What is it?", "answer": " ", "task": "exact_match"}
     (tmp_path / "eval.jsonl").write_text(json.dumps(question) + "\n")
     with pytest.raises(ValueError, match=r"eval.jsonl:1 \(id='q'\): the answer is empty"):
-        readers.load_eval_records(tmp_path)
+        datasets.load_eval_records(tmp_path)
 
 
 def test_preferences_in_trl_layout_with_a_data_uri(photos):
     root, paths = photos
-    pairs = readers.load_preferences(root)
+    pairs = datasets.load_preferences(root)
     assert len(pairs) == 21 and pairs[0]["image"] == paths["astronaut"] and pairs[0]["prompt"] == "Describe it."
     assert pairs[0]["chosen"].startswith("An astronaut") and pairs[0]["rejected"].startswith("A cup")
     inline = pairs[-1]
-    assert isinstance(inline["image"], bytes) and readers.load_image(root, inline["image"]).size == (451, 300)
+    assert isinstance(inline["image"], bytes) and datasets.load_image(root, inline["image"]).size == (451, 300)
 
 
 def test_eval_questions_carry_task_benchmark_choices_and_boxes(photos):
     root, _ = photos
     _manifest(root, "eval: [photo_eval.jsonl]\n")
     try:
-        records = readers.load_eval_records(root)
+        records = datasets.load_eval_records(root)
     finally:
         (root / "dataset.yaml").unlink()
     by_id = {r["id"]: r for r in records}
@@ -140,7 +140,7 @@ def test_dataset_yaml_names_files_tasks_and_image_folders(photos, tmp_path):
         tmp_path,
         "tasks: {widget_count: exact_match}\neval:\n  - {path: widgets.jsonl, task: widget_count, images: pics}\n",
     )
-    records = readers.load_eval_records(tmp_path)
+    records = datasets.load_eval_records(tmp_path)
     assert [r["image"] for r in records] == ["pics/astronaut.jpg", "pics/chelsea.webp"]
     assert {r["type"] for r in records} == {"widget_count"} and records[0]["benchmark"] == "widgets"
     _manifest(tmp_path, "eval:\n  - {path: widgets.jsonl, task: widget_count}\n")
@@ -149,13 +149,13 @@ def test_dataset_yaml_names_files_tasks_and_image_folders(photos, tmp_path):
         match=r"(?s)2 bad question record\(s\) in widgets.jsonl.*widgets.jsonl:1 \(id='w0'\).*"
         r"unknown task 'widget_count'",
     ):
-        readers.load_eval_records(tmp_path)
+        datasets.load_eval_records(tmp_path)
     _manifest(tmp_path, "eval: [{path: widgets.jsonl, fromat: llava}]\n")
     with pytest.raises(ValueError, match="dataset.yaml.*fromat"):
-        readers.load_eval_records(tmp_path)
+        datasets.load_eval_records(tmp_path)
     _manifest(tmp_path, "tasks: {color: anls}\n")
     with pytest.raises(ValueError, match="'color' is a builtin task"):
-        readers.manifest(tmp_path)
+        datasets.manifest(tmp_path)
 
 
 HUMAN, GPT = {"from": "human", "value": "<image> hi"}, {"from": "gpt", "value": "yo"}
@@ -197,7 +197,7 @@ def test_every_bad_record_is_reported_with_its_line(tmp_path):
     (tmp_path / "notes.png").write_text("not a picture")
     (tmp_path / "sft.jsonl").write_text("\n".join(line for line, _ in BAD_LINES) + "\n")
     with pytest.raises(ValueError) as caught:
-        readers.load_conversations(tmp_path)
+        datasets.load_conversations(tmp_path)
     message = str(caught.value)
     assert message.startswith(f"{len(BAD_LINES) - 1} bad conversation record(s) in sft.jsonl")
     for n, (_, reason) in enumerate(BAD_LINES, 1):
@@ -205,13 +205,13 @@ def test_every_bad_record_is_reported_with_its_line(tmp_path):
             assert any(f"sft.jsonl:{n} " in line and re.search(reason, line) for line in message.splitlines()), reason
     (tmp_path / "sft.jsonl").write_text('{"id": 1}\n{"id": 2\n')
     with pytest.raises(ValueError, match=r"sft.jsonl:2: not valid JSON"):
-        readers.load_conversations(tmp_path)
+        datasets.load_conversations(tmp_path)
     (tmp_path / "broken.json").write_text('[\n  {"id": "a", "conversations": []},\n  {"id": "b",, }\n]')
     with pytest.raises(ValueError, match=r"broken.json:3: not valid JSON .* in record 1"):
-        readers.load_conversations(tmp_path, file_name="broken.json")
+        datasets.load_conversations(tmp_path, file_name="broken.json")
     (tmp_path / "arr.jsonl").write_text('[{"id": "a"}]\n')
     with pytest.raises(ValueError, match="name the file .json"):
-        readers.load_conversations(tmp_path, file_name="arr.jsonl")
+        datasets.load_conversations(tmp_path, file_name="arr.jsonl")
 
 
 def test_parquet_questions_with_a_raw_bytes_image_column(tmp_path):
@@ -224,7 +224,7 @@ def test_parquet_questions_with_a_raw_bytes_image_column(tmp_path):
     ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "vqa.parquet", row_group_size=1)
     _manifest(tmp_path, "eval: [{path: vqa.parquet, task: exact_match}]\n")
-    records = readers.load_eval_records(tmp_path)
+    records = datasets.load_eval_records(tmp_path)
     assert [r["id"] for r in records] == ["7", "8"] and records[1]["benchmark"] == "vqa"
     assert [r["pil"].size for r in records] == [(600, 400), (640, 427)]
     assert records[1]["source"] == "vqa.parquet row 1"

@@ -14,7 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from components._shared.model.packing import ConversationEncoder, pack
+from components._shared.model.encoder import ConversationEncoder
+from components._shared.model.packing import pack
 from components._shared.model.vlm import load_vlm
 from components.rl import rollout as rollout_module
 from components.rl.rollout import RolloutEngine, split_by_sample, token_outputs

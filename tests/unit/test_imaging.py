@@ -7,7 +7,7 @@ import zlib
 import pytest
 from PIL import Image
 
-from components._shared.platform.imaging import ImageRejected, decode_image, sniff_format, visual_tokens
+from components._shared.platform.image_decode import ImageRejected, decode_image, sniff_format, visual_tokens
 
 LIMIT = 4_000_000
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from components._shared.eval.metrics import (
+from components._shared.data.metrics import (
     anls,
     box_iou,
     cider_d,

@@ -6,9 +6,8 @@ import torch
 from PIL import Image
 
 from components._shared.model.attention import PACKED_SDPA, segment_lengths
+from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder
 from components._shared.model.packing import (
-    IGNORE_INDEX,
-    ConversationEncoder,
     batch_tokens,
     forward_logits,
     pack,
@@ -16,7 +15,7 @@ from components._shared.model.packing import (
     per_sample_loss,
     plan_micro_batches,
 )
-from components._shared.model.pixels import model_pixels
+from components._shared.model.pixel_norm import model_pixels
 from components._shared.model.vlm import load_vlm
 
 SIZES = [(112, 112), (56, 168), (224, 112), (84, 84), (140, 70), (168, 56)]

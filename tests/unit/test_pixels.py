@@ -13,8 +13,9 @@ import skimage.data
 import torch
 from PIL import Image
 
-from components._shared.model.packing import ConversationEncoder, forward_logits, generation_vision_inputs, pack
-from components._shared.model.pixels import PixelNorm, model_pixels
+from components._shared.model.encoder import ConversationEncoder
+from components._shared.model.packing import forward_logits, generation_vision_inputs, pack
+from components._shared.model.pixel_norm import PixelNorm, model_pixels
 from components._shared.model.vlm import load_vlm
 
 PIXELS = {"min_pixels": 64 * 64, "max_pixels": 320 * 320}

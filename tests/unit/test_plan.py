@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.plan import gpu_memory_gb, plan, refusals, table
 from pipelines.presets import preset_path
+from pipelines.qvl.memory_plan import gpu_memory_gb, plan, refusals, table
 
 
 def _extending_prod_7b(tmp_path, text: str) -> str:

@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from components._shared.model.packing import ConversationEncoder, forward_logits, pack, per_sample_loss
+from components._shared.model.encoder import ConversationEncoder
+from components._shared.model.packing import forward_logits, pack, per_sample_loss
 from components._shared.model.vlm import load_vlm
 from components._shared.platform.tracking import NullTracker
 from components.extract_features.config import ExtractFeaturesConfig

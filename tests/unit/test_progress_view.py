@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from components._shared.platform import progress
-from pipelines.local_run import _task_logs
-from pipelines.progress_view import ProgressView, merged_progress, stage_of
+from pipelines.qvl.local_run import _task_logs
+from pipelines.qvl.progress_view import ProgressView, merged_progress, stage_of
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from components._shared.platform.cpu_numerics import PINS, cpu_vendor
-from pipelines import published
-from pipelines.run_report import key_metric_rows
+from pipelines.qvl import published
+from pipelines.qvl.run_report import key_metric_rows
 
 
 def _summary() -> dict:
@@ -37,7 +37,7 @@ def test_readme_shows_the_results_generated_from_the_published_json():
     assert published.BEGIN in text and published.END in text, "README.md lost its demo-results markers"
     assert published.readme_text(text) == text, (
         "README's results differ from docs/demo_published*.json: regenerate them with "
-        "`python -m pipelines.published RUN_DIR` from the run you mean to publish"
+        "`python -m pipelines.qvl.published RUN_DIR` from the run you mean to publish"
     )
     for vendor, path in published.PUBLISHED_BY_VENDOR.items():
         data = json.loads(path.read_text())

@@ -1,4 +1,4 @@
-"""Real checkpoints without weights (pipelines/real_checkpoints.py): the hub configs load, depth cuts keep the
+"""Real checkpoints without weights (pipelines/qvl/real_checkpoints.py): the hub configs load, depth cuts keep the
 structure (full-attention and DeepStack indexes mapped, Qwen3.5's layer pattern), the registry vocabularies sit at
 the real token ids, and the processor is the family's."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.real_checkpoints import checkpoint_names, hub_config, qwen2_tokenizer, reduced_config
+from pipelines.qvl.real_checkpoints import checkpoint_names, hub_config, qwen2_tokenizer, reduced_config
 
 
 def test_every_named_checkpoint_loads_and_cuts_to_a_structure_of_its_family():
@@ -33,7 +33,7 @@ def test_the_qwen2_vocabulary_has_the_real_ids():
 
 @pytest.mark.slow
 def test_the_qwen3_5_vocabulary_is_qwen_tokenizers_qwen3_6_ranks_at_the_real_ids():
-    from pipelines.real_checkpoints import qwen3_5_tokenizer
+    from pipelines.qvl.real_checkpoints import qwen3_5_tokenizer
 
     tokenizer = qwen3_5_tokenizer()
     config = hub_config("qwen3.5-0.8b")

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from components._shared.eval import readers
-from components._shared.model.packing import IGNORE_INDEX, ConversationEncoder
+from components._shared.data import datasets
+from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder
 from components._shared.model.vlm import load_vlm, set_pixel_bounds
 from components._shared.platform.tracking import NullTracker
 from tests import real_photos as P
@@ -34,10 +34,10 @@ def test_every_record_shape_encodes_with_exactly_its_answers_trained(photo_dir):
     model, processor = load_vlm(BASE)
     set_pixel_bounds(processor, 3136, 12544)
     encoder = ConversationEncoder(processor, model, min_pixels=3136, max_pixels=12544)
-    records = readers.load_conversations(photo_dir)
+    records = datasets.load_conversations(photo_dir)
     assert {r["file"] for r in records} == set(SFT_FILES) and len(records) == 6 + 5 + 6 + 5
     for r in records:
-        images = [readers.load_image(photo_dir, ref) for ref in r["images"]]
+        images = [datasets.load_image(photo_dir, ref) for ref in r["images"]]
         sample = encoder.encode(r["turns"], images=images, sample_id=r["id"])
         assert sample.image_grid_thw.shape[0] == len(r["images"]) >= 1, r["id"]
         trained = encoder.tokenizer.decode(sample.input_ids[sample.labels != IGNORE_INDEX])

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from components._shared.model.packing import ConversationEncoder, pack
+from components._shared.model.encoder import ConversationEncoder
+from components._shared.model.packing import pack
 from components._shared.model.reward_models import RewardModel, load_reward_model, reward_index
 from components._shared.model.vlm import load_vlm
 from components._shared.platform.tracking import NullTracker
@@ -63,9 +64,9 @@ def test_training_separates_pairs_and_reports_every_kind(data_dir, tmp_path, bac
 
 
 def _unit(encoder, data_dir, record, k=150, rejected=None):
-    from components._shared.eval import readers
+    from components._shared.data import datasets
 
-    image = readers.load_image(data_dir, record["image"])
+    image = datasets.load_image(data_dir, record["image"])
     out = []
     for text in (record["chosen"], rejected or record["rejected"]):
         s = encoder.encode(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from components._shared.eval import readers
+from components._shared.data import datasets
 from components.rl.rewards import (
     EfficacyCache,
     OcrConsistencyReward,
@@ -78,7 +78,7 @@ def world(tmp_path_factory):
 
 
 def test_ocr_consistency_checks_claimed_text_against_what_the_ocr_model_reads(world):
-    records = [r for r in readers.load_eval_records(world) if r["type"] in ("ocr", "color")]
+    records = [r for r in datasets.load_eval_records(world) if r["type"] in ("ocr", "color")]
     ocr = [r for r in records if r["type"] == "ocr"]
     color = [r for r in records if r["type"] == "color"]
     reward = OcrConsistencyReward()

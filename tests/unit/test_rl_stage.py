@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from components._shared.eval import readers
+from components._shared.data import datasets
 from components._shared.platform.tracking import NullTracker
 from components.reward_model.config import RewardModelConfig
 from components.reward_model.stage import run as train_reward_model
@@ -203,7 +203,7 @@ def test_a_tripped_gate_fails_the_stage_with_a_message_naming_it(data_dir, sft_m
 
 def test_a_policy_that_appends_the_bait_suffix_is_caught_by_the_reward_model(data_dir, reward_model):
     scorer = RewardModelReward(reward_model, min_pixels=3136, max_pixels=3136, device=torch.device("cpu"))
-    records = [r for r in readers.load_eval_records(data_dir) if r["type"] in ("color", "shape", "count", "ocr")]
+    records = [r for r in datasets.load_eval_records(data_dir) if r["type"] in ("color", "shape", "count", "ocr")]
     honest = scorer([""] * len(records), [r["answer"] for r in records], records=records)
     baited = scorer([""] * len(records), [r["answer"] + BAIT for r in records], records=records)
     caught = sum(b < h for b, h in zip(baited, honest, strict=True))

@@ -1,4 +1,4 @@
-"""report.html of a local run (pipelines/run_report.py): sections, key metrics vs baseline, thumbnails of rejected
+"""report.html of a local run (pipelines/qvl/run_report.py): sections, key metrics vs baseline, thumbnails of rejected
 records, escaping, no external URL, and the page rendered in real headless Chromium."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from pipelines.rejected_samples import thumbnail
-from pipelines.run_report import STAGE_ORDER, key_metric_rows, render_markdown, write_run_report
+from pipelines.qvl.rejected_samples import thumbnail
+from pipelines.qvl.run_report import STAGE_ORDER, key_metric_rows, render_markdown, write_run_report
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 HOSTILE = "<script>alert('pwned')</script>"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from pipelines.cli import app
+from pipelines.qvl.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -66,7 +66,7 @@ def test_runs_without_any_run_or_a_wrong_compare_path_say_what_to_pass(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for args in (["runs", str(tmp_path)], ["runs", "--compare", str(tmp_path), str(tmp_path)]):
         done = subprocess.run(
-            [sys.executable, "-m", "pipelines.cli", *args],
+            [sys.executable, "-m", "pipelines.qvl.app", *args],
             cwd=ROOT,
             env=env,
             capture_output=True,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from components._shared.eval import scorers as S
+from components._shared.data import scorers as S
 
 
 def rec(answer=None, **fields):

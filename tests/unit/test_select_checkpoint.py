@@ -75,7 +75,7 @@ def test_config_rejects_unknown_metrics():
 
 
 def test_the_config_knows_the_synthetic_tasks():
-    from components._shared.eval.tasks import SYNTHETIC_TASKS
+    from components._shared.data.tasks import SYNTHETIC_TASKS
     from components.select_checkpoint.config import QUESTION_TYPES
 
     assert QUESTION_TYPES == SYNTHETIC_TASKS  # the config imports pydantic only, so it keeps its own copy

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from components._shared.model.packing import IGNORE_INDEX, Sample
+from components._shared.model.encoder import IGNORE_INDEX, Sample
 from components._shared.model.step_inputs import prepare_step, step_inputs
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from components._shared.data import lake as lake_listing
 from components._shared.platform import s3_client, storage
 from components._shared.platform.storage import COMMIT_MARKER, IntegrityError
 
@@ -110,15 +111,15 @@ def test_lake_listing_goes_into_subfolders_takes_compressed_tars_and_returns_oth
     others = ("00000.parquet", "00000_stats.json", "part2/00000.parquet", "part2/readme.md")  # img2dataset metadata
     for name in names + others:
         storage.write_bytes(storage.join(lake, name), b"x")
-    shards = storage.list_lake_shards(lake)
+    shards = lake_listing.list_lake_shards(lake)
     assert shards == [storage.join(lake, n) for n in sorted(names)]  # sorted, every folder, .tar.gz and .tgz too
-    assert storage.list_lake_files(lake) == (shards, [storage.join(lake, n) for n in others])
+    assert lake_listing.list_lake_files(lake) == (shards, [storage.join(lake, n) for n in others])
     for name in ("00000_stats.json", "part2/readme.md"):
         storage.write_bytes(storage.join(base, "no-shards", name), b"x")
     with pytest.raises(
         ValueError, match=r"No \*\.tar, .* or \*\.parquet shards .*it holds 2 other file\(s\), e\.g\. .*00000_stats"
     ):
-        storage.list_lake_shards(storage.join(base, "no-shards"))
+        lake_listing.list_lake_shards(storage.join(base, "no-shards"))
 
 
 def test_multipart_upload_really_splits_and_round_trips(s3_env, tmp_path):

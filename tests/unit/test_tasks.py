@@ -2,8 +2,8 @@
 
 import pytest
 
-from components._shared.eval.metrics import cider_d, majority_answer
-from components._shared.eval.tasks import (
+from components._shared.data.metrics import cider_d, majority_answer
+from components._shared.data.tasks import (
     BUILTIN_TASKS,
     SCORERS,
     SYNTHETIC_TASKS,

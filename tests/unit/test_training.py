@@ -147,7 +147,8 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     import numpy as np
     from PIL import Image
 
-    from components._shared.model.packing import ConversationEncoder, forward_logits, pack, token_loss
+    from components._shared.model.encoder import ConversationEncoder
+    from components._shared.model.packing import forward_logits, pack, token_loss
     from components._shared.model.vlm import load_vlm
 
     grads = []

@@ -84,7 +84,8 @@ def test_student_is_smaller_same_family_and_round_trips_through_auto_classes(fam
     import numpy as np
     from PIL import Image
 
-    from components._shared.model.packing import ConversationEncoder, forward_logits, pack
+    from components._shared.model.encoder import ConversationEncoder
+    from components._shared.model.packing import forward_logits, pack
 
     encoder = ConversationEncoder(processor, student, min_pixels=3136, max_pixels=12544)
     image = Image.fromarray(np.zeros((56, 84, 3), dtype=np.uint8))

@@ -1,1 +1,2 @@
-"""Data readers, the held-out evaluation suite, metrics and task scorers. Imports `model` and `platform`."""
+"""What runs a model on data: the held-out evaluation suite (batched generation, answer confidences, held-out
+loss, calibration). Imports `data`, `model` and `platform`."""

@@ -1,6 +1,6 @@
-"""The held-out eval suite every model stage reports: scores per task and benchmark (eval/tasks.py), held-out loss, ECE.
+"""The held-out eval suite every model stage reports: scores per task and benchmark (data/tasks.py), held-out loss, ECE.
 
-Records come from eval/readers.py (`load_eval_records`). Generation is greedy, batched with left padding and
+Records come from data/datasets.py (`load_eval_records`). Generation is greedy, batched with left padding and
 the KV cache.
 """
 
@@ -10,14 +10,12 @@ import math
 
 import torch
 
-from components._shared.eval import tasks as T
-from components._shared.eval.readers import prompt_turns
+from components._shared.data import tasks as T
+from components._shared.data.datasets import prompt_turns
+from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder, Sample
 from components._shared.model.generation import own_generation_config
 from components._shared.model.head_loss import per_sample_sequence_loss
 from components._shared.model.packing import (
-    IGNORE_INDEX,
-    ConversationEncoder,
-    Sample,
     forward_logits,
     generation_vision_inputs,
     pack,
@@ -200,7 +198,7 @@ def fit_temperature(pairs, correct: list[float], grid: tuple[float, ...] | None 
 def score_rows(encoder: ConversationEncoder, records: list[dict], answers: list[str]) -> list[dict]:
     """Per-record rows {"id", "type", "question", "answer", "prediction", "score"} (+ "answers" for several
     references, "benchmark", "scorer", "choices", a pixel "box" with its frame), each scored by its record's task
-    (eval/tasks.py)."""
+    (data/tasks.py)."""
     rows = []
     for r, a in zip(records, answers, strict=True):
         scored = {**r, **encoder.box_frame(r)}

@@ -14,10 +14,16 @@ from pathlib import Path
 from typing import Any
 
 RESULT_FILE = "_stage_result.json"
+MODEL_DIR = "model"  # a model stage's HF checkpoint inside its output artifact
+
+
+def model_dir(artifact: str | Path) -> str:
+    """The HF checkpoint directory inside a model stage's output artifact: `<artifact>/model`."""
+    return f"{str(artifact).rstrip('/')}/{MODEL_DIR}"
 
 
 SUMMARY_DIR_ENV = "QVL_RUN_SUMMARY_DIR"
-SUMMARY_FILE = "run_summary.json"  # the local runner's collection of them (pipelines/local_run.py)
+SUMMARY_FILE = "run_summary.json"  # the local runner's collection of them (pipelines/qvl/local_run.py)
 
 
 def flatten_metrics(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:

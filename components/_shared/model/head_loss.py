@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from components._shared.model.encoder import IGNORE_INDEX
 from components._shared.model.families import VisualTokens
-from components._shared.model.packing import IGNORE_INDEX, forward_hidden
+from components._shared.model.packing import forward_hidden
 
 RowLoss = Callable[[torch.Tensor, slice], torch.Tensor]
 RowMap = Callable[[torch.Tensor, slice], tuple[torch.Tensor, ...]]

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from components._shared.model.packing import IGNORE_INDEX, Sample, forward_hidden
+from components._shared.model.encoder import IGNORE_INDEX, Sample
+from components._shared.model.packing import forward_hidden
 from components._shared.model.vlm import load_vlm, qwen_model, save_vlm
 
 HEAD_FILE = "reward_head.safetensors"
@@ -103,7 +104,7 @@ class RewardModelScorer:
     def __init__(
         self, uri: str, *, min_pixels: int, max_pixels: int, device: torch.device, max_tokens: int = 4096
     ) -> None:
-        from components._shared.model.packing import ConversationEncoder
+        from components._shared.model.encoder import ConversationEncoder
 
         self.model, processor, self.meta = load_reward_model(
             uri, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -23,7 +23,8 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from components._shared.model.packing import Sample, pack, plan_micro_batches
+from components._shared.model.encoder import Sample
+from components._shared.model.packing import pack, plan_micro_batches
 
 
 class Pinnable(Protocol):

@@ -35,9 +35,10 @@ import torch
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.backends import Backend, TorchBackend
 from components._shared.model.device import resolve_device
+from components._shared.model.encoder import Sample
 from components._shared.model.head_loss import sequence_loss
 from components._shared.model.manifest import check_frozen, frozen_fingerprints, parameter_manifest
-from components._shared.model.packing import Sample, batch_tokens, to_device
+from components._shared.model.packing import batch_tokens, to_device
 from components._shared.model.step_inputs import PreparedStep, prepare_step, step_inputs
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig, lr_factor
 from components._shared.platform import progress

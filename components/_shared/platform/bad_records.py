@@ -1,7 +1,7 @@
 """What a bad record in a stage's data files does: `on_bad_record: fail` (default) or `skip`.
 
     with bad_records.policy(cfg.on_bad_record) as ledger:   # runner.execute, around the stage
-        ...eval/readers.py reads files: under `fail` it raises with every bad record listed; under `skip` it
+        ...data/datasets.py reads files: under `fail` it raises with every bad record listed; under `skip` it
            drops them and calls ledger.skip(...)...
     metrics.update(ledger.metrics())    # data/skipped_records, data/skipped/<reason>
 

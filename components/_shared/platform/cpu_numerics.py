@@ -8,7 +8,7 @@ AVX2, which every x86-64 server of the last decade has, each library runs the sa
 through `ATEN_CPU_CAPABILITY`, MKL through its Conditional Numerical Reproducibility mode (`MKL_CBWR`), oneDNN
 through `ONEDNN_MAX_CPU_ISA`. MKL honours `MKL_CBWR=AVX2` on Intel CPUs only; on AMD it takes its automatic branch
 (measured: the same weights with the pin as without), so AMD hosts agree with each other, not with Intel, and the
-demo publishes numbers per vendor (pipelines/published.py). Measured on a 60-step SFT (`docs/benchmarks.md`): each
+demo publishes numbers per vendor (pipelines/qvl/published.py). Measured on a 60-step SFT (`docs/benchmarks.md`): each
 library alone changes the weights' bytes, the three pins make an AVX-512 host and the same host with MKL restricted
 to AVX2 agree bit for bit, at ~5% of the step time. `qvl run --local` sets them for its tasks; a value the user
 already set wins, and QVL_CPU_NUMERICS=native turns the pins off (fastest kernels, numbers that depend on the

@@ -1,4 +1,4 @@
-"""Live progress of a running stage, for `qvl run --local`'s progress view (pipelines/progress_view.py).
+"""Live progress of a running stage, for `qvl run --local`'s progress view (pipelines/qvl/progress_view.py).
 
 A stage calls `update("train", step, total, "steps")` as it goes (TrainLoop per step, clean_data per record,
 evaluation per question ...). When QVL_PROGRESS_DIR is set (the local runner sets it; it is run-scoped, so it

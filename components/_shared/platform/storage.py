@@ -465,32 +465,3 @@ def list_committed(prefix_uri: str | Path) -> list[str]:
         ):
             children += [f"s3://{bucket}/{p['Prefix'].rstrip('/')}" for p in page.get("CommonPrefixes", [])]
     return sorted(child for child in children if is_committed(child))
-
-
-LAKE_SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".parquet")
-
-
-def list_lake_files(lake_uri: str) -> tuple[list[str], list[str]]:
-    """(shards, other files) of a lake: a directory or s3:// prefix (subfolders included) or one file; each sorted.
-    A `NNNNN.parquet` beside a `NNNNN.tar` is img2dataset's metadata for that tar, not a shard."""
-    if not is_s3(lake_uri) and not _local(lake_uri).exists():
-        raise ValueError(f"lake_uri={lake_uri!r} does not exist; pass img2dataset's output folder or an s3:// prefix.")
-    files = list_files(lake_uri)
-    tars = {uri.removesuffix(suffix) for uri in files for suffix in (".tar", ".tar.gz", ".tgz") if uri.endswith(suffix)}
-    # img2dataset's WebDataset output puts a metadata NNNNN.parquet (no images) beside each NNNNN.tar: not a shard
-    metadata = {uri for uri in files if uri.endswith(".parquet") and uri.removesuffix(".parquet") in tars}
-    shards = [uri for uri in files if uri.endswith(LAKE_SHARD_SUFFIXES) and uri not in metadata]
-    return shards, [uri for uri in files if uri not in shards]
-
-
-def list_lake_shards(lake_uri: str) -> list[str]:
-    """A lake's shards (`*.tar`, `*.tar.gz`, `*.tgz`, `*.parquet`, subfolders too), sorted; ValueError naming the URI
-    and the fix when it does not exist or holds none (`list_lake_files` also returns the other files)."""
-    uris, others = list_lake_files(lake_uri)
-    if not uris:
-        found = f" (it holds {len(others)} other file(s), e.g. {others[0]})" if others else ""
-        raise ValueError(
-            f"No *.tar, *.tar.gz, *.tgz or *.parquet shards under lake_uri={lake_uri!r}{found}; point it at an "
-            "img2dataset WebDataset/Parquet output folder or s3:// prefix (`qvl lake synth --out DIR` writes DIR/lake)."
-        )
-    return uris

@@ -8,12 +8,15 @@ checkpoints follow. The defaults are Qwen2.5-VL's; each family module overrides 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
 
 Grounding = Literal["absolute", "relative_1000"]
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's normalisation, Qwen2-VL's and Qwen2.5-VL's
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclass
@@ -60,6 +63,14 @@ class Family:
     vision_mlp_is_ratio: ClassVar[bool] = False  # the ViT MLP width is a multiple of its width (Qwen2-VL)
     explicit_head_dim: ClassVar[bool] = False  # attention width = heads x config.head_dim, apart from hidden (Qwen3)
     prunable: ClassVar[bool] = True  # distill's structured pruning knows this layout (distill/prune.py)
+    # The checkpoints' processor (transformers class names) and their image normalisation
+    processor_class: ClassVar[str] = "Qwen2_5_VLProcessor"
+    video_processor_class: ClassVar[str] = "Qwen2VLVideoProcessor"
+    image_mean: ClassVar[tuple[float, ...]] = CLIP_MEAN
+    image_std: ClassVar[tuple[float, ...]] = CLIP_STD
+    vocabulary: ClassVar[str] = "qwen2"  # the BPE its checkpoints use (the Qwen2 151k one; Qwen3.5: its 248k one)
+    extra_tokens: ClassVar[tuple[str, ...]] = ()  # ordinary added tokens of the real vocabulary beyond Qwen2-VL's
+    needs_sample_lengths: ClassVar[bool] = False  # packed rows must hand the LM each sample's length (Qwen3.5)
 
     # ---------------------------------------------------------------- config fields
 
@@ -147,6 +158,37 @@ class Family:
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         return BaseModelOutputWithPooling(pooler_output=(tokens.embeds,))
+
+    def build_processor(self, tokenizer, *, min_pixels: int, max_pixels: int, chat_template: str):
+        """This family's processor over `tokenizer` (patch, merge 2, normalisation, processor classes), resizing
+        images within [min_pixels, max_pixels]."""
+        import transformers
+
+        unit = (self.patch_size * 2) ** 2
+        if min_pixels < unit or max_pixels < min_pixels:
+            raise ValueError(
+                f"min_pixels={min_pixels}, max_pixels={max_pixels}: need {unit} <= min_pixels <= max_pixels "
+                f"(one merged {self.patch_size * 2}x{self.patch_size * 2} patch at least)."
+            )
+        common = {
+            "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+            "patch_size": self.patch_size,
+            "merge_size": 2,
+            "temporal_patch_size": 2,
+            "image_mean": list(self.image_mean),
+            "image_std": list(self.image_std),
+        }
+        return getattr(transformers, self.processor_class)(
+            image_processor=transformers.Qwen2VLImageProcessor(**common),
+            tokenizer=tokenizer,
+            video_processor=getattr(transformers, self.video_processor_class)(**common),
+            chat_template=chat_template,
+        )
+
+    def packed_samples(self, lengths: list[int] | None):
+        """The context a packed row's forward runs in: the LM treats the row as samples of these lengths (only
+        families with `needs_sample_lengths`; attention already splits at the position restarts)."""
+        return contextlib.nullcontext()
 
     def prepare_packing(self, qwen) -> None:
         """Make the language model keep packed samples apart (attention already splits at position restarts)."""

@@ -11,6 +11,7 @@ class Qwen2_VL(Family):
     model_types = ("qwen2_vl",)
     vision_mlp_is_ratio = True
     grounding = "relative_1000"  # <|box_start|>(x1,y1),(x2,y2)<|box_end|> in thousandths of each side
+    processor_class = "Qwen2VLProcessor"
 
     def vision_width(self, vision) -> int:
         return int(vision.embed_dim)

@@ -84,6 +84,14 @@ class Qwen3_5(Family):
     grounding = "relative_1000"
     explicit_head_dim = True
     prunable = False  # distill: student.init random or model (pruning these layouts is not written yet)
+    processor_class, video_processor_class = "Qwen3VLProcessor", "Qwen3VLVideoProcessor"  # Qwen3.5 reuses Qwen3-VL's
+    image_mean = image_std = (0.5, 0.5, 0.5)
+    vocabulary = "qwen3_5"
+    extra_tokens = ("<think>", "</think>")
+    needs_sample_lengths = True
+
+    def packed_samples(self, lengths: list[int] | None):
+        return packed_sample_lengths(lengths)
 
     def cut_vision_depth(self, vision, depth: int) -> None:
         vision.depth = depth

@@ -18,6 +18,8 @@ class Qwen3_VL(Family):
     grounding = "relative_1000"
     explicit_head_dim = True
     prunable = False  # distill: student.init random or model (pruning these layouts is not written yet)
+    processor_class, video_processor_class = "Qwen3VLProcessor", "Qwen3VLVideoProcessor"
+    image_mean = image_std = (0.5, 0.5, 0.5)
     merger_modules = ("merger", "deepstack_merger_list")
     lora_targets = [
         *Family.lora_targets[:3],

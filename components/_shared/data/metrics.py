@@ -1,6 +1,6 @@
 """Metric primitives: answer normalisation, exact match, boxes and IoU, ANLS, CIDEr-D, the majority answer and
-the paired bootstrap. Pure Python (no torch). The per-task scorers built on them are eval/scorers.py, their table and
-the metric summary eval/tasks.py.
+the paired bootstrap. Pure Python (no torch). The per-task scorers built on them are data/scorers.py, their table and
+the metric summary data/tasks.py.
 """
 
 from __future__ import annotations

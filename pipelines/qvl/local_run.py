@@ -5,7 +5,7 @@ Every task runs as a subprocess of this Python (no containers); the stages recor
 QVL_PROGRESS_DIR, and the MLflow parent run id travels in QVL_MLFLOW_PARENT_RUN_ID (environment only, never a
 cached task input). Each task's output (its executor input, library warnings, the stage's own lines) goes to
 `logs/<task>.log` in the run directory and kfp.local's own lines to `logs/kfp.log`; the console gets the
-progress view (pipelines/progress_view.py), or everything as well with `verbose`.
+progress view (pipelines/qvl/progress_view.py), or everything as well with `verbose`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from components._shared.launch.result import RESULT_FILE, SUMMARY_DIR_ENV, SUMMA
 from components._shared.platform.cpu_numerics import PINS, cpu_vendor, pinned_environment
 from components._shared.platform.progress import PROGRESS_DIR_ENV
 from components.stages import dag_stages
-from pipelines.progress_view import ProgressView, stage_of
-from pipelines.run_report import write_run_report
+from pipelines.presets import Preset, as_preset
+from pipelines.qvl.progress_view import ProgressView, stage_of
+from pipelines.qvl.run_report import write_run_report
 
 
 @contextmanager
@@ -161,7 +162,7 @@ def run_local(
     lake_uri: str,
     out_dir: Path,
     data_uri: str = "",
-    preset: str = "tiny",
+    preset: Preset | str = "tiny",
     until: str | None = None,
     enable_caching: bool = False,
     console: IO[str] | None = None,
@@ -174,13 +175,12 @@ def run_local(
     With `console`, the progress view goes there (redrawn in place when `live`, by default when it is a terminal;
     otherwise one line per event); `verbose` streams every task's output to stdout as well as to its log file.
     """
-    from pipelines.presets import load_preset
     from pipelines.vlm_training import build_pipeline
 
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    p = load_preset(preset)
-    pipeline = build_pipeline(preset, until, for_cluster=False)  # validates `until` before anything starts
+    p = as_preset(preset)  # read once: the caller's loaded preset, or its name read here
+    pipeline = build_pipeline(p, until, for_cluster=False)  # validates `until` before anything starts
     if lake_uri and "://" not in lake_uri:
         lake_uri = str(Path(lake_uri).resolve())
     if data_uri and "://" not in data_uri:

@@ -1,6 +1,6 @@
 """Tasks: every held-out or RL record names one, and its task names the scorer that judges an answer.
 
-A task is a name and a scorer from SCORERS (the one table: a new scorer is one function in eval/scorers.py and one
+A task is a name and a scorer from SCORERS (the one table: a new scorer is one function in data/scorers.py and one
 entry here). The synthetic world's eight question types are BUILTIN_TASKS (their metrics keep their names:
 `exact_match/<type>`, `vqa_exact_match`, `grounding_accuracy`, `anls`, `cider_d`); any other task is declared in the
 data directory's dataset.yaml (`tasks: {name: scorer}`), named per file there, or is a scorer's own name.
@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from components._shared.eval import metrics as M
-from components._shared.eval import scorers as S
+from components._shared.data import metrics as M
+from components._shared.data import scorers as S
 
 Rows = Sequence[Mapping[str, Any]]
 

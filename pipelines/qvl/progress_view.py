@@ -1,6 +1,6 @@
 """The console view of `qvl run --local`: the DAG's stages in order, each with status, time, progress and result.
 
-The runner (pipelines/local_run.py) tells the view when a task starts and ends; a poller reads the stages'
+The runner (pipelines/qvl/local_run.py) tells the view when a task starts and ends; a poller reads the stages'
 progress files (components/_shared/platform/progress.py) and their result records. On a terminal the view is
 one table redrawn in place (rich's Live); elsewhere (CI, a pipe) it prints one line per event: a stage started,
 passed a quarter of a phase, finished with its headline metric, or failed with the last lines of its log.
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from components._shared.platform.progress import read_all
-from pipelines.runs import labelled_headline
+from pipelines.qvl.runs import labelled_headline
 
 TAIL_LINES = 15
 # kfp task function -> the stage row it belongs to (clean_data fans out into shards, then merges)

@@ -3,7 +3,7 @@
     qvl runs [ROOT]                    # every ROOT/**/run_summary.json, newest first
     qvl runs --compare RUN_A RUN_B     # each stage's metrics side by side, with B - A
 
-A run is a directory holding `run_summary.json` (pipelines/local_run.py). The headline metric of a stage is the
+A run is a directory holding `run_summary.json` (pipelines/qvl/local_run.py). The headline metric of a stage is the
 first of HEADLINES[stage] its metrics hold; the comparison lists every numeric metric either run has, in DAG order.
 """
 

@@ -113,7 +113,7 @@ def rehearse(
     name: str, out: Path, *, runs: list[str] | None = None, layers: int = 2, vision_depth: int = 4, records: int = 120
 ) -> list[StageRun]:
     from components.synth_world.lake import write_world
-    from pipelines.real_checkpoints import build_checkpoint, hub_config
+    from pipelines.qvl.real_checkpoints import build_checkpoint, hub_config
 
     unknown = sorted(set(runs or []) - set(RUN_NAMES))
     if unknown:
@@ -148,11 +148,11 @@ def rehearse(
 
 
 def _planned(stage: str, config: dict, base: Path) -> float:
-    """The memory planner's CPU estimate of a training stage on this checkpoint (pipelines/plan.py)."""
+    """The memory planner's CPU estimate of a training stage on this checkpoint (pipelines/qvl/memory_plan.py)."""
     from transformers import AutoConfig
 
-    from pipelines.plan import TRAINING_STAGES, meta_model, plan_stage
     from pipelines.presets import load_preset
+    from pipelines.qvl.memory_plan import TRAINING_STAGES, meta_model, plan_stage
 
     if stage not in TRAINING_STAGES:
         return 0.0
@@ -163,7 +163,7 @@ def _planned(stage: str, config: dict, base: Path) -> float:
 
 def _checkpoints_outside(stage: str, root: Path) -> dict:
     """train.checkpoint_uri outside the stage output, so the rehearsal can drop them and the outputs stay intact."""
-    from pipelines.plan import TRAINING_STAGES
+    from pipelines.qvl.memory_plan import TRAINING_STAGES
 
     if stage not in TRAINING_STAGES:
         return {}

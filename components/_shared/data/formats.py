@@ -1,6 +1,6 @@
 """The data formats people have, read once into the stages' records.
 
-Containers (read by eval/containers.py): JSON Lines (`.jsonl`, `.ndjson`), a JSON array (`.json`, LLaVA's own release
+Containers (read by data/containers.py): JSON Lines (`.jsonl`, `.ndjson`), a JSON array (`.json`, LLaVA's own release
 form, pretty-printed or on one line) and Parquet (`.parquet`, the hub's layout: an image column of {"bytes", "path"}
 structs or raw bytes, read lazily row group by row group). Record shapes, detected per record or fixed by a file's
 `format`:
@@ -28,7 +28,7 @@ import itertools
 import re
 from typing import Any
 
-from components._shared.eval.containers import (  # noqa: F401 - the containers are read through this module
+from components._shared.data.containers import (  # noqa: F401 - the containers are read through this module
     ParquetImage,
     Unparsable,
     iter_file,

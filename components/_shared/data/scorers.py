@@ -1,9 +1,9 @@
 """Per-answer scorers of the standard benchmarks, each written from its benchmark's own evaluation code.
 
 Every scorer is a plain callable `(prediction, record) -> float in [0, 1]`; `record` is a held-out record of
-eval/formats.py: "answers" (every reference), and where the task needs them "choices" (multiple choice) or
+data/formats.py: "answers" (every reference), and where the task needs them "choices" (multiple choice) or
 "box" + "image_size" + "model_size" + "box_convention" (grounding against a box in image pixels). The one table
-that names them is eval/tasks.py (SCORERS).
+that names them is data/tasks.py (SCORERS).
 
 Written by hand because no kept package scores these outside its own harness (lmms-eval, VLMEvalKit and the
 benchmark repos ship them inside training-framework code). Pure Python: the eval stage and the tests import it
@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from components._shared.eval import metrics as M
+from components._shared.data import metrics as M
 
 Record = Mapping[str, Any]
 

@@ -1,7 +1,7 @@
 """The containers data files come in, read record by record: JSON Lines (`.jsonl`, `.ndjson`), a JSON array (`.json`,
 LLaVA's release form, pretty-printed or on one line) and Parquet (`.parquet`, the hub's layout: image columns of
 {"bytes", "path"} structs or raw bytes, read lazily row group by row group). Each record comes with its `source`
-("file:line", "file:line [index in the array]", "file row N"); eval/formats.py reads the record shapes.
+("file:line", "file:line [index in the array]", "file row N"); data/formats.py reads the record shapes.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def base_config(preset, checkpoint: str | None):
     """The base model's config: a named real checkpoint, or the preset's base model when it is local/builtin."""
     from transformers import AutoConfig
 
-    from pipelines.real_checkpoints import checkpoint_names, model_config
+    from pipelines.qvl.real_checkpoints import checkpoint_names, model_config
 
     name = checkpoint or _checkpoint_named_by(preset.base_model_uri, checkpoint_names())
     if name:
@@ -158,7 +158,7 @@ def trainable(stage: str, cfg: dict, model, config) -> tuple[int, int, int, list
 
 def _student_parameters(cfg: dict, config) -> int:
     from components._shared.model.vlm import student_config
-    from pipelines.real_checkpoints import checkpoint_names, model_config
+    from pipelines.qvl.real_checkpoints import checkpoint_names, model_config
 
     s = cfg["student"]
     if s["init"] == "model":  # a given checkpoint: a known name, or a local directory with its config.json

@@ -15,8 +15,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
-CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+CHECKPOINT_DIR = Path(__file__).parents[1] / "checkpoints"  # pipelines/checkpoints
 
 
 def checkpoint_names() -> list[str]:
@@ -64,6 +63,9 @@ def qwen3_5_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
+TOKENIZERS = {"qwen2": qwen2_tokenizer, "qwen3_5": qwen3_5_tokenizer}  # Family.vocabulary -> the real tokenizer
+
+
 def model_config(name: str):
     """The checkpoint's transformers config at its full depth."""
     import tempfile
@@ -97,39 +99,13 @@ def reduced_config(name: str, *, layers: int, vision_depth: int):
 
 
 def processor_for(config, tokenizer, *, min_pixels: int, max_pixels: int):
-    """The checkpoint family's processor: Qwen2VLImageProcessor at the family's patch and normalisation, the
-    family's processor class and its real chat template."""
-    from transformers import (
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
-
+    """The checkpoint family's processor (its classes, patch and normalisation) with its real chat template."""
     from components._shared.model.families import family_for
-    from components.synth_world.chat_templates import TEMPLATES
-    from components.synth_world.tokenizer import CHAT_TEMPLATE
+    from components.synth_world.family_processors import chat_template
 
     family = family_for(config)
-    qwen3 = family.name in ("qwen3_vl", "qwen3_5")
-    mean, std = ([0.5] * 3, [0.5] * 3) if qwen3 else (CLIP_MEAN, CLIP_STD)
-    common = {
-        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-        "patch_size": family.patch_size,
-        "merge_size": 2,
-        "temporal_patch_size": 2,
-        "image_mean": mean,
-        "image_std": std,
-    }
-    processor_cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}.get(family.name, Qwen3VLProcessor)
-    video_cls = Qwen3VLVideoProcessor if qwen3 else Qwen2VLVideoProcessor
-    return processor_cls(
-        image_processor=Qwen2VLImageProcessor(**common),
-        tokenizer=tokenizer,
-        video_processor=video_cls(**common),
-        chat_template=TEMPLATES.get(family.name, CHAT_TEMPLATE),
+    return family.build_processor(
+        tokenizer, min_pixels=min_pixels, max_pixels=max_pixels, chat_template=chat_template(family.name)
     )
 
 
@@ -142,7 +118,9 @@ def build_checkpoint(
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
     config = reduced_config(name, layers=layers, vision_depth=vision_depth)
-    tokenizer = qwen3_5_tokenizer() if config.model_type.startswith("qwen3_5") else qwen2_tokenizer()
+    from components._shared.model.families import family_for
+
+    tokenizer = TOKENIZERS[family_for(config).vocabulary]()
     if len(tokenizer) > config.text_config.vocab_size:
         raise ValueError(f"{name}: tokenizer has {len(tokenizer)} tokens, more than vocab_size.")
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from pipelines.rehearse import RUN_NAMES
+from pipelines.qvl.rehearse import RUN_NAMES
 
 REHEARSAL_RUNS = ", ".join(RUN_NAMES)
 app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
@@ -99,10 +99,11 @@ def run(
             "(docs/submitting.md)."
         )
         raise typer.Exit(2)
-    from pipelines.local_run import SUMMARY_FILE, run_local
     from pipelines.presets import load_preset
+    from pipelines.qvl.local_run import SUMMARY_FILE, run_local
 
-    lake_uri = lake or load_preset(preset).lake_uri
+    loaded = load_preset(preset)  # read and validated once; the runner and the DAG get this object
+    lake_uri = lake or loaded.lake_uri
     if not lake_uri:
         typer.echo("No lake given: pass --lake DIR (e.g. the DIR/lake written by `qvl lake synth`).", err=True)
         raise typer.Exit(2)
@@ -113,7 +114,7 @@ def run(
         lake_uri=lake_uri,
         data_uri=data or "",
         out_dir=out,
-        preset=preset,
+        preset=loaded,
         until=until,
         enable_caching=cache,
         console=sys.stdout,
@@ -156,8 +157,8 @@ def rehearse(
 ):
     """Every model stage for a step or two on a real checkpoint's config (real widths, vocabulary, tokenizer,
     processor and template; depth cut; random init): pass/fail, seconds and peak memory per stage."""
-    from pipelines.rehearse import rehearse as run_rehearsal
-    from pipelines.rehearse import table
+    from pipelines.qvl.rehearse import rehearse as run_rehearsal
+    from pipelines.qvl.rehearse import table
 
     chosen = [s for s in stages.split(",") if s]
     results = run_rehearsal(config, out / config, runs=chosen or None, layers=layers, vision_depth=vision_depth)
@@ -173,7 +174,7 @@ def plan_(
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ):
     """Memory per GPU of every training stage of a preset on its cluster profile; exit 1 if a stage cannot fit."""
-    from pipelines.plan import plan, refusals, table, to_json
+    from pipelines.qvl.memory_plan import plan, refusals, table, to_json
 
     name, plans = plan(preset, config or None)
     typer.echo(to_json(plans) if as_json else table(name, preset, plans))
@@ -192,8 +193,8 @@ def runs(
     ),
 ):
     """The local runs under ROOT with status, time and each stage's headline metric; or two runs compared."""
-    from pipelines.runs import compare as compare_runs
-    from pipelines.runs import find_runs, read_run, runs_table
+    from pipelines.qvl.runs import compare as compare_runs
+    from pipelines.qvl.runs import find_runs, read_run, runs_table
 
     if compare:
         typer.echo(compare_runs(read_run(compare[0]), read_run(compare[1])))

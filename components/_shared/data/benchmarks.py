@@ -1,7 +1,7 @@
 """Standard benchmarks from the local copies users have (nothing is downloaded), mapped onto flat question records.
 
 Each loader reads the benchmark's own release layout and yields (source, record) with "question", "answer(s)",
-"image" and, where the benchmark has them, "choices" or "box"; its scorer is the benchmark's (eval/tasks.py).
+"image" and, where the benchmark has them, "choices" or "box"; its scorer is the benchmark's (data/tasks.py).
 dataset.yaml names the file and the format, e.g. `{path: TextVQA_0.5.1_val.json, format: textvqa, images:
 train_images}`; a second file (VQAv2's annotations) is `annotations:`.
 
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from components._shared.eval.formats import RecordError, iter_file
+from components._shared.data.formats import RecordError, iter_file
 
 Rows = Iterator[tuple[str, dict]]
 GROUNDING_PROMPT = 'Locate "{expression}" in the image and output its bbox coordinates in JSON format.'

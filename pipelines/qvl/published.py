@@ -1,7 +1,7 @@
 """The demo's published numbers: README's results table is generated from a run, and a fresh run is checked
 against it.
 
-    python -m pipelines.published runs/demo "machine"   # this CPU vendor's docs/demo_published*.json + README's table
+    python -m pipelines.qvl.published runs/demo "machine"  # this vendor's docs/demo_published*.json + README's table
 
 One file per CPU vendor, because the same pinned run gives other bits on Intel and AMD: MKL honours
 `MKL_CBWR=AVX2` on Intel CPUs only and falls back to its automatic branch elsewhere (Intel's documentation; on an
@@ -25,14 +25,17 @@ from typing import Any
 
 from components._shared.platform.cpu_numerics import PINS, cpu_vendor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PUBLISHED_BY_VENDOR = {
     "GenuineIntel": ROOT / "docs" / "demo_published.json",  # README's table
     "AuthenticAMD": ROOT / "docs" / "demo_published.amd.json",
 }
 PUBLISHED = PUBLISHED_BY_VENDOR["GenuineIntel"]
 README = ROOT / "README.md"
-BEGIN, END = "<!-- demo-results:begin (generated: python -m pipelines.published RUN) -->", "<!-- demo-results:end -->"
+BEGIN, END = (
+    "<!-- demo-results:begin (generated: python -m pipelines.qvl.published RUN) -->",
+    "<!-- demo-results:end -->",
+)
 # How far a fresh run may land from its vendor's published value: pinned runs of one vendor agree bit for bit on the
 # machines tried; the tolerances leave room for a CPU generation not tried, far less than a broken stage moves.
 # Labels (the champion's stage) are published but not compared: two candidates 0.001 apart may swap places.
@@ -45,15 +48,15 @@ def published_for(vendor: str) -> Path:
         known = ", ".join(PUBLISHED_BY_VENDOR)
         raise ValueError(
             f"no demo numbers are published for CPU vendor {vendor!r} (only {known}): a run here cannot be checked "
-            "bit for bit; publish one with `python -m pipelines.published RUN_DIR` after adding the vendor to "
-            "PUBLISHED_BY_VENDOR in pipelines/published.py"
+            "bit for bit; publish one with `python -m pipelines.qvl.published RUN_DIR` after adding the vendor to "
+            "PUBLISHED_BY_VENDOR in pipelines/qvl/published.py"
         )
     return PUBLISHED_BY_VENDOR[vendor]
 
 
 def published_from(summary: dict[str, Any], *, machine: str) -> dict[str, Any]:
     """What gets published of a run: its key metric rows (values rounded as printed), seconds per stage."""
-    from pipelines.run_report import key_metric_rows
+    from pipelines.qvl.run_report import key_metric_rows
 
     rows = []
     for row in key_metric_rows(summary):
@@ -149,7 +152,7 @@ def replace_block(text: str, block: str) -> str:
 def compare(summary: dict[str, Any], published: dict[str, Any]) -> list[str]:
     """Each published key metric (and the baseline beside it: records in, the majority answer's accuracy) against a
     fresh run's: the ones outside their tolerance, described."""
-    from pipelines.run_report import key_metric_rows
+    from pipelines.qvl.run_report import key_metric_rows
 
     fresh = {(r["stage"], r["metric"]): r for r in key_metric_rows(summary)}
     problems = []
@@ -179,7 +182,7 @@ def readme_text(text: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2):
-        raise SystemExit('usage: python -m pipelines.published RUN_DIR ["machine description"]')
+        raise SystemExit('usage: python -m pipelines.qvl.published RUN_DIR ["machine description"]')
     summary = json.loads((Path(args[0]) / "run_summary.json").read_text())
     if summary.get("status") != "succeeded":
         raise SystemExit(f"{args[0]}: the run did not succeed ({summary.get('status')}); nothing to publish.")

@@ -1,4 +1,5 @@
-"""Stream records out of lake shards: WebDataset tars (in memory, never extracted) and Parquet files.
+"""The lake: its shards listed (`list_lake_shards`) and their records streamed out of WebDataset tars (in memory,
+never extracted) and Parquet files.
 
 A record is the consecutive members of a tar that share a key (`KEY.jpg`, `KEY.txt`, `KEY.json`), or one
 Parquet row. Readers never raise for bad content: unsafe or oversized members, a key used twice in a shard and a
@@ -17,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from components._shared.platform import storage
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "image", "img", "gif", "bmp", "tif", "tiff", "avif", "heic", "jxl")
 CAPTION_EXTENSIONS = ("txt", "caption")
@@ -70,9 +73,7 @@ def shard_names(uris: list[str]) -> list[str]:
 def open_shard(uri: str):
     """A context manager giving a binary stream of a local or s3:// shard."""
     if uri.startswith("s3://"):
-        from components._shared.platform.storage import open_read
-
-        return open_read(uri)
+        return storage.open_read(uri)
     return open(uri, "rb")
 
 
@@ -425,3 +426,33 @@ def read_shard(uri: str, *, max_member_bytes: int, errors: list[ShardError]) -> 
             yield from read_tar(stream, shard, max_member_bytes=max_member_bytes, errors=errors)
     finally:
         opened.__exit__(None, None, None)
+
+
+# -- listing a lake ----------------------------------------------------------------------------------------
+LAKE_SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".parquet")
+
+
+def list_lake_files(lake_uri: str) -> tuple[list[str], list[str]]:
+    """(shards, other files) of a lake: a directory or s3:// prefix (subfolders included) or one file; each sorted.
+    A `NNNNN.parquet` beside a `NNNNN.tar` is img2dataset's metadata for that tar, not a shard."""
+    if not storage.is_s3(lake_uri) and not storage.exists(lake_uri):
+        raise ValueError(f"lake_uri={lake_uri!r} does not exist; pass img2dataset's output folder or an s3:// prefix.")
+    files = storage.list_files(lake_uri)
+    tars = {uri.removesuffix(suffix) for uri in files for suffix in (".tar", ".tar.gz", ".tgz") if uri.endswith(suffix)}
+    # img2dataset's WebDataset output puts a metadata NNNNN.parquet (no images) beside each NNNNN.tar: not a shard
+    metadata = {uri for uri in files if uri.endswith(".parquet") and uri.removesuffix(".parquet") in tars}
+    shards = [uri for uri in files if uri.endswith(LAKE_SHARD_SUFFIXES) and uri not in metadata]
+    return shards, [uri for uri in files if uri not in shards]
+
+
+def list_lake_shards(lake_uri: str) -> list[str]:
+    """A lake's shards (`*.tar`, `*.tar.gz`, `*.tgz`, `*.parquet`, subfolders too), sorted; ValueError naming the URI
+    and the fix when it does not exist or holds none (`list_lake_files` also returns the other files)."""
+    uris, others = list_lake_files(lake_uri)
+    if not uris:
+        found = f" (it holds {len(others)} other file(s), e.g. {others[0]})" if others else ""
+        raise ValueError(
+            f"No *.tar, *.tar.gz, *.tgz or *.parquet shards under lake_uri={lake_uri!r}{found}; point it at an "
+            "img2dataset WebDataset/Parquet output folder or s3:// prefix (`qvl lake synth --out DIR` writes DIR/lake)."
+        )
+    return uris

@@ -1,6 +1,6 @@
 """One self-contained HTML page per local run: `report.html` beside its run_summary.json.
 
-    python -c "from pathlib import Path; from pipelines.run_report import write_run_report as w; w(Path('runs/x'))"
+    python -c "from pathlib import Path; from pipelines.qvl.run_report import write_run_report as w; w(Path('runs/x'))"
 
 Header (preset, status, time, lake, MLflow), the DAG as a row of status boxes, the key metrics against their
 baselines (`key_metric_rows`, also the source for the README's results table), the champion with its lineage, and
@@ -20,8 +20,8 @@ from typing import Any
 from urllib.parse import unquote
 
 from components.stages import DAG_ORDER, OPTIONAL
-from pipelines.rejected_samples import rejected_samples, thumbnail
-from pipelines.runs import HEADLINES, SHORT, labelled_headline, read_run
+from pipelines.qvl.rejected_samples import rejected_samples, thumbnail
+from pipelines.qvl.runs import HEADLINES, SHORT, labelled_headline, read_run
 
 REPORT_FILE = "report.html"
 STAGE_ORDER = ("preflight", *DAG_ORDER)

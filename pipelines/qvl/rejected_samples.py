@@ -1,4 +1,4 @@
-"""Sample images of clean_data's rejected records, as small inline thumbnails (for pipelines/run_report.py).
+"""Sample images of clean_data's rejected records, as small inline thumbnails (for pipelines/qvl/run_report.py).
 
 rejected/*.parquet holds key, shard, reason and detail per record, not the image (a record is rejected before its
 bytes are worth keeping), so the image comes from an image column where a part has one, else from the lake itself:
@@ -12,7 +12,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from components.clean_data.readers import PARQUET_IMAGE_COLUMNS, read_shard
+from components._shared.data.lake import PARQUET_IMAGE_COLUMNS, read_shard
 
 PER_REASON, THUMB_PX, MAX_IMAGE_BYTES, MAX_THUMB_SOURCE_PIXELS = 3, 96, 20 << 20, 40_000_000
 Sample = tuple[str, str, Any]  # (key, detail, image bytes or None)
@@ -74,7 +74,7 @@ def _tar_images(path: Path, keys: set[str]) -> dict[str, bytes | None]:
     drops the bytes of a record it rejects at the shard's end (a missing caption, a split key)."""
     import tarfile
 
-    from components.clean_data.readers import IMAGE_EXTENSIONS, _split_member, unsafe_reason
+    from components._shared.data.lake import IMAGE_EXTENSIONS, _split_member, unsafe_reason
 
     found: dict[str, bytes | None] = {}
     with tarfile.open(path, mode="r|*") as tar:

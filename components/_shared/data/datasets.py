@@ -3,7 +3,7 @@ role (sft conversations, held-out and RL questions, preference pairs) and the im
 
 A data directory describes itself in dataset.yaml (docs/data.md): per role the files to read, each with its format,
 task, benchmark name and image folder, and the tasks it declares (name -> scorer). Without one the synthetic world's
-names are read: sft.jsonl, eval.jsonl, preferences.jsonl. The formats are eval/formats.py's. Every error names the
+names are read: sft.jsonl, eval.jsonl, preferences.jsonl. The formats are data/formats.py's. Every error names the
 file, line or record id and how to fix it.
 """
 
@@ -19,9 +19,9 @@ from typing import Any, Literal
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
-from components._shared.eval import formats as F
-from components._shared.eval import tasks as T
-from components._shared.eval.benchmarks import BENCHMARKS
+from components._shared.data import formats as F
+from components._shared.data import tasks as T
+from components._shared.data.benchmarks import BENCHMARKS
 from components._shared.platform import bad_records
 
 
@@ -68,7 +68,7 @@ class Manifest(BaseModel):
     """dataset.yaml: the data directory's own description; without one, the synthetic world's file names."""
 
     model_config = ConfigDict(extra="forbid")
-    tasks: dict[str, str] = Field(default_factory=dict, description="Task name -> scorer (eval/tasks.py SCORERS).")
+    tasks: dict[str, str] = Field(default_factory=dict, description="Task name -> scorer (data/tasks.py SCORERS).")
     sft: list[DataFile | str] = Field(default_factory=list)
     eval: list[DataFile | str] = Field(default_factory=list)
     rl: list[DataFile | str] = Field(default_factory=list)
@@ -257,7 +257,7 @@ def probe_image(root: Path, reference: F.ImageRef) -> str | None:
     import io
 
     from components._shared.platform import storage
-    from components._shared.platform.imaging import ALLOWED_FORMATS
+    from components._shared.platform.image_decode import ALLOWED_FORMATS
 
     if isinstance(reference, str) and storage.is_s3(reference):
         return None
@@ -431,7 +431,7 @@ def load_image(root: Path, reference: F.ImageRef) -> Image.Image:
     Parquet cell. Decoded through the same guarded decoder as the lake (format allow-list, decompression-bomb
     limit, EXIF orientation applied, RGB)."""
     from components._shared.platform import storage
-    from components._shared.platform.imaging import ImageRejected, decode_image
+    from components._shared.platform.image_decode import ImageRejected, decode_image
 
     if isinstance(reference, F.ParquetImage):
         data, path_in_cell = F.read_parquet_image(reference)

@@ -1,0 +1,3 @@
+from pipelines.qvl.app import main
+
+main()
