@@ -43,7 +43,7 @@ from bench.decode_throughput import make_jpegs  # noqa: E402
 from components._shared.model.checkpoint import CheckpointStore  # noqa: E402
 from components._shared.model.encoder import ConversationEncoder  # noqa: E402
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig  # noqa: E402
-from components._shared.model.training import Phase, TrainLoop  # noqa: E402
+from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop  # noqa: E402
 from components._shared.model.vlm import load_vlm  # noqa: E402
 
 RL_IMAGE = (1024, 768)
@@ -75,12 +75,9 @@ def run_arm(model, encoder, jpegs: list[bytes], workers: int, pixels: str, args,
     )
     loop = TrainLoop(
         model,
-        train=train,
-        optim=OptimConfig(lr=1e-4),
-        schedule=ScheduleConfig(),
-        sample=sample,
-        phases=[Phase("all", args.steps, list(range(len(jpegs))))],
-        checkpoints=CheckpointStore(out / "checkpoints", scratch=out / "scratch"),
+        LoopSettings(train, OptimConfig(lr=1e-4), ScheduleConfig()),
+        LoopData(phases=[Phase("all", args.steps, list(range(len(jpegs))))], sample=sample),
+        CheckpointStore(out / "checkpoints", scratch=out / "scratch"),
     )
     norm = encoder.pixel_norm
     if pixels == "float32":
@@ -174,7 +171,7 @@ def main() -> None:
                 arms.append(run_rl_arm(workers, args, Path(tmp) / f"w{workers}"))
         else:
             torch.manual_seed(0)
-            initial, processor = load_vlm(args.model)
+            initial, processor, _ = load_vlm(args.model)
             encoder = ConversationEncoder(processor, initial, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
             jpegs = make_jpegs(args.steps * args.samples_per_step, sizes=SIZES)
             # uint8 row bytes from the sizes the model sees (headers only): patches x C*T*P*P values of one byte

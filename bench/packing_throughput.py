@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    model, processor = load_vlm(args.model)
+    model, processor, _ = load_vlm(args.model)
     if args.vision_like != "same":
         model = vision_like(model, args.vision_like)
     model.train()

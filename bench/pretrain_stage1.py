@@ -27,7 +27,7 @@ import torch
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
-from components._shared.model.training import Phase, TrainLoop
+from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop
 from components._shared.model.vlm import freeze, load_vlm
 from components._shared.platform.image_decode import decode_image
 from components._shared.platform.tracking import NullTracker
@@ -63,7 +63,7 @@ def build_inputs(
 
 def time_arm(name: str, model_uri: str, rows: list[dict], root: Path, args) -> float:
     torch.manual_seed(0)
-    model, processor = load_vlm(model_uri)
+    model, processor, _ = load_vlm(model_uri)
     freeze(model, ("vision_lower", "vision_upper") + (() if args.train_lm else ("lm_lower", "lm_upper")))
     encoder = ConversationEncoder(processor, model, min_pixels=args.min_pixels, max_pixels=args.max_pixels)
     store = FeatureStore(root / "features")
@@ -86,20 +86,18 @@ def time_arm(name: str, model_uri: str, rows: list[dict], root: Path, args) -> f
         threads=args.threads,
         log_every=10**6,
     )
+    sample = cached if name == "cached" else on_the_fly
     loop = TrainLoop(
         model,
-        train=train,
-        optim=OptimConfig(lr=1e-3),
-        schedule=ScheduleConfig(),
-        sample=cached if name == "cached" else on_the_fly,
-        phases=[Phase("all", args.steps + 1, list(range(len(rows))))],
-        checkpoints=CheckpointStore(Path(tempfile.mkdtemp(dir=root))),
+        LoopSettings(train, OptimConfig(lr=1e-3), ScheduleConfig()),
+        LoopData(phases=[Phase("all", args.steps + 1, list(range(len(rows))))], sample=sample),
+        CheckpointStore(Path(tempfile.mkdtemp(dir=root))),
     )
-    loop.train_step([loop.sample(i) for i in range(args.batch)])  # warm-up (allocator, kernels)
+    loop.train_step([sample(i) for i in range(args.batch)])  # warm-up (allocator, kernels)
     started = time.perf_counter()
     for _ in range(args.steps):
         indices, _ = loop.next_indices()
-        loop.train_step([loop.sample(i) for i in indices])
+        loop.train_step([sample(i) for i in indices])
     return args.steps / (time.perf_counter() - started)
 
 

@@ -49,7 +49,7 @@ GPU_LM = {"layers": 36, "hidden": 2048, "heads": 16, "kv_heads": 2, "intermediat
 
 def build_models(args, device: torch.device):
     """(policy model, frozen reference copy, processor); on a GPU the tiny model's LM is widened to GPU_LM."""
-    model, processor = load_vlm(args.model)
+    model, processor, _ = load_vlm(args.model)
     if device.type == "cuda" and args.model == "builtin:tiny-qwen2_5-vl":
         torch.manual_seed(0)
         model = build_student(model.config, **GPU_LM)

@@ -65,7 +65,7 @@ def build_model(args, device: torch.device, dtype: torch.dtype):
     if args.tiny:
         from components._shared.model.vlm import load_vlm
 
-        model, _ = load_vlm("builtin:tiny-qwen2_5-vl", dtype=dtype, device=device)
+        model = load_vlm("builtin:tiny-qwen2_5-vl", dtype=dtype, device=device).model
         return model
     from components._shared.model.attention import enable_vision_varlen, register, use_varlen
 

@@ -47,13 +47,20 @@ from components._shared.model.stage_steps import (
     run_key,
     trained_module,
 )
-from components._shared.model.training import Phase, TrainLoop
-from components._shared.model.vlm import count_parameters, load_vlm, qwen_model, save_vlm, set_pixel_bounds
+from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop
+from components._shared.model.vlm import (
+    count_parameters,
+    export_dtype,
+    load_vlm,
+    qwen_model,
+    save_vlm,
+    set_pixel_bounds,
+)
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.distill.config import DistillConfig, LossConfig
 from components.distill.losses import distillation_loss, head_kl_ce, layer_map
-from components.distill.student import attach_projections, build_student, student_sizes
+from components.distill.student import attach_projections, build_student, student_sizes, student_stored_dtype
 
 SUITE_KEYS = ("vqa_exact_match", "grounding_accuracy", "anls", "cider_d")
 
@@ -105,7 +112,7 @@ def run(
         run_key(cfg, {"teacher_model": teacher_model, "data": data, "student_model": cfg.student.model_uri}),
         output_dir,
     )
-    teacher, processor = load_vlm(teacher_model)
+    teacher, processor, teacher_stored = load_vlm(teacher_model)
     teacher.requires_grad_(False).eval()
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     encoder = ConversationEncoder(
@@ -113,17 +120,16 @@ def run(
     )
     encode = record_encoder(encoder, records, data_dir)
     student, plan, pairs = prepare_student(cfg, teacher, processor, encode, len(records))
-    loop: TrainLoop  # built below; the closures read it when they run
     final_rows: list[dict] = []
     eval_seconds: list[float] = []
     kl_samples = E.answer_samples(encoder, eval_records, [r["answer"] for r in eval_records])
 
-    def evaluate(step: int) -> dict[str, float]:
-        summary, rows, seconds = heldout_eval(loop.backend.module, encoder, eval_records, cfg)
+    def evaluate(step: int, model) -> dict[str, float]:
+        summary, rows, seconds = heldout_eval(model, encoder, eval_records, cfg)
         final_rows[:] = rows
         eval_seconds.append(seconds)
         kl = heldout_kl(
-            loop.backend.module,
+            model,
             teacher,
             kl_samples,
             temperature=cfg.loss.temperature,
@@ -135,21 +141,16 @@ def run(
             **{k: v for k, v in summary.items() if k in SUITE_KEYS or k.startswith("exact_match/")},
         }
 
-    loop = TrainLoop(
-        student,
-        train=cfg.train,
-        optim=cfg.optim,
-        schedule=cfg.schedule,
-        sample=encode,
+    items = LoopData(
         phases=[Phase("all", cfg.train.steps, list(range(len(records))))],
-        tracker=tracker,
-        seed=cfg.seed,
-        loss_fn=make_loss(cfg, teacher, pairs),
+        sample=encode,
         # on-policy answers come from the current student: built in the step; otherwise the data workers prefetch
-        sample_batch=on_policy_batches(cfg, records, encode, encoder, lambda: loop.backend.module)
+        sample_batch=on_policy_batches(cfg, records, encode, encoder)
         if round(cfg.on_policy.fraction * cfg.train.samples_per_step)
         else None,
-        checkpoints=store,
+    )
+    loop = TrainLoop(
+        student, LoopSettings.of(cfg), items, store, tracker=tracker, loss_fn=make_loss(cfg, teacher, pairs)
     )
     result = loop.run(evaluate=evaluate)
     trained = trained_module(loop, lambda: _plain_student(cfg, student.config, teacher, pairs))
@@ -167,9 +168,10 @@ def run(
         **comparison(teacher, student, teacher_summary, loop.evals),
         "student_speedup": round(teacher_seconds / max(eval_seconds[-1], 1e-9), 3),
     }
-    write_outputs(cfg, student, processor, plan, pairs, metrics, final_rows, output_dir, teacher_model)
+    export = export_dtype(cfg.train.export_dtype, student_stored_dtype(cfg, teacher_stored))
+    write_outputs(cfg, student, processor, plan, pairs, metrics, final_rows, output_dir, teacher_model, export)
     ckpt.write_pointer(output_dir, [store.root])
-    finish_report(output_dir, tracker, report(metrics), _figures(result))
+    finish_report(output_dir, tracker, report(metrics), _figures(result), set_aside=result.set_aside)
     return metrics
 
 
@@ -199,9 +201,10 @@ def write_outputs(
     rows: list[dict],
     output_dir: Path,
     teacher_model: str,
+    export: torch.dtype,
 ) -> None:
-    """model/ (the student, HF format), student.json (init, sizes, matched layers, what pruning kept) and the
-    student's eval_predictions.jsonl."""
+    """model/ (the student, HF format, weights in `export`), student.json (init, sizes, matched layers, what
+    pruning kept) and the student's eval_predictions.jsonl."""
     save_vlm(
         student,
         processor,
@@ -212,7 +215,7 @@ def write_outputs(
             "student_init": cfg.student.init,
             "student_param_ratio": metrics["student_param_ratio"],
         },
-        dtype=cfg.train.export_dtype,
+        dtype=export,
     )
     description = {
         "init": cfg.student.init,
@@ -255,8 +258,6 @@ def prepare_student(cfg: DistillConfig, teacher, processor, encode, n_records: i
     teacher.to(device)  # calibrate on the accelerator, in fp32: the importance ranks decide what the student keeps
     student, plan = build_student(cfg, teacher, processor, calibration)
     student.to(torch.float32)  # fp32 master weights whatever the teacher's dtype
-    if not hasattr(student, "qvl_checkpoint_dtype"):  # a new student exports in the teacher checkpoint's dtype
-        student.qvl_checkpoint_dtype = getattr(teacher, "qvl_checkpoint_dtype", torch.float32)
     teacher.to(dtype=teacher_dtype)
     pairs = layer_map(
         qwen_model(student).config.text_config.num_hidden_layers,
@@ -295,10 +296,10 @@ def make_loss(cfg: DistillConfig, teacher, pairs: list[tuple[int, int]]):
     return loss_fn
 
 
-def on_policy_batches(cfg: DistillConfig, records: list[dict], encode, encoder, current_model):
-    """The step's samples; the first `on_policy.fraction` of them answered by the current student."""
+def on_policy_batches(cfg: DistillConfig, records: list[dict], encode, encoder):
+    """The step's samples; the first `on_policy.fraction` of them answered by the current student (`model`)."""
 
-    def sample_batch(indices: list[int]) -> list:
+    def sample_batch(indices: list[int], model) -> list:
         on = round(cfg.on_policy.fraction * len(indices))
         samples = [encode(i) for i in indices[on:]]
         if not on:
@@ -309,7 +310,6 @@ def on_policy_batches(cfg: DistillConfig, records: list[dict], encode, encoder, 
             last = max(k for k, t in enumerate(turns) if t["role"] == "assistant")
             contexts.append(turns[:last])
             prompts.append(encode(i, turns[:last], add_generation_prompt=True))
-        model = current_model()
         was_training = model.training
         model.eval()
         answers = E.generate_completions(

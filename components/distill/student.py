@@ -9,14 +9,23 @@ import torch
 
 from components._shared.model.attention import PACKED_SDPA, enable_vision_varlen
 from components._shared.model.families import family_for
+from components._shared.model.sources import resolve_model
 from components._shared.model.vlm import build_student as random_student
-from components._shared.model.vlm import load_vlm, qwen_model
+from components._shared.model.vlm import checkpoint_dtype, load_vlm, qwen_model
 from components.distill.config import STUDENT_SIZES, DistillConfig, StudentConfig
 from components.distill.prune import PrunePlan, measure_importance, plan_pruning, prune
 
 
 def student_sizes(cfg: StudentConfig) -> dict[str, int]:
     return {k: getattr(cfg, k) for k in STUDENT_SIZES}
+
+
+def student_stored_dtype(cfg: DistillConfig, teacher_stored: torch.dtype) -> torch.dtype:
+    """What `export_dtype: checkpoint` writes the student in: a loaded student's own checkpoint dtype, a new
+    (pruned or random) one the teacher checkpoint's."""
+    if cfg.student.init != "model":
+        return teacher_stored
+    return checkpoint_dtype(resolve_model(str(cfg.student.model_uri)))
 
 
 def build_student(cfg: DistillConfig, teacher, processor, calibration) -> tuple[Any, PrunePlan | None]:
@@ -26,7 +35,7 @@ def build_student(cfg: DistillConfig, teacher, processor, calibration) -> tuple[
     torch.manual_seed(cfg.seed)
     s = cfg.student
     if s.init == "model":
-        student, student_processor = load_vlm(s.model_uri)
+        student, student_processor, _ = load_vlm(s.model_uri)
         _check_compatible(student, student_processor, teacher, processor, s.model_uri)
         return student, None
     family = family_for(teacher)

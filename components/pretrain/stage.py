@@ -31,8 +31,8 @@ from components._shared.model.families import VisualTokens, family_for
 from components._shared.model.head_loss import per_sample_sequence_loss, sequence_loss
 from components._shared.model.packing import image_embeddings, pack, plan_micro_batches, to_device
 from components._shared.model.stage_steps import SCRATCH, Figure, finish_report, run_key
-from components._shared.model.training import Phase, TrainLoop, TrainResult, is_main_process
-from components._shared.model.vlm import freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
+from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop, TrainResult, is_main_process
+from components._shared.model.vlm import export_dtype, freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
 from components._shared.platform import storage
 from components._shared.platform.image_decode import decode_image
 from components._shared.platform.reports import history_series
@@ -226,22 +226,19 @@ def train_phase(
     name: str, model, block, sample, evaluate, cfg: PretrainConfig, n: int, output_dir: Path, tracker: Tracker, key: str
 ) -> tuple[TrainLoop, TrainResult]:
     """Train one phase (stage1 / stage2) on its own keyed checkpoints; returns the loop and its result."""
+    store = CheckpointStore(
+        checkpoint_root(name, block, key, output_dir),
+        keep=block.train.keep_checkpoints,
+        scratch=output_dir / SCRATCH,
+        key=key,
+    )
     loop = TrainLoop(
         model,
-        train=block.train,
-        optim=block.optim,
-        schedule=block.schedule,
-        sample=sample,
-        phases=[Phase(name, block.train.steps, list(range(n)))],
-        checkpoints=CheckpointStore(
-            checkpoint_root(name, block, key, output_dir),
-            keep=block.train.keep_checkpoints,
-            scratch=output_dir / SCRATCH,
-            key=key,
-        ),
+        LoopSettings.of(block, seed=cfg.seed),
+        LoopData(phases=[Phase(name, block.train.steps, list(range(n)))], sample=sample),
+        store,
         tracker=_Prefixed(tracker, name),
         loss_fn=make_loss(cfg, block.train.loss_chunk_tokens),
-        seed=cfg.seed,
     )
     return loop, loop.run(evaluate=evaluate)
 
@@ -288,7 +285,7 @@ def run(
     store = _feature_store(Path(features), records)
     key = run_key(cfg, {"clean_data": clean_data, "features": features, "base_model": base_model, "data": data})
     torch.manual_seed(cfg.seed)
-    model, processor = load_vlm(base_model)
+    model, processor, stored_dtype = load_vlm(base_model)
     store.check(model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     encoder = ConversationEncoder(
@@ -302,7 +299,7 @@ def run(
 
     def phase(name: str, block, samples):  # its held-out evals chunk the LM head by the phase's loss_chunk_tokens
         chunk = block.train.loss_chunk_tokens
-        return train_phase(name, model, block, samples, lambda step: heldout(model, chunk), *phase_args)
+        return train_phase(name, model, block, samples, lambda step, trained: heldout(trained, chunk), *phase_args)
 
     last: Stage1Config | Stage2Config = cfg.stage1
     loop, first = phase("stage1", cfg.stage1, from_features)
@@ -312,7 +309,7 @@ def run(
         # so stage 2 starts from stage 1's full fp32 weights in a new model instead of re-wrapping the old one.
         weights = loop.backend.full_state_dict()
         del loop
-        model, _ = load_vlm(base_model)
+        model = load_vlm(base_model).model
         model.load_state_dict(weights)
         freeze(model, tuple(cfg.stage2.freeze))
         last = cfg.stage2
@@ -343,12 +340,13 @@ def run(
                 processor,
                 output_dir / "model",
                 metadata={"stage": "pretrain", "base_model": str(base_model), "selected_step": best["step"]},
-                dtype=last.train.export_dtype,
+                dtype=export_dtype(last.train.export_dtype, stored_dtype),
             )
             phases = [("stage1", cfg.stage1)] + ([("stage2", cfg.stage2)] if cfg.stage2.enabled else [])
             ckpt.write_pointer(output_dir, [checkpoint_root(name, block, key, output_dir) for name, block in phases])
     curve = [{"stage": name, **e} for name, result in results.items() for e in result.evals]
-    finish_report(output_dir, tracker, report(metrics, curve), _figures(results, curve))
+    set_aside = [note for result in results.values() for note in result.set_aside]
+    finish_report(output_dir, tracker, report(metrics, curve), _figures(results, curve), set_aside=set_aside)
     return metrics
 
 

@@ -36,8 +36,8 @@ from components._shared.model.stage_steps import (
     run_key,
     trained_module,
 )
-from components._shared.model.training import Phase, TrainLoop
-from components._shared.model.vlm import freeze, load_vlm, set_pixel_bounds
+from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop
+from components._shared.model.vlm import export_dtype, freeze, load_vlm, set_pixel_bounds
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.reward_model.config import RewardModelConfig
@@ -92,7 +92,7 @@ def run(
         "reward_model", cfg.train, run_key(cfg, {"base_model": base_model, "data": data}), output_dir
     )
     torch.manual_seed(cfg.seed)
-    backbone, processor = load_vlm(base_model)
+    backbone, processor, stored_dtype = load_vlm(base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     freeze(backbone, tuple(cfg.freeze))
     model = RewardModel(backbone)  # the head's random init comes right after the seed, as it always has
@@ -102,23 +102,16 @@ def run(
     unit = pair_encoder(encoder, data_dir, cfg.score_first_k)
     heldout_units = [unit(r) for r in heldout]
 
-    def evaluate(step: int) -> dict[str, float]:
-        scored = score_pairs(loop.backend.module, heldout_units)
+    def evaluate(step: int, model) -> dict[str, float]:
+        scored = score_pairs(model, heldout_units)
         return {"pair_accuracy": sum(c > r for c, r in scored) / len(scored)}
 
-    loop = TrainLoop(
-        model,
-        train=cfg.train,
-        optim=cfg.optim,
-        schedule=cfg.schedule,
-        sample=lambda i: unit(train[i]),
+    pairs = LoopData(
         phases=[Phase("pairs", cfg.train.steps, list(range(len(train))))],
-        checkpoints=store,
-        tracker=tracker,
-        loss_fn=bt_loss(cfg.margin),
-        seed=cfg.seed,
-        unit_weight=lambda u: 1.0,
+        sample=lambda i: unit(train[i]),
+        unit_weight=lambda u: 1.0,  # the loss is a mean over pairs
     )
+    loop = TrainLoop(model, LoopSettings.of(cfg), pairs, store, tracker=tracker, loss_fn=bt_loss(cfg.margin))
     result = loop.run(evaluate=evaluate)
     trained = trained_module(loop, lambda: RewardModel(load_vlm(base_model)[0]))
     if trained is None:  # DeepSpeed ranks > 0: rank 0 scores and saves
@@ -151,13 +144,13 @@ def run(
         mean=mean,
         std=std,
         base_model=base_model,
-        dtype=cfg.train.export_dtype,
+        dtype=export_dtype(cfg.train.export_dtype, stored_dtype),
     )
     figures = [
         Figure("train_loss", "training loss (Bradley-Terry)", history_series(result.history, ["loss"])),
         Figure("pair_accuracy", "held-out pair accuracy", history_series(result.evals, ["pair_accuracy"])),
     ]
-    finish_report(output_dir, tracker, report(metrics), figures)
+    finish_report(output_dir, tracker, report(metrics), figures, set_aside=result.set_aside)
     return metrics
 
 

@@ -39,6 +39,7 @@ from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.device import resolve_device
 from components._shared.model.encoder import ConversationEncoder
+from components._shared.model.sources import resolve_model
 from components._shared.model.stage_steps import (
     SCRATCH,
     Figure,
@@ -47,7 +48,7 @@ from components._shared.model.stage_steps import (
     run_key,
     trained_module,
 )
-from components._shared.model.vlm import freeze, load_vlm, save_vlm, set_pixel_bounds
+from components._shared.model.vlm import checkpoint_dtype, export_dtype, freeze, load_vlm, save_vlm, set_pixel_bounds
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.rl.config import RlConfig
@@ -132,8 +133,8 @@ def run(
     loop = trainer.loop
     final_rows: list[dict] = []
 
-    def evaluate(step: int) -> dict[str, float]:
-        summary, rows = heldout_eval(loop.backend.module.model, encoder, eval_records, cfg)
+    def evaluate(step: int, policy) -> dict[str, float]:
+        summary, rows = heldout_eval(policy.model, encoder, eval_records, cfg)
         final_rows[:] = rows
         if loop.step == 0:  # the SFT model's per-question scores: the paired test's "before"
             trainer.heldout_before = [row["efficacy"] for row in rows]
@@ -141,7 +142,7 @@ def run(
 
     resumed = trainer.run(evaluate)
     if not final_rows:  # resumed after the last evaluation: score the final policy again for its predictions
-        evaluate(loop.step)
+        evaluate(loop.step, loop.backend.module)
     cache = rewards.get("efficacy")
     metrics: dict[str, Any] = {
         "algorithm": cfg.algorithm,
@@ -156,7 +157,7 @@ def run(
     }
     exported = trained_module(loop, lambda: Policy(load_vlm(base_model)[0], value_head=cfg.algorithm == "ppo"))
     assert exported is not None  # one process (checked above)
-    export_policy(exported, processor, output_dir, cfg, base_model)
+    export_policy(exported, processor, output_dir, cfg, base_model, checkpoint_dtype(resolve_model(base_model)))
     ckpt.write_pointer(output_dir, [loop.store.root])
     write_jsonl(output_dir / "eval_predictions.jsonl", final_rows)
     write_jsonl(output_dir / "rollouts.jsonl", [rollout_row(r) for r in trainer.last_rollouts])
@@ -166,7 +167,7 @@ def run(
         Figure("length_entropy", "length ratio and entropy", history_series(loop.history, ["length_ratio", "entropy"])),
         Figure("heldout_efficacy", "held-out efficacy", history_series(loop.evals, ["efficacy", "vqa_exact_match"])),
     ]
-    finish_report(output_dir, tracker, report(metrics), figures)
+    finish_report(output_dir, tracker, report(metrics), figures, set_aside=loop.store.set_aside)
     return metrics
 
 
@@ -183,12 +184,12 @@ def build_trainer(
     """(trainer, encoder, processor, rewards): the policy (with a value head for PPO) and the frozen reference
     from the SFT model, the reward callables, the rollout engine and the trainer over them."""
     torch.manual_seed(cfg.seed)
-    model, processor = load_vlm(base_model)
+    model, processor, _ = load_vlm(base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     freeze(model, tuple(cfg.freeze))
     policy = Policy(model, value_head=cfg.algorithm == "ppo")
     device = resolve_device(cfg.train.device)
-    reference, _ = load_vlm(base_model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    reference = load_vlm(base_model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).model
     reference.requires_grad_(False)
     encoder = ConversationEncoder(
         processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
@@ -296,14 +297,17 @@ def training_summary(history: list[dict]) -> dict[str, float]:
     }
 
 
-def export_policy(policy: Policy, processor, output_dir: Path, cfg: RlConfig, base_model: str) -> None:
-    """model/ (the policy's language model, HF format) and, for PPO, value_head.safetensors."""
+def export_policy(
+    policy: Policy, processor, output_dir: Path, cfg: RlConfig, base_model: str, stored_dtype: torch.dtype
+) -> None:
+    """model/ (the policy's language model, HF format; `export_dtype: checkpoint` = the SFT model's
+    `stored_dtype`) and, for PPO, value_head.safetensors."""
     save_vlm(
         policy.model,
         processor,
         output_dir / "model",
         metadata={"stage": "rl", "algorithm": cfg.algorithm, "base_model": str(base_model)},
-        dtype=cfg.train.export_dtype,
+        dtype=export_dtype(cfg.train.export_dtype, stored_dtype),
     )
     if policy.value_head is not None:
         from safetensors.torch import save_file

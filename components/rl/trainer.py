@@ -2,7 +2,7 @@
 
 It drives a TrainLoop (model/training.py) by composition: the loop owns the backend, the packed update steps,
 checkpoints and exact resume; the trainer owns the RL state (KL controller, reward moments, TER baseline, gates,
-length reference, timing), saved with every checkpoint through the loop's extra_state hooks.
+length reference, timing), saved with every checkpoint as the loop's `extra` (state() / load()).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,8 +21,8 @@ from components._shared.model.backends import TorchBackend
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.encoder import Sample
 from components._shared.model.step_inputs import step_inputs
-from components._shared.model.train_config import OptimConfig, lr_factor
-from components._shared.model.training import Phase, TrainLoop, data_workers
+from components._shared.model.train_config import OptimConfig
+from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop, data_workers
 from components._shared.platform.tracking import Tracker
 from components.rl import algorithms as A
 from components.rl.config import RlConfig
@@ -64,28 +65,19 @@ class RlTrainer:
         ptx_pool: list[dict] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.updates_per_step = cfg.update.epochs * cfg.update.minibatches  # read by _lr_lambda
+        self.updates_per_step = cfg.update.epochs * cfg.update.minibatches
         optim = cfg.optim
         if cfg.algorithm == "ter":  # TER's own gradient clip for every group
             optim = OptimConfig(
                 **{**cfg.optim.model_dump(), "max_grad_norm": cfg.ter.max_grad_norm, "group_max_grad_norm": {}}
             )
-        self.loop = TrainLoop(
-            policy,
-            train=cfg.train,
-            optim=optim,
-            schedule=cfg.schedule,
-            sample=None,  # prompts are drawn by index; the items of an update are built from rollouts
-            phases=[Phase("rl", cfg.train.steps, list(range(len(prompts))))],
-            checkpoints=checkpoints,
-            tracker=tracker,
-            loss_fn=self._loss,
-            seed=cfg.seed,
-            extra_state=self._state,
-            load_extra_state=self._load_state,
-            unit_weight=self._rollout_tokens,
-            lr_lambda=self._lr_lambda,
+        # Prompts are drawn by index (no `sample`): the items of an update are built from its rollouts. Each step
+        # takes epochs x minibatches optimizer updates; the schedule advances once per step.
+        settings = LoopSettings.of(cfg, optim=optim, updates_per_step=self.updates_per_step)
+        data = LoopData(
+            phases=[Phase("rl", cfg.train.steps, list(range(len(prompts))))], unit_weight=self._rollout_tokens
         )
+        self.loop = TrainLoop(policy, settings, data, checkpoints, tracker=tracker, loss_fn=self._loss, extra=self)
         if cfg.algorithm == "ter" and cfg.ter.grad_ema:
             assert isinstance(self.loop.backend, TorchBackend)  # RlConfig refuses ter.grad_ema with DeepSpeed
             self.loop.backend.grad_ema = A.GradientEma(cfg.ter.grad_ema)
@@ -104,8 +96,8 @@ class RlTrainer:
         self.generated_tokens = 0
         self.heldout_before: list[float] = []  # per-question efficacy of the SFT model (step 0), for the paired test
 
-    # -- state saved with every checkpoint ----------------------------------------------------------------
-    def _state(self) -> dict:
+    # -- state saved with every checkpoint (the loop's `extra`) -------------------------------------------
+    def state(self) -> dict:
         return {
             "kl_coef": self.kl_ctl.state(),
             "moments": self.moments.state(),
@@ -118,7 +110,7 @@ class RlTrainer:
             "heldout_before": self.heldout_before,
         }
 
-    def _load_state(self, state: dict) -> None:
+    def load(self, state: dict) -> None:
         self.kl_ctl.load(state["kl_coef"])
         self.moments.load(state["moments"])
         self.baseline.load(state["baseline"])
@@ -128,11 +120,8 @@ class RlTrainer:
         self.generated_tokens = int(state["generated_tokens"])
         self.heldout_before = [float(x) for x in state.get("heldout_before", [])]
 
-    def _lr_lambda(self, step: int) -> float:  # optimizer step -> RL step
-        return lr_factor(step // self.updates_per_step, self.cfg.train.steps, self.cfg.schedule)
-
     # -- the loop ------------------------------------------------------------------------------------------
-    def run(self, evaluate: Callable[[int], dict[str, float]]) -> int | None:
+    def run(self, evaluate: Callable[[int, Any], dict[str, float]]) -> int | None:
         """Train until train.steps or an early stop; returns the step resumed from (None for a fresh run)."""
         ahead: list[Generator[StepPrompts, None, None]] = []  # started at the first step, after any resume
 

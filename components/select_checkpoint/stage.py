@@ -32,7 +32,7 @@ from components._shared.launch.result import RESULT_FILE
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.stage_steps import SCRATCH
-from components._shared.model.vlm import count_parameters, load_vlm, save_vlm, set_pixel_bounds
+from components._shared.model.vlm import LoadedVlm, count_parameters, load_vlm, save_vlm, set_pixel_bounds
 from components._shared.platform import progress, storage
 from components._shared.platform.tracking import Tracker
 from components.select_checkpoint.config import SUITE_METRICS, SelectCheckpointConfig
@@ -113,14 +113,15 @@ def find_candidates(stage_dirs: dict[str, str], per_stage: int) -> list[Candidat
     return found
 
 
-def load_candidate(candidate: Candidate, scratch: Path):
-    """(model, processor) of a candidate; raises ValueError with the reason a checkpoint cannot be used. A
+def load_candidate(candidate: Candidate, scratch: Path) -> LoadedVlm:
+    """(model, processor, stored dtype) of a candidate; raises ValueError with the reason a checkpoint cannot be used. A
     checkpoint on S3 is downloaded into `scratch` (every file checked against its sha256)."""
     from safetensors.torch import load_file
 
-    model, processor = load_vlm(candidate.model_dir)
+    loaded = load_vlm(candidate.model_dir)
+    model = loaded.model
     if candidate.checkpoint is None:
-        return model, processor
+        return loaded
     directory = Path(candidate.checkpoint)
     if storage.is_s3(str(candidate.checkpoint)):
         target = scratch / "checkpoints" / re.sub(r"[^\w.-]", "_", candidate.name)
@@ -149,7 +150,7 @@ def load_candidate(candidate: Candidate, scratch: Path):
         )
     if not changed:
         raise ValueError("identical to the stage's output model")
-    return model, processor
+    return loaded
 
 
 def evaluate(model, processor, records: list[dict], cfg: SelectCheckpointConfig, scorer) -> tuple[dict, list[dict]]:
@@ -280,11 +281,12 @@ def run(
 
 def export_winner(winner: Candidate, predictions: list[dict], output_dir: Path) -> None:
     """model/ (the winner, HF format, with where it came from) and its eval_predictions.jsonl."""
-    model, processor = load_candidate(winner, output_dir / SCRATCH)
+    model, processor, stored_dtype = load_candidate(winner, output_dir / SCRATCH)
     save_vlm(
         model,
         processor,
         output_dir / "model",
+        dtype=stored_dtype,  # as the candidate's stage exported it
         metadata={
             "stage": "select_checkpoint",
             "selected_candidate": winner.name,
@@ -316,7 +318,7 @@ def evaluate_candidates(
             candidate.skipped = f"beyond checkpoints_per_stage={cfg.checkpoints_per_stage}"
             continue
         try:
-            model, processor = load_candidate(candidate, scratch)
+            model, processor, _ = load_candidate(candidate, scratch)
         except ValueError as error:
             candidate.skipped = str(error)
             continue
@@ -356,11 +358,12 @@ def register(
     if runner_up is None:
         return version, ""
     runner_dir = output_dir / SCRATCH / "challenger"
-    runner_model, runner_processor = load_candidate(runner_up, output_dir / SCRATCH)
+    runner_model, runner_processor, stored_dtype = load_candidate(runner_up, output_dir / SCRATCH)
     save_vlm(
         runner_model,
         runner_processor,
         runner_dir,
+        dtype=stored_dtype,
         metadata={"stage": "select_checkpoint", "selected_candidate": runner_up.name},
     )
     challenger_version = tracker.register_model(

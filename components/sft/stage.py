@@ -40,10 +40,13 @@ from components._shared.model.stage_steps import (
     run_key,
     trained_module,
 )
-from components._shared.model.training import Phase, TrainLoop, is_main_process
+from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop, is_main_process
 from components._shared.model.vlm import (
+    LoadedVlm,
     check_complete,
+    checkpoint_dtype,
     count_parameters,
+    export_dtype,
     freeze,
     load_vlm,
     save_vlm,
@@ -54,16 +57,13 @@ from components._shared.platform.tracking import Tracker
 from components.sft.config import SftConfig
 
 
-def build_model(cfg: SftConfig, base_model: str):
-    """(model, processor, trainable description) for the configured mode."""
+def build_model(cfg: SftConfig, base_model: str) -> LoadedVlm:
+    """(model to train, processor, the base's stored dtype) for the configured mode."""
     torch.manual_seed(cfg.seed)  # LoRA init is part of the run's determinism (exact resume)
-    if cfg.mode == "qlora":
-        model, processor = _load_4bit(cfg, base_model)
-    else:
-        model, processor = load_vlm(base_model)
+    model, processor, stored = _load_4bit(cfg, base_model) if cfg.mode == "qlora" else load_vlm(base_model)
     if cfg.mode == "full":
         freeze(model, tuple(cfg.freeze))
-        return model, processor
+        return LoadedVlm(model, processor, stored)
     from peft import LoraConfig, get_peft_model
 
     # QLoRA: peft's prepare_model_for_kbit_training is not used; it only upcasts half-precision weights (the
@@ -88,7 +88,7 @@ def build_model(cfg: SftConfig, base_model: str):
             f"LoRA targets {targets} gave no adapter on {missing}; fix lora.target_modules (this {family.name} "
             f"model's defaults: {family.lora_targets}) or lora.require_targets."
         )
-    return model, processor
+    return LoadedVlm(model, processor, stored)
 
 
 def lora_pattern(targets: list[str]) -> str:
@@ -155,7 +155,7 @@ def _load_4bit(cfg: SftConfig, base_model: str):
         # repacked weight then fails; held-out evals run between training steps, so keep the trainable layout.
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-    return model, AutoProcessor.from_pretrained(path, trust_remote_code=False)
+    return LoadedVlm(model, AutoProcessor.from_pretrained(path, trust_remote_code=False), checkpoint_dtype(path))
 
 
 def quick_eval_set(eval_records: list[dict], size: int) -> list[dict]:
@@ -225,7 +225,7 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
     records = load_sft_records(data_dir, cfg.max_records)
     eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     store = checkpoint_store("sft", cfg.train, run_key(cfg, {"base_model": base_model, "data": data}), output_dir)
-    model, processor = build_model(cfg, base_model)
+    model, processor, stored_dtype = build_model(cfg, base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     encoder = ConversationEncoder(
         processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
@@ -243,7 +243,8 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
             trained, encoder, eval_records, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
         )
         calibration = calibrate(cfg, trained, encoder, eval_records, rows) if cfg.calibration.enabled else {}
-        saved = save_outputs(cfg, trained, processor, base_model, output_dir, encoder, eval_records[:4])
+        export = export_dtype(cfg.train.export_dtype, stored_dtype)
+        saved = save_outputs(cfg, trained, processor, base_model, output_dir, encoder, eval_records[:4], export)
     ckpt.write_pointer(output_dir, [store.root])
     with (output_dir / "eval_predictions.jsonl").open("w") as f:
         for row in rows:
@@ -263,13 +264,13 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
         Figure("train_loss", "training loss", history_series(result.history, ["loss"]), log_y=True),
         Figure("quick_eval", "held-out VQA exact match (quick set)", history_series(result.evals, ["vqa_exact_match"])),
     ]
-    finish_report(output_dir, tracker, report(metrics), figures)
+    finish_report(output_dir, tracker, report(metrics), figures, set_aside=result.set_aside)
     return metrics
 
 
 def build_loop(
     cfg: SftConfig, model, encoder, records: list[dict], eval_records: list[dict], data_dir: Path, store, tracker
-) -> tuple[TrainLoop, Callable[[int], dict[str, float]]]:
+) -> tuple[TrainLoop, Callable[[int, Any], dict[str, float]]]:
     """The TrainLoop over the SFT records (images decoded on demand, a bounded cache) and its quick evaluation."""
 
     @functools.lru_cache(maxsize=4096)  # bounded: a real SFT set does not fit in memory decoded
@@ -282,24 +283,14 @@ def build_loop(
 
     quick = quick_eval_set(eval_records, 8 * cfg.eval.batch_size)
 
-    def evaluate(step: int) -> dict[str, float]:
+    def evaluate(step: int, model) -> dict[str, float]:
         summary, _ = E.evaluate_vqa(
-            loop.backend.module, encoder, quick, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
+            model, encoder, quick, batch_size=cfg.eval.batch_size, max_new_tokens=cfg.eval.max_new_tokens
         )
         return {k: v for k, v in summary.items() if k == "vqa_exact_match" or quick_key(k)}
 
-    loop = TrainLoop(
-        model,
-        train=cfg.train,
-        optim=cfg.optim,
-        schedule=cfg.schedule,
-        sample=sample,
-        phases=phases_for(cfg, records),
-        tracker=tracker,
-        seed=cfg.seed,
-        checkpoints=store,
-    )
-    return loop, evaluate
+    data = LoopData(phases=phases_for(cfg, records), sample=sample)
+    return TrainLoop(model, LoopSettings.of(cfg), data, store, tracker=tracker), evaluate
 
 
 def train_answers(records: list[dict]) -> dict[str, list[str]]:
@@ -335,13 +326,14 @@ def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: li
 
 
 def save_outputs(
-    cfg: SftConfig, model, processor, base_model: str, output_dir: Path, encoder, probe: list[dict]
+    cfg: SftConfig, model, processor, base_model: str, output_dir: Path, encoder, probe: list[dict], export
 ) -> dict[str, float]:
-    """adapter/ (LoRA modes) and model/ (merged, HF format); checks that merging kept the logits."""
+    """adapter/ (LoRA modes) and model/ (merged, HF format, weights in `export`); checks that merging kept the
+    logits."""
     meta = {"stage": "sft", "mode": cfg.mode, "base_model": str(base_model)}
     if cfg.mode == "full":
         if is_main_process():
-            save_vlm(model, processor, output_dir / "model", metadata=meta, dtype=cfg.train.export_dtype)
+            save_vlm(model, processor, output_dir / "model", metadata=meta, dtype=export)
         return {}
     if is_main_process():
         model.save_pretrained(output_dir / "adapter", safe_serialization=True)
@@ -350,7 +342,7 @@ def save_outputs(
     if cfg.mode == "qlora":  # merge into the full-precision base, the way QLoRA adapters are deployed
         from peft import PeftModel
 
-        base, _ = load_vlm(base_model)
+        base = load_vlm(base_model).model
         merged = PeftModel.from_pretrained(base, output_dir / "adapter").merge_and_unload()
     else:
         merged = model.merge_and_unload()
@@ -362,7 +354,7 @@ def save_outputs(
             processor,
             output_dir / "model",
             metadata={**meta, "merged_adapter": True},
-            dtype=cfg.train.export_dtype,
+            dtype=export,
         )
     return {"merge_max_abs_logit_diff": diff}
 

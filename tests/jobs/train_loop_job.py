@@ -19,7 +19,7 @@ import torch
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
-from components._shared.model.training import Phase, TrainLoop
+from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop
 from components._shared.model.vlm import load_vlm
 from components.synth_world.world import sample_clean_pairs
 
@@ -28,7 +28,7 @@ STEPS = 8
 
 def main(out: str, backend: str = "torch", checkpoint_root: str = "") -> None:
     torch.manual_seed(0)
-    model, processor = load_vlm("builtin:tiny-qwen2_5-vl")
+    model, processor, _ = load_vlm("builtin:tiny-qwen2_5-vl")
     encoder = ConversationEncoder(processor, model, min_pixels=56 * 56, max_pixels=112 * 112)
     samples = [
         encoder.encode(
@@ -55,15 +55,11 @@ def main(out: str, backend: str = "torch", checkpoint_root: str = "") -> None:
     )
     loop = TrainLoop(
         model,
-        train=train,
-        optim=OptimConfig(lr=3e-3, group_lr={"merger": 1e-3}),
-        schedule=ScheduleConfig(warmup_steps=2),
-        sample=samples.__getitem__,
-        phases=[Phase("a", 4, range(0, 12)), Phase("b", 4, range(24), lr_scale=0.5)],
-        checkpoints=CheckpointStore(
-            checkpoint_root or Path(out) / "checkpoints", keep=2, scratch=Path(out) / "scratch"
+        LoopSettings(train, OptimConfig(lr=3e-3, group_lr={"merger": 1e-3}), ScheduleConfig(warmup_steps=2), seed=3),
+        LoopData(
+            phases=[Phase("a", 4, range(0, 12)), Phase("b", 4, range(24), lr_scale=0.5)], sample=samples.__getitem__
         ),
-        seed=3,
+        CheckpointStore(checkpoint_root or Path(out) / "checkpoints", keep=2, scratch=Path(out) / "scratch"),
     )
     result = loop.run()
     from safetensors.torch import save_file

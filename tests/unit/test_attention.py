@@ -106,7 +106,7 @@ def _loss_and_grads(model, batch):
 
 @pytest.mark.parametrize("uri", ["builtin:tiny-qwen2_5-vl", "builtin:tiny-qwen3_5"])
 def test_varlen_path_equals_the_sdpa_loops_one_call_per_layer(uri, reference_kernel):
-    model, processor = load_vlm(uri)
+    model, processor, _ = load_vlm(uri)
     assert qwen_model(model).visual.config._attn_implementation == attention.VISION_VARLEN  # load_vlm sets it
     assert model.config.vision_config._attn_implementation == attention.PACKED_SDPA  # what saves and copies see
     batch = _packed_batch(model, processor)
@@ -134,7 +134,7 @@ def test_varlen_path_equals_the_sdpa_loops_one_call_per_layer(uri, reference_ker
 @pytest.mark.parametrize("uri", FAMILIES)
 def test_vision_varlen_keeps_every_family_s_cpu_numbers(uri):
     """On the CPU the one-call ViT branch runs transformers' own per-segment loop: bit-identical output."""
-    model, _ = load_vlm(uri)
+    model = load_vlm(uri).model
     visual = qwen_model(model).visual
     config = visual.config
     grid = torch.tensor([[1, 8, 12], [1, 16, 8], [1, 4, 4]])

@@ -88,7 +88,7 @@ def test_vision_like_7b_resizes_only_the_vit_to_the_7b_cost_ratio():
     from bench.packing_throughput import reference_vit_to_lm_cost, vision_like, vit_to_lm_cost
     from components._shared.model.vlm import load_vlm
 
-    model, _ = load_vlm("builtin:tiny-qwen2_5-vl")
+    model = load_vlm("builtin:tiny-qwen2_5-vl").model
     target = reference_vit_to_lm_cost("7b")
     assert 0.3 < target < 0.45
     resized = vision_like(model, "7b")

@@ -198,3 +198,17 @@ def test_every_entry_point_runs_the_same_gates(path):
         assert ".ci/lint" in text
     lint = (ROOT / ".ci/lint").read_text()
     assert all(cmd in lint for cmd in ("ruff check .", "ruff format --check .", "mypy"))
+
+
+def test_the_training_loop_takes_a_handful_of_parameters_and_hands_its_model_to_the_callbacks():
+    """TrainLoop is built from its settings, its data and its store (docs/architecture.md): no side channels on the
+    model (the export dtype travels in LoadedVlm) nor module-level lists (set-aside checkpoints are in the result)."""
+    from components._shared.model import checkpoint, vlm
+    from components._shared.model.training import TrainLoop, TrainResult
+
+    params = [p for p in inspect.signature(TrainLoop.__init__).parameters if p != "self"]
+    assert params == ["model", "settings", "data", "checkpoints", "tracker", "loss_fn", "extra"]
+    assert "set_aside" in TrainResult.__dataclass_fields__ and not hasattr(checkpoint, "SET_ASIDE")
+    assert vlm.LoadedVlm._fields == ("model", "processor", "stored_dtype")
+    sources = "\n".join(p.read_text() for p in source_files())
+    assert "qvl_checkpoint_dtype" not in sources

@@ -55,7 +55,7 @@ def _kl(teacher, student, batch) -> float:
 
 @pytest.mark.parametrize("family", ["tiny-qwen2_5-vl", "tiny-qwen2-vl"])
 def test_pruning_keeps_the_teacher_exactly_at_its_sizes_and_beats_random_init_when_smaller(family):
-    teacher, processor = load_vlm(f"builtin:{family}")
+    teacher, processor, _ = load_vlm(f"builtin:{family}")
     batch = _batch(teacher, processor)
     importance = measure_importance(teacher, [batch])
     same = prune(teacher, plan_pruning(teacher, importance)).eval()
@@ -74,7 +74,7 @@ def test_pruning_keeps_the_teacher_exactly_at_its_sizes_and_beats_random_init_wh
 
 
 def test_pruning_rejects_sizes_it_cannot_cut():
-    teacher, processor = load_vlm(BASE)
+    teacher, processor, _ = load_vlm(BASE)
     importance = measure_importance(teacher, [_batch(teacher, processor, 2)])
     with pytest.raises(ValueError, match=r"student\.hidden=40 is not a multiple of the teacher's head_dim 16"):
         plan_pruning(teacher, importance, hidden=40)
@@ -205,11 +205,11 @@ def test_logit_kl_compares_the_vocabulary_both_checkpoints_share():
 def test_student_checkpoint_init_and_config_errors(data_dir, tmp_path):
     """The student checkpoint has the teacher's tokenizer but more embedding rows (as Qwen2.5-VL-7B's 152,064 vs
     3B's 151,936): accepted, distilled over the shared vocabulary."""
-    teacher, _ = load_vlm(BASE)
+    teacher = load_vlm(BASE).model
     small = build_student(teacher.config, layers=1)
     small.resize_token_embeddings(teacher.config.text_config.vocab_size + 64)
     assert small.config.text_config.vocab_size == teacher.config.text_config.vocab_size + 64
-    _, processor = load_vlm(BASE)
+    processor = load_vlm(BASE).processor
     small.save_pretrained(tmp_path / "small")
     processor.save_pretrained(tmp_path / "small")
     cfg = _cfg(

@@ -18,7 +18,7 @@ from components._shared.model.vlm import load_vlm
 @pytest.fixture(scope="module")
 def model_and_encoder():
     torch.manual_seed(0)
-    model, processor = load_vlm("builtin:tiny-qwen2_5-vl")
+    model, processor, _ = load_vlm("builtin:tiny-qwen2_5-vl")
     model.eval()
     return model, ConversationEncoder(processor, model, min_pixels=3136, max_pixels=50176)
 

@@ -33,7 +33,7 @@ PIXELS = {"min_pixels": 64 * 64, "max_pixels": 256 * 256}
 @pytest.fixture(scope="module", params=list(BUILTINS))
 def family_model(request):
     torch.manual_seed(0)
-    model, processor = load_vlm(BUILTINS[request.param])
+    model, processor, _ = load_vlm(BUILTINS[request.param])
     model.eval()
     return request.param, model, processor, ConversationEncoder(processor, model, **PIXELS)
 
@@ -140,7 +140,7 @@ def test_packed_logits_equal_padded_for_every_family(family_model):
 
 
 def test_qwen3_5_linear_attention_leaks_across_packed_samples_without_their_lengths():
-    model, processor = load_vlm(BUILTINS["qwen3_5"])
+    model, processor, _ = load_vlm(BUILTINS["qwen3_5"])
     model.eval()
     samples = _samples(ConversationEncoder(processor, model, **PIXELS))
     packed = pack(samples)
@@ -204,7 +204,7 @@ def test_default_lora_adapts_every_family_merger_and_its_attention_kinds(name):
     from components.sft.config import SftConfig
     from components.sft.stage import build_model
 
-    model, _ = build_model(SftConfig.model_validate({"mode": "lora"}), BUILTINS[name])
+    model = build_model(SftConfig.model_validate({"mode": "lora"}), BUILTINS[name]).model
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
     assert any(".visual.merger." in n for n in adapted) and any(".attn.qkv" in n for n in adapted)
     assert any("deepstack_merger_list" in n for n in adapted) == (name == "qwen3_vl")
@@ -240,7 +240,7 @@ def test_clean_data_judge_scores_captions_at_the_stage_resolution_like_the_train
     images = [_image(200, 120, 1), _image(90, 90, 2)]
     captions = ["a red circle", "two blue squares on the left"]
     losses = judge.losses(images, captions)
-    model, processor = load_vlm(BUILTINS[name])
+    model, processor, _ = load_vlm(BUILTINS[name])
     encoder = ConversationEncoder(processor, model.eval(), min_pixels=low, max_pixels=high)
     samples = [
         encoder.encode(
@@ -257,18 +257,15 @@ def test_clean_data_judge_scores_captions_at_the_stage_resolution_like_the_train
 def _loop(model, encoder, tmp_path, loss_fn=None):
     from components._shared.model.checkpoint import CheckpointStore
     from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig
-    from components._shared.model.training import Phase, TrainLoop, default_loss
+    from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop, default_loss
 
     samples = _samples(encoder)[:2]
     train = TrainConfig(steps=2, samples_per_step=2, max_tokens_per_micro_batch=4096, threads=1)
     return TrainLoop(
         model,
-        train=train,
-        optim=OptimConfig(lr=1e-3),
-        schedule=ScheduleConfig(),
-        sample=lambda i: samples[i],
-        phases=[Phase("all", 2, [0, 1])],
-        checkpoints=CheckpointStore(tmp_path / "ckpt"),
+        LoopSettings(train, OptimConfig(lr=1e-3), ScheduleConfig()),
+        LoopData(phases=[Phase("all", 2, [0, 1])], sample=lambda i: samples[i]),
+        CheckpointStore(tmp_path / "ckpt"),
         loss_fn=loss_fn or default_loss,
     )
 
@@ -277,7 +274,7 @@ def test_a_run_records_what_it_trains_and_proves_the_frozen_groups_did_not_move(
     from components._shared.model.training import default_loss
     from components._shared.model.vlm import freeze
 
-    model, processor = load_vlm(BUILTINS["qwen3_vl"])
+    model, processor, _ = load_vlm(BUILTINS["qwen3_vl"])
     encoder = ConversationEncoder(processor, model, **PIXELS)
     freeze(model, ("vision_lower", "vision_upper", "merger"))
     result = _loop(model, encoder, tmp_path / "a").run()
@@ -304,7 +301,7 @@ def test_an_encoder_does_not_keep_its_model_alive():
     import gc
     import weakref
 
-    model, processor = load_vlm(BUILTINS["qwen3_5"])
+    model, processor, _ = load_vlm(BUILTINS["qwen3_5"])
     encoder = ConversationEncoder(processor, model, **PIXELS)
     sample = _samples(encoder)[0]
     alive = weakref.ref(model)
@@ -324,7 +321,7 @@ def test_qwen3_5_packed_gradients_are_the_same_with_gradient_checkpointing():
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model, processor = load_vlm(BUILTINS["qwen3_5"])
+        model, processor, _ = load_vlm(BUILTINS["qwen3_5"])
         model.train()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

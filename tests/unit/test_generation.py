@@ -24,7 +24,7 @@ from tests.hub_like import write_hub_like
 
 @pytest.fixture(scope="module")
 def hub_like(tmp_path_factory):
-    model, processor = load_vlm(write_hub_like(tmp_path_factory.mktemp("hub") / "Qwen2.5-VL-tiny-Instruct"))
+    model, processor, _ = load_vlm(write_hub_like(tmp_path_factory.mktemp("hub") / "Qwen2.5-VL-tiny-Instruct"))
     assert model.generation_config.repetition_penalty == 1.05  # the checkpoint's settings are really loaded
     return model.eval(), processor
 

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from components._shared.model.vlm import load_vlm, save_vlm
+from components._shared.model.vlm import export_dtype, load_vlm, save_vlm
 from tests.hub_like import write_hub_like
 
 
@@ -27,12 +27,12 @@ def _bytes(model_dir) -> int:
 
 
 def test_exports_keep_the_checkpoints_dtype_unless_configured(tmp_path):
-    model, processor = load_vlm(write_hub_like(tmp_path / "hub"))
+    model, processor, stored = load_vlm(write_hub_like(tmp_path / "hub"))
     assert next(model.parameters()).dtype == torch.float32  # trained in fp32
     with torch.no_grad():
         next(model.parameters()).add_(0.01)  # "trained"
-    own = save_vlm(model, processor, tmp_path / "own")
-    wide = save_vlm(model, processor, tmp_path / "wide", dtype="float32")
+    own = save_vlm(model, processor, tmp_path / "own", dtype=export_dtype("checkpoint", stored))
+    wide = save_vlm(model, processor, tmp_path / "wide", dtype=export_dtype("float32", stored))
     assert _dtypes(own) == {"BF16"} and _dtypes(wide) == {"F32"}
     assert json.loads((own / "config.json").read_text())["dtype"] == "bfloat16"
     assert 0.45 < _bytes(own) / _bytes(wide) < 0.55

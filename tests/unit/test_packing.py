@@ -24,7 +24,7 @@ SIZES = [(112, 112), (56, 168), (224, 112), (84, 84), (140, 70), (168, 56)]
 @pytest.fixture(scope="module", params=["builtin:tiny-qwen2_5-vl", "builtin:tiny-qwen2-vl"])
 def model_and_encoder(request):
     torch.manual_seed(0)
-    model, processor = load_vlm(request.param)
+    model, processor, _ = load_vlm(request.param)
     model.eval()
     return model, processor, ConversationEncoder(processor, model, min_pixels=56 * 56, max_pixels=224 * 224)
 

@@ -35,7 +35,7 @@ def _photos() -> list[Image.Image]:
 @pytest.fixture(scope="module", params=["builtin:tiny-qwen2_5-vl", "builtin:tiny-qwen3-vl"])
 def model_and_processor(request):
     torch.manual_seed(0)
-    model, processor = load_vlm(request.param)
+    model, processor, _ = load_vlm(request.param)
     model.eval()
     return model, processor
 

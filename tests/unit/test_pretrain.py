@@ -95,7 +95,7 @@ def _run(cfg, inputs, out):
 
 def test_cached_features_give_the_same_loss_as_pixels(inputs):
     """Stage 1 reads features instead of running the ViT; the LM must see exactly what pixels would give it."""
-    model, processor = load_vlm(BASE)
+    model, processor, _ = load_vlm(BASE)
     model.eval()
     encoder = ConversationEncoder(processor, model, **PIXELS)
     store = FeatureStore(inputs / "features")

@@ -31,7 +31,7 @@ def photo_dir(tmp_path_factory):
 
 
 def test_every_record_shape_encodes_with_exactly_its_answers_trained(photo_dir):
-    model, processor = load_vlm(BASE)
+    model, processor, _ = load_vlm(BASE)
     set_pixel_bounds(processor, 3136, 12544)
     encoder = ConversationEncoder(processor, model, min_pixels=3136, max_pixels=12544)
     records = datasets.load_conversations(photo_dir)

@@ -80,7 +80,7 @@ def _unit(encoder, data_dir, record, k=150, rejected=None):
 
 def test_sparsified_reward_ignores_everything_after_k_tokens(data_dir):
     torch.manual_seed(0)
-    backbone, processor = load_vlm(BASE)
+    backbone, processor, _ = load_vlm(BASE)
     model = RewardModel(backbone).eval()
     encoder = ConversationEncoder(processor, backbone, min_pixels=3136, max_pixels=12544)
     record = {

@@ -116,7 +116,7 @@ def stage_outputs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("select")
     write_splits(root / "data", seed=5, eval_per_type=3, sft_records=200, preference_pairs=8)
-    model, processor = load_vlm(BASE)
+    model, processor, _ = load_vlm(BASE)
     save_vlm(model, processor, root / "pretrain" / "model")
     train_tiny_sft(root / "data", root / "sft", steps=200, checkpoint_every=100, keep_checkpoints=3)
     (root / "sft" / "_stage_result.json").write_text(json.dumps({"metrics": {"steps": 200}, "seconds": 1.0}))

@@ -91,7 +91,7 @@ def test_qlora_quantises_the_lm_but_not_vision_or_lm_head(data_dir, tmp_path):
     from components.sft.stage import build_model
 
     cfg = _cfg("qlora", calibration={"enabled": False})
-    model, _ = build_model(cfg, BASE)
+    model = build_model(cfg, BASE).model
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
     assert any(
         k.endswith("language_model.layers.0.self_attn.q_proj.base_layer") and v == "Linear4bit"

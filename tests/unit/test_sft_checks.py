@@ -46,7 +46,7 @@ def test_lora_target_patterns_that_match_no_linear_layer_are_named_with_the_real
 @pytest.mark.parametrize("name", list(BUILTINS))
 def test_every_family_default_lora_target_matches_a_linear_layer(name):
     """Written out as sft.lora.target_modules, each family's defaults pass the check (no false alarm)."""
-    model, _ = load_vlm(BUILTINS[name])
+    model = load_vlm(BUILTINS[name]).model
     family = family_for(model)
     assert family.name == name
     check_lora_targets(model, family.lora_targets, family.name)

@@ -154,7 +154,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model, processor = load_vlm("builtin:tiny-qwen2_5-vl")
+        model, processor, _ = load_vlm("builtin:tiny-qwen2_5-vl")
         model.train()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -67,7 +67,7 @@ def test_freeze_rejects_unknown_groups(tiny):
 
 @pytest.mark.parametrize("family", ["builtin:tiny-qwen2_5-vl", "builtin:tiny-qwen2-vl"])
 def test_student_is_smaller_same_family_and_round_trips_through_auto_classes(family, tmp_path):
-    teacher, processor = load_vlm(family)
+    teacher, processor, _ = load_vlm(family)
     student = build_student(teacher.config, layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, vision_depth=1)
     ratio = count_parameters(student) / count_parameters(teacher)
     assert ratio < 0.7 and type(student) is type(teacher)  # the fixed-width ViT patch embedding dominates at tiny scale
@@ -110,7 +110,7 @@ def test_loading_refuses_other_model_types(tmp_path):
 
 
 def test_a_model_with_a_non_finite_weight_is_never_exported(tmp_path):
-    model, processor = load_vlm("builtin:tiny-qwen2_5-vl")
+    model, processor, _ = load_vlm("builtin:tiny-qwen2_5-vl")
     with torch.no_grad():
         next(p for n, p in model.named_parameters() if "merger" in n).view(-1)[0] = float("nan")
     with pytest.raises(ValueError, match=r"refusing to export: 1 weight tensor\(s\) hold non-finite values.*merger"):

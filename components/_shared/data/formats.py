@@ -47,7 +47,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _MARKER_LOOKALIKE = re.compile(r"<\s*image\s*>", re.IGNORECASE)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 # The Qwen VL tokenizers' special tokens (Qwen2-VL's added tokens, shared by Qwen2.5-VL, Qwen3-VL and Qwen3.5; the
-# synthetic world's tokenizer has the same). model/packing.py's ConversationEncoder refuses text holding any of them
+# synthetic world's tokenizer has the same). model/encoder.py's ConversationEncoder refuses text holding any of them
 # (with the checkpoint's own special tokens) when it encodes; the readers refuse such records here, before training.
 CONTROL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",

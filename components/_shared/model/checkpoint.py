@@ -13,7 +13,7 @@ Readers only see committed directories and verify every file before loading, so 
 writing a checkpoint leaves a directory that is never loaded (and is removed on the next save). A store opened
 with a key resumes only checkpoints of that key: a local root holding another key's checkpoints (a finished run
 with other settings or data in the same output directory) is moved aside to ROOT.stale-<key>, kept, and noted
-in `SET_ASIDE` for the stage's report.
+in the store's `set_aside` (the loop's result carries it to the stage's report).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from components._shared.platform import locks, s3_client, storage
 
 STEP_PREFIX = "step-"
 KEY_FILE = "key.json"
-SET_ASIDE: list[dict[str, str]] = []  # this process's set-aside roots, for the report (stage_steps.finish_report)
 
 
 def step_name(step: int) -> str:
@@ -76,6 +75,7 @@ class CheckpointStore:
         self.key = key
         self.remote = storage.is_s3(self.root)
         self.scratch = Path(scratch or tempfile.gettempdir()) if self.remote else Path(self.root)
+        self.set_aside: list[dict[str, str]] = []  # other runs' checkpoints moved out of the root (for the report)
         if key is not None:
             locks.hold(self.root, purpose="checkpoints")
         if not self.remote:
@@ -140,7 +140,7 @@ class CheckpointStore:
             if child.name.startswith((STEP_PREFIX, f".{STEP_PREFIX}")) and checkpoint_key(str(child)) != self.key:
                 os.replace(child, target / child.name)
         note = {"root": str(root), "kept_at": str(target), "old_key": ", ".join(foreign), "new_key": str(self.key)}
-        SET_ASIDE.append(note)
+        self.set_aside.append(note)
         print(
             f"NOTE: {root} held checkpoints of another run (key {note['old_key']}: other settings, data or input "
             f"models than this run's {self.key}); they were set aside, kept at {target}, and this run trains "

@@ -69,7 +69,7 @@ def save_reward_model(
     mean: float,
     std: float,
     base_model: str,
-    dtype: str = "checkpoint",
+    dtype: torch.dtype | None = None,
 ) -> None:
     from safetensors.torch import save_file
 
@@ -90,7 +90,7 @@ def load_reward_model(uri: str | Path, *, dtype: torch.dtype = torch.float32) ->
     path = resolve_model(str(uri))
     if not (path / HEAD_FILE).is_file() or not (path / META_FILE).is_file():
         raise ValueError(f"{uri} has no {HEAD_FILE} / {META_FILE}; point at the reward_model stage's model/ directory.")
-    backbone, processor = load_vlm(path, dtype=dtype)
+    backbone, processor, _ = load_vlm(path, dtype=dtype)
     model = RewardModel(backbone).to(dtype)
     model.head.load_state_dict(load_file(str(path / HEAD_FILE)))
     return model.eval(), processor, json.loads((path / META_FILE).read_text())

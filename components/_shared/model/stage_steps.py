@@ -4,7 +4,8 @@
     ...train with a TrainLoop on `store`...
     model = trained_module(loop, rebuild)          # None on ranks > 0 (they stop here)
     metrics = {**loop_metrics(result), ...}
-    finish_report(output_dir, tracker, report(metrics), [Figure("train_loss", "training loss", series)])
+    finish_report(output_dir, tracker, report(metrics), [Figure("train_loss", "training loss", series)],
+                  set_aside=result.set_aside)
 
 - `run_key`: the checkpoint key, a hash of the stage config and its inputs by content (a run with other settings,
   data or models never resumes this one's checkpoints; checkpoint.py sets another key's aside).
@@ -16,7 +17,7 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,16 +84,17 @@ class Figure:
     log_y: bool = False
 
 
-def finish_report(output_dir: Path, tracker: Tracker, text: str, figures: list[Figure]) -> str:
-    """Write report.md (the text, notes on checkpoints set aside and records skipped, the figures) on rank 0,
-    remove the scratch directory, log the report."""
-    for note in ckpt.SET_ASIDE:
+def finish_report(
+    output_dir: Path, tracker: Tracker, text: str, figures: list[Figure], set_aside: Sequence[dict[str, str]] = ()
+) -> str:
+    """Write report.md (the text, notes on checkpoints `set_aside` (TrainResult.set_aside) and records skipped,
+    the figures) on rank 0, remove the scratch directory, log the report."""
+    for note in set_aside:
         text += (
             f"\n**Checkpoints set aside**: `{note['root']}` held checkpoints of another run (key {note['old_key']}; "
             f"this run's key is {note['new_key']}: other settings, data or input models). They were not resumed; "
             f"they are kept at `{note['kept_at']}`.\n"
         )
-    ckpt.SET_ASIDE.clear()
     ledger = bad_records.current()
     text += ledger.report() if ledger is not None else ""
     if is_main_process():

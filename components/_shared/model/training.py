@@ -1,14 +1,15 @@
 """The training loop the model stages share: packed micro-batches, per-group AdamW, schedules, exact resume.
 
-    loop = TrainLoop(model, train=cfg.train, optim=cfg.optim, schedule=cfg.schedule,
-                     sample=dataset.__getitem__, phases=[Phase("all", cfg.train.steps, range(len(dataset)))],
-                     checkpoints=CheckpointStore(output_dir / "checkpoints"), tracker=tracker)
-    result = loop.run(evaluate=lambda step: {...})     # resumes from the newest committed checkpoint
+    loop = TrainLoop(model, LoopSettings.of(cfg), LoopData(phases=[Phase("all", cfg.train.steps, range(n))],
+                     sample=dataset.__getitem__), CheckpointStore(output_dir / "checkpoints"), tracker=tracker)
+    result = loop.run(evaluate=lambda step, model: {...})   # resumes from the newest committed checkpoint
 
-Data order is a pure function of (seed, phase, epoch), and a step takes the next `samples_per_step` indices
-of its phase, so the data position is three integers saved with the checkpoint. Each step packs its samples
-first-fit-decreasing into micro-batches of at most `max_tokens_per_micro_batch` tokens and normalises the
-loss by the step's number of target tokens, so a step's gradient does not depend on how it was packed.
+Data order is a pure function of (seed, phase, epoch) (data_order.py), and a step takes the next
+`samples_per_step` indices of its phase, so the data position is a few integers saved with the checkpoint. Each
+step packs its samples first-fit-decreasing into micro-batches of at most `max_tokens_per_micro_batch` tokens and
+normalises the loss by the step's number of target tokens, so a step's gradient does not depend on how it was
+packed. The callbacks get the model being trained as an argument (`evaluate(step, model)`,
+`sample_batch(indices, model)`); a stage's own state rides in every checkpoint through `extra` (a `LoopState`).
 
 Written by hand rather than with the HF Trainer: that trainer's resume does not restore this model's
 weights, restores RNG one batch late and writes non-atomic checkpoints (docs/references.md). The DeepSpeed
@@ -17,23 +18,22 @@ backend (components/_shared/model/ds_backend.py) plugs into the same loop.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import math
 import os
 import signal
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.backends import Backend, TorchBackend
+from components._shared.model.data_order import DataCursor, DataOrder, Phase
 from components._shared.model.device import resolve_device
 from components._shared.model.encoder import Sample
 from components._shared.model.head_loss import sequence_loss
@@ -44,29 +44,54 @@ from components._shared.model.train_config import OptimConfig, ScheduleConfig, T
 from components._shared.platform import progress
 from components._shared.platform.tracking import NullTracker, Tracker
 
-LossFn = Callable[[Any, dict, list[Sample]], tuple[torch.Tensor, int, dict[str, float]]]
+__all__ = ["DataCursor", "LoopData", "LoopSettings", "LoopState", "Phase", "TrainLoop", "TrainResult"]
+Model = Any  # the module being trained (the backend's: a DeepSpeed engine's module under DeepSpeed)
+LossFn = Callable[[Model, dict, list[Sample]], tuple[torch.Tensor, int, dict[str, float]]]
+Evaluate = Callable[[int, Model], dict[str, float]]  # (step, the model being trained) -> metrics
+
+
+def target_tokens(unit: list[Sample]) -> float:
+    """The default unit weight: an item's target tokens (the step's loss is a mean over them)."""
+    return float(sum(s.num_targets for s in unit))
 
 
 @dataclass(frozen=True)
-class Phase:
-    """A stretch of training on one pool of sample indices, with its own learning-rate scale (curriculum)."""
+class LoopSettings:
+    """The settings blocks a loop runs by; `updates_per_step` optimizer steps make one loop step (RL's epochs x
+    minibatches), so the schedule advances once per loop step."""
 
-    name: str
-    steps: int
-    pool: Sequence[int]
-    lr_scale: float = 1.0
-    # Online scheduling: weights over `pool` from the evaluations so far (None = plain epochs). When it returns
-    # weights, each step draws its samples with replacement from a generator seeded by (seed, step), so the
-    # data stays a pure function of the restored state and resume stays exact.
-    weights: Callable[[list[dict]], Sequence[float] | None] | None = None
+    train: TrainConfig
+    optim: OptimConfig
+    schedule: ScheduleConfig
+    seed: int = 0
+    updates_per_step: int = 1
+
+    @classmethod
+    def of(cls, cfg: Any, **changes: Any) -> LoopSettings:
+        """The blocks of a stage config (or pretrain's phase block, with `seed=` given)."""
+        values = {"train": cfg.train, "optim": cfg.optim, "schedule": cfg.schedule, "seed": getattr(cfg, "seed", 0)}
+        return cls(**{**values, **changes})
 
 
-@dataclass
-class DataCursor:
-    phase: int = 0
-    step_in_phase: int = 0
-    epoch: int = 0
-    offset: int = 0
+@dataclass(frozen=True)
+class LoopData:
+    """What a loop trains on: its phases and how a step's items are made. `sample(i)` builds one item (a Sample,
+    or a group kept in one micro-batch such as a preference pair) and lets data workers build steps ahead;
+    `sample_batch(indices, model)` builds a step's items with the current model (distill's on-policy answers),
+    in the step. `unit_weight(item)` is an item's share of the step's loss normaliser (default: target tokens)."""
+
+    phases: list[Phase]
+    sample: Callable[[int], Sample | list[Sample]] | None = None
+    sample_batch: Callable[[list[int], Model], list] | None = None
+    unit_weight: Callable[[list[Sample]], float] | None = None
+
+
+class LoopState(Protocol):
+    """A stage's own state saved with every checkpoint and restored on resume (before RNG)."""
+
+    def state(self) -> dict: ...
+
+    def load(self, state: dict) -> None: ...
 
 
 @dataclass
@@ -81,6 +106,7 @@ class TrainResult:
     tokens: int = 0
     seconds: float = 0.0
     parameters: dict[str, dict[str, int]] = field(default_factory=dict)  # per group: trainable / frozen (manifest.py)
+    set_aside: list[dict[str, str]] = field(default_factory=list)  # other runs' checkpoints moved aside (report)
 
 
 def default_loss(
@@ -97,30 +123,18 @@ class TrainLoop:
     def __init__(
         self,
         model,
-        *,
-        train: TrainConfig,
-        optim: OptimConfig,
-        schedule: ScheduleConfig,
-        sample: Callable[[int], Sample | list[Sample]] | None,
-        phases: list[Phase],
+        settings: LoopSettings,
+        data: LoopData,
         checkpoints: ckpt.CheckpointStore,
+        *,
         tracker: Tracker | None = None,
         loss_fn: LossFn | None = None,
-        seed: int = 0,
-        extra_state: Callable[[], dict] | None = None,
-        load_extra_state: Callable[[dict], None] | None = None,
-        unit_weight: Callable[[list[Sample]], float] | None = None,
-        sample_batch: Callable[[list[int]], list] | None = None,
-        lr_lambda: Callable[[int], float] | None = None,
+        extra: LoopState | None = None,
     ) -> None:
-        if sum(p.steps for p in phases) != train.steps:
-            raise ValueError(
-                f"phases have {sum(p.steps for p in phases)} steps but train.steps={train.steps}; make "
-                "the phase steps add up to train.steps."
-            )
-        for p in phases:
-            if len(p.pool) == 0 and p.steps:
-                raise ValueError(f"phase '{p.name}' has no samples; check its data filter.")
+        train = settings.train
+        self.order = DataOrder(
+            data.phases, seed=settings.seed, samples_per_step=train.samples_per_step, steps=train.steps
+        )
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and train.backend != "deepspeed":
             raise ValueError(
                 "this run has several processes (WORLD_SIZE > 1) but train.backend is 'torch', which "
@@ -128,113 +142,70 @@ class TrainLoop:
             )
         if train.threads:
             torch.set_num_threads(train.threads)
-        self.model, self.train, self.schedule = model, train, schedule
-        self.sample, self.phases, self.store = sample, phases, checkpoints
-        # A step's items built together (distill's on-policy answers are generated in batches); default: one by one
-        self.sample_batch = sample_batch or (lambda indices: [self._sample(i) for i in indices])
-        self.prefetchable = sample_batch is None
+        self.model, self.settings, self.train, self.schedule = model, settings, train, settings.schedule
+        self.data, self.store, self.extra = data, checkpoints, extra
         self.tracker = tracker or NullTracker()
         self.loss_fn = loss_fn or functools.partial(default_loss, chunk_rows=train.loss_chunk_tokens)
-        self.seed = seed
-        self.extra_state, self.load_extra_state = extra_state, load_extra_state  # caller state saved with checkpoints
-        # A data item may be a group of samples kept in one micro-batch (a preference pair); the step's loss is
-        # normalised by the summed unit weights (default: target tokens), known before the first backward.
-        self.unit_weight = unit_weight or (lambda unit: float(sum(s.num_targets for s in unit)))
         self.device = resolve_device(train.device)
         self.autocast = train.precision == "bf16" or (train.precision == "auto" and self.device.type == "cuda")
         if train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
         model.to(self.device)
-        lr_lambda = lr_lambda or self._lr_lambda  # optimizer step -> LR factor (rl maps several updates to a step)
         if train.backend == "deepspeed":
             from components._shared.model.ds_backend import DeepSpeedBackend
 
-            self.backend: Backend = DeepSpeedBackend(model, train=train, optim=optim, lr_lambda=lr_lambda)
+            self.backend: Backend = DeepSpeedBackend(
+                model, train=train, optim=settings.optim, lr_lambda=self._lr_lambda
+            )
         else:
-            self.backend = TorchBackend(model, optim=optim, lr_lambda=lr_lambda)
-        self.cursor = DataCursor()
+            self.backend = TorchBackend(model, optim=settings.optim, lr_lambda=self._lr_lambda)
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []
-        self._order_cache: dict[tuple[int, int], np.ndarray] = {}
         self.parameters: dict[str, dict[str, int]] = {}
 
     # -- data position -------------------------------------------------------------------------------------
-    def _order(self, phase: int, epoch: int) -> np.ndarray:
-        key = (phase, epoch)
-        if key not in self._order_cache:
-            rng = np.random.default_rng([self.seed, phase, epoch])
-            self._order_cache = {key: rng.permutation(np.asarray(self.phases[phase].pool))}
-        return self._order_cache[key]
+    @property
+    def phases(self) -> list[Phase]:
+        return self.order.phases
+
+    @property
+    def cursor(self) -> DataCursor:
+        return self.order.cursor
 
     def next_indices(self) -> tuple[list[int], Phase]:
-        c = self.cursor
-        while c.step_in_phase >= self.phases[c.phase].steps:
-            c.phase, c.step_in_phase, c.epoch, c.offset = c.phase + 1, 0, 0, 0
-        phase = self.phases[c.phase]
-        weights = phase.weights(self.evals) if phase.weights else None
-        if weights is not None:
-            p = np.asarray(weights, dtype=np.float64)
-            rng = np.random.default_rng([self.seed, 1_000_003, self.step])
-            c.step_in_phase += 1
-            drawn = rng.choice(np.asarray(phase.pool), size=self.train.samples_per_step, p=p / p.sum())
-            return [int(i) for i in drawn], phase
-        picked: list[int] = []
-        while len(picked) < self.train.samples_per_step:
-            order = self._order(c.phase, c.epoch)
-            take = order[c.offset : c.offset + self.train.samples_per_step - len(picked)]
-            picked += [int(i) for i in take]
-            c.offset += len(take)
-            if c.offset >= len(order):
-                c.epoch, c.offset = c.epoch + 1, 0
-        c.step_in_phase += 1
-        return picked, phase
+        """The next step's sample indices and phase (moves the data cursor)."""
+        return self.order.next_indices(self.step, self.evals)
 
     def upcoming_indices(self) -> list[list[int]]:
-        """The sample indices of the next steps up to the end or the first eval-weighted phase (whose draw depends
-        on evaluations not yet run), without moving the data cursor."""
-        saved = copy.deepcopy(self.cursor)
-        plan: list[list[int]] = []
-        try:
-            for _ in range(self.train.steps - self.step):
-                c = self.cursor
-                while c.phase < len(self.phases) - 1 and c.step_in_phase >= self.phases[c.phase].steps:
-                    c.phase, c.step_in_phase, c.epoch, c.offset = c.phase + 1, 0, 0, 0
-                if self.phases[c.phase].weights:
-                    break
-                plan.append(self.next_indices()[0])
-        finally:
-            self.cursor = saved
-        return plan
+        """The sample indices of the next steps up to the end or the first eval-weighted phase."""
+        return self.order.upcoming_indices(self.step)
 
     def _inputs_ahead(self) -> Generator[PreparedStep, None, None]:
         """The prepared inputs of the upcoming steps, built by train.data_workers processes (step_inputs.py); empty
-        when the step's items come from a custom sample_batch (it may need the current model)."""
-        plan = self.upcoming_indices() if self.prefetchable else []
+        when the step's items come from `sample_batch` (it needs the current model)."""
+        plan = self.upcoming_indices() if self.data.sample_batch is None else []
         return step_inputs(
             plan,
-            lambda indices: self.prepare(indices, self.sample_batch(indices)),
+            lambda indices: self.prepare(indices, self._items(indices)),
             workers=data_workers(self.train, self.device),
             depth=self.train.prefetch_steps,
             pin=self.device.type == "cuda",
         )
 
-    def _sample(self, index: int) -> Sample | list[Sample]:
-        if self.sample is None:
+    def _items(self, indices: list[int]) -> list:
+        """A step's items: built together with the current model (`sample_batch`), else one by one (`sample`)."""
+        if self.data.sample_batch is not None:
+            return self.data.sample_batch(indices, self.backend.module)
+        if self.data.sample is None:
             raise TypeError("this TrainLoop was built without `sample`; pass it, or drive the loop with drive().")
-        return self.sample(index)
+        return [self.data.sample(i) for i in indices]
 
-    def _lr_lambda(self, step: int) -> float:
-        return lr_factor(step, self.train.steps, self.schedule) * self._phase_at(step).lr_scale
-
-    def _phase_at(self, step: int) -> Phase:
-        at = 0
-        for phase in self.phases:
-            at += phase.steps
-            if step < at:
-                return phase
-        return self.phases[-1]
+    def _lr_lambda(self, update: int) -> float:
+        """Optimizer update -> learning-rate factor: the schedule at its loop step times the phase's scale."""
+        step = update // self.settings.updates_per_step
+        return lr_factor(step, self.train.steps, self.schedule) * self.order.phase_at(step).lr_scale
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_checkpoint(self) -> str:
@@ -262,7 +233,7 @@ class TrainLoop:
                 "rng": states,
                 "history": self.history,
                 "evals": self.evals,
-                "extra": self.extra_state() if self.extra_state else {},
+                "extra": self.extra.state() if self.extra is not None else {},
             }
             ckpt.write_state(staging, state)
             uri = self.store.commit(staging, self.step)
@@ -277,17 +248,17 @@ class TrainLoop:
         state = ckpt.read_state(local)
         self.backend.load(local)
         self.step = int(state["step"])
-        self.cursor = DataCursor(**state["cursor"])
+        self.order.cursor = DataCursor(**state["cursor"])
         self.history, self.evals = state["history"], state["evals"]
-        if self.load_extra_state is not None:
-            self.load_extra_state(state.get("extra", {}))
+        if self.extra is not None:
+            self.extra.load(state.get("extra", {}))
         rank = self.backend.rank
         rng = state["rng"] if rank == 0 else json.loads((local / f"state-rank{rank}.json").read_text())
         ckpt.load_rng(local, rng, rank)  # last: nothing after this may consume randomness before training
         return self.step
 
     # -- the loop ------------------------------------------------------------------------------------------
-    def run(self, evaluate: Callable[[int], dict[str, float]] | None = None) -> TrainResult:
+    def run(self, evaluate: Evaluate | None = None) -> TrainResult:
         """Train over the phases from `sample` (resuming from the newest checkpoint); evaluate at eval_every."""
         started = time.perf_counter()
         counts = {"_tokens": 0, "_slots": 0, "_real": 0, "_positions": 0}
@@ -303,7 +274,7 @@ class TrainLoop:
             if step is None or step.indices != indices:  # past the prefetch plan (an eval-weighted phase)
                 if step is not None:
                     raise RuntimeError(f"prefetched step inputs {step.indices[:4]} are not step {self.step + 1}'s")
-                step = self.prepare(indices, self.sample_batch(indices))
+                step = self.prepare(indices, self._items(indices))
             waited = time.perf_counter() - waiting
             metrics = self.train_step(step)
             metrics["time/data_wait_s"] = waited  # the step's wait for its inputs (~0 when prefetched in time)
@@ -329,12 +300,13 @@ class TrainLoop:
             tokens=counts["_tokens"],
             seconds=time.perf_counter() - started,
             parameters=self.parameters,
+            set_aside=list(self.store.set_aside),
         )
 
     def drive(
         self,
         step_fn: Callable[[], dict[str, float]],
-        evaluate: Callable[[int], dict[str, float]] | None = None,
+        evaluate: Evaluate | None = None,
         *,
         log_prefix: str = "train",
         after_eval: Callable[[], None] | None = None,
@@ -379,11 +351,11 @@ class TrainLoop:
         """A periodic action at this step (never at the last step: the end of the run does it)."""
         return bool(every) and self.step % every == 0 and self.step < self.train.steps
 
-    def _evaluate(self, evaluate: Callable[[int], dict[str, float]]) -> None:
+    def _evaluate(self, evaluate: Evaluate) -> None:
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad(), self.autocast_context():
-            result = {"step": self.step, **evaluate(self.step)}
+            result = {"step": self.step, **evaluate(self.step, self.backend.module)}
         self.model.train(was_training)
         self.evals.append(result)
         self.tracker.log_metrics({f"eval/{k}": v for k, v in result.items() if k != "step"}, step=self.step)
@@ -397,7 +369,7 @@ class TrainLoop:
             indices,
             items,
             max_tokens=self.train.max_tokens_per_micro_batch,
-            unit_weight=self.unit_weight,
+            unit_weight=self.data.unit_weight or target_tokens,
             rank=self.backend.rank,
             world=self.backend.world_size,
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,10 +24,20 @@ _VISION_BLOCK = re.compile(r"(?:^|\.)visual\.blocks\.(\d+)\.")
 _LM_LAYER = re.compile(r"(?:^|\.)language_model\.layers\.(\d+)\.")
 
 
-def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """(model, processor) for a model URI (dir, s3://, builtin:NAME); safetensors only, no remote code. Attention
-    runs per packed sample (`attention.PACKED_SDPA`), plain sdpa otherwise; the ViT attends over all its images in
-    one call per block (`attention.enable_vision_varlen`: one kernel on CUDA, the same loop as before elsewhere)."""
+class LoadedVlm(NamedTuple):
+    """A loaded checkpoint: the model, its processor, and the dtype its weights are stored in (what
+    `export_dtype: checkpoint` writes back, whatever precision training ran in)."""
+
+    model: Any
+    processor: Any
+    stored_dtype: torch.dtype
+
+
+def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedVlm:
+    """(model, processor, stored dtype) for a model URI (dir, s3://, builtin:NAME); safetensors only, no remote
+    code. Attention runs per packed sample (`attention.PACKED_SDPA`), plain sdpa otherwise; the ViT attends over all
+    its images in one call per block (`attention.enable_vision_varlen`: one kernel on CUDA, the same loop as before
+    elsewhere)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     path = resolve_model(str(uri))
@@ -47,9 +57,8 @@ def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str
     check_complete(uri, loading)
     enable_vision_varlen(model)
     model = model.to(device)
-    model.qvl_checkpoint_dtype = checkpoint_dtype(path)  # what save_vlm exports in (training may run in fp32)
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=False)
-    return model, processor
+    return LoadedVlm(model, processor, checkpoint_dtype(path))
 
 
 def check_complete(uri: str | Path, loading: dict[str, Any]) -> None:
@@ -76,18 +85,27 @@ def checkpoint_dtype(path: Path) -> torch.dtype:
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def export_dtype(setting: str, stored: torch.dtype) -> torch.dtype:
+    """`train.export_dtype` resolved: "checkpoint" -> the dtype the source checkpoint is stored in (a bf16 7B stays
+    16.6 GB, not 33 GB of fp32 training weights); "float32" / "bfloat16" / "float16" force one."""
+    return stored if setting == "checkpoint" else EXPORT_DTYPES[setting]
+
+
 def save_vlm(
-    model, processor, out_dir: str | Path, *, metadata: dict[str, Any] | None = None, dtype: str = "checkpoint"
+    model,
+    processor,
+    out_dir: str | Path,
+    *,
+    metadata: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Save model + processor in HF format (safetensors) and an optional `qvl_model.json`; returns the dir.
-
-    `dtype="checkpoint"` writes the weights in the dtype of the checkpoint the model was loaded from (a bf16 7B
-    stays 16.6 GB, not 33 GB of fp32 training weights); "float32" / "bfloat16" / "float16" force one.
-    """
+    The weights are written in `dtype` (`export_dtype(...)`; None: the model's own) as a cast copy: the model
+    keeps its training precision."""
     check_finite_weights(model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = EXPORT_DTYPES[dtype] if dtype != "checkpoint" else getattr(model, "qvl_checkpoint_dtype", None)
+    target = dtype
     current = next(model.parameters()).dtype
     if target is None or target == current or not current.is_floating_point:
         model.save_pretrained(out_dir, safe_serialization=True)
