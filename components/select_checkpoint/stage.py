@@ -19,7 +19,6 @@ import json
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,125 +31,16 @@ from components._shared.launch.result import RESULT_FILE
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.stage_steps import SCRATCH
-from components._shared.model.vlm import LoadedVlm, count_parameters, load_vlm, save_vlm, set_pixel_bounds
-from components._shared.platform import progress, storage
+from components._shared.model.vlm import count_parameters, save_vlm, set_pixel_bounds
+from components._shared.platform import progress
 from components._shared.platform.tracking import Tracker
+from components.select_checkpoint.candidates import Candidate, find_candidates, load_candidate
+from components.select_checkpoint.card import model_card
 from components.select_checkpoint.config import SUITE_METRICS, SelectCheckpointConfig
-
-IGNORED_CHECKPOINT_KEYS = ("value_head.", "distill_projections.")  # training-only modules (rl's critic, distill's maps)
 
 
 class NoCandidatePasses(ValueError):
     """Every candidate failed a gate (or none could be evaluated); the message lists each one's failure."""
-
-
-@dataclass
-class Candidate:
-    name: str
-    stage: str
-    model_dir: Path  # the stage's output model/ (architecture, processor, frozen weights)
-    checkpoint: Path | str | None = None  # an intermediate checkpoint (dir or s3:// URI) whose trainable weights
-    #                                       replace the model's
-    metrics: dict[str, float] = field(default_factory=dict)
-    score: float = float("nan")
-    failed_gates: list[str] = field(default_factory=list)
-    skipped: str = ""
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "stage": self.stage,
-            "model_dir": str(self.model_dir),
-            "checkpoint": str(self.checkpoint) if self.checkpoint else None,
-            "metrics": self.metrics,
-            "score": self.score,
-            "failed_gates": self.failed_gates,
-            "skipped": self.skipped,
-        }
-
-
-def _step(path: Path) -> int:
-    match = re.search(r"step-(\d+)$", path.name)
-    return int(match.group(1)) if match else -1
-
-
-def find_candidates(stage_dirs: dict[str, str], per_stage: int) -> list[Candidate]:
-    """The stage outputs and their newest `per_stage` committed intermediate checkpoints, in stage order."""
-    found = []
-    for stage, directory in stage_dirs.items():
-        if not directory:
-            continue
-        root = Path(directory)
-        if not (root / "model" / "config.json").is_file():
-            raise ValueError(
-                f"select_checkpoint input {stage}={directory!r} has no model/config.json; pass the "
-                f"{stage} stage's output directory."
-            )
-        found.append(Candidate(stage, stage, root / "model"))
-        # (group, label, location): local ones under checkpoints/, or at the roots checkpoints.json names
-        # (train.checkpoint_uri, e.g. s3://)
-        committed: list[tuple[str, str, str | Path]] = (
-            [
-                (str(p.parent), str(p.relative_to(root / "checkpoints")), p)
-                for p in (root / "checkpoints").rglob("step-*")
-                # not another run's, set aside by checkpoint.py as <root>.stale-<key>
-                if (p / storage.COMMIT_MARKER).is_file() and ".stale-" not in p.relative_to(root).as_posix()
-            ]
-            if (root / "checkpoints").is_dir()
-            else []
-        )
-        elsewhere = ckpt.read_pointer(root)
-        for location in elsewhere:
-            for uri in storage.list_committed(location):
-                step = Path(uri.rstrip("/")).name
-                if step.startswith("step-"):
-                    label = f"{Path(location.rstrip('/')).name}/{step}" if len(elsewhere) > 1 else step
-                    committed.append((location, label, uri if storage.is_s3(uri) else Path(uri)))
-        committed.sort(key=lambda c: (c[0], _step(Path(c[1]))), reverse=True)  # newest first within each group
-        # one spare: the newest checkpoint is often the output itself (skipped as identical, not counted)
-        for _, label, checkpoint in committed[: per_stage + 1] if per_stage else []:
-            found.append(Candidate(f"{stage}@{label}", stage, root / "model", checkpoint))
-    return found
-
-
-def load_candidate(candidate: Candidate, scratch: Path) -> LoadedVlm:
-    """(model, processor, stored dtype) of a candidate; raises ValueError with the reason a checkpoint cannot be used. A
-    checkpoint on S3 is downloaded into `scratch` (every file checked against its sha256)."""
-    from safetensors.torch import load_file
-
-    loaded = load_vlm(candidate.model_dir)
-    model = loaded.model
-    if candidate.checkpoint is None:
-        return loaded
-    directory = Path(candidate.checkpoint)
-    if storage.is_s3(str(candidate.checkpoint)):
-        target = scratch / "checkpoints" / re.sub(r"[^\w.-]", "_", candidate.name)
-        shutil.rmtree(target, ignore_errors=True)
-        directory = storage.fetch_dir(str(candidate.checkpoint), target)
-    weights_file = directory / "trainable.safetensors"
-    if not weights_file.is_file():
-        raise ValueError(
-            f"no trainable.safetensors (a ZeRO-sharded checkpoint?): {sorted(p.name for p in directory.iterdir())[:4]}"
-        )
-    params = dict(model.named_parameters())
-    weights, unknown, changed = load_file(str(weights_file)), [], False
-    for key, value in weights.items():
-        if key.startswith(IGNORED_CHECKPOINT_KEYS):
-            continue
-        name = key if key in params else key.removeprefix("model.") if key.removeprefix("model.") in params else None
-        if name is None or params[name].shape != value.shape:
-            unknown.append(key)
-            continue
-        changed = changed or not torch.equal(params[name].data, value)
-        params[name].data.copy_(value)
-    if unknown:
-        raise ValueError(
-            f"{len(unknown)} checkpoint tensor(s) do not fit the stage's model (a LoRA adapter "
-            f"checkpoint?), e.g. {unknown[:2]}"
-        )
-    if not changed:
-        raise ValueError("identical to the stage's output model")
-    return loaded
 
 
 def evaluate(model, processor, records: list[dict], cfg: SelectCheckpointConfig, scorer) -> tuple[dict, list[dict]]:
@@ -281,12 +171,12 @@ def run(
 
 def export_winner(winner: Candidate, predictions: list[dict], output_dir: Path) -> None:
     """model/ (the winner, HF format, with where it came from) and its eval_predictions.jsonl."""
-    model, processor, stored_dtype = load_candidate(winner, output_dir / SCRATCH)
+    model, processor, stored_dtype = load_candidate(winner, output_dir / SCRATCH)  # saved as its stage exported it
     save_vlm(
         model,
         processor,
         output_dir / "model",
-        dtype=stored_dtype,  # as the candidate's stage exported it
+        dtype=stored_dtype,
         metadata={
             "stage": "select_checkpoint",
             "selected_candidate": winner.name,
@@ -386,109 +276,6 @@ def _stage_results(dirs: dict[str, str]) -> dict[str, dict]:
         if path is not None and path.is_file():
             results[stage] = json.loads(path.read_text())
     return results
-
-
-def _table(candidates: list[Candidate], keys: list[str]) -> list[str]:
-    lines = ["| candidate | score | " + " | ".join(keys) + " | gates |", "|---" * (len(keys) + 3) + "|"]
-    for c in candidates:
-        if c.skipped:
-            lines.append(f"| {c.name} | skipped | " + " | ".join("" for _ in keys) + f" | {c.skipped} |")
-            continue
-        values = " | ".join(f"{c.metrics[k]:.4g}" if k in c.metrics else "-" for k in keys)
-        lines.append(f"| {c.name} | {c.score:.4f} | {values} | {'; '.join(c.failed_gates) or 'pass'} |")
-    return lines
-
-
-def model_card(
-    cfg: SelectCheckpointConfig,
-    candidates: list[Candidate],
-    winner: Candidate,
-    runner_up: Candidate | None,
-    metrics: dict[str, Any],
-    lineage: dict[str, dict],
-    stage_configs: dict[str, dict],
-) -> str:
-    """Markdown: what was selected and registered, how, on what data, by which stages with which settings."""
-
-    registered = (
-        f"`{metrics['registered_model']}` version {metrics['registered_version']} (alias `champion`)"
-        if metrics["registered_version"]
-        else "not registered (no MLflow run)"
-    )
-    lines = [
-        f"# Model card: {winner.name}",
-        "",
-        f"Selected **{winner.name}** (stage `{winner.stage}`) with score {winner.score:.4f}; registered as "
-        f"{registered}." + (f" Runner-up: {runner_up.name} (alias `challenger`)." if runner_up else ""),
-        "Loads with `AutoModelForImageTextToText.from_pretrained(dir)` and `AutoProcessor.from_pretrained(dir)`; "
-        'from the registry: `mlflow.artifacts.download_artifacts("models:/NAME@champion")`.',
-        "",
-        "## Selection rule",
-        "",
-        "score = "
-        + " + ".join(f"{w:g} x {k}" for k, w in cfg.weights.items())
-        + "; gates: "
-        + (
-            ", ".join(
-                [
-                    *(f"{k} >= {v:g}" for k, v in cfg.min_gates.items()),
-                    *(f"{k} <= {v:g}" for k, v in cfg.max_gates.items()),
-                ]
-            )
-            or "none"
-        )
-        + ".",
-        "",
-        "## Held-out evaluation",
-        "",
-    ]
-    keys = [
-        "vqa_exact_match",
-        "grounding_accuracy",
-        "anls",
-        "cider_d",
-        "reward_model_score",
-        "parameters",
-        "latency_ms",
-        *(f"exact_match/{t}" for t in T.SYNTHETIC_TASKS if t != "caption"),
-        *sorted({k for c in candidates for k in c.metrics if k.startswith(T.PER_DATA)}),
-    ]
-    lines += _table(candidates, [k for k in keys if any(k in c.metrics for c in candidates)])
-    lines += _lineage(lineage, stage_configs)
-    return "\n".join(lines) + "\n"
-
-
-def _lineage(lineage: dict[str, dict], stage_configs: dict[str, dict]) -> list[str]:
-    """The card's data lineage (clean_data's accounting) and each stage's metrics and settings."""
-    import yaml
-
-    lines = ["", "## Data lineage", ""]
-    clean = lineage.get("clean_data", {}).get("metrics", {})
-    if clean:
-        lines.append(
-            f"Lake records in: {clean.get('records_in')}, kept: {clean.get('records_kept')}, rejected: "
-            f"{clean.get('records_rejected')}."
-        )
-        for reason, count in sorted((clean.get("rejected_by_reason") or {}).items(), key=lambda kv: -kv[1]):
-            lines.append(f"- rejected `{reason}`: {count}")
-    else:
-        lines.append("clean_data's result was not given.")
-    lines += ["", "## Stages", ""]
-    for stage in ("clean_data", "pretrain", "sft", "reward_model", "rl", "distill"):
-        if stage not in lineage and stage not in stage_configs:
-            continue
-        result = lineage.get(stage, {})
-        lines.append(f"### {stage}" + (f" ({result['seconds']:.0f} s)" if "seconds" in result else ""))
-        scalars = {k: v for k, v in result.get("metrics", {}).items() if isinstance(v, (int, float, str))}
-        if scalars:
-            lines.append(
-                "Metrics: "
-                + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(scalars.items()))
-            )
-        if stage in stage_configs:
-            lines += ["", "```yaml", yaml.safe_dump(stage_configs[stage], sort_keys=True).strip(), "```"]
-        lines.append("")
-    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

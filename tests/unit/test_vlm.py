@@ -23,7 +23,7 @@ def tiny():
 
 
 def test_module_groups_cover_every_parameter_once(tiny):
-    model, _ = tiny
+    model = tiny.model
     groups = named_groups(model)
     assert tuple(groups) == MODULE_GROUPS
     names = [n for params in groups.values() for n, _ in params]
@@ -43,7 +43,7 @@ def test_module_groups_cover_every_parameter_once(tiny):
 
 
 def test_per_group_learning_rates_and_clipping(tiny):
-    model, _ = tiny
+    model = tiny.model
     optim = OptimConfig(
         lr=1e-3, group_lr={"vision_lower": 1e-5}, max_grad_norm=1.0, group_max_grad_norm={"merger": 0.01}
     )
