@@ -37,6 +37,7 @@ from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.vlm import build_student, load_vlm
 from components._shared.platform.tracking import NullTracker
+from components.rl import algorithms
 from components.rl.config import RlConfig
 from components.rl.rewards import build_rewards
 from components.rl.rollout import Policy, RolloutEngine
@@ -91,7 +92,7 @@ def build_trainer(
             "max_pixels": high,
             "rewards": {"efficacy": 1.0, "format": 0.2},
             "rollout": {
-                "samples_per_prompt": max(args.samples, 2 if args.algorithm == "grpo" else 1),
+                "samples_per_prompt": max(args.samples, 2 if args.algorithm in ("grpo", "dapo", "gspo") else 1),
                 "max_new_tokens": args.max_new_tokens,
                 "batch_size": 64,
             },
@@ -112,7 +113,7 @@ def build_trainer(
         }
     )
     model, reference, processor = build_models(args, device)
-    policy = Policy(model, value_head=args.algorithm == "ppo")
+    policy = Policy(model, value_head=algorithms.ALGORITHMS[args.algorithm].critic)
     encoder = ConversationEncoder(processor, model, min_pixels=low, max_pixels=high)
     prompts = load_prompts(data, cfg)
     engine = RolloutEngine(
@@ -142,7 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on builtin:tiny-qwen2_5-vl.")
     parser.add_argument("--model", default="builtin:tiny-qwen2_5-vl")
-    parser.add_argument("--algorithm", default="ppo", choices=["ppo", "ter", "grpo"])
+    parser.add_argument("--algorithm", default="ppo", choices=list(algorithms.ALGORITHMS))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=32)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -98,9 +98,59 @@ class TerConfig(SubConfig):
 class GrpoConfig(SubConfig):
     """Group-relative baseline over rollout.samples_per_prompt samples of each prompt."""
 
+    min_group: ClassVar[int] = 2
     clip: Annotated[float, Field(gt=0, lt=1)] = 0.2
     kl_coef: Annotated[float, Field(ge=0)] = 0.04
     scale_rewards: bool = True
+
+
+class DapoConfig(SubConfig):
+    """DAPO: GRPO's group baseline with clip-higher, dynamic sampling, a token-level loss and overlong shaping."""
+
+    min_group: ClassVar[int] = 2
+    clip_low: Annotated[float, Field(gt=0, lt=1)] = 0.2
+    clip_high: Annotated[float, Field(gt=0, lt=1, description="The wider upper clip (clip-higher).")] = 0.28
+    dynamic_sampling: bool = Field(True, description="Drop groups whose samples all scored the same from the update.")
+    overlong_buffer: Annotated[
+        float,
+        Field(ge=0, lt=1, description="Share of rollout.max_new_tokens over which the overlong penalty grows to -1."),
+    ] = 0.2
+    overlong_penalty: Annotated[float, Field(ge=0, description="Weight of the overlong penalty; 0 = off.")] = 1.0
+    kl_coef: Annotated[float, Field(ge=0, description="k3 KL to the reference in the loss (DAPO drops it: 0).")] = 0.0
+
+
+class GspoConfig(SubConfig):
+    """GSPO: a sequence-level importance ratio (geometric mean of the token ratios), clipped in a narrow band."""
+
+    min_group: ClassVar[int] = 2
+    clip_low: Annotated[float, Field(gt=0, lt=1)] = 3e-4
+    clip_high: Annotated[float, Field(gt=0, lt=1)] = 4e-4
+    kl_coef: Annotated[float, Field(ge=0)] = 0.0
+
+
+class ParityConfig(SubConfig):
+    """The log-probabilities the rollouts were sampled with against the trainer's (logged every step)."""
+
+    tolerance: Annotated[
+        float | None,
+        Field(
+            ge=0,
+            description=(
+                "Largest mean |sampler - trainer| token log-probability accepted at the first step; None: the model "
+                "family's (docs/stages/rl.md). Exceeded: the stage stops and says which family and precision."
+            ),
+        ),
+    ] = None
+    tis_cap: Annotated[
+        float,
+        Field(
+            ge=0,
+            description=(
+                "Truncated importance sampling: weight each token's policy-gradient term by min(trainer / sampler "
+                "probability, tis_cap), correcting the rollouts for the sampler's mismatch; 0 = off."
+            ),
+        ),
+    ] = 0.0
 
 
 class PtxConfig(SubConfig):
@@ -159,6 +209,16 @@ class GateConfig(SubConfig):
     patience: Annotated[int, Field(ge=1)] = 3
 
 
+# The algorithms (components/rl/algorithms/, one module each) and their settings blocks, by name.
+ALGORITHM_SETTINGS: dict[str, type[SubConfig]] = {
+    "ppo": PpoConfig,
+    "ter": TerConfig,
+    "grpo": GrpoConfig,
+    "dapo": DapoConfig,
+    "gspo": GspoConfig,
+}
+
+
 class RlEvalConfig(SubConfig):
     files: list[str] | None = Field(
         None,
@@ -177,7 +237,7 @@ class RlEvalConfig(SubConfig):
 class RlConfig(TrainedStageConfig):
     """Policy optimisation of the SFT model with PPO, TER or GRPO on verifiable prompts."""
 
-    algorithm: Literal["ppo", "ter", "grpo"] = "ppo"
+    algorithm: str = Field("ppo", description=f"The RL algorithm: {', '.join(ALGORITHM_SETTINGS)}.")
     rewards: dict[str, float] = Field(
         default_factory=lambda: {"efficacy": 1.0},
         description=(f"Reward weights by name ({', '.join(REWARD_NAMES)}); the step reward is their weighted sum."),
@@ -203,12 +263,22 @@ class RlConfig(TrainedStageConfig):
     ppo: PpoConfig = PpoConfig()
     ter: TerConfig = TerConfig()
     grpo: GrpoConfig = GrpoConfig()
+    dapo: DapoConfig = DapoConfig()
+    gspo: GspoConfig = GspoConfig()
+    parity: ParityConfig = ParityConfig()
     ptx: PtxConfig = PtxConfig()
     gates: GateConfig = GateConfig()
     eval: RlEvalConfig = RlEvalConfig()
     train: TrainConfig = TrainConfig(steps=100, samples_per_step=16, max_tokens_per_micro_batch=4096, eval_every=50)
     optim: OptimConfig = OptimConfig(lr=1e-5)
     schedule: ScheduleConfig = ScheduleConfig(decay="constant")
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, value: str) -> str:
+        if value not in ALGORITHM_SETTINGS:
+            raise ValueError(f"unknown algorithm {value!r}; choose from {list(ALGORITHM_SETTINGS)}.")
+        return value
 
     @field_validator("rewards")
     @classmethod
@@ -227,8 +297,12 @@ class RlConfig(TrainedStageConfig):
                 "ppo.group_baseline needs rollout.samples_per_prompt >= 2 (the baseline is the mean of a "
                 "prompt's other samples); raise it or set ppo.group_baseline: false."
             )
-        if self.algorithm == "grpo" and self.rollout.samples_per_prompt < 2:
-            raise ValueError("algorithm grpo needs rollout.samples_per_prompt >= 2 (its baseline is the group mean).")
+        group = getattr(ALGORITHM_SETTINGS[self.algorithm], "min_group", 1)
+        if self.rollout.samples_per_prompt < group:
+            raise ValueError(
+                f"algorithm {self.algorithm} needs rollout.samples_per_prompt >= {group} (its baseline is the group "
+                "mean of a prompt's samples); raise rollout.samples_per_prompt."
+            )
         if self.algorithm == "ter" and self.ter.grad_ema and self.train.backend == "deepspeed":
             raise ValueError(
                 "ter.grad_ema needs the torch backend (DeepSpeed owns the gradients); set ter.grad_ema: 0 "
@@ -250,7 +324,8 @@ class RlConfig(TrainedStageConfig):
     def ignored_settings(self) -> list[str]:
         """Another algorithm's settings changed from their defaults, and the clips TER replaces."""
         notes = super().ignored_settings()
-        for block, default in (("ppo", PpoConfig()), ("ter", TerConfig()), ("grpo", GrpoConfig())):
+        for block, settings in ALGORITHM_SETTINGS.items():
+            default = settings()
             if block != self.algorithm:
                 notes += [
                     f"{block}.{name}: a {block} setting; algorithm is {self.algorithm}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from components._shared.data.datasets import prompt_turns
 from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder, Sample
@@ -38,7 +39,8 @@ class Rollout:
     sample: Sample
     rewards: dict[str, float] = field(default_factory=dict)
     reward: float = 0.0
-    logprobs: torch.Tensor | None = None  # (T,) under the sampling policy
+    logprobs: torch.Tensor | None = None  # (T,) under the sampling policy, as the trainer scores it
+    sampler_logprobs: torch.Tensor | None = None  # (T,) as generate() sampled them (the parity check's other side)
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None  # (T,) critic, PPO only
     entropy: torch.Tensor | None = None  # (T,)
@@ -156,6 +158,33 @@ def _check_prompt_images(record: dict, prompt: Sample, merge_unit: int, image_to
         )
 
 
+class SampledLogprobs(LogitsProcessor):
+    """Records the log-probability each sampled token had under the distribution generate() sampled it from: the
+    logits after generate's own processors (suppressed tokens at -inf), at the sampling temperature (applied by the
+    warper that runs after this processor). Each call keeps one (batch, vocabulary) row set until the next call shows
+    which token was drawn from it."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.previous: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1])
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(1, tokens[:, None].to(self.previous.device)).squeeze(1).cpu())
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(batch, generated tokens): the sampling log-probability of every generated token."""
+        self._take(sequences[:, -1])
+        self.previous = None
+        return torch.stack(self.steps, dim=1)
+
+
 class RolloutEngine:
     def __init__(
         self,
@@ -206,6 +235,7 @@ class RolloutEngine:
             for b, (_, p) in enumerate(chunk):
                 ids[b, width - p.num_tokens :] = p.input_ids
                 mask[b, width - p.num_tokens :] = 1
+            recorder = SampledLogprobs(self.temperature)
             with own_generation_config(model):  # the checkpoint's sampling settings would change the distribution
                 out = model.generate(
                     input_ids=ids.to(device),
@@ -221,11 +251,14 @@ class RolloutEngine:
                     eos_token_id=self.end_id,
                     pad_token_id=self.pad_id,
                     suppress_tokens=self.suppressed,
+                    logits_processor=LogitsProcessorList([recorder]),
                 )
-            for (record, prompt), row in zip(chunk, out[:, width:].tolist(), strict=True):
+            sampled = recorder.finish(out)
+            for (record, prompt), row, logprobs in zip(chunk, out[:, width:].tolist(), sampled, strict=True):
                 finished = self.end_id in row
                 completion = row[: row.index(self.end_id) + 1] if finished else row
                 rollouts.append(self._rollout(record, prompt, completion, finished))
+                rollouts[-1].sampler_logprobs = logprobs[: len(completion)].clone()
         return rollouts
 
     def _rollout(self, record: dict, prompt: Sample, completion: list[int], finished: bool) -> Rollout:

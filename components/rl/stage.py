@@ -26,6 +26,7 @@ import json
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ from components._shared.model.stage_steps import (
 from components._shared.model.vlm import checkpoint_dtype, export_dtype, freeze, load_vlm, save_vlm, set_pixel_bounds
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
+from components.rl import algorithms
 from components.rl.config import RlConfig
 from components.rl.rewards import EfficacyCache, build_rewards, efficacy
 from components.rl.rollout import Policy, RolloutEngine
@@ -155,7 +157,8 @@ def run(
         **{f"seconds_{k}": round(v, 3) for k, v in trainer.timing.items()},
         "rollout_tokens_per_second": round(trainer.generated_tokens / max(trainer.timing["generation"], 1e-9), 1),
     }
-    exported = trained_module(loop, lambda: Policy(load_vlm(base_model)[0], value_head=cfg.algorithm == "ppo"))
+    critic = trainer.algorithm.critic
+    exported = trained_module(loop, lambda: Policy(load_vlm(base_model)[0], value_head=critic))
     assert exported is not None  # one process (checked above)
     export_policy(exported, processor, output_dir, cfg, base_model, checkpoint_dtype(resolve_model(base_model)))
     ckpt.write_pointer(output_dir, [loop.store.root])
@@ -166,6 +169,11 @@ def run(
         Figure("kl", "per-token KL to the reference", history_series(loop.history, ["kl"])),
         Figure("length_entropy", "length ratio and entropy", history_series(loop.history, ["length_ratio", "entropy"])),
         Figure("heldout_efficacy", "held-out efficacy", history_series(loop.evals, ["efficacy", "vqa_exact_match"])),
+        Figure(
+            "update",
+            "update: clip fraction, approximate KL to the sampler, sampler/trainer |delta log p|",
+            history_series(loop.history, ["update/clip_fraction", "update/approx_kl", "parity/mean_abs"]),
+        ),
     ]
     finish_report(output_dir, tracker, report(metrics), figures, set_aside=loop.store.set_aside)
     return metrics
@@ -187,7 +195,7 @@ def build_trainer(
     model, processor, _ = load_vlm(base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     freeze(model, tuple(cfg.freeze))
-    policy = Policy(model, value_head=cfg.algorithm == "ppo")
+    policy = Policy(model, value_head=algorithms.ALGORITHMS[cfg.algorithm].critic)
     device = resolve_device(cfg.train.device)
     reference = load_vlm(base_model, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).model
     reference.requires_grad_(False)
@@ -281,9 +289,32 @@ def heldout_change(before_scores: list[float], final_rows: list[dict], evals: li
     }
 
 
+# Update and parity diagnostics over the run: (metric, the step metric it reads, how the steps are combined)
+DIAGNOSTICS = (
+    ("clip_fraction_mean", "update/clip_fraction", "mean"),
+    ("clip_fraction_max", "update/clip_fraction", "max"),
+    ("ratio_max", "update/ratio_max", "max"),
+    ("ratio_min", "update/ratio_min", "min"),
+    ("approx_kl_mean", "update/approx_kl", "mean"),
+    ("value_loss_final", "update/value_loss", "last"),
+    ("explained_variance_final", "explained_variance", "last"),
+    ("rollouts_kept_mean", "update/rollouts_kept", "mean"),
+    ("parity_mean_abs", "parity/mean_abs", "mean"),
+    ("parity_max_abs", "parity/max_abs", "max"),
+    ("parity_corr_min", "parity/corr", "min"),
+)
+_COMBINE: dict[str, Callable[[list[float]], float]] = {
+    "mean": lambda v: float(np.mean(v)),
+    "max": max,
+    "min": min,
+    "last": lambda v: v[-1],
+}
+
+
 def training_summary(history: list[dict]) -> dict[str, float]:
-    """KL, reward and (with ptx) the anchor's loss at the first and last RL step."""
-    return {
+    """KL, reward and (with ptx) the anchor's loss at the first and last RL step, and the update's diagnostics
+    (clip fraction, ratio range, approximate KL, value loss, explained variance, sampler/trainer parity)."""
+    summary = {
         "kl_final": history[-1]["kl"] if history else 0.0,
         "kl_max_seen": max((h["kl"] for h in history), default=0.0),
         "reward_first": history[0]["reward"] if history else float("nan"),
@@ -295,6 +326,11 @@ def training_summary(history: list[dict]) -> dict[str, float]:
             if history and f"update/ptx_{k}" in history[i]
         },
     }
+    for name, key, how in DIAGNOSTICS:
+        values = [h[key] for h in history if key in h]
+        if values:
+            summary[name] = float(_COMBINE[how](values))
+    return summary
 
 
 def export_policy(
@@ -371,6 +407,10 @@ def report(metrics: dict[str, Any]) -> str:
     if benchmarks:
         lines += ["", "| benchmark | before | after |", "|---|---|---|"]
         lines += [f"| {k[10:]} | {metrics[f'{k}_before']:.3f} | {metrics[k]:.3f} |" for k in benchmarks]
+    shown = [(name, metrics[name]) for name, _, _ in DIAGNOSTICS if name in metrics]
+    if shown:
+        lines += ["", "Update and sampler/trainer parity over the run:", "", "| diagnostic | value |", "|---|---|"]
+        lines += [f"| {name} | {value:.4g} |" for name, value in shown]
     lines += [
         "",
         "Seconds per phase: "

@@ -17,14 +17,15 @@ import numpy as np
 import torch
 
 from components._shared.data import datasets
-from components._shared.model.backends import TorchBackend
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.encoder import Sample
+from components._shared.model.families import family_for
 from components._shared.model.step_inputs import step_inputs
-from components._shared.model.train_config import OptimConfig
 from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop, data_workers
 from components._shared.platform.tracking import Tracker
-from components.rl import algorithms as A
+from components.rl import algorithms
+from components.rl.algorithms.base import TokenBatch
+from components.rl.algorithms.core import kl_k3
 from components.rl.config import RlConfig
 from components.rl.gates import Gates
 from components.rl.rollout import Policy, Rollout, RolloutEngine, packed_micro_batches, split_by_sample, token_outputs
@@ -66,28 +67,18 @@ class RlTrainer:
     ) -> None:
         self.cfg = cfg
         self.updates_per_step = cfg.update.epochs * cfg.update.minibatches
-        optim = cfg.optim
-        if cfg.algorithm == "ter":  # TER's own gradient clip for every group
-            optim = OptimConfig(
-                **{**cfg.optim.model_dump(), "max_grad_norm": cfg.ter.max_grad_norm, "group_max_grad_norm": {}}
-            )
+        self.algorithm = algorithms.build(cfg)
+        optim = self.algorithm.optim(cfg.optim)
         # Prompts are drawn by index (no `sample`): the items of an update are built from its rollouts. Each step
         # takes epochs x minibatches optimizer updates; the schedule advances once per step.
         settings = LoopSettings.of(cfg, optim=optim, updates_per_step=self.updates_per_step)
-        data = LoopData(
-            phases=[Phase("rl", cfg.train.steps, list(range(len(prompts))))], unit_weight=self._rollout_tokens
-        )
+        data = LoopData(phases=[Phase("rl", cfg.train.steps, list(range(len(prompts))))], unit_weight=self._unit_weight)
         self.loop = TrainLoop(policy, settings, data, checkpoints, tracker=tracker, loss_fn=self._loss, extra=self)
-        if cfg.algorithm == "ter" and cfg.ter.grad_ema:
-            assert isinstance(self.loop.backend, TorchBackend)  # RlConfig refuses ter.grad_ema with DeepSpeed
-            self.loop.backend.grad_ema = A.GradientEma(cfg.ter.grad_ema)
+        self.algorithm.attach(self.loop.backend)
         self.reference = reference.to(self.loop.device).eval()
         self.prompts, self.image, self.engine, self.rewards = prompts, image, engine, rewards
         self.ptx_pool = ptx_pool or []
         self.ptx_token_weight = 0.0  # set with each step's ptx samples (see _ptx_samples)
-        self.kl_ctl = A.AdaptiveKLController(cfg.ppo.kl_coef, cfg.ppo.kl_target, cfg.ppo.kl_horizon)
-        self.moments = A.RunningMoments()
-        self.baseline = A.EmaBaseline(cfg.ter.baseline_decay)
         self.gates = Gates(cfg.gates)
         self.length_reference: float | None = None
         self.stop_reason = ""
@@ -99,9 +90,7 @@ class RlTrainer:
     # -- state saved with every checkpoint (the loop's `extra`) -------------------------------------------
     def state(self) -> dict:
         return {
-            "kl_coef": self.kl_ctl.state(),
-            "moments": self.moments.state(),
-            "baseline": self.baseline.state(),
+            "algorithm": self.algorithm.state(),
             "gates": self.gates.state(),
             "length_reference": self.length_reference,
             "stop_reason": self.stop_reason,
@@ -111,9 +100,7 @@ class RlTrainer:
         }
 
     def load(self, state: dict) -> None:
-        self.kl_ctl.load(state["kl_coef"])
-        self.moments.load(state["moments"])
-        self.baseline.load(state["baseline"])
+        self.algorithm.load(state["algorithm"])
         self.gates.load(state["gates"])
         self.length_reference, self.stop_reason = state["length_reference"], state["stop_reason"]
         self.timing = defaultdict(float, state["timing"])
@@ -195,7 +182,7 @@ class RlTrainer:
             self.engine.score(policy, self.reference, rollouts)
         scored = time.perf_counter()
 
-        kl = float(np.mean([float(A.kl_k3(r.logprobs, r.ref_logprobs).mean()) for r in rollouts]))
+        kl = float(np.mean([float(kl_k3(r.logprobs, r.ref_logprobs).mean()) for r in rollouts]))
         entropy = float(torch.cat([r.entropy for r in rollouts]).mean())
         length = float(np.mean([r.length for r in rollouts]))
         if self.length_reference is None:
@@ -207,16 +194,31 @@ class RlTrainer:
             "length": length,
             "length_ratio": length / self.length_reference,
             **{f"reward/{k}": float(np.mean(v)) for k, v in per_reward.items()},
+            **self._parity(rollouts),
         }
         self.gates.check_step(self.loop.step + 1, kl=kl, length_ratio=metrics["length_ratio"], entropy=entropy)
         self.last_rollouts = rollouts
-        if cfg.algorithm == "ppo" and kl > cfg.ppo.kl_stop:
-            self.stop_reason = f"ppo.kl_stop: per-token KL {kl:.4f} > {cfg.ppo.kl_stop} at step {self.loop.step + 1}"
+        self.stop_reason = self.algorithm.stop(kl, self.loop.step + 1)
+        if self.stop_reason:
             metrics.update(self._timing(started, generated, scored, scored, rollouts))
             return metrics
 
+        metrics.update(self.algorithm.shape_rewards(rollouts))
         metrics.update(self._advantages(rollouts))
-        ptx = self._ptx_samples(rollouts, prepared.ptx if prepared else None) if cfg.ptx.coef else []
+        trained = self.algorithm.keep(rollouts)
+        metrics["update/rollouts_kept"] = len(trained) / len(rollouts)
+        updates = self._update(trained, prepared.ptx if prepared else None) if trained else []
+        updated = time.perf_counter()
+        metrics.update(update_metrics(updates))
+        metrics.update(self.algorithm.after_step(kl))
+        metrics.update(self._timing(started, generated, scored, updated, rollouts))
+        return metrics
+
+    def _update(self, rollouts: list[Rollout], ptx_built: list[Sample] | None) -> list[dict[str, float]]:
+        """The step's update epochs, each over `update.minibatches` optimizer steps (rollouts and ptx samples split
+        evenly, the rollouts in a fresh order each epoch); returns each optimizer step's metrics."""
+        cfg = self.cfg
+        ptx = self._ptx_samples(rollouts, ptx_built) if cfg.ptx.coef else []
         updates = []
         order_rng = np.random.default_rng([cfg.seed, 7_000_003, self.loop.step])
         for _ in range(cfg.update.epochs):
@@ -226,28 +228,30 @@ class RlTrainer:
                 updates.append(
                     self.loop.train_step([[rollouts[i].sample] for i in part] + [[ptx[i]] for i in ptx_part])
                 )
-        updated = time.perf_counter()
-        for key in ("loss", "clip_fraction", "value_loss", "ratio_max"):
-            values = [u[key] for u in updates if key in u]
-            if values:
-                metrics[f"update/{key}"] = float(np.mean(values))
-        if ptx:  # per reference token, whichever micro-batches the reference samples were packed into
-            tokens = sum(u["ptx_tokens"] for u in updates)
-            metrics["update/ptx_nll"] = sum(u["ptx_nll_sum"] for u in updates) / tokens
-            if cfg.ptx.loss == "kl":
-                metrics["update/ptx_kl"] = sum(u["ptx_kl_sum"] for u in updates) / tokens
-        metrics.update({k: v for k, v in updates[-1].items() if k.startswith("grad_norm/") or k == "lr"})
-        if cfg.algorithm == "ppo":
-            metrics["kl_coef"] = self.kl_ctl.value
-            if cfg.ppo.adaptive_kl:
-                self.kl_ctl.update(kl, 1)
-        metrics.update(self._timing(started, generated, scored, updated, rollouts))
+        return updates
+
+    def _parity(self, rollouts: list[Rollout]) -> dict[str, float]:
+        """The sampled tokens' log-probabilities as generate() drew them against the trainer's scores of the same
+        tokens (mean and max |delta|, their correlation); at the run's first step the mean must be within the
+        tolerance (rl.parity.tolerance, else the family's for this precision), or the update would chase a mismatch."""
+        sampler = torch.cat([r.sampler_logprobs for r in rollouts]).double()
+        trainer = torch.cat([r.logprobs for r in rollouts]).double()
+        delta = (sampler - trainer).abs()
+        corr = torch.corrcoef(torch.stack([sampler, trainer]))[0, 1] if sampler.numel() > 1 else torch.tensor(1.0)
+        metrics = {
+            "parity/mean_abs": float(delta.mean()),
+            "parity/max_abs": float(delta.max()),
+            "parity/corr": float(corr) if torch.isfinite(corr) else 1.0,
+        }
+        if self.loop.step == 0:
+            check_parity(self.cfg, self.loop.model, self.loop.autocast, metrics["parity/mean_abs"])
         return metrics
 
-    @staticmethod
-    def _rollout_tokens(unit: list) -> float:
-        """The update's normaliser: completion tokens only, so ptx samples leave the RL term's scale unchanged."""
-        return float(sum(s.num_targets for s in unit if not s.meta.get("ptx")))
+    def _unit_weight(self, unit: list) -> float:
+        """The update's normaliser: completion tokens (or rollouts, for a sequence-level loss) only, so ptx samples
+        leave the RL term's scale unchanged."""
+        rl = [s for s in unit if not s.meta.get("ptx")]
+        return float(len(rl)) if self.algorithm.sequence_mean else float(sum(s.num_targets for s in rl))
 
     def _ptx_encoded(self, step: int) -> list[Sample]:
         """`ptx.samples_per_step` records of the prompts file (of `ptx.types`, drawn afresh each step as a pure
@@ -315,46 +319,13 @@ class RlTrainer:
         }
 
     def _advantages(self, rollouts: list[Rollout]) -> dict[str, float]:
-        """Per-token advantages (and PPO returns) into each rollout's sample.meta for the loss."""
-        cfg = self.cfg
-        rewards = [r.reward for r in rollouts]
-        out: dict[str, float] = {}
-        if cfg.algorithm == "ppo":
-            if cfg.ppo.group_baseline:
-                rewards = A.leave_one_out_centred(rewards, cfg.rollout.samples_per_prompt)
-            self.moments.update(rewards)
-            scores = self.moments.normalize(rewards, cfg.ppo.reward_clip)
-            for r, score in zip(rollouts, scores, strict=True):
-                token_rewards = A.ppo_token_rewards(score, r.logprobs, r.ref_logprobs, self.kl_ctl.value)
-                r.advantages, r.returns = A.gae(token_rewards, r.values, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam)
-            flat = A.whiten(torch.cat([r.advantages for r in rollouts]))
-            for r, adv in zip(rollouts, flat.split([r.length for r in rollouts]), strict=True):
-                r.advantages = adv
-            out["score_normalised"] = float(np.mean(scores))
-        elif cfg.algorithm == "ter":
-            n = cfg.rollout.samples_per_prompt  # the samples of one prompt are consecutive
-            baselines = []
-            for start in range(0, len(rollouts), n):
-                group = rollouts[start : start + n]
-                baselines += self.baseline.leave_one_out(
-                    group[0].record["id"], [r.reward for r in group], group[0].record["type"]
-                )
-            for r, b in zip(rollouts, baselines, strict=True):
-                r.advantages = torch.full((r.length,), r.reward - b)
-            for r in rollouts:
-                self.baseline.update(r.record["id"], r.reward, r.record["type"])
-            out["baseline"] = float(np.mean(baselines))
-        else:
-            for r, adv in zip(
-                rollouts,
-                A.group_advantages(rewards, cfg.rollout.samples_per_prompt, scale=cfg.grpo.scale_rewards),
-                strict=True,
-            ):
-                r.advantages = torch.full((r.length,), adv)
+        """The algorithm's per-token advantages (and returns), into each rollout's sample.meta for the loss."""
+        out = self.algorithm.advantages(rollouts, self.loop.step)
         for r in rollouts:
             r.sample.meta.update(
                 old_logprobs=r.logprobs,
                 ref_logprobs=r.ref_logprobs,
+                sampler_logprobs=r.sampler_logprobs,
                 advantages=r.advantages,
                 returns=r.returns,
                 old_values=r.values,
@@ -374,38 +345,16 @@ class RlTrainer:
             full_distribution=ptx_on and cfg.ptx.loss == "kl",
             chunk_rows=self.engine.chunk_rows,
         )
-        logp = out["logprobs"]
-
-        def meta(key: str) -> torch.Tensor:
-            return torch.cat([s.meta[key] for s in micro]).to(logp.device)
-
-        old, advantages = meta("old_logprobs"), meta("advantages")
-        extras = {"ratio_max": float(torch.exp(logp.detach() - old)[rl].max()) if rl.any() else 1.0}
-        if cfg.algorithm == "ter":
-            weights = A.truncated_importance_weights(logp, old, cfg.ter.importance_cap)
-            per_token = -(weights * advantages * logp)
-        else:
-            clip = (
-                A.linear_decay(cfg.ppo.clip_start, cfg.ppo.clip_end, self.loop.step, self.loop.train.steps)
-                if cfg.algorithm == "ppo"
-                else cfg.grpo.clip
-            )
-            per_token, clipped = A.clipped_surrogate(logp, old, advantages, clip)
-            extras["clip_fraction"] = float(clipped[rl].float().mean()) if rl.any() else 0.0
-            if cfg.algorithm == "ppo":
-                vloss = A.clipped_value_loss(out["values"], meta("old_values"), meta("returns"), cfg.ppo.value_clip)
-                per_token = per_token + cfg.ppo.value_coef * vloss
-                extras["value_loss"] = float(vloss.detach()[rl].mean()) if rl.any() else 0.0
-            elif cfg.grpo.kl_coef:
-                per_token = per_token + cfg.grpo.kl_coef * A.kl_k3(logp, meta("ref_logprobs"))
-        loss = per_token[rl].sum()
+        tokens = self._token_batch(micro, rl, out)
+        loss, extras = self.algorithm.loss(tokens, self.loop.step, self.loop.train.steps)
+        extras.update(ratio_statistics(tokens))
         if ptx_on:
             nll = -out["plain_logprobs"]
             ptx_loss = nll
             if cfg.ptx.loss == "kl":  # KL(reference || policy) per position, over the vocabulary
                 ptx_samples = [s for s in micro if s.meta.get("ptx")]
                 ref = (
-                    torch.cat([s.meta["ref_full_logprobs"] for s in ptx_samples]).to(logp.device)
+                    torch.cat([s.meta["ref_full_logprobs"] for s in ptx_samples]).to(out["logprobs"].device)
                     if ptx_samples
                     else out["plain_full"]
                 )
@@ -414,3 +363,75 @@ class RlTrainer:
             loss = loss + self.ptx_token_weight * ptx_loss.sum()
             extras.update(ptx_nll_sum=float(nll.detach().sum()), ptx_tokens=float(nll.numel()))
         return loss, int(rl.sum()), extras
+
+    def _token_batch(self, micro: list, rl: torch.Tensor, out: dict[str, torch.Tensor]) -> TokenBatch:
+        """The micro-batch's rollout tokens (ptx left out) with what the algorithm's loss reads."""
+        logp = out["logprobs"]
+
+        def meta(key: str) -> torch.Tensor:
+            return torch.cat([s.meta[key] for s in micro]).to(logp.device)[rl]
+
+        critic = self.algorithm.critic
+        old = meta("old_logprobs")
+        weights = None
+        if self.cfg.parity.tis_cap:  # trainer / sampler probability of each sampled token, capped (detached)
+            weights = torch.exp(old - meta("sampler_logprobs")).clamp(max=self.cfg.parity.tis_cap)
+        return TokenBatch(
+            logprobs=logp[rl],
+            old_logprobs=old,
+            ref_logprobs=meta("ref_logprobs"),
+            advantages=meta("advantages"),
+            returns=meta("returns") if critic else None,
+            old_values=meta("old_values") if critic else None,
+            values=out["values"][rl] if critic else None,
+            lengths=[s.num_targets for s in micro if not s.meta.get("ptx")],
+            sampling_weights=weights,
+        )
+
+
+def update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """A step's update diagnostics over its optimizer steps: means of the loss, clip fraction, approximate KL to the
+    sampling policy and value loss, the ratio's extremes, ptx per reference token, the last step's norms and lr."""
+    if not updates:
+        return {"update/skipped": 1.0}
+    metrics: dict[str, float] = {}
+    for key, reduce in (("loss", np.mean), ("clip_fraction", np.mean), ("approx_kl", np.mean), ("value_loss", np.mean),
+                        ("ratio_max", np.max), ("ratio_min", np.min)):  # fmt: skip
+        values = [u[key] for u in updates if key in u]
+        if values:
+            metrics[f"update/{key}"] = float(reduce(values))
+    if "ptx_tokens" in updates[0]:  # per reference token, whichever micro-batches the reference samples were packed in
+        tokens = sum(u["ptx_tokens"] for u in updates)
+        metrics["update/ptx_nll"] = sum(u["ptx_nll_sum"] for u in updates) / tokens
+        if "ptx_kl_sum" in updates[0]:
+            metrics["update/ptx_kl"] = sum(u["ptx_kl_sum"] for u in updates) / tokens
+    metrics.update({k: v for k, v in updates[-1].items() if k.startswith("grad_norm/") or k == "lr"})
+    return metrics
+
+
+def ratio_statistics(tokens: TokenBatch) -> dict[str, float]:
+    """The update's probability ratio to the sampling policy over the micro-batch's rollout tokens: its extremes and
+    the approximate KL mean((r - 1) - log r) (every micro-batch reports the same keys)."""
+    if not tokens.lengths:
+        return {"ratio_max": 1.0, "ratio_min": 1.0, "approx_kl": 0.0}
+    log_ratio = tokens.logprobs.detach() - tokens.old_logprobs
+    ratio = torch.exp(log_ratio)
+    return {
+        "ratio_max": float(ratio.max()),
+        "ratio_min": float(ratio.min()),
+        "approx_kl": float((ratio - 1.0 - log_ratio).mean()),
+    }
+
+
+def check_parity(cfg: RlConfig, policy, autocast: bool, mean_abs: float) -> None:
+    """Refuse a run whose sampler and trainer disagree on the first step's tokens beyond the tolerance."""
+    family = family_for(policy)
+    precision = "bf16" if autocast else "fp32"
+    tolerance = cfg.parity.tolerance if cfg.parity.tolerance is not None else family.parity_tolerance[precision]
+    if mean_abs > tolerance:
+        raise ValueError(
+            f"rl: the rollouts' sampling log-probabilities differ from the trainer's by {mean_abs:.3g} per token on "
+            f"average at the first step, above the {family.name} tolerance {tolerance:g} in {precision}: generate() "
+            "and the packed forward do not compute the same policy (check the model's generation and attention "
+            "settings). Raise rl.parity.tolerance if the mismatch is expected, or set rl.parity.tis_cap to correct it."
+        )

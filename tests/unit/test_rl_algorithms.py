@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from components.rl import algorithms as A
+from components.rl.algorithms import core as A
 
 
 def test_gae_matches_a_hand_computed_example():

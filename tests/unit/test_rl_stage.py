@@ -56,13 +56,16 @@ def reward_model(data_dir, tmp_path_factory):
     return str(out / "model")
 
 
+GROUPED = ("grpo", "dapo", "gspo")  # algorithms whose baseline is the group of a prompt's samples
+
+
 def _cfg(algorithm, **over):
     data = {
         "algorithm": algorithm,
         "min_pixels": 3136,
         "max_pixels": 3136,
         "rewards": {"efficacy": 1.0, "format": 0.2},
-        "rollout": {"samples_per_prompt": 2 if algorithm == "grpo" else 1, "max_new_tokens": 6},
+        "rollout": {"samples_per_prompt": 2 if algorithm in GROUPED else 1, "max_new_tokens": 6},
         "train": {"steps": 3, "samples_per_step": 4, "max_tokens_per_micro_batch": 512, "threads": 1, "eval_every": 0},
         "update": {"epochs": 2, "minibatches": 2},
         "optim": {"lr": 0.01},
@@ -81,9 +84,10 @@ def _run(cfg, data_dir, out, base, reward_model=""):
     )
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "ter", "grpo"])
+@pytest.mark.parametrize("algorithm", ["ppo", "ter", "grpo", "dapo", "gspo"])
 def test_each_algorithm_updates_the_policy_and_reports_the_rl_metrics(algorithm, data_dir, sft_model, tmp_path):
-    metrics = _run(_cfg(algorithm), data_dir, tmp_path, sft_model)
+    over = {"dapo": {"dynamic_sampling": False}} if algorithm == "dapo" else {}  # 3 steps: keep every group
+    metrics = _run(_cfg(algorithm, **over), data_dir, tmp_path, sft_model)
     assert metrics["algorithm"] == algorithm and metrics["steps"] == 3 and not metrics["stopped_early"]
     for key in (
         "efficacy_before",
@@ -115,8 +119,14 @@ def test_each_algorithm_updates_the_policy_and_reports_the_rl_metrics(algorithm,
     trained = load_file(str(tmp_path / "model/model.safetensors"))
     assert (tmp_path / "value_head.safetensors").exists() == (algorithm == "ppo")
     rollouts = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
-    assert len(rollouts) == 4 * (2 if algorithm == "grpo" else 1)
-    assert {"efficacy", "format"} == set(rollouts[0]["rewards"])
+    assert len(rollouts) == 4 * (2 if algorithm in GROUPED else 1)
+    # the update's diagnostics and the sampler/trainer parity, in the metrics and the report (fp32: ~1e-7)
+    assert metrics["ratio_max"] >= 1.0 >= metrics["ratio_min"] > 0 and metrics["approx_kl_mean"] >= 0
+    assert metrics["parity_mean_abs"] < 1e-5 and metrics["parity_corr_min"] > 0.999
+    assert ("clip_fraction_mean" in metrics) == (algorithm != "ter")
+    assert ("explained_variance_final" in metrics) == (algorithm == "ppo")
+    assert "| parity_mean_abs |" in (tmp_path / "report.md").read_text()
+    assert {"efficacy", "format", *(["overlong"] if algorithm == "dapo" else [])} == set(rollouts[0]["rewards"])
     # the saved policy differs from the SFT model it started from
     base = load_file(f"{sft_model}/model.safetensors")
     assert base.keys() == trained.keys() and any(not torch.equal(base[k], trained[k]) for k in base)
@@ -292,7 +302,7 @@ def _stage_cli(config: dict, data_dir, base, out, **env):
     return run_stage_cli("rl", config, out, {"base_model": base, "reward_model": "", "data": data_dir}, **env)
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "ter"])
+@pytest.mark.parametrize("algorithm", ["ppo", "ter", "grpo", "dapo", "gspo"])
 def test_rl_killed_mid_run_resumes_to_bit_identical_weights(algorithm, data_dir, sft_model, tmp_path):
     """Policy, critic, optimizer, RNG (sampling), KL coefficient, normaliser, baselines and TER's gradient EMA
     all come back, and ptx draws the same reference records: the resumed run ends bit-identical to an

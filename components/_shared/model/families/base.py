@@ -71,6 +71,8 @@ class Family:
     vocabulary: ClassVar[str] = "qwen2"  # the BPE its checkpoints use (the Qwen2 151k one; Qwen3.5: its 248k one)
     extra_tokens: ClassVar[tuple[str, ...]] = ()  # ordinary added tokens of the real vocabulary beyond Qwen2-VL's
     needs_sample_lengths: ClassVar[bool] = False  # packed rows must hand the LM each sample's length (Qwen3.5)
+    # RL's first-step check: mean |sampling - trainer| token log-probability accepted per precision (docs/stages/rl.md)
+    parity_tolerance: ClassVar[dict[str, float]] = {"fp32": 1e-4, "bf16": 0.05}
 
     # ---------------------------------------------------------------- config fields
 

@@ -89,6 +89,7 @@ class Qwen3_5(Family):
     vocabulary = "qwen3_5"
     extra_tokens = ("<think>", "</think>")
     needs_sample_lengths = True
+    parity_tolerance = {"fp32": 1e-4, "bf16": 0.1}  # recurrent decode vs chunked full forward: twice the others' bf16
 
     def packed_samples(self, lengths: list[int] | None):
         return packed_sample_lengths(lengths)

@@ -1,4 +1,4 @@
-"""The arithmetic of PPO, TER and GRPO, as small pure functions and state objects (tested on hand-made cases).
+"""The arithmetic RL algorithms share, as small pure functions and state objects (tested on hand-made cases).
 
 Shapes: per-token tensors of one completion are 1-D (T,); a batch is a list of them (completions differ in
 length), so nothing here pads. The stateful pieces (KL controller, reward normaliser, EMA baselines) expose
@@ -39,13 +39,24 @@ def whiten(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 
 
 def clipped_surrogate(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, clip: float
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip: float,
+    clip_high: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO policy loss -min(r A, clip(r, 1-e, 1+e) A) with r = pi/pi_old, and whether each token was
-    clipped (the objective's gradient is zero there)."""
+    """Per-token PPO policy loss -min(r A, clip(r, 1-e, 1+e_high) A) with r = pi/pi_old (e_high = e unless given:
+    DAPO's clip-higher), and whether each token was clipped (the objective's gradient is zero there)."""
     ratio = torch.exp(logprobs - old_logprobs)
+    return clipped_objective(ratio, advantages, clip, clip if clip_high is None else clip_high)
+
+
+def clipped_objective(
+    ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-min(r A, clip(r, 1-low, 1+high) A) elementwise (tokens, or GSPO's sequences) and where the clip bound."""
     unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip, 1.0 + clip) * advantages
+    clipped = ratio.clamp(1.0 - low, 1.0 + high) * advantages
     return -torch.minimum(unclipped, clipped), (clipped < unclipped)
 
 
