@@ -235,7 +235,8 @@ class RlEvalConfig(SubConfig):
 
 
 class RlConfig(TrainedStageConfig):
-    """Policy optimisation of the SFT model with PPO, TER or GRPO on verifiable prompts."""
+    """Policy optimisation of the SFT model with PPO, TER, GRPO, DAPO or GSPO on verifiable prompts, in one process or
+    sharded over several (torchrun, DeepSpeed; shard.py)."""
 
     algorithm: str = Field("ppo", description=f"The RL algorithm: {', '.join(ALGORITHM_SETTINGS)}.")
     rewards: dict[str, float] = Field(
@@ -266,6 +267,14 @@ class RlConfig(TrainedStageConfig):
     dapo: DapoConfig = DapoConfig()
     gspo: GspoConfig = GspoConfig()
     parity: ParityConfig = ParityConfig()
+    frozen_sharding: Literal["replicated", "zero3"] = Field(
+        "replicated",
+        description=(
+            "The frozen reference model on several processes: a whole copy per process, or partitioned over them by "
+            "a ZeRO-3 inference engine (1/processes of its weights each; needs train.backend: deepspeed). `qvl plan` "
+            "says which fits."
+        ),
+    )
     ptx: PtxConfig = PtxConfig()
     gates: GateConfig = GateConfig()
     eval: RlEvalConfig = RlEvalConfig()
@@ -302,6 +311,11 @@ class RlConfig(TrainedStageConfig):
             raise ValueError(
                 f"algorithm {self.algorithm} needs rollout.samples_per_prompt >= {group} (its baseline is the group "
                 "mean of a prompt's samples); raise rollout.samples_per_prompt."
+            )
+        if self.frozen_sharding == "zero3" and self.train.backend != "deepspeed":
+            raise ValueError(
+                "frozen_sharding: zero3 partitions the reference with DeepSpeed; set train.backend: deepspeed or "
+                "frozen_sharding: replicated."
             )
         if self.algorithm == "ter" and self.ter.grad_ema and self.train.backend == "deepspeed":
             raise ValueError(

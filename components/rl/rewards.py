@@ -27,6 +27,7 @@ from components._shared.data import metrics as M
 from components._shared.data import tasks as T
 from components._shared.data.scorers import ngram_overlap
 from components._shared.model.reward_models import RewardModelScorer
+from components.rl.shard import ONE_PROCESS, Shard
 
 RewardFn = Callable[..., list[float]]
 _WORDS = re.compile(r"[^\W_]+", re.UNICODE)
@@ -136,8 +137,10 @@ class RewardModelReward(RewardModelScorer):
     """The reward model's score of (image, prompt, completion), standardised with the statistics the
     reward_model stage saved (so 0 is an average SFT-quality answer); see RewardModelScorer."""
 
-    def __call__(self, prompts: list[str], completions: list[str], *, records: list[dict], **_: Any) -> list[float]:
-        return self.standardised(records, completions)
+    def __call__(
+        self, prompts: list[str], completions: list[str], *, records: list[dict], shard: Shard = ONE_PROCESS, **_: Any
+    ) -> list[float]:
+        return self.standardised(records, completions, map_groups=shard.map)
 
 
 # ----------------------------------------------------------------------------------------- OCR check ---

@@ -9,8 +9,10 @@ update alike; the per-token tensors are in the order of those labelled tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -26,6 +28,7 @@ from components._shared.model.packing import (
     to_device,
 )
 from components._shared.model.train_config import TrainConfig
+from components.rl.shard import ONE_PROCESS, Shard
 
 DEFAULT_CHUNK_ROWS = TrainConfig().loss_chunk_tokens
 
@@ -219,47 +222,75 @@ class RolloutEngine:
 
     @torch.no_grad()
     def sample(
-        self, model, records: list[dict], samples_per_prompt: int, prompts: list[Sample] | None = None
+        self,
+        model,
+        records: list[dict],
+        samples_per_prompt: int,
+        prompts: list[Sample] | None = None,
+        *,
+        seed: Sequence[int] = (0,),
+        shard: Shard = ONE_PROCESS,
+        synced: bool = False,
     ) -> list[Rollout]:
         """`samples_per_prompt` completions of each record (consecutive), sampled at the configured temperature;
-        `prompts` are the records' encoded prompts when built ahead (`encode_prompts`)."""
-        device = next(model.parameters()).device
+        `prompts` are the records' encoded prompts when built ahead (`encode_prompts`). The jobs are generated in
+        chunks of `batch_size`, chunk k from the seed (*seed, k) whatever else ran before, dealt to the ranks of
+        `shard` and gathered on all; `synced`: the model is ZeRO-3 sharded (every rank forwards in lockstep)."""
         prompts = self.encode_prompts(records) if prompts is None else prompts
         jobs = [(r, p) for r, p in zip(records, prompts, strict=True) for _ in range(samples_per_prompt)]
+        chunks = [
+            list(range(start, min(start + self.batch_size, len(jobs))))
+            for start in range(0, len(jobs), self.batch_size)
+        ]
+
+        def generate(k: int) -> list[tuple[list[int], torch.Tensor]]:
+            return self._generate(model, [jobs[i] for i in chunks[k]], (*seed, k), synced)
+
         rollouts: list[Rollout] = []
-        for start in range(0, len(jobs), self.batch_size):
-            chunk = jobs[start : start + self.batch_size]
-            width = max(p.num_tokens for _, p in chunk)
-            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.int64)
-            mask = torch.zeros_like(ids)
-            for b, (_, p) in enumerate(chunk):
-                ids[b, width - p.num_tokens :] = p.input_ids
-                mask[b, width - p.num_tokens :] = 1
-            recorder = SampledLogprobs(self.temperature)
-            with own_generation_config(model):  # the checkpoint's sampling settings would change the distribution
-                out = model.generate(
-                    input_ids=ids.to(device),
-                    attention_mask=mask.to(device),
-                    mm_token_type_ids=(ids == self.encoder.image_token_id).to(torch.int32).to(device),
-                    **generation_vision_inputs([p for _, p in chunk], device),
-                    max_new_tokens=self.max_new_tokens,
-                    do_sample=True,
-                    temperature=self.temperature,
-                    top_k=0,
-                    top_p=1.0,
-                    use_cache=self.use_cache,
-                    eos_token_id=self.end_id,
-                    pad_token_id=self.pad_id,
-                    suppress_tokens=self.suppressed,
-                    logits_processor=LogitsProcessorList([recorder]),
-                )
-            sampled = recorder.finish(out)
-            for (record, prompt), row, logprobs in zip(chunk, out[:, width:].tolist(), sampled, strict=True):
-                finished = self.end_id in row
-                completion = row[: row.index(self.end_id) + 1] if finished else row
-                rollouts.append(self._rollout(record, prompt, completion, finished))
-                rollouts[-1].sampler_logprobs = logprobs[: len(completion)].clone()
+        for chunk, outputs in zip(chunks, shard.map(range(len(chunks)), generate, lockstep=synced), strict=True):
+            for i, (completion, logprobs) in zip(chunk, outputs, strict=True):
+                record, prompt = jobs[i]
+                rollouts.append(self._rollout(record, prompt, completion, self.end_id in completion))
+                rollouts[-1].sampler_logprobs = logprobs
         return rollouts
+
+    def _generate(self, model, chunk: list, seed: Sequence[int], synced: bool) -> list[tuple[list[int], torch.Tensor]]:
+        """(completion token ids, their sampling log-probabilities) of each (record, prompt) of one chunk, sampled
+        from the chunk's own generator state (the caller's random state is left as it was)."""
+        device = next(model.parameters()).device
+        width = max(p.num_tokens for _, p in chunk)
+        ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for b, (_, p) in enumerate(chunk):
+            ids[b, width - p.num_tokens :] = p.input_ids
+            mask[b, width - p.num_tokens :] = 1
+        recorder = SampledLogprobs(self.temperature)
+        forked = [device.index or 0] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=forked), own_generation_config(model):
+            torch.manual_seed(int(np.random.SeedSequence(list(seed)).generate_state(1)[0]))
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                mm_token_type_ids=(ids == self.encoder.image_token_id).to(torch.int32).to(device),
+                **generation_vision_inputs([p for _, p in chunk], device),
+                max_new_tokens=self.max_new_tokens,
+                do_sample=True,
+                temperature=self.temperature,
+                top_k=0,
+                top_p=1.0,
+                use_cache=self.use_cache,
+                eos_token_id=self.end_id,
+                pad_token_id=self.pad_id,
+                suppress_tokens=self.suppressed,
+                logits_processor=LogitsProcessorList([recorder]),
+                synced_gpus=synced,
+            )
+        sampled = recorder.finish(out)
+        results = []
+        for row, logprobs in zip(out[:, width:].tolist(), sampled, strict=True):
+            completion = row[: row.index(self.end_id) + 1] if self.end_id in row else row
+            results.append((completion, logprobs[: len(completion)].clone()))
+        return results
 
     def _rollout(self, record: dict, prompt: Sample, completion: list[int], finished: bool) -> Rollout:
         ids = torch.cat([prompt.input_ids, torch.tensor(completion, dtype=torch.int64)])
@@ -278,10 +309,17 @@ class RolloutEngine:
         return Rollout(record=record, completion_ids=completion, text=text, finished=finished, sample=sample)
 
     @torch.no_grad()
-    def score(self, policy: Policy, reference, rollouts: list[Rollout]) -> None:
-        """Fill logprobs, entropy and values (policy) and ref_logprobs (frozen reference) of every rollout."""
+    def score(self, policy: Policy, reference, rollouts: list[Rollout], shard: Shard = ONE_PROCESS) -> None:
+        """Fill logprobs, entropy and values (policy) and ref_logprobs (frozen reference) of every rollout; the
+        micro-batches are dealt to the ranks of `shard` in lockstep (either model may be ZeRO-3 sharded)."""
         samples = [r.sample for r in rollouts]
-        for group, micro, batch in packed_micro_batches(samples, self.max_tokens, next(policy.parameters()).device):
+        sizes = [s.num_tokens for s in samples]
+        groups = plan_micro_batches(sizes, max(self.max_tokens, max(sizes)))
+        device = next(policy.parameters()).device
+
+        def outputs(group: list[int]) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
+            micro = [samples[i] for i in group]
+            batch = to_device(pack(micro), device)
             mine = policy.token_outputs(batch, self.temperature, self.suppressed, chunk_rows=self.chunk_rows)
             ref = token_outputs(
                 reference,
@@ -290,8 +328,11 @@ class RolloutEngine:
                 self.suppressed,
                 chunk_rows=self.chunk_rows,
             )
-            pieces = {k: split_by_sample(v.cpu(), micro) for k, v in mine.items()}
-            ref_pieces = split_by_sample(ref["logprobs"].cpu(), micro)
+            return {k: split_by_sample(v.cpu(), micro) for k, v in mine.items()}, split_by_sample(
+                ref["logprobs"].cpu(), micro
+            )
+
+        for group, (pieces, ref_pieces) in zip(groups, shard.map(groups, outputs, lockstep=True), strict=True):
             for j, i in enumerate(group):
                 r = rollouts[i]
                 r.logprobs, r.entropy, r.ref_logprobs = pieces["logprobs"][j], pieces["entropy"][j], ref_pieces[j]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 from collections import defaultdict
 from collections.abc import Callable
@@ -118,12 +117,8 @@ def heldout_eval(model, encoder: ConversationEncoder, records: list[dict], cfg: 
 def run(
     cfg: RlConfig, *, base_model: str, reward_model: str, data: str, output_dir: str | Path, tracker: Tracker
 ) -> dict[str, Any]:
-    """Run RL from the SFT model; returns efficacy before/after, length ratio, final KL and the timing split."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError(
-            "the rl stage runs in one process (rollouts are not sharded over ranks yet); launch it "
-            "without torchrun (train.backend: deepspeed still works on one GPU)."
-        )
+    """Run RL from the SFT model; returns efficacy before/after, length ratio, final KL and the timing split. Under
+    torchrun every rank generates and scores its share of each step (shard.py); rank 0 reports and exports."""
     output_dir = Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     prompts = load_prompts(data_dir, cfg)
@@ -145,6 +140,10 @@ def run(
     resumed = trainer.run(evaluate)
     if not final_rows:  # resumed after the last evaluation: score the final policy again for its predictions
         evaluate(loop.step, loop.backend.module)
+    critic = trainer.algorithm.critic
+    exported = trained_module(loop, lambda: Policy(load_vlm(base_model)[0], value_head=critic))
+    if exported is None:  # DeepSpeed ranks > 0: rank 0 reports and exports
+        return {"rank": loop.backend.rank, "steps": loop.step}
     cache = rewards.get("efficacy")
     metrics: dict[str, Any] = {
         "algorithm": cfg.algorithm,
@@ -157,9 +156,6 @@ def run(
         **{f"seconds_{k}": round(v, 3) for k, v in trainer.timing.items()},
         "rollout_tokens_per_second": round(trainer.generated_tokens / max(trainer.timing["generation"], 1e-9), 1),
     }
-    critic = trainer.algorithm.critic
-    exported = trained_module(loop, lambda: Policy(load_vlm(base_model)[0], value_head=critic))
-    assert exported is not None  # one process (checked above)
     export_policy(exported, processor, output_dir, cfg, base_model, checkpoint_dtype(resolve_model(base_model)))
     ckpt.write_pointer(output_dir, [loop.store.root])
     write_jsonl(output_dir / "eval_predictions.jsonl", final_rows)

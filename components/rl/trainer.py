@@ -20,6 +20,7 @@ from components._shared.data import datasets
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.encoder import Sample
 from components._shared.model.families import family_for
+from components._shared.model.packing import pack, plan_micro_batches, to_device
 from components._shared.model.step_inputs import step_inputs
 from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop, data_workers
 from components._shared.platform.tracking import Tracker
@@ -28,7 +29,8 @@ from components.rl.algorithms.base import TokenBatch
 from components.rl.algorithms.core import kl_k3
 from components.rl.config import RlConfig
 from components.rl.gates import Gates
-from components.rl.rollout import Policy, Rollout, RolloutEngine, packed_micro_batches, split_by_sample, token_outputs
+from components.rl.rollout import Policy, Rollout, RolloutEngine, split_by_sample, token_outputs
+from components.rl.shard import Shard
 
 
 @dataclass
@@ -75,7 +77,10 @@ class RlTrainer:
         data = LoopData(phases=[Phase("rl", cfg.train.steps, list(range(len(prompts))))], unit_weight=self._unit_weight)
         self.loop = TrainLoop(policy, settings, data, checkpoints, tracker=tracker, loss_fn=self._loss, extra=self)
         self.algorithm.attach(self.loop.backend)
-        self.reference = reference.to(self.loop.device).eval()
+        self.shard = Shard.current()  # the loop's backend has started torch.distributed when there are several ranks
+        train = cfg.train
+        self.synced = self.shard.world > 1 and train.backend == "deepspeed" and train.zero_stage == 3
+        self.reference = frozen_for_inference(reference, cfg, self.loop.device)
         self.prompts, self.image, self.engine, self.rewards = prompts, image, engine, rewards
         self.ptx_pool = ptx_pool or []
         self.ptx_token_weight = 0.0  # set with each step's ptx samples (see _ptx_samples)
@@ -169,17 +174,29 @@ class RlTrainer:
         policy.eval()
         with torch.no_grad(), self.loop.autocast_context():
             prompts = prepared.prompts if prepared else None
-            rollouts = self.engine.sample(policy.model, records, cfg.rollout.samples_per_prompt, prompts)
+            rollouts = self.engine.sample(
+                policy.model,
+                records,
+                cfg.rollout.samples_per_prompt,
+                prompts,
+                seed=(cfg.seed, 5_000_011, self.loop.step),
+                shard=self.shard,
+                synced=self.synced,
+            )
         generated = time.perf_counter()
         completions = [r.text for r in rollouts]
-        batch = {"records": [r.record for r in rollouts], "finished": [r.finished for r in rollouts]}
+        batch = {
+            "records": [r.record for r in rollouts],
+            "finished": [r.finished for r in rollouts],
+            "shard": self.shard,
+        }
         prompts = [r.record["question"] for r in rollouts]
         per_reward = {name: fn(prompts, completions, **batch) for name, fn in self.rewards.items()}
         for i, r in enumerate(rollouts):
             r.rewards = {name: values[i] for name, values in per_reward.items()}
             r.reward = sum(cfg.rewards[name] * values[i] for name, values in per_reward.items())
         with torch.no_grad(), self.loop.autocast_context():
-            self.engine.score(policy, self.reference, rollouts)
+            self.engine.score(policy, self.reference, rollouts, self.shard)
         scored = time.perf_counter()
 
         kl = float(np.mean([float(kl_k3(r.logprobs, r.ref_logprobs).mean()) for r in rollouts]))
@@ -292,20 +309,27 @@ class RlTrainer:
     def _reference_distributions(self, samples: list) -> None:
         """meta["ref_full_logprobs"] (targets x vocabulary, T=1) of each ptx sample under the frozen reference."""
         device = next(self.reference.parameters()).device
-        for _, micro, batch in packed_micro_batches(samples, self.engine.max_tokens, device):
+        sizes = [s.num_tokens for s in samples]
+        groups = plan_micro_batches(sizes, max(self.engine.max_tokens, max(sizes)))
+
+        def distributions(group: list[int]) -> list[torch.Tensor]:
+            micro = [samples[i] for i in group]
             every_row = torch.ones(sum(s.num_targets for s in micro), dtype=torch.bool, device=device)
             with self.loop.autocast_context():
                 out = token_outputs(
                     self.reference,
-                    batch,
+                    to_device(pack(micro), device),
                     1.0,
                     self.engine.suppressed,
                     plain_rows=every_row,
                     full_distribution=True,
                     chunk_rows=self.engine.chunk_rows,
                 )
-            for s, rows in zip(micro, split_by_sample(out["plain_full"].float().cpu(), micro), strict=True):
-                s.meta["ref_full_logprobs"] = rows
+            return split_by_sample(out["plain_full"].float().cpu(), micro)
+
+        for group, pieces in zip(groups, self.shard.map(groups, distributions, lockstep=True), strict=True):
+            for i, rows in zip(group, pieces, strict=True):
+                samples[i].meta["ref_full_logprobs"] = rows
 
     def _timing(self, started, generated, scored, updated, rollouts) -> dict[str, float]:
         split = {"generation": generated - started, "scoring": scored - generated, "update": updated - scored}
@@ -435,3 +459,17 @@ def check_parity(cfg: RlConfig, policy, autocast: bool, mean_abs: float) -> None
             "and the packed forward do not compute the same policy (check the model's generation and attention "
             "settings). Raise rl.parity.tolerance if the mismatch is expected, or set rl.parity.tis_cap to correct it."
         )
+
+
+def frozen_for_inference(model, cfg: RlConfig, device):
+    """The frozen reference for scoring: on this rank's device, or with `frozen_sharding: zero3` partitioned over
+    the ranks by a ZeRO-3 engine without an optimizer (every rank then holds 1/world of it; its passes run in
+    lockstep, shard.py)."""
+    if cfg.frozen_sharding != "zero3":
+        return model.to(device).eval()
+    import deepspeed
+
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": bf16}}
+    engine, *_ = deepspeed.initialize(model=model.eval(), config=config)
+    return engine.module.eval()

@@ -232,11 +232,19 @@ def plan_stage(
     trained, frozen_params, frozen_bytes, notes = trainable(stage, cfg, model, config)
     if stage == "distill":  # the student is what trains; the teacher is a frozen model beside it
         params = trained
-    weights = 4 * params / (n if zero == 3 else 1)
-    grads = 4 * trained / (n if zero >= 2 else 1)
-    optimizer = 0.0 if offload else 8 * trained / (n if zero >= 1 else 1)
+    # DeepSpeed with bf16 casts the module to bf16 and keeps the fp32 master weights (with fp32 gradient partitions
+    # and Adam's moments: 16 bytes per trained parameter) in its optimizer; otherwise fp32 weights and gradients
+    # (bf16 autocast) and 8 bytes of moments.
+    ds_bf16 = deepspeed and train["precision"] in ("bf16", "auto")
+    weights = (2 if ds_bf16 else 4) * params / (n if zero == 3 else 1)
+    grads = (2 if ds_bf16 else 4) * trained / (n if zero >= 2 else 1)
+    optimizer = 0.0 if offload else (16 if ds_bf16 else 8) * trained / (n if zero >= 1 else 1)
     width = 2 if device == "gpu" else 4  # bf16 autocast on GPUs, fp32 on the CPU
     frozen = frozen_params * (frozen_bytes if device == "gpu" else 4)
+    if stage == "rl" and deepspeed and cfg.get("frozen_sharding") == "zero3":  # the reference partitioned over n
+        reference = sum(p.numel() for p in model.parameters()) * (frozen_bytes if device == "gpu" else 4)
+        frozen -= reference * (1 - 1 / n)
+        notes = [*notes, f"reference ZeRO-3 over {n}"]
     tokens = int(train["max_tokens_per_micro_batch"])
     plain = activation_bytes(config, tokens, checkpointed=False, bytes_per_value=width)
     saved = activation_bytes(config, tokens, checkpointed=True, bytes_per_value=width)
@@ -283,6 +291,10 @@ def suggest(stage: str, cfg: dict, profile, model, config) -> str:
     changes: list[dict] = [{"gradient_checkpointing": True}]
     if train["backend"] == "deepspeed":
         changes += [{"zero_stage": 3}, {"zero_stage": 3, "gradient_checkpointing": True}, {"offload_optimizer": True}]
+        if stage == "rl" and cfg.get("frozen_sharding") != "zero3" and profile.gpus * profile.nodes > 1:
+            trial = plan_stage(stage, {**cfg, "frozen_sharding": "zero3"}, profile, model, config, suggest_fix=False)
+            if trial.fits:
+                return f"set rl.frozen_sharding: zero3 ({trial.total_gb:.1f} GB)"
     tokens = int(train["max_tokens_per_micro_batch"])
     changes += [{"max_tokens_per_micro_batch": tokens // f, "gradient_checkpointing": True} for f in (2, 4, 8)]
     if train["backend"] == "deepspeed":

@@ -82,7 +82,7 @@ def test_stage_order(compiled):
         ("extract-features-op", 1, 2),
         ("sft-op", 8, 3),
         ("reward-model-op", 8, 3),
-        ("rl-op", 1, 3),
+        ("rl-op", 8, 3),
         ("distill-op", 8, 3),
         ("select-checkpoint-op", 1, 2),
     ],

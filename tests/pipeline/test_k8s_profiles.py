@@ -72,7 +72,9 @@ def test_a_multi_gpu_stage_gets_a_torchrun_plan_and_a_multi_node_stage_a_small_l
     spec, executors = compiled
     sft = json.loads(_env(spec, "sft-op")["QVL_LAUNCH_PLAN"])
     assert (sft["nodes"], sft["gpus_per_node"], sft["image"]) == (1, 8, "ghcr.io/qwen-vl-pipeline/train:0.1.0")
-    assert "QVL_LAUNCH_PLAN" not in _env(spec, "rl-op")  # one process
+    rl = json.loads(_env(spec, "rl-op")["QVL_LAUNCH_PLAN"])  # rl shards its rollouts over the pod's 8 GPUs too
+    assert (rl["nodes"], rl["gpus_per_node"]) == (1, 8)
+    assert "QVL_LAUNCH_PLAN" not in _env(spec, "select-checkpoint-op")  # one process
     pretrain = spec["deploymentSpec"]["executors"]["exec-pretrain-op"]["container"]
     assert "accelerator" not in pretrain["resources"]  # the TrainJob's pods hold the GPUs, not the watcher
     assert pretrain["resources"]["resourceCpuRequest"] == "2"
@@ -133,7 +135,10 @@ def test_local_runs_get_no_pod_settings_but_keep_retries(tmp_path):
     "section, message",
     [
         ({"stages": {"preflight": {"gpus": 1}}}, r"kubernetes.stages.preflight.gpus: preflight runs on the CPU image"),
-        ({"stages": {"rl": {"gpus": 8}}}, r"kubernetes.stages.rl: rl runs in one process, so 8 GPUs would sit idle"),
+        (
+            {"stages": {"select_checkpoint": {"gpus": 8}}},
+            r"kubernetes.stages.select_checkpoint: select_checkpoint runs in one process, so 8 GPUs would sit idle",
+        ),
         (
             {"stages": {"sft": {"nodes": 2, "gpus": 8}}},
             r"kubernetes.stages.sft.nodes: .*set kubernetes.trainjob.staging_uri",

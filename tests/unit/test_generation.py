@@ -41,10 +41,11 @@ def _records(n: int = 4) -> list[dict]:
     ]
 
 
-def _sampled_and_scored(model, processor, monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per rollout: log-probs of its tokens under the sampler (generate's processed scores) and as RL scores them."""
+def _sampled_and_scored(model, processor, monkeypatch, n: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per rollout (`n` per record, one generate() call): log-probs of its tokens under the sampler (generate's
+    processed scores) and as RL scores them."""
     encoder = ConversationEncoder(processor, model, min_pixels=112 * 112, max_pixels=112 * 112)
-    engine = RolloutEngine(encoder, max_new_tokens=12, temperature=0.7, batch_size=4, max_tokens=4096)
+    engine = RolloutEngine(encoder, max_new_tokens=12, temperature=0.7, batch_size=4 * n, max_tokens=4096)
     captured = []
     original = model.generate
 
@@ -54,8 +55,7 @@ def _sampled_and_scored(model, processor, monkeypatch) -> tuple[list[torch.Tenso
         return out.sequences
 
     monkeypatch.setattr(model, "generate", spy)
-    torch.manual_seed(0)
-    rollouts = engine.sample(model, _records(), samples_per_prompt=1)
+    rollouts = engine.sample(model, _records(), samples_per_prompt=n)
     sampled = [
         captured[0][b, torch.arange(len(r.completion_ids)), torch.tensor(r.completion_ids)]
         for b, r in enumerate(rollouts)
@@ -75,9 +75,9 @@ def test_sampled_log_probs_equal_the_scored_ones_on_a_hub_like_checkpoint(hub_li
 
 def test_with_the_checkpoints_sampling_settings_they_would_differ(hub_like, monkeypatch):
     monkeypatch.setattr(rollout_module, "own_generation_config", lambda model: contextlib.nullcontext())
-    sampled, scored = _sampled_and_scored(*hub_like, monkeypatch)
+    sampled, scored = _sampled_and_scored(*hub_like, monkeypatch, n=4)
     worst = max(float((a - b).abs().max()) for a, b in zip(sampled, scored, strict=True))
-    assert worst > 1e-3  # the repetition penalty leaks in: 80x the tolerance the equality holds to
+    assert worst > 1e-3  # the repetition penalty leaks in: 10x the tolerance the equality holds to
 
 
 def test_every_rollout_carries_its_image_preprocessed_as_the_trainer_does(hub_like):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.presets import preset_path
+from pipelines.presets import PRESET_DIR, preset_path
 from pipelines.qvl.memory_plan import gpu_memory_gb, plan, refusals, table
 
 
@@ -24,18 +24,34 @@ def test_prod_7b_is_planned_per_stage_and_the_stages_that_cannot_fit_are_refused
     pretrain, sft = by_stage["pretrain"], by_stage["sft"]
     assert 8.2e9 < pretrain.params_total < 8.4e9  # Qwen2.5-VL-7B: 8.29B with its 152,064-row untied embeddings
     assert pretrain.gpus == 16 and pretrain.zero == "ZeRO-3" and pretrain.fits
-    assert pretrain.weights_gb == pytest.approx(4 * pretrain.params_total / 16 / 2**30)
+    # DeepSpeed with bf16: the module in bf16 (2 bytes, partitioned by ZeRO-3), fp32 masters + moments in the optimizer
+    assert pretrain.weights_gb == pytest.approx(2 * pretrain.params_total / 16 / 2**30)
+    assert pretrain.optimizer_gb == pytest.approx(16 * pretrain.params_trainable / 16 / 2**30)
     assert sft.params_trainable < 0.03 * sft.params_total  # LoRA r=64
     assert by_stage["distill"].params_trainable < 0.5 * pretrain.params_total  # the 3B student
     assert all(p.activations_checkpointed_gb < p.activations_gb for p in plans)
     lines = refusals(plans)
     assert not any(line.startswith("sft: ") for line in lines)  # the chunked LM-head loss: 2.3 GB of logits
     assert sft.logits_gb == pytest.approx(1024 * 152_064 * 16 / 2**30)
-    _, full_logits = plan(_extending_prod_7b(tmp_path, "sft: {train: {loss_chunk_tokens: 0}}\n"))
-    assert any(line.startswith("sft: ") and "set sft.train.zero_stage: 3" in line for line in refusals(full_logits))
-    rl = next(line for line in lines if line.startswith("rl: "))
-    assert "kubernetes.stages.rl.accelerator_type" in rl and "gpus / nodes" not in rl  # rl runs one process
+    unchunked = "sft: {train: {loss_chunk_tokens: 0, max_tokens_per_micro_batch: 32768}}\n"  # 55.7 GB of logits
+    _, full_logits = plan(_extending_prod_7b(tmp_path, unchunked))
+    fix = "set sft.train.max_tokens_per_micro_batch: 16384, sft.train.gradient_checkpointing: true"
+    assert any(line.startswith("sft: ") and fix in line for line in refusals(full_logits))
+    assert lines == []  # every stage fits its profile, rl included: 8 GPUs, the reference partitioned over them
+    rl = by_stage["rl"]
+    assert rl.gpus == 8 and rl.fits and "reference ZeRO-3 over 8" in rl.notes
+    policy_and_rm = 2 * rl.params_total  # the reward model stays whole on every GPU (bf16); the reference is 1/8
+    assert rl.frozen_models_gb == pytest.approx((policy_and_rm + 2 * rl.params_total / 8) / 2**30)
     assert "qwen2.5-vl-7b" in table(name, "prod-7b", plans)
+
+
+def test_rl_on_a_gpu_too_small_for_a_whole_reference_is_told_to_partition_it(tmp_path):
+    preset = _extending_prod_7b(
+        tmp_path, "rl: {frozen_sharding: replicated}\nkubernetes: {stages: {rl: {accelerator_type: GPU-70GB}}}\n"
+    )
+    _, plans = plan(preset)
+    (line,) = [line for line in refusals(plans) if line.startswith("rl: ")]
+    assert "set rl.frozen_sharding: zero3" in line
 
 
 def test_the_fix_the_planner_names_makes_the_stage_fit(tmp_path):
@@ -55,3 +71,10 @@ def test_a_base_model_on_s3_that_is_no_known_checkpoint_needs_its_name(tmp_path)
     with pytest.raises(ValueError, match="give --config NAME"):
         plan(preset)
     assert plan(preset, "qwen3-vl-8b")[0] == "qwen3-vl-8b"
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in PRESET_DIR.glob("prod-*.yaml")))
+def test_every_committed_prod_preset_fits_its_cluster_profile(preset):
+    """`qvl plan` exits 0 for each: no committed preset ships a training stage that cannot fit its GPUs."""
+    _, plans = plan(preset)
+    assert refusals(plans) == [] and all(p.fits for p in plans)

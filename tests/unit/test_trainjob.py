@@ -304,8 +304,9 @@ def test_launch_plans_are_read_from_the_environment_and_validated():
     assert plan_from_env({LAUNCH_PLAN_ENV: plan, "QVL_LAUNCHED": "1"}) is None  # the launched processes run it
     one = LaunchPlan(stage="sft", nodes=1, gpus_per_node=1, image="img:1").model_dump_json()
     assert plan_from_env({LAUNCH_PLAN_ENV: one}) is None
-    with pytest.raises(ValueError, match="stage 'rl' runs in one process"):
-        plan_from_env({LAUNCH_PLAN_ENV: LaunchPlan(stage="rl", gpus_per_node=8, image="i:1").model_dump_json()})
+    with pytest.raises(ValueError, match="stage 'select_checkpoint' runs in one process"):
+        one_process = LaunchPlan(stage="select_checkpoint", gpus_per_node=8, image="i:1")
+        plan_from_env({LAUNCH_PLAN_ENV: one_process.model_dump_json()})
     with pytest.raises(ValueError, match="QVL_LAUNCH_PLAN is not a valid launch plan"):
         plan_from_env({LAUNCH_PLAN_ENV: '{"stage": "sft", "gpus": 8}'})
 

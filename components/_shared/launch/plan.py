@@ -29,8 +29,8 @@ LAUNCHED_ENV = "QVL_LAUNCHED"  # set on the processes a launcher starts: they ru
 POD_NAME_ENV, POD_UID_ENV = "QVL_POD_NAME", "QVL_POD_UID"  # a multi-node task's pod (downward API): owns its job
 
 
-# Stages whose loop shards micro-batches over ranks (TrainLoop + DeepSpeed); rl rolls out in one process.
-MULTI_PROCESS_STAGES = ("pretrain", "sft", "reward_model", "distill")
+# Stages whose loop shards micro-batches over ranks (TrainLoop + DeepSpeed; rl also its rollouts, rl/shard.py).
+MULTI_PROCESS_STAGES = ("pretrain", "sft", "reward_model", "rl", "distill")
 
 
 class LaunchPlan(BaseModel):

@@ -9,6 +9,7 @@ candidate's held-out answers with `RewardModelScorer`. Format of a saved
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,9 @@ class RewardModelScorer:
         self.max_tokens = max_tokens
 
     @torch.no_grad()
-    def raw_scores(self, records: list[dict], answers: list[str]) -> list[float]:
-        """One score per (record {"id", "question", "pil"}, answer)."""
+    def raw_scores(self, records: list[dict], answers: list[str], map_groups: MapGroups | None = None) -> list[float]:
+        """One score per (record {"id", "question", "pil"}, answer); `map_groups(groups, fn)` runs the packed
+        micro-batches (default: here, one after the other; the rl stage deals them to its processes)."""
         from components._shared.model.packing import pack, plan_micro_batches, to_device
 
         samples = []
@@ -133,13 +135,26 @@ class RewardModelScorer:
         device = next(self.model.parameters()).device
         out = [0.0] * len(samples)
         budget = max(self.max_tokens, max(s.num_tokens for s in samples))
-        for group in plan_micro_batches([s.num_tokens for s in samples], budget):
+        groups = plan_micro_batches([s.num_tokens for s in samples], budget)
+
+        def scores(group: list[int]) -> list[float]:
             micro = [samples[i] for i in group]
-            for i, score in zip(group, self.model.scores(to_device(pack(micro), device), micro).tolist(), strict=True):
+            return self.model.scores(to_device(pack(micro), device), micro).tolist()
+
+        for group, values in zip(groups, (map_groups or _in_turn)(groups, scores), strict=True):
+            for i, score in zip(group, values, strict=True):
                 out[i] = score
         return out
 
-    def standardised(self, records: list[dict], answers: list[str]) -> list[float]:
+    def standardised(self, records: list[dict], answers: list[str], map_groups: MapGroups | None = None) -> list[float]:
         """Scores minus the training answers' mean, over their std (0 = an average SFT-quality answer)."""
         std = max(float(self.meta["reward_std"]), 1e-6)
-        return [(s - float(self.meta["reward_mean"])) / std for s in self.raw_scores(records, answers)]
+        raw = self.raw_scores(records, answers, map_groups)
+        return [(s - float(self.meta["reward_mean"])) / std for s in raw]
+
+
+MapGroups = Callable[[list[list[int]], Callable[[list[int]], list[float]]], list[list[float]]]
+
+
+def _in_turn(groups: list[list[int]], fn: Callable[[list[int]], list[float]]) -> list[list[float]]:
+    return [fn(group) for group in groups]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from components.rl.algorithms import core as A
+import components.rl.algorithms.core as A
 from components.rl.algorithms.base import Algorithm, TokenBatch, clip_fraction, constant_advantages, rewards_of
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import components.rl.algorithms.core as A
 from components._shared.model.train_config import OptimConfig
-from components.rl.algorithms import core as A
 from components.rl.algorithms.base import Algorithm, TokenBatch
 
 
