@@ -119,6 +119,18 @@ class ClusterProfile(_Strict):
     )
     stages: dict[str, StageProfile]
 
+    def gpu_profiles(self, stages) -> dict[str, dict]:
+        """The pods of the given stages that hold GPUs (gpus, nodes, accelerator_type): what preflight plans on."""
+        return {  # KFP parameters cannot hold null: no accelerator_type, no key
+            name: {
+                "gpus": s.gpus,
+                "nodes": s.nodes,
+                **({"accelerator_type": s.accelerator_type} if s.accelerator_type else {}),
+            }
+            for name, s in self.stages.items()
+            if name in stages and s.gpus
+        }
+
     def pipeline_config(self):
         """The KFP PipelineConfig of these settings."""
         return dsl.PipelineConfig(**self.pipeline.model_dump())

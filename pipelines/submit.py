@@ -126,7 +126,9 @@ def read_params_file(path: Path) -> list[str]:
     return [f"{key}={value}" for key, value in data.items()]
 
 
-def prepare(preset: str, pairs: list[str], workdir: Path) -> Prepared:
+def prepare(
+    preset: str, pairs: list[str], workdir: Path, *, force: bool = False, echo: Callable[[str], None] = print
+) -> Prepared:
     """Validate the pairs against the preset and compile it (with the overrides) into `workdir`.
 
     Every check happens here, before a client exists: a bad setting never reaches the cluster.
@@ -152,6 +154,15 @@ def prepare(preset: str, pairs: list[str], workdir: Path) -> Prepared:
         if stage in STAGES:  # the whole section: a dict parameter is replaced, not merged, by KFP
             params[f"{stage}_config"] = resolved.stages[stage]
 
+    from pipelines.qvl.memory_plan import preset_refusals
+
+    unfit = preset_refusals(resolved)
+    if unfit and not force:
+        raise SubmitError(
+            "a training stage does not fit its GPUs; change the setting named or pass --force:\n" + "\n".join(unfit)
+        )
+    for line in unfit:
+        echo(f"warning: does not fit (--force): {line}")
     package = compile_pipeline(resolved, workdir / "vlm_training.yaml")  # the preset as read and checked above
     return Prepared(package=Path(package), params=params, preset_name=resolved.name)
 
@@ -252,13 +263,15 @@ def compile_and_submit(
     namespace: str | None,
     echo: Callable[[str], None],
     params_file: Path | None = None,
+    force: bool = False,
 ) -> tuple[Any, str]:
-    """Validate, compile into a temporary directory, submit; returns (client, run_id)."""
+    """Validate, plan (a training stage that cannot fit its GPUs stops here unless `force`), compile into a temporary
+    directory, submit; returns (client, run_id)."""
     check_host(host)
     if params_file is not None:
         pairs = read_params_file(params_file) + list(pairs)
     with tempfile.TemporaryDirectory(prefix="qvl-submit-") as tmp:
-        prepared = prepare(preset, pairs, Path(tmp))
+        prepared = prepare(preset, pairs, Path(tmp), force=force, echo=echo)
         client = make_client(host, namespace)
         run_id = submit(client, prepared, experiment=experiment, run_name=run_name, namespace=namespace)
     echo(f"Run URL: {run_url(host, run_id)}")

@@ -96,6 +96,7 @@ def build_pipeline(preset: Preset | str = DEFAULT_PRESET, until: str | None = No
                     needs_sft_data="sft" in wanted,  # distill reads it too, and runs only after sft
                     needs_preference_data="reward_model" in wanted,
                     needs_rl_data="rl" in wanted,
+                    gpu_profiles=cluster.gpu_profiles(wanted) if for_cluster else {},
                     experiment=experiment,
                 ),
                 "preflight",

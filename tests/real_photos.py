@@ -9,6 +9,7 @@ and palette PNG, WebP, grayscale); the `write_*` functions write one annotation 
 from __future__ import annotations
 
 import base64
+import csv
 import io
 import json
 from pathlib import Path
@@ -282,6 +283,76 @@ def write_all(root: Path) -> dict[str, str]:
     write_eval(root, paths)
     write_preferences(root, paths)
     return paths
+
+
+def _save_photo(root: Path, name: str, photo_name: str) -> str:
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    photo(photo_name).save(root / name)
+    return name
+
+
+def write_benchmarks(root: Path) -> Path:
+    """A held-out set of the standard benchmarks in their release layouts (VQAv2 questions + annotations, TextVQA,
+    DocVQA, ChartQA, RefCOCO, an MMBench TSV with base64 images, POPE lines) on real photographs, with the
+    dataset.yaml that names them; returns `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    # VQAv2: questions + annotations, COCO file names under val2014/
+    _save_photo(root, "val2014/COCO_val2014_000000000042.jpg", "coffee")
+    (root / "v2_questions.json").write_text(json.dumps({
+        "data_subtype": "val2014",
+        "questions": [{"image_id": 42, "question": "What is in the cup?", "question_id": 420}],
+    }))  # fmt: skip
+    (root / "v2_annotations.json").write_text(json.dumps({"annotations": [{
+        "question_id": 420, "image_id": 42,
+        "answers": [{"answer": a, "answer_id": i} for i, a in enumerate(["coffee"] * 7 + ["espresso"] * 3)],
+    }]}))  # fmt: skip
+    # TextVQA: {"data": [...]}, images <image_id>.jpg
+    _save_photo(root, "train_images/ab12.jpg", "rocket")
+    (root / "TextVQA_0.5.1_val.json").write_text(json.dumps({"dataset_name": "textvqa", "data": [
+        {"question_id": 7, "image_id": "ab12", "question": "What is on the pad?", "answers": ["rocket"] * 10},
+    ]}))  # fmt: skip
+    # DocVQA: {"data": [...]} with image paths
+    _save_photo(root, "documents/doc1.png", "camera")
+    (root / "val_v1.0.json").write_text(json.dumps({"data": [
+        {"questionId": 11, "question": "What is the title?", "image": "documents/doc1.png", "docId": 1,
+         "answers": ["Cameraman", "the cameraman"]},
+    ]}))  # fmt: skip
+    # ChartQA: a list of {imgname, query, label}, images in png/
+    _save_photo(root, "png/chart1.png", "chelsea")
+    (root / "test_human.json").write_text(json.dumps([{"imgname": "chart1.png", "query": "Value?", "label": 40}]))
+    # RefCOCO, MDETR's COCO-style final_refcoco_testA.json
+    _save_photo(root, "coco/COCO_train2014_000000000007.jpg", "rocket")
+    (root / "final_refcoco_testA.json").write_text(json.dumps({
+        "images": [{"id": 3, "file_name": "COCO_train2014_000000000007.jpg", "caption": "the white rocket",
+                    "height": 427, "width": 640}],
+        "annotations": [{"id": 1, "image_id": 3, "bbox": [290, 120, 55, 290]}],
+    }))  # fmt: skip
+    # MMBench TSV: options in columns, the image base64 inline
+    buffer = io.BytesIO()
+    photo("chelsea").save(buffer, format="JPEG")
+    with (root / "MMBench_DEV_EN.tsv").open("w", newline="") as f:
+        writer = csv.writer(f, delimiter="\t")
+        writer.writerow(["index", "question", "hint", "A", "B", "C", "D", "answer", "category", "image"])
+        writer.writerow([5, "What animal is it?", "A close-up photo.", "dog", "cat", "bird", "nan", "B", "animals",
+                         base64.b64encode(buffer.getvalue()).decode()])  # fmt: skip
+    # POPE: JSON lines in a .json file
+    _save_photo(root, "val2014/COCO_val2014_000000000310.jpg", "astronaut")
+    pope = [(1, "Is there a flag in the image?", "yes"), (2, "Is there a dog in the image?", "no")]
+    (root / "coco_pope_random.json").write_text("".join(
+        json.dumps({"question_id": i, "image": "COCO_val2014_000000000310.jpg", "text": text, "label": label}) + "\n"
+        for i, text, label in pope
+    ))  # fmt: skip
+    (root / "dataset.yaml").write_text("""\
+eval:
+  - {path: v2_questions.json, format: vqav2, annotations: v2_annotations.json, images: val2014}
+  - {path: TextVQA_0.5.1_val.json, format: textvqa, images: train_images}
+  - {path: val_v1.0.json, format: docvqa}
+  - {path: test_human.json, format: chartqa, images: png}
+  - {path: final_refcoco_testA.json, format: refcoco, images: coco}
+  - {path: MMBench_DEV_EN.tsv, format: mmbench}
+  - {path: coco_pope_random.json, format: pope, images: val2014}
+""")
+    return root
 
 
 QA = {  # photo: (question, answer) of the custom task "photo_qa" (RL prompts and its held-out benchmark)

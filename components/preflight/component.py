@@ -29,6 +29,7 @@ def preflight_op(
     needs_sft_data: bool = False,
     needs_preference_data: bool = False,
     needs_rl_data: bool = False,
+    gpu_profiles: dict = {},  # noqa: B006 - KFP reads the default from the signature; never mutated
     experiment: str = "vlm",
 ) -> NamedTuple(  # type: ignore[valid-type]  # KFP's form for several output parameters
     "ContentKeys",
@@ -67,6 +68,8 @@ def preflight_op(
         needs_preference_data: Whether this DAG runs reward_model (then preference_data_uri must be set).
         rl_data_uri: RL prompts (must hold its dataset.yaml's files, or the rl section's prompts_file / eval.files).
         needs_rl_data: Whether this DAG runs rl (then rl_data_uri must be set).
+        gpu_profiles: The pods of this DAG's training stages (stage -> gpus, nodes, accelerator_type; empty on one
+            machine): each stage is planned on its pod's GPUs and one that cannot fit stops the run here.
         report: preflight.json with what was checked and where the models resolved to.
         experiment: MLflow experiment name.
     """
@@ -104,6 +107,7 @@ def preflight_op(
             "model_uris": [base_model_uri, *model_uris_in(stage_configs)],
             "stage_configs": stage_configs,
             "data_files": data_files,
+            "gpu_profiles": gpu_profiles,
             "uris": {
                 "base_model_uri": base_model_uri,
                 "eval_data_uri": eval_data_uri,

@@ -15,6 +15,7 @@ from typing import Any
 
 from components._shared.platform.tracking import Tracker
 from components.preflight.config import PreflightConfig
+from components.preflight.fit import check_fits, check_selection
 
 
 def validate_stage_configs(stage_configs: dict[str, dict[str, Any]]) -> int:
@@ -279,6 +280,7 @@ def check_records(
     *,
     download_mb: float = 4096.0,
     scratch: Path | None = None,
+    kept: dict[tuple[str, str], list[dict]] | None = None,
 ) -> dict[str, int]:
     """Read every record of each data directory the DAG uses, as its stages will (fields, images' headers, ids):
     one error lists the bad records of all of them, unless every stage reading that data skips bad records
@@ -301,7 +303,10 @@ def check_records(
             with bad_records.policy("skip" if skip else "fail") as ledger:
                 for role in spec.get("roles") or []:
                     try:
-                        checked += len(_load_role(role, directory, (spec.get("names") or {}).get(role)))
+                        records = _load_role(role, directory, (spec.get("names") or {}).get(role))
+                        checked += len(records)
+                        if kept is not None:  # what later checks read (the held-out tasks select_checkpoint scores)
+                            kept[parameter, role] = [{k: v for k, v in r.items() if k != "pil"} for r in records]
                     except ValueError as err:
                         problems.append(f"{parameter} ({uri}), {role} records: {err}")
             skipped |= {f"{uri}/{source}" for source in ledger.skipped}  # a file two parameters share: counted once
@@ -402,6 +407,7 @@ def run(
     tracker: Tracker,
     data_files: dict[str, dict[str, Any]] | None = None,
     uris: dict[str, str] | None = None,
+    gpu_profiles: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Validate configs, then reach the lake, the data, the tracking server and the models; raise on the first
     failure. Writes preflight.json with the metrics, where the models resolved to and each stage's content key
@@ -413,11 +419,20 @@ def run(
     metrics["max_pixels"] = check_visual_budget(stage_configs)
     if cfg.check_lake:
         metrics["lake_shards"] = count_lake_shards(lake_uri)
+    records: dict[tuple[str, str], list[dict]] = {}
     if data_files:
         metrics["data_files"] = check_data(data_files)
         metrics.update(
-            check_records(data_files, stage_configs, download_mb=cfg.records_download_mb, scratch=output_dir)
+            check_records(
+                data_files, stage_configs, download_mb=cfg.records_download_mb, scratch=output_dir, kept=records
+            )
         )
+        if "select_checkpoint" in stage_configs and ("eval_data_uri", "eval") in records:
+            check_selection(
+                stage_configs["select_checkpoint"],
+                records["eval_data_uri", "eval"],
+                reward_model="reward_model" in stage_configs,
+            )
     if cfg.check_tracking:
         metrics["tracking"] = check_tracking_server(cfg.timeout_s)
     resolved: dict[str, str] = {}
@@ -428,6 +443,8 @@ def run(
         metrics["models_resolved"] = len(resolved)
         if model_uris and model_uris[0] and "clean_data" in stage_configs:  # the first URI is the base model
             metrics["patch_size"] = check_patch_size(configs[model_uris[0]], stage_configs["clean_data"] or {})
+        if gpu_profiles and model_uris and model_uris[0]:  # the planner: every training stage fits its pod's GPUs
+            metrics["stages_planned"] = check_fits(stage_configs, gpu_profiles, configs[model_uris[0]], configs)
     keys = content_keys(uris or {}, stage_configs)
     (output_dir / "preflight.json").write_text(
         json.dumps(

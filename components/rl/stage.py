@@ -161,7 +161,13 @@ def run(
     write_jsonl(output_dir / "eval_predictions.jsonl", final_rows)
     write_jsonl(output_dir / "rollouts.jsonl", [rollout_row(r) for r in trainer.last_rollouts])
     figures = [
-        Figure("reward", "training reward", history_series(loop.history, ["reward"])),
+        Figure(
+            "reward",
+            "training reward and each reward it sums (unweighted)",
+            history_series(
+                loop.history, ["reward", *sorted({k for h in loop.history for k in h if k.startswith("reward/")})]
+            ),
+        ),
         Figure("kl", "per-token KL to the reference", history_series(loop.history, ["kl"])),
         Figure("length_entropy", "length ratio and entropy", history_series(loop.history, ["length_ratio", "entropy"])),
         Figure("heldout_efficacy", "held-out efficacy", history_series(loop.evals, ["efficacy", "vqa_exact_match"])),

@@ -209,11 +209,28 @@ def runs(
 def compile_(
     preset: str = typer.Option("prod-7b", help="Preset whose configs become the parameter defaults."),
     out: Path = typer.Option(None, help="Output YAML (default pipelines/compiled/vlm_training.yaml)."),
+    force: bool = typer.Option(False, "--force", help="Compile a preset whose training stage does not fit its GPUs."),
 ):
-    """Compile the pipeline YAML (the committed one is checked by a test)."""
+    """Compile the pipeline YAML (the committed one is checked by a test); refuses a preset with a training stage
+    that cannot fit its cluster profile (`qvl plan`) unless --force."""
     from pipelines.compile import COMPILED, compile_pipeline
+    from pipelines.presets import load_preset
 
-    typer.echo(compile_pipeline(preset, out or COMPILED))
+    loaded = load_preset(preset)
+    _refuse_unfit(loaded, force)
+    typer.echo(compile_pipeline(loaded, out or COMPILED))
+
+
+def _refuse_unfit(preset, force: bool) -> None:
+    """Stop (exit 2) on the planner's refusals, or with --force say them and go on."""
+    from pipelines.qvl.memory_plan import preset_refusals
+
+    problems = preset_refusals(preset)
+    for line in problems:
+        typer.echo(f"{'warning' if force else 'error'}: does not fit: {line}", err=True)
+    if problems and not force:
+        typer.echo("the run would fail at that stage; change the setting named, or pass --force.", err=True)
+        raise typer.Exit(2)
 
 
 @app.command("submit")
@@ -234,6 +251,7 @@ def submit(
     params_file: Path | None = typer.Option(
         None, help="JSON/YAML mapping of pipeline parameters (e.g. a data manifest with lake_uri); KEY=VALUE wins."
     ),
+    force: bool = typer.Option(False, "--force", help="Submit a preset whose training stage does not fit its GPUs."),
     pairs: list[str] | None = typer.Argument(
         None,
         metavar="[KEY=VALUE]...",
@@ -261,6 +279,7 @@ def submit(
             namespace=namespace,
             echo=typer.echo,
             params_file=params_file,
+            force=force,
         )
     except sub.SubmitError as err:
         typer.echo(f"Error: {err}", err=True)

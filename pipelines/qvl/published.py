@@ -118,12 +118,44 @@ def markdown_table(published: dict[str, Any]) -> str:
 
 
 def readme_block(published: dict[str, Any], others: Sequence[dict[str, Any]] = ()) -> str:
-    """The README text between the markers: the table, where it was measured, and each other vendor's values."""
+    """The README text between the markers: the table, where it was measured, and each other vendor's values (its
+    stale stages left out and said)."""
     lines = [BEGIN, markdown_table(published), "", f"{_where(published)} has every stage's seconds)."]
     for other in others:
-        values = "; ".join(f"{row['stage']} `{row['metric']}` {_value(row)}" for row in other["rows"])
-        lines += ["", f"{_where(other)}): {values}."]
+        stale = set(stale_stages(other))
+        values = "; ".join(
+            f"{row['stage']} `{row['metric']}` {_value(row)}" for row in other["rows"] if row["stage"] not in stale
+        )
+        note = ""
+        if stale:
+            since = other["stale"]
+            note = (
+                f" Not remeasured there since {since['since']} ({since['because']}): "
+                + ", ".join(s for s in DAG_STAGES if s in stale)
+                + "."
+            )
+        lines += ["", f"{_where(other)}): {values}.{note}"]
     return "\n".join([*lines, END])
+
+
+DAG_STAGES = ("clean_data", "extract_features", "pretrain", "sft", "reward_model", "rl", "distill", "select_checkpoint")
+
+
+def stale_stages(published: dict[str, Any]) -> list[str]:
+    """The stages whose published values no longer hold for this vendor (the code changed since and no machine of
+    the vendor has rerun it): left out of README and of `compare`, until a run of that vendor is published."""
+    return list((published.get("stale") or {}).get("stages", []))
+
+
+def mark_stale(published: dict[str, Any], stages: Sequence[str], because: str) -> dict[str, Any]:
+    unknown = sorted(set(stages) - set(DAG_STAGES))
+    if unknown or not because.strip():
+        raise ValueError(f"--stale-others needs DAG stages (got unknown {unknown}) and a reason (--because).")
+    merged = sorted({*stale_stages(published), *stages}, key=DAG_STAGES.index)
+    return {
+        **published,
+        "stale": {"stages": merged, "since": time.strftime("%Y-%m-%d", time.gmtime()), "because": because},
+    }
 
 
 def _where(published: dict[str, Any]) -> str:
@@ -156,7 +188,10 @@ def compare(summary: dict[str, Any], published: dict[str, Any]) -> list[str]:
 
     fresh = {(r["stage"], r["metric"]): r for r in key_metric_rows(summary)}
     problems = []
+    stale = set(stale_stages(published))
     for row in published["rows"]:
+        if row["stage"] in stale:
+            continue
         got_row = fresh.get((row["stage"], row["metric"])) or {}
         checks = [(row["metric"], row["value"], got_row.get("value"))]
         if row.get("baseline_name") and row["baseline_name"] != row["baseline_label"]:  # a metric, not a constant
@@ -172,17 +207,26 @@ def compare(summary: dict[str, Any], published: dict[str, Any]) -> list[str]:
 
 
 def readme_text(text: str) -> str:
-    """README.md with its block regenerated from the published files (Intel's table, then the others' values)."""
+    """README.md with its block regenerated from the published files: the table from the first vendor whose numbers
+    are all current (Intel's when they are), then the others' values."""
     data = {v: json.loads(p.read_text()) for v, p in PUBLISHED_BY_VENDOR.items() if p.is_file()}
-    if "GenuineIntel" not in data:
+    if not data:
         raise FileNotFoundError(f"{PUBLISHED} is missing: README's table is generated from it")
-    return replace_block(text, readme_block(data.pop("GenuineIntel"), list(data.values())))
+    table = next((v for v, d in data.items() if not stale_stages(d)), next(iter(data)))
+    return replace_block(text, readme_block(data.pop(table), list(data.values())))
+
+
+USAGE = (
+    'usage: python -m pipelines.qvl.published RUN_DIR ["machine description"] '
+    '[--stale-others STAGE,STAGE --because "what changed"]'
+)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) not in (1, 2):
-        raise SystemExit('usage: python -m pipelines.qvl.published RUN_DIR ["machine description"]')
+    args = list(sys.argv[1:] if argv is None else argv)
+    stale, because = _option(args, "--stale-others"), _option(args, "--because")
+    if len(args) not in (1, 2) or bool(stale) != bool(because):
+        raise SystemExit(USAGE)
     summary = json.loads((Path(args[0]) / "run_summary.json").read_text())
     if summary.get("status") != "succeeded":
         raise SystemExit(f"{args[0]}: the run did not succeed ({summary.get('status')}); nothing to publish.")
@@ -195,8 +239,24 @@ def main(argv: list[str] | None = None) -> None:
     published = published_from(summary, machine=machine)
     target = published_for(published["cpu_vendor"])
     target.write_text(json.dumps(published, indent=2) + "\n")
+    for other in PUBLISHED_BY_VENDOR.values():  # the other vendors' numbers of the stages that changed since
+        if stale and other != target and other.is_file():
+            marked = mark_stale(json.loads(other.read_text()), stale.split(","), because or "")
+            other.write_text(json.dumps(marked, indent=2) + "\n")
     README.write_text(readme_text(README.read_text()))
     print(f"wrote {target.relative_to(ROOT)} and the results in README.md from {args[0]}")
+
+
+def _option(args: list[str], name: str) -> str | None:
+    """Remove `name VALUE` from args and return VALUE (None when absent)."""
+    if name not in args:
+        return None
+    i = args.index(name)
+    if i + 1 >= len(args):
+        raise SystemExit(USAGE)
+    value = args[i + 1]
+    del args[i : i + 2]
+    return value
 
 
 if __name__ == "__main__":

@@ -13,72 +13,9 @@ from components._shared.data.tasks import score, summarize
 from tests import real_photos as P
 
 
-def _save(root, name, photo):
-    (root / name).parent.mkdir(parents=True, exist_ok=True)
-    P.photo(photo).save(root / name)
-    return name
-
-
 @pytest.fixture(scope="module")
 def bench_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("benchmarks")
-    # VQAv2: questions + annotations, COCO file names under val2014/
-    _save(root, "val2014/COCO_val2014_000000000042.jpg", "coffee")
-    (root / "v2_questions.json").write_text(json.dumps({
-        "data_subtype": "val2014",
-        "questions": [{"image_id": 42, "question": "What is in the cup?", "question_id": 420}],
-    }))  # fmt: skip
-    (root / "v2_annotations.json").write_text(json.dumps({"annotations": [{
-        "question_id": 420, "image_id": 42,
-        "answers": [{"answer": a, "answer_id": i} for i, a in enumerate(["coffee"] * 7 + ["espresso"] * 3)],
-    }]}))  # fmt: skip
-    # TextVQA: {"data": [...]}, images <image_id>.jpg
-    _save(root, "train_images/ab12.jpg", "rocket")
-    (root / "TextVQA_0.5.1_val.json").write_text(json.dumps({"dataset_name": "textvqa", "data": [
-        {"question_id": 7, "image_id": "ab12", "question": "What is on the pad?", "answers": ["rocket"] * 10},
-    ]}))  # fmt: skip
-    # DocVQA: {"data": [...]} with image paths
-    _save(root, "documents/doc1.png", "camera")
-    (root / "val_v1.0.json").write_text(json.dumps({"data": [
-        {"questionId": 11, "question": "What is the title?", "image": "documents/doc1.png", "docId": 1,
-         "answers": ["Cameraman", "the cameraman"]},
-    ]}))  # fmt: skip
-    # ChartQA: a list of {imgname, query, label}, images in png/
-    _save(root, "png/chart1.png", "chelsea")
-    (root / "test_human.json").write_text(json.dumps([{"imgname": "chart1.png", "query": "Value?", "label": 40}]))
-    # RefCOCO, MDETR's COCO-style final_refcoco_testA.json
-    _save(root, "coco/COCO_train2014_000000000007.jpg", "rocket")
-    (root / "final_refcoco_testA.json").write_text(json.dumps({
-        "images": [{"id": 3, "file_name": "COCO_train2014_000000000007.jpg", "caption": "the white rocket",
-                    "height": 427, "width": 640}],
-        "annotations": [{"id": 1, "image_id": 3, "bbox": [290, 120, 55, 290]}],
-    }))  # fmt: skip
-    # MMBench TSV: options in columns, the image base64 inline
-    buffer = io.BytesIO()
-    P.photo("chelsea").save(buffer, format="JPEG")
-    with (root / "MMBench_DEV_EN.tsv").open("w", newline="") as f:
-        writer = csv.writer(f, delimiter="\t")
-        writer.writerow(["index", "question", "hint", "A", "B", "C", "D", "answer", "category", "image"])
-        writer.writerow([5, "What animal is it?", "A close-up photo.", "dog", "cat", "bird", "nan", "B", "animals",
-                         base64.b64encode(buffer.getvalue()).decode()])  # fmt: skip
-    # POPE: JSON lines in a .json file
-    _save(root, "val2014/COCO_val2014_000000000310.jpg", "astronaut")
-    pope = [(1, "Is there a flag in the image?", "yes"), (2, "Is there a dog in the image?", "no")]
-    (root / "coco_pope_random.json").write_text("".join(
-        json.dumps({"question_id": i, "image": "COCO_val2014_000000000310.jpg", "text": text, "label": label}) + "\n"
-        for i, text, label in pope
-    ))  # fmt: skip
-    (root / "dataset.yaml").write_text("""\
-eval:
-  - {path: v2_questions.json, format: vqav2, annotations: v2_annotations.json, images: val2014}
-  - {path: TextVQA_0.5.1_val.json, format: textvqa, images: train_images}
-  - {path: val_v1.0.json, format: docvqa}
-  - {path: test_human.json, format: chartqa, images: png}
-  - {path: final_refcoco_testA.json, format: refcoco, images: coco}
-  - {path: MMBench_DEV_EN.tsv, format: mmbench}
-  - {path: coco_pope_random.json, format: pope, images: val2014}
-""")
-    return root
+    return P.write_benchmarks(tmp_path_factory.mktemp("benchmarks"))
 
 
 def test_each_layout_maps_onto_question_records(bench_dir):
@@ -180,7 +117,7 @@ def test_vqav2_files_in_the_wrong_layout_name_the_file_and_the_layout_expected(t
 def test_a_non_numeric_refcoco_bbox_is_reported_with_every_other_bad_record(tmp_path):
     from components._shared.platform import bad_records
 
-    _save(tmp_path, "a.jpg", "coffee")
+    P._save_photo(tmp_path, "a.jpg", "coffee")
     rows = [
         {"id": "r1", "image": "a.jpg", "expression": "the cup", "bbox": [1, 2, "3a", 4]},
         {"id": "r2", "image": "a.jpg", "expression": "the cup", "bbox": [1, 2, None, 4]},
@@ -202,7 +139,7 @@ def test_a_non_numeric_refcoco_bbox_is_reported_with_every_other_bad_record(tmp_
 
 
 def test_refcoco_rows_without_ids_get_file_index_ids(tmp_path):
-    _save(tmp_path, "a.jpg", "coffee")
+    P._save_photo(tmp_path, "a.jpg", "coffee")
     rows = [
         {"image": "a.jpg", "expression": "the cup", "bbox": [1, 2, 3, 4]},
         {"image": "a.jpg", "expression": "the saucer", "bbox": [5, 6, 3, 4]},
@@ -216,7 +153,7 @@ def test_refcoco_rows_without_ids_get_file_index_ids(tmp_path):
 
 
 def test_chartqa_labels_are_one_answer_and_bad_ones_are_rejected_per_record(tmp_path):
-    _save(tmp_path, "c.png", "chelsea")
+    P._save_photo(tmp_path, "c.png", "chelsea")
     labels = ["12", ["12"], 3.5, None, [], ["1", "2"], "  "]
     items = [{"imgname": "c.png", "query": "Value?", "label": label} for label in labels]
     _write(tmp_path, {"test_human.json": items}, "{path: test_human.json, format: chartqa}")

@@ -42,8 +42,9 @@ def test_readme_shows_the_results_generated_from_the_published_json():
     for vendor, path in published.PUBLISHED_BY_VENDOR.items():
         data = json.loads(path.read_text())
         assert data["cpu_vendor"] == vendor, f"{path.name} holds a run on {data['cpu_vendor']}"
-        stages = {row["stage"] for row in data["rows"]}
-        assert {"clean_data", "pretrain", "sft", "reward_model", "rl", "distill", "select_checkpoint"} <= stages
+        stages = {row["stage"] for row in data["rows"]} - set(published.stale_stages(data))
+        current = {"clean_data", "pretrain", "sft", "reward_model", "rl", "distill", "select_checkpoint"}
+        assert current - set(published.stale_stages(data)) <= stages
         assert data["preset"] == "demo" and data["dag_seconds"] > 0
         assert data["cpu_numerics"] == PINS, (
             f"{path.name}: publish a run made with the CPU pins (cpu_numerics.py), or no machine repeats it"
@@ -108,3 +109,20 @@ def test_publishing_needs_the_markers_and_a_succeeded_run(tmp_path):
     )  # QVL_CPU_NUMERICS=native
     with pytest.raises(SystemExit, match="CPU kernels were not pinned"):
         published.main([str(tmp_path)])
+
+
+def test_a_vendors_stale_stages_leave_its_comparison_and_readme_line_and_are_said():
+    """Publishing one vendor's run after a change marks the changed stages of the others stale: their values leave
+    `compare` and README (no machine of that vendor has rerun them) and README says since when and why."""
+    summary = _summary()
+    data = published.published_from(summary, machine="test")
+    stale = published.mark_stale(data, ["rl", "distill"], "RL's rollouts are seeded per chunk")
+    moved = copy.deepcopy(summary)
+    moved["stages"]["rl"]["metrics"]["efficacy_gain"] = 0.5  # the changed stage lands elsewhere now
+    assert published.compare(moved, data) and published.compare(moved, stale) == []
+    block = published.readme_block(data, [{**stale, "cpu_vendor": "AuthenticAMD"}])
+    line = block.splitlines()[-2]
+    assert "rl `efficacy_gain`" not in line and "sft `vqa_exact_match` 0.459" in line
+    assert line.endswith("(RL's rollouts are seeded per chunk): rl, distill.")
+    with pytest.raises(ValueError, match="unknown"):
+        published.mark_stale(data, ["rlhf"], "x")
