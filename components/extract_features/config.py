@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from components._shared.platform.config import StageConfig
 
@@ -30,17 +30,6 @@ class ExtractFeaturesConfig(StageConfig):
     dtype: FeatureDtype = Field("bfloat16", description="Dtype of the vision tower and of the stored features.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
     decode_workers: Annotated[int, Field(ge=0, le=256, description="CPU decode threads; 0 decodes inline.")] = 4
-    text_encoder: str | None = Field(
-        None,
-        description="Optional CLIP model (dir, s3://, builtin:tiny-clip) for pooled caption embeddings.",
-    )
-
-    @field_validator("text_encoder")
-    @classmethod
-    def _text_encoder_not_blank(cls, value: str | None) -> str | None:
-        if value is not None and not value.strip():
-            raise ValueError("text_encoder is blank; give a model uri such as 'builtin:tiny-clip', or null to skip.")
-        return value
 
     @model_validator(mode="after")
     def _pixel_bounds_ordered(self):

@@ -12,7 +12,7 @@ In the pipeline:       components/extract_features/component.py calls run_stage(
 Reads clean_data's `kept/part-*.parquet`, decodes each image (decode.py), resizes and patchifies it exactly as
 Qwen2VLImageProcessor does, runs the vision tower up to (not including) the merger and writes
 `features-NNNNN.safetensors` ("<image_hash>" -> [rows, hidden], "<image_hash>.grid_thw" -> int64 [3]) and
-`index.json`; optionally `caption_embeddings.safetensors` from a frozen CLIP text tower. The rows are stored
+`index.json`. The rows are stored
 in processor order (the tower's window-attention permutation undone), so `merger(rows)` is the tower's output.
 """
 
@@ -49,7 +49,6 @@ from components.extract_features.decode import (
 
 INPUT_COLUMNS = ("image_hash", "image", "image_format", "caption", "visual_tokens")
 INDEX_FILE = "index.json"
-CAPTION_FILE = "caption_embeddings.safetensors"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -303,36 +302,6 @@ class ShardWriter:
         return f"features-{shard:05d}.safetensors"
 
 
-@torch.no_grad()
-def caption_embeddings(
-    uri: str, captions: dict[str, str], *, device: torch.device, batch_size: int
-) -> dict[str, torch.Tensor]:
-    """Unit-length pooled CLIP text embeddings (float32 [dim]) of each caption, keyed by image_hash."""
-    from transformers import AutoConfig, AutoTokenizer, CLIPModel
-
-    model_dir = resolve_model(uri)
-    if AutoConfig.from_pretrained(model_dir).model_type != "clip":
-        raise ValueError(f"text_encoder '{uri}' is not a CLIP model; give a CLIPModel directory or builtin:tiny-clip.")
-    model = CLIPModel.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    max_length = int(model.config.text_config.max_position_embeddings)
-    hashes, out = list(captions), {}
-    for start in range(0, len(hashes), batch_size):
-        chunk = hashes[start : start + batch_size]
-        batch = tokenizer(
-            [captions[h] for h in chunk],
-            padding=True,
-            truncation=True,
-            max_length=max_length,
-            return_tensors="pt",
-        )
-        result = model.get_text_features(**batch.to(device))
-        pooled = result if isinstance(result, torch.Tensor) else result.pooler_output
-        pooled = torch.nn.functional.normalize(pooled.float(), dim=-1).cpu()
-        out.update({h: pooled[i].contiguous() for i, h in enumerate(chunk)})
-    return out
-
-
 def run(
     cfg: ExtractFeaturesConfig,
     *,
@@ -348,11 +317,7 @@ def run(
     if not parts:
         raise ValueError(f"{clean_data}/kept has no part-*.parquet files; point --clean-data at clean_data's output.")
     output_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [
-        *output_dir.glob("features-*.safetensors"),
-        output_dir / INDEX_FILE,
-        output_dir / CAPTION_FILE,
-    ]:
+    for stale in [*output_dir.glob("features-*.safetensors"), output_dir / INDEX_FILE]:
         stale.unlink(missing_ok=True)  # a rerun into the same directory must not leave old shards behind
     device = resolve_device(cfg.device)
     backend = choose_backend(cfg.decode_backend, device)
@@ -362,14 +327,13 @@ def run(
 
     preparer = BatchPreparer(cfg, backend, device, spec)
     writer = ShardWriter(output_dir, cfg.images_per_shard)
-    captions: dict[str, str] = {}
     duplicates = visual_tokens_total = 0
     hidden_size = int(tower.patch_embed.proj.out_channels)
     cached_levels = family_for(_model_config(model_dir)).cached_levels(tower.config)
     total = count_rows(parts)
     try:
         for step, (records, images) in enumerate(preparer.batches(iter_records(parts, cfg.batch_size))):
-            skipped, tokens = cache_batch(records, images, tower, spec, writer, captions, cfg, device)
+            skipped, tokens = cache_batch(records, images, tower, spec, writer, cfg, device)
             duplicates, visual_tokens_total = duplicates + skipped, visual_tokens_total + tokens
             tracker.log_metrics({"extract/images": float(len(writer.index))}, step=step)
             progress.update("extract", min(total, (step + 1) * cfg.batch_size), total, "images")
@@ -377,14 +341,6 @@ def run(
     finally:
         preparer.close()
     del tower
-
-    caption_file = None
-    if cfg.text_encoder is not None and captions:
-        from safetensors.torch import save_file
-
-        embeddings = caption_embeddings(cfg.text_encoder, captions, device=device, batch_size=max(cfg.batch_size, 32))
-        save_file(embeddings, str(output_dir / CAPTION_FILE), metadata={"format": "pt", "model": cfg.text_encoder})
-        caption_file = CAPTION_FILE
 
     index = {
         "model": str(base_model),
@@ -395,7 +351,6 @@ def run(
         "min_pixels": cfg.min_pixels,
         "max_pixels": cfg.max_pixels,
         "images": writer.index,
-        "caption_embeddings": caption_file,
     }
     (output_dir / f"{INDEX_FILE}.tmp").write_text(json.dumps(index, indent=1, sort_keys=True))
     os.replace(output_dir / f"{INDEX_FILE}.tmp", output_dir / INDEX_FILE)
@@ -414,9 +369,7 @@ def run(
     }
 
 
-def cache_batch(
-    records: list[Record], images: list[torch.Tensor], tower, spec, writer, captions: dict[str, str], cfg, device
-) -> tuple[int, int]:
+def cache_batch(records: list[Record], images: list[torch.Tensor], tower, spec, writer, cfg, device) -> tuple[int, int]:
     """Run the frozen tower on a batch's new images and add their pre-merger rows to the shard writer; returns
     (exact duplicates skipped, visual tokens written)."""
     keep, in_batch = [], set()
@@ -440,7 +393,6 @@ def cache_batch(
                 f"max_pixels={cfg.max_pixels}; set both stages' min_pixels/max_pixels to the same values."
             )
         writer.add(record.image_hash, feats.to("cpu", copy=True), grid, tokens)  # copy: split views share storage
-        captions[record.image_hash] = record.caption
         written += tokens
     return len(records) - len(keep), written
 

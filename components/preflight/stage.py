@@ -181,18 +181,14 @@ def check_model(uri: str) -> tuple[str, dict[str, Any]]:
 
 
 def model_uris_in(stage_configs: dict[str, dict[str, Any]]) -> list[str]:
-    """Model URIs named by stage configs (fields `*_model`, `*_model_uri`, `model_uri`, `text_encoder`, nested too)."""
+    """Model URIs named by stage configs (fields `*_model`, `*_model_uri`, `model_uri`, nested too)."""
     uris = []
 
     def visit(data: dict[str, Any]) -> None:
         for key, value in (data or {}).items():
             if isinstance(value, dict):  # nested blocks, e.g. distill.student.model_uri
                 visit(value)
-            elif (
-                isinstance(value, str)
-                and value
-                and (key.endswith(("_model", "_model_uri")) or key in ("text_encoder", "model_uri"))
-            ):
+            elif isinstance(value, str) and value and (key.endswith(("_model", "_model_uri")) or key == "model_uri"):
                 uris.append(value)
 
     for data in stage_configs.values():

@@ -49,7 +49,8 @@ class SelectCheckpointConfig(StageConfig):
     its model card."""
 
     stages: list[Literal["pretrain", "sft", "rl", "distill"]] = Field(
-        default_factory=lambda: list(CANDIDATE_STAGES),  # type: ignore[arg-type]  # the same four names description="Stages whose outputs compete."
+        default_factory=lambda: list(CANDIDATE_STAGES),  # type: ignore[arg-type]  # the same four names
+        description="Stages whose outputs compete.",
     )
     checkpoints_per_stage: Annotated[
         int,

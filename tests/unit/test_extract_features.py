@@ -245,10 +245,9 @@ def test_index_and_shards(world, fp32_run):
         "min_pixels",
         "max_pixels",
         "images",
-        "caption_embeddings",
     }
     assert index["model"] == str(world["model_dir"]) and index["dtype"] == "float32"
-    assert index["hidden_size"] == 64 and index["merge_size"] == 2 and index["caption_embeddings"] is None
+    assert index["hidden_size"] == 64 and index["merge_size"] == 2
     assert index["cached_levels"] == []  # Qwen2.5-VL has no DeepStack
     assert set(index["images"]) == {row["image_hash"] for row in world["rows"]}
     files = sorted(p.name for p in out.glob("features-*.safetensors"))
@@ -413,89 +412,6 @@ def test_missing_input_is_a_clear_error(world, tmp_path):
             output_dir=tmp_path / "out",
             tracker=NullTracker(),
         )
-
-
-def test_caption_embeddings(world, tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import CLIPConfig, CLIPModel, PreTrainedTokenizerFast
-
-    words = sorted({w for row in world["rows"] for w in row["caption"].split()})
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(words)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]"
-    )
-    clip = CLIPModel(
-        CLIPConfig(
-            text_config={
-                "vocab_size": len(vocab),
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 1,
-                "num_attention_heads": 2,
-                "max_position_embeddings": 16,
-                "eos_token_id": 2,
-            },
-            vision_config={
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 1,
-                "num_attention_heads": 2,
-                "image_size": 28,
-                "patch_size": 14,
-            },
-            projection_dim=16,
-        )
-    ).eval()
-    clip_dir = tmp_path / "tiny_clip"
-    clip.save_pretrained(clip_dir)
-    tokenizer.save_pretrained(clip_dir)
-
-    out = tmp_path / "out"
-    run(
-        _cfg(text_encoder=str(clip_dir)),
-        clean_data=world["clean"],
-        base_model=str(world["model_dir"]),
-        output_dir=out,
-        tracker=NullTracker(),
-    )
-    index = json.loads((out / "index.json").read_text())
-    assert index["caption_embeddings"] == "caption_embeddings.safetensors"
-    with safe_open(str(out / index["caption_embeddings"]), framework="pt") as handle:
-        embeddings = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-    assert set(embeddings) == {row["image_hash"] for row in world["rows"]}
-    first = world["rows"][0]
-    with torch.no_grad():
-        direct = clip.get_text_features(**tokenizer([first["caption"]], return_tensors="pt"))
-    direct = direct if isinstance(direct, torch.Tensor) else direct.pooler_output
-    torch.testing.assert_close(embeddings[first["image_hash"]], torch.nn.functional.normalize(direct, dim=-1)[0])
-    assert embeddings[first["image_hash"]].shape == (16,)
-    assert not torch.allclose(embeddings[first["image_hash"]], embeddings[world["rows"][1]["image_hash"]])
-    with pytest.raises(ValueError, match="model_type 'clip' is not supported; this pipeline trains qwen2_vl"):
-        run(
-            _cfg(),
-            clean_data=world["clean"],
-            base_model=str(clip_dir),
-            output_dir=tmp_path / "o2",
-            tracker=NullTracker(),
-        )
-
-
-@pytest.mark.parametrize(
-    ("overrides", "message"),
-    [
-        ({"min_pixels": 200 * 200, "max_pixels": 100 * 100}, "lower min_pixels or raise max_pixels"),
-        ({"decode_backend": "opencv"}, "decode_backend"),
-        ({"dtype": "int8"}, "dtype"),
-        ({"text_encoder": "  "}, "text_encoder is blank"),
-        ({"batch_size": 0}, "batch_size"),
-        ({"image_per_shard": 4}, "image_per_shard"),
-    ],
-)
-def test_config_errors_are_clear(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        ExtractFeaturesConfig(**overrides)
 
 
 def test_config_coerces_kfp_floats():

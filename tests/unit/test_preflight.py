@@ -167,11 +167,12 @@ def test_unknown_model_uri_is_refused(tmp_path, lake):
 def test_model_uris_are_found_in_stage_configs():
     configs = {
         "clean_data": {"clip_model": "builtin:tiny-clip", "judge_model": None},
-        "extract_features": {"text_encoder": "s3://m/clip", "dtype": "bfloat16"},
+        "extract_features": {"dtype": "bfloat16"},
+        "rl": {"reward_model": "s3://m/rm"},
         "distill": {"student": {"init": "model", "model_uri": "s3://m/qwen-3b"}, "loss": {"kl": 1.0}},
         "select_checkpoint": {"registry_name": "qvl-vlm"},
     }
-    assert model_uris_in(configs) == ["builtin:tiny-clip", "s3://m/clip", "s3://m/qwen-3b"]
+    assert model_uris_in(configs) == ["builtin:tiny-clip", "s3://m/rm", "s3://m/qwen-3b"]
 
 
 def test_rl_data_must_hold_the_prompts_file_and_every_held_out_file(tmp_path):
