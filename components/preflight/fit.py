@@ -77,8 +77,8 @@ def check_selection(select_config: dict[str, Any], records: list[dict], *, rewar
     named = {
         f"select_checkpoint.{field}.{metric}"
         for field in ("weights", "min_gates", "max_gates")
-        for metric in select_config.get(field) or {}
-        if metric not in yielded
+        for metric, value in (select_config.get(field) or {}).items()
+        if metric not in yielded and (value or field != "weights")  # a zero weight counts for nothing
     }
     if named:
         shown = sorted(m for m in yielded if not m.startswith("count/"))
