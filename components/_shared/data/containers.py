@@ -89,9 +89,9 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, dict]]:
     if pos >= len(text) or text[pos] != "[":
         raise ValueError(f"{path.name}: not a JSON array; a .json data file holds one array of records.")
     pos = _skip_space(text, pos + 1)
-    index = 0
+    index, line, counted = 0, 1, 0  # the line number kept up as the walk goes (recounting from 0 is quadratic)
     while pos < len(text) and text[pos] != "]":
-        line = text.count("\n", 0, pos) + 1
+        line, counted = line + text.count("\n", counted, pos), pos
         try:
             record, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as error:
