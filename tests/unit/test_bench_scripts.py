@@ -231,3 +231,10 @@ def test_sft_mfu_compiled_blocks_train_like_eager_ones():
     assert eager["compiled_frames"] == 0 and compiled["compiled_frames"] >= 10
     for a, b in zip(eager["loss_first_last"], compiled["loss_first_last"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(a)
+
+
+def test_json_arrays_reports_both_arms_for_each_size():
+    """Both arms read every record (the bench asserts the count) and a rate and ratio are printed per size."""
+    out = _run("bench/json_arrays.py", "--records", "2000", "10000")
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [int(r[0]) for r in rows] == [2000, 10000] and all(float(r[3]) > 0 for r in rows)
