@@ -158,6 +158,32 @@ def test_dataset_yaml_names_files_tasks_and_image_folders(photos, tmp_path):
         datasets.manifest(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "entry, field",
+    [
+        ("../outside/eval.jsonl", "path"),
+        ("{OUTSIDE}/eval.jsonl", "path"),
+        ("{path: eval.jsonl, images: ../outside}", "images"),
+        ("{path: eval.jsonl, images: {OUTSIDE}}", "images"),
+        ("{path: v2_questions.json, format: vqav2, annotations: ../outside/eval.jsonl}", "annotations"),
+    ],
+)
+def test_dataset_yaml_paths_outside_the_data_directory_are_refused(tmp_path, entry, field):
+    """`../x.jsonl`, an absolute path, or an images / annotations folder out of the directory: never read."""
+    data, outside = tmp_path / "data", tmp_path / "outside"
+    for folder in (data, outside):
+        folder.mkdir()
+        P.photo("coffee").save(folder / "c.png")
+        question = {"id": "q", "image": "c.png", "question": "What drink?", "answer": "coffee", "task": "exact_match"}
+        (folder / "eval.jsonl").write_text(json.dumps(question) + "\n")
+    entry = entry.replace("{OUTSIDE}", str(outside))
+    _manifest(data, f"eval:\n  - {entry}\n")
+    with pytest.raises(ValueError, match=rf"data file entry .*: {field} .* resolves outside the data directory"):
+        datasets.load_eval_records(data)
+    _manifest(data, "eval:\n  - {path: eval.jsonl, images: .}\n")  # inside it: read as before
+    assert [r["id"] for r in datasets.load_eval_records(data)] == ["q"]
+
+
 HUMAN, GPT = {"from": "human", "value": "<image> hi"}, {"from": "gpt", "value": "yo"}
 BAD_RECORDS = [  # (record, the reason its line must be reported with; None: a good record)
     ({"id": "ok", "image": "a.png", "conversations": [HUMAN, GPT]}, None),

@@ -155,6 +155,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
     (a ValueError listing them), or dropped and counted under `on_bad_record: skip` (platform/bad_records.py)."""
     out: list[dict] = []
     bad: list[tuple[str, str]] = []  # (source, reason)
+    _check_inside(data_dir, spec)
     benchmark = BENCHMARKS.get(spec.format)
     if benchmark is None:
         items = F.iter_file(data_dir / spec.path)
@@ -208,6 +209,22 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
             f"without them, counted in the metrics):\n  {shown}{more}"
         )
     return out
+
+
+def _check_inside(data_dir: Path, spec: DataFile) -> None:
+    """The entry's path, annotations and images folder resolve inside the data directory (an s3:// images folder
+    aside): a `../x.jsonl` or an absolute path would read files the data directory does not hold."""
+    root = data_dir.resolve()
+    named = {"path": spec.path, "annotations": spec.annotations, "images": spec.images}
+    for field, value in named.items():
+        if not value or (field == "images" and value.startswith("s3://")):
+            continue
+        where = (data_dir / value).resolve()
+        if where != root and root not in where.parents:
+            raise ValueError(
+                f"data file entry {spec.path!r}: {field} {value!r} resolves outside the data directory {data_dir}; "
+                "name it relative to the data directory (no '..', no absolute path), or copy it into the directory."
+            )
 
 
 def _check_images(data_dir: Path, raw: dict, record: dict) -> None:
