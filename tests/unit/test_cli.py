@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -38,6 +39,21 @@ def test_stage_with_an_invalid_setting_names_it(tmp_path):
     )
     assert result.exit_code == 2  # one message, no traceback (platform/user_errors.py)
     assert "error: " in result.stderr and "clean_data.min_side" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--output-dir", "--lake-uri", "--config"])
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_path_argument_is_refused_naming_the_flag(tmp_path, monkeypatch, flag, empty):
+    """`--output-dir "$UNSET"` is refused, not run in the working directory."""
+    (tmp_path / "cfg.yaml").write_text("clean_data: {}\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    given = {"--config": str(tmp_path / "cfg.yaml"), "--lake-uri": str(tmp_path), "--output-dir": str(tmp_path / "o")}
+    given[flag] = empty
+    result = runner.invoke(app, ["stage", "clean_data", *(part for pair in given.items() for part in pair)])
+    assert result.exit_code == 2 and f"error: {flag}={empty!r} is empty" in result.stderr, result.output
+    assert list(work.iterdir()) == [] and not (tmp_path / "o").exists()  # nothing written anywhere
 
 
 def test_run_refuses_non_local_and_unknown_stage(tmp_path):

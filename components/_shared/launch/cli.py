@@ -26,7 +26,7 @@ def stage_main(
 ) -> dict[str, Any]:
     """Parse the command line, validate the config, run the stage under a tracker, print its metrics as JSON."""
     parser = argparse.ArgumentParser(prog=f"python -m components.{section}", description=run.__doc__)
-    parser.add_argument("--config", type=Path, help=f"Preset YAML (uses its '{section}' section) or a bare section.")
+    parser.add_argument("--config", help=f"Preset YAML (uses its '{section}' section) or a bare section.")
     parser.add_argument(
         "--config-json",
         help="The section as JSON (what launchers pass); --config and overrides apply underneath and on top.",
@@ -52,7 +52,12 @@ def _run_section(parser, args, config_cls, run, section: str, inputs: tuple[str,
     check_location(args.output_dir, "--output-dir")
     for name in inputs:
         check_location(getattr(args, name), f"--{name.replace('_', '-')}", builtin=True)
-    data = read_section(args.config, section)
+    if args.config is not None and not args.config.strip():
+        raise ValueError(
+            f"--config={args.config!r} is empty (an unset shell variable gives one); "
+            "give the YAML file, or leave --config out."
+        )
+    data = read_section(Path(args.config) if args.config is not None else None, section)
     if args.config_json:
         try:
             given = json.loads(args.config_json)

@@ -46,8 +46,14 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
 
 def check_location(value: str, setting: str, *, builtin: bool = False) -> str:
     """`value` if it is a local path or an s3:// URI (or builtin:NAME where `builtin`); else a ValueError naming
-    the setting. http(s)://, gs://, hf:// ... are refused rather than written into a folder named 'http:'."""
+    the setting. http(s)://, gs://, hf:// ... are refused rather than written into a folder named 'http:', and an
+    empty or blank value rather than taken as the working directory."""
     text = str(value)
+    if not text.strip():
+        raise ValueError(
+            f"{setting}={text!r} is empty (an unset shell variable gives one), which would mean the working "
+            "directory; give a local path or an s3:// URI."
+        )
     found = _SCHEME.match(text)
     if builtin and text.startswith("builtin:"):
         return text
