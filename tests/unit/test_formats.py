@@ -102,6 +102,34 @@ def test_a_pair_differing_in_whitespace_and_an_empty_answer_are_refused(tmp_path
         datasets.load_eval_records(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "rejected",
+    [
+        "a CUP.",  # case
+        "\uff21 cup\uff0e",  # full-width letters (NFKC)
+        "A\u00a0cup.",  # a no-break space
+        "A c\u200bup.",  # zero-width space
+        "A cu\u200cp\u200d.",  # zero-width non-joiner, joiner
+        "\ufeffA cup.",  # a byte-order mark
+        "\u00adA cup.\n\t",  # a soft hyphen, surrounding whitespace
+    ],
+)
+def test_a_pair_differing_in_nothing_a_reader_sees_is_refused(tmp_path, rejected):
+    P.photo("coffee").save(tmp_path / "c.png")
+    pairs = [
+        {"id": "same", "image": "c.png", "prompt": "Describe it.", "chosen": "A cup.", "rejected": rejected},
+        {"id": "blank", "image": "c.png", "prompt": "Describe it.", "chosen": "A cup.", "rejected": "\u200b\u2060"},
+        {"id": "differs", "image": "c.png", "prompt": "Describe it.", "chosen": "A cup.", "rejected": "A cap."},
+    ]
+    (tmp_path / "preferences.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    with pytest.raises(ValueError) as caught:
+        datasets.load_preferences(tmp_path)
+    lines = str(caught.value).splitlines()
+    assert lines[0].startswith("2 bad preference record(s) in preferences.jsonl")
+    assert "preferences.jsonl:1 (id='same'): chosen and rejected are the same text to a reader" in lines[1]
+    assert "preferences.jsonl:2 (id='blank'): 'rejected' is empty" in lines[2]
+
+
 def test_preferences_in_trl_layout_with_a_data_uri(photos):
     root, paths = photos
     pairs = datasets.load_preferences(root)

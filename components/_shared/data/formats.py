@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import itertools
 import re
+import unicodedata
 from typing import Any
 
 from components._shared.data.containers import (  # noqa: F401 - the containers are read through this module
@@ -394,9 +395,16 @@ def _side(value: Any, name: str, image_root: str) -> str:
         raise RecordError(f"'{name}' must be a string or one assistant message, got {type(value).__name__}")
     if IMAGE_MARKER in value:
         raise RecordError(f"'{name}': an image marker in the answer; images go in the prompt")
-    if not value.strip():
-        raise RecordError(f"'{name}' is empty; write the answer or drop the pair")
+    if not visible_text(value):
+        raise RecordError(f"'{name}' is empty (nothing visible); write the answer or drop the pair")
     return check_text(value, f"'{name}'")
+
+
+def visible_text(text: str) -> str:
+    """What a reader sees of `text`, for comparing: NFKC-normalised, invisible format characters (zero-width space /
+    joiners, byte-order mark, soft hyphen: Unicode category Cf) removed, case folded, whitespace collapsed."""
+    folded = unicodedata.normalize("NFKC", text)
+    return " ".join("".join(c for c in folded if unicodedata.category(c) != "Cf").casefold().split())
 
 
 def preference(raw: dict, image_root: str = "") -> dict:
@@ -425,8 +433,11 @@ def preference(raw: dict, image_root: str = "") -> dict:
     if len(images) != 1:
         raise RecordError(f"{len(images)} images; a preference pair needs exactly one")
     chosen, rejected = _side(raw["chosen"], "chosen", image_root), _side(raw["rejected"], "rejected", image_root)
-    if " ".join(chosen.split()) == " ".join(rejected.split()):
-        raise RecordError("chosen and rejected are the same text (up to whitespace)")
+    if visible_text(chosen) == visible_text(rejected):
+        raise RecordError(
+            "chosen and rejected are the same text to a reader (up to case, whitespace, invisible characters such as "
+            "U+200B and Unicode compatibility forms); a pair must prefer one answer over a different one"
+        )
     return {"images": images, "prompt": _strip_markers(prompt), "chosen": chosen, "rejected": rejected}
 
 
