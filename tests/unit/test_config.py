@@ -1,5 +1,6 @@
 """The config base: strictness, KFP float coercion, errors that name the setting, CLI overrides."""
 
+import re
 from typing import Annotated
 
 import pytest
@@ -75,6 +76,64 @@ def test_overrides_parse_dotted_paths_and_yaml_scalars():
         parse_overrides(["optim.lr=[1"])
     with pytest.raises(ValueError, match="not valid YAML"):
         parse_overrides(["name=a\x1fb"])  # a control character (found by the fuzz test)
+
+
+def test_a_key_given_twice_on_one_command_line_is_refused_naming_it():
+    for pairs in (["train.steps=1", "train.steps=2"], ["train=1", "train.steps=2"], ["train.steps=1", "train=1"]):
+        with pytest.raises(ValueError, match=rf"Override '{pairs[1]}' sets '{pairs[1].split('=')[0]}' again after "):
+            parse_overrides(pairs)
+    assert parse_overrides(["train.steps=1", "train.threads=2"]) == {"train": {"steps": 1, "threads": 2}}
+
+
+def _number_settings(model, prefix: str = ""):
+    """Dotted paths of every int field of a config, nested blocks walked."""
+    from pydantic import BaseModel
+
+    from components._shared.platform.config import _member_types
+
+    for name, field in model.model_fields.items():
+        kinds = _member_types(field.annotation)
+        block = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+        if block is not None:
+            yield from _number_settings(block, f"{prefix}{name}.")
+        elif int in kinds and bool not in kinds:
+            yield f"{prefix}{name}"
+
+
+def _nested(path: str, value) -> dict:
+    *parents, leaf = path.split(".")
+    out = {leaf: value}
+    for part in reversed(parents):
+        out = {part: out}
+    return out
+
+
+def test_a_boolean_is_refused_for_every_int_setting_of_every_stage():
+    """`train.steps: true` used to run one step (pydantic reads true as 1)."""
+    from components.stages import STAGES, load_config_class
+
+    checked = 0
+    for stage in STAGES:
+        config_cls = load_config_class(stage)
+        for path in _number_settings(config_cls):
+            with pytest.raises(ValueError, match=rf"{stage}\.{re.escape(path)}: .*true is a boolean where a number"):
+                validate(config_cls, stage, _nested(path, True))
+            checked += 1
+    assert checked > 100  # steps, seeds, sizes, bounds ... of every stage
+    for bad in ({"ratio": False}, {"sizes": [1, True]}, {"keep": True}, {"optim": {"warmup_steps": True}}):
+        with pytest.raises(ValueError, match="is a boolean where a number belongs"):
+            validate(Example, "example", bad)
+    with pytest.raises(ValueError, match=r"rl\.rewards: .*true is a boolean where a number belongs"):
+        validate(load_config_class("rl"), "rl", {"rewards": {"efficacy": True}})
+
+
+def test_thread_counts_and_samples_per_step_are_bounded():
+    from components.sft.config import SftConfig
+
+    for bad in ({"train": {"threads": 1025}}, {"train": {"samples_per_step": 1_000_001}}):
+        with pytest.raises(ValueError, match=r"sft\.train\.\w+: Input should be less than or equal to"):
+            validate(SftConfig, "sft", bad)
+    assert validate(SftConfig, "sft", {"train": {"threads": 1024, "samples_per_step": 1_000_000}}).train.threads == 1024
 
 
 def test_deep_merge_merges_nested_and_replaces_leaves():

@@ -85,7 +85,7 @@ class TrainConfig(SubConfig):
 
     steps: Annotated[int, Field(ge=1, description="Optimizer steps.")] = 100
     samples_per_step: Annotated[
-        int, Field(ge=1, description="Samples per optimizer step (all processes together).")
+        int, Field(ge=1, le=1_000_000, description="Samples per optimizer step (all processes together; <= 1,000,000).")
     ] = 32
     max_tokens_per_micro_batch: Annotated[
         int, Field(ge=16, description="Token budget (text + visual) of one packed micro-batch.")
@@ -137,7 +137,12 @@ class TrainConfig(SubConfig):
     ] = 0
     log_every: Annotated[int, Field(ge=1)] = 10
     threads: Annotated[
-        int, Field(ge=0, description="torch intra-op threads; 0 leaves the default. Exact resume needs the same count.")
+        int,
+        Field(
+            ge=0,
+            le=1024,
+            description="torch intra-op threads (<= 1024); 0 leaves the default. Exact resume needs the same count.",
+        ),
     ] = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
 

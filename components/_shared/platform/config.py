@@ -1,15 +1,17 @@
 """Base class of every stage config. Imports pydantic only, so the pipeline compiles without torch.
 
 KFP hands dict parameters back with whole numbers turned into floats (``{"max_steps": 2.0}``); the
-base class turns such floats back into ints where the field is an int, and nowhere else.
+base class turns such floats back into ints where the field is an int, and nowhere else. A boolean where a number
+belongs (``train.steps: true``, which pydantic would read as 1) is refused.
 """
 
 from __future__ import annotations
 
+import types
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 def _accepts_int_not_float(annotation: Any) -> bool:
@@ -21,6 +23,41 @@ def _accepts_int_not_float(annotation: Any) -> bool:
         members = typing.get_args(annotation)
         return int in members and float not in members
     return annotation is int
+
+
+def _member_types(annotation: Any) -> set:
+    """The types a field's annotation admits (Annotated and unions unwrapped, a Literal's values' types)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _member_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(_member_types(a) for a in typing.get_args(annotation)))
+    if origin is Literal:
+        return {type(v) for v in typing.get_args(annotation)}
+    return {annotation}
+
+
+def _is_number_not_bool(annotation: Any) -> bool:
+    """True when a field takes numbers (int / float) and not booleans."""
+    kinds = _member_types(annotation)
+    return bool(kinds & {int, float}) and not kinds & {bool, Any}
+
+
+def refuse_bool_for_number(value: Any, annotation: Any) -> Any:
+    """`value`, or a ValueError when it is a boolean (or a list or mapping holding one) where the field takes
+    numbers."""
+    origin = typing.get_origin(annotation)
+    if origin is list and isinstance(value, list):
+        (item_type,) = typing.get_args(annotation) or (Any,)
+        for item in value:
+            refuse_bool_for_number(item, item_type)
+    elif origin is dict and isinstance(value, dict):
+        item_type = (typing.get_args(annotation) or (Any, Any))[1]
+        for item in value.values():
+            refuse_bool_for_number(item, item_type)
+    elif isinstance(value, bool) and _is_number_not_bool(annotation):
+        raise ValueError(f"{str(value).lower()} is a boolean where a number belongs; write the number itself")
+    return value
 
 
 def coerce_whole_floats(model_cls: type[BaseModel], data: Any) -> Any:
@@ -42,11 +79,26 @@ def coerce_whole_floats(model_cls: type[BaseModel], data: Any) -> Any:
     return out
 
 
-class StageConfig(BaseModel):
-    """Stage settings: unknown keys are errors, numbers are finite (no inf / nan anywhere), values are immutable
-    once validated."""
+class _Settings(BaseModel):
+    """What every block of settings shares: unknown keys are errors, numbers are finite (no inf / nan anywhere) and
+    never booleans, KFP's whole floats are ints again, values are immutable once validated."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _coerce_kfp_floats(cls, data: Any) -> Any:
+        return coerce_whole_floats(cls, data)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        return refuse_bool_for_number(value, cls.model_fields[str(info.field_name)].annotation)
+
+
+class StageConfig(_Settings):
+    """Stage settings (a stage's section of a preset): the shared strictness plus the seed and the bad-record
+    policy."""
 
     seed: int = Field(0, ge=0, lt=2**32, description="Seed for every random choice the stage makes (0 to 2**32-1).")
     on_bad_record: Literal["fail", "skip"] = Field(
@@ -59,26 +111,14 @@ class StageConfig(BaseModel):
         ),
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _coerce_kfp_floats(cls, data: Any) -> Any:
-        return coerce_whole_floats(cls, data)
-
     def ignored_settings(self) -> list[str]:
         """Settings whose values have no effect in this configuration, each "setting: why" (the runner and preflight
         print them and record them with the run). Contradictions are validation errors instead; stages extend this."""
         return []
 
 
-class SubConfig(BaseModel):
-    """A nested block of a stage config (same strictness, same float coercion)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _coerce_kfp_floats(cls, data: Any) -> Any:
-        return coerce_whole_floats(cls, data)
+class SubConfig(_Settings):
+    """A nested block of a stage config (same strictness, same float coercion, no boolean for a number)."""
 
 
 def format_validation_error(section: str, error: Exception) -> str:

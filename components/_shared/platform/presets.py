@@ -16,14 +16,25 @@ from components._shared.platform.config import format_validation_error
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`["a.b=1", "c=x"]` -> `{"a": {"b": 1}, "c": "x"}`; a pair without '=' is an error that says so."""
+    """`["a.b=1", "c=x"]` -> `{"a": {"b": 1}, "c": "x"}`; a pair without '=', or a setting given twice (`a.b=1 a.b=2`,
+    `a=1 a.b=2`), is an error that says so."""
     out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # dotted key -> the pair that set it
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"Override '{pair}' is not key=value (example: optim.lr=2e-5).")
-        node = out
         *parents, leaf = key.split(".")
+        prefixes = [".".join(parents[: k + 1]) for k in range(len(parents))]
+        earlier = given.get(key) or next((given[p] for p in prefixes if p in given), None)
+        earlier = earlier or next((v for k, v in given.items() if k.startswith(f"{key}.")), None)
+        if earlier is not None:
+            raise ValueError(
+                f"Override '{pair}' sets {key!r} again after '{earlier}' on the same command line; give each "
+                "key=value once."
+            )
+        given[key] = pair
+        node = out
         for part in parents:
             node = node.setdefault(part, {})
         try:
