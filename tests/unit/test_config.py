@@ -172,3 +172,24 @@ def test_duplicate_keys_and_alias_bombs_are_refused(tmp_path):
     assert read_preset_yaml(shared)["rl"] == {"kubernetes": {"gpus": 8, "nodes": 1}}
     with pytest.raises(ValueError, match="not valid YAML"):
         parse_overrides(["sft.lora.r=[1, 2"])
+
+
+def test_an_extends_cycle_is_named_and_shipped_presets_are_found_from_anywhere(tmp_path):
+    from components._shared.platform import presets
+    from components._shared.platform.presets import read_preset_yaml, read_section
+    from pipelines.presets import PRESET_DIR
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "a.yaml").write_text("extends: ../p/b\n")  # the path grows each turn unless resolved
+    (tmp_path / "p" / "b.yaml").write_text("extends: ../p/a.yaml\nsft: {seed: 1}\n")
+    folder = tmp_path.resolve() / "p"
+    chain = f"{folder}/a.yaml -> {folder}/b.yaml -> {folder}/a.yaml"
+    with pytest.raises(ValueError, match=rf"presets extend each other in a cycle: {re.escape(chain)}; remove one"):
+        read_section(tmp_path / "p" / "a.yaml", "sft")
+    (tmp_path / "self.yaml").write_text("extends: self\n")
+    with pytest.raises(ValueError, match="cycle: .*self.yaml -> .*self.yaml"):
+        read_preset_yaml(tmp_path / "self.yaml")
+    assert presets.SHIPPED_PRESETS == PRESET_DIR.resolve()
+    (tmp_path / "mine.yaml").write_text("extends: demo\nsft: {seed: 7}\n")  # a preset of one's own, outside presets/
+    demo = read_section(PRESET_DIR / "demo.yaml", "sft")
+    assert read_section(tmp_path / "mine.yaml", "sft") == {**demo, "seed": 7}

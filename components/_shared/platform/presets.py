@@ -85,12 +85,20 @@ def read_section(config_file: Path | None, section: str) -> dict[str, Any]:
     return found
 
 
-def read_preset_yaml(path: Path, seen: tuple[Path, ...] = (), search: tuple[Path, ...] = ()) -> dict[str, Any]:
+# The shipped presets (pipelines/presets/, installed beside components/): found by path, not imported, since the
+# platform layer imports nothing of pipelines/.
+SHIPPED_PRESETS = Path(__file__).resolve().parents[3] / "pipelines" / "presets"
+
+
+def read_preset_yaml(
+    path: Path, seen: tuple[Path, ...] = (), search: tuple[Path, ...] = (SHIPPED_PRESETS,)
+) -> dict[str, Any]:
     """A YAML config file merged over the file its `extends: NAME` names (NAME.yaml beside it, else in a `search`
-    folder such as the project's presets; recursive), so a preset can start from another one and change only some
-    settings."""
-    if path in seen:
-        raise ValueError(f"presets extend each other in a cycle: {' -> '.join(p.stem for p in (*seen, path))}.")
+    folder, by default the shipped presets; recursive), so a preset can start from another one and change only some
+    settings. A chain that comes back to a file it passed is an error naming the chain."""
+    if path.resolve() in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path.resolve()))
+        raise ValueError(f"presets extend each other in a cycle: {chain}; remove one of these `extends:`.")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -109,7 +117,7 @@ def read_preset_yaml(path: Path, seen: tuple[Path, ...] = (), search: tuple[Path
     parent_path = next((c for c in candidates if c.exists()), None)
     if parent_path is None:
         raise ValueError(f"{path}: extends '{parent}', but none of {[str(c) for c in candidates]} exists.")
-    return deep_merge(read_preset_yaml(parent_path, (*seen, path), search), data)
+    return deep_merge(read_preset_yaml(parent_path, (*seen, path.resolve()), search), data)
 
 
 def validate(config_cls, section: str, data: dict[str, Any]):
