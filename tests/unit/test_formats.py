@@ -56,6 +56,30 @@ def test_llava_array_pretty_printed_and_jsonl_read_the_same(photos, tmp_path):
     assert len(datasets.load_conversations(tmp_path, file_name="one_line.json")) == 6
 
 
+def test_either_json_shape_is_read_whatever_the_suffix(photos, tmp_path):
+    """A JSON array saved as .jsonl gave one "not valid JSON" error per line; JSON Lines saved as .json were refused."""
+    root, _ = photos
+    shutil.copytree(root / "images", tmp_path / "images")
+    expected = [
+        {k: r[k] for k in ("id", "images", "turns")} for r in datasets.load_conversations(root, file_name="llava.json")
+    ]
+    shutil.copy(root / "llava.json", tmp_path / "array.jsonl")  # pretty-printed, one record over many lines
+    shutil.copy(root / "llava.jsonl", tmp_path / "lines.json")
+    records = {name: datasets.load_conversations(tmp_path, file_name=name) for name in ("array.jsonl", "lines.json")}
+    for name, read in records.items():
+        assert [{k: r[k] for k in ("id", "images", "turns")} for r in read] == expected, name
+    assert records["array.jsonl"][0]["source"] == "array.jsonl:2 [0]" and records["lines.json"][1]["source"] == (
+        "lines.json:2"
+    )
+    text = (root / "llava.json").read_text()
+    (tmp_path / "cut.jsonl").write_text(text[: text.rindex("]")])
+    (tmp_path / "more.json").write_text(text + (root / "llava.jsonl").read_text())
+    for name, reason in (("cut.jsonl", "has no closing ']'"), ("more.json", "more follows the JSON array")):
+        with pytest.raises(ValueError, match=re.escape(reason)) as caught:
+            datasets.load_conversations(tmp_path, file_name=name)
+        assert "\n" not in str(caught.value)  # one line says what the file holds and what to do
+
+
 def test_sharegpt_system_turns_are_kept_first(photos):
     root, _ = photos
     records = datasets.load_conversations(root, file_name="sharegpt.jsonl")
@@ -263,9 +287,6 @@ def test_every_bad_record_is_reported_with_its_line(tmp_path):
     (tmp_path / "broken.json").write_text('[\n  {"id": "a", "conversations": []},\n  {"id": "b",, }\n]')
     with pytest.raises(ValueError, match=r"broken.json:3: not valid JSON .* in record 1"):
         datasets.load_conversations(tmp_path, file_name="broken.json")
-    (tmp_path / "arr.jsonl").write_text('[{"id": "a"}]\n')
-    with pytest.raises(ValueError, match="name the file .json"):
-        datasets.load_conversations(tmp_path, file_name="arr.jsonl")
 
 
 def test_parquet_questions_with_a_raw_bytes_image_column(tmp_path):

@@ -1,7 +1,8 @@
 """The containers data files come in, read record by record: JSON Lines (`.jsonl`, `.ndjson`), a JSON array (`.json`,
-LLaVA's release form, pretty-printed or on one line) and Parquet (`.parquet`, the hub's layout: image columns of
-{"bytes", "path"} structs or raw bytes, read lazily row group by row group). Each record comes with its `source`
-("file:line", "file:line [index in the array]", "file row N"); data/formats.py reads the record shapes.
+LLaVA's release form, pretty-printed or on one line; either JSON shape is read whatever the suffix says) and Parquet
+(`.parquet`, the hub's layout: image columns of {"bytes", "path"} structs or raw bytes, read lazily row group by row
+group). Each record comes with its `source` ("file:line", "file:line [index in the array]", "file row N");
+data/formats.py reads the record shapes.
 """
 
 from __future__ import annotations
@@ -32,14 +33,30 @@ def iter_file(path: Path) -> Iterator[tuple[str, Any]]:
     if not path.is_file():
         raise ValueError(f"{path} does not exist; name a file inside the data directory.")
     suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
-        yield from _iter_jsonl(path)
-    elif suffix == ".json":
-        yield from _iter_json_array(path)
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        yield from _iter_json_array(path) if _holds_an_array(path) else _iter_jsonl(path)
     elif suffix == ".parquet":
         yield from _iter_parquet(path)
     else:
         raise ValueError(f"{path}: unknown data file type {suffix!r}; use .jsonl, .json (an array) or .parquet.")
+
+
+def _holds_an_array(path: Path) -> bool:
+    """Whether a JSON data file holds one array rather than JSON Lines, by its content (the suffix is often wrong:
+    arrays saved as .jsonl, JSON Lines as .json). An array starts with '['; a .json whose first line is a whole
+    object followed by more lines is JSON Lines; any other .json goes to the array reader, which says what it holds."""
+    with path.open("rb") as handle:
+        lines = (line.strip() for line in handle)
+        first = next((line for line in lines if line), b"").removeprefix(b"\xef\xbb\xbf").lstrip()
+        if first.startswith(b"["):
+            return True
+        if path.suffix.lower() != ".json":
+            return False
+        try:
+            whole_object = isinstance(json.loads(first), dict)
+        except ValueError:  # not JSON on its own (a pretty-printed object) or not UTF-8
+            return True
+        return not (whole_object and any(lines))
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
@@ -63,8 +80,6 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
             except json.JSONDecodeError as error:
                 yield source, Unparsable(f"not valid JSON ({error.msg}); fix or remove that line")
                 continue
-            if isinstance(record, list) and n == 1:
-                raise ValueError(f"{source}: a JSON array on a .jsonl line; name the file .json (one array) instead.")
             yield source, record
 
 
@@ -107,6 +122,14 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, dict]]:
             raise ValueError(
                 f"{path.name}:{text.count(chr(10), 0, pos) + 1}: expected ',' or ']' after record {index - 1}."
             )
+    if pos >= len(text):
+        raise ValueError(f"{path.name}: the JSON array has no closing ']' (cut short?); fix or re-export the file.")
+    rest = _skip_space(text, pos + 1)
+    if rest < len(text):
+        raise ValueError(
+            f"{path.name}:{text.count(chr(10), 0, rest) + 1}: more follows the JSON array that ends on line "
+            f"{text.count(chr(10), 0, pos) + 1}; a data file holds one array, or one record per line (JSON Lines)."
+        )
 
 
 def _skip_space(text: str, pos: int) -> int:
