@@ -211,3 +211,26 @@ def test_mmbench_image_cells_holding_another_rows_index_are_resolved(tmp_path):
     assert records["1000000"]["image"] == records["0"]["image"] == base64.b64decode(cat)
     assert records["3"]["image"] == records["2"]["image"] == base64.b64decode(dog)
     assert records["1000000"]["answer"] == "A" and records["1000000"]["choices"] == {"A": "dog", "B": "cat"}
+
+
+def test_ids_repeat_across_benchmarks_and_are_unique_within_one(tmp_path):
+    """POPE's question_id 1 and an MMBench index 1 are two records; the same id twice in one benchmark is refused."""
+    root = P.write_benchmarks(tmp_path)
+    tsv = root / "MMBench_DEV_EN.tsv"
+    tsv.write_text(tsv.read_text().replace("\n5\t", "\n1\t"))
+    records = datasets.load_eval_records(root)
+    ones = {r["benchmark"]: r["question"] for r in records if r["id"] == "1"}
+    assert set(ones) == {"mmbench", "pope"} and ones["pope"] == "Is there a flag in the image?"
+    captions = [  # a task shared by two benchmarks: CIDEr-D takes one candidate per benchmark and id
+        {"id": "1", "benchmark": b, "type": "caption", "prediction": p, "answer": "a red circle"}
+        for b, p in (("a", "a red circle"), ("b", "a blue square"))
+    ]
+    assert 0 <= summarize(captions)["cider_d"] < 10
+    (root / "pope_again.json").write_text((root / "coco_pope_random.json").read_text())
+    manifest = (root / "dataset.yaml").read_text()
+    (root / "dataset.yaml").write_text(
+        manifest + "  - {path: pope_again.json, format: pope, images: val2014, benchmark: pope}\n"
+    )
+    twice = "record id '1' is in both coco_pope_random.json and pope_again.json, both of benchmark 'pope'"
+    with pytest.raises(ValueError, match=f"{twice}; ids must be unique within a benchmark"):
+        datasets.load_eval_records(root)

@@ -162,7 +162,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
     else:
         annotations = data_dir / spec.annotations if spec.annotations else None
         items = benchmark.items(data_dir / spec.path, annotations)
-    seen: set[str] = set()
+    seen: set[tuple[str | None, str]] = set()  # (benchmark, id): ids are unique within a benchmark
     for n, (source, raw) in enumerate(items):
         try:
             if isinstance(raw, F.Unparsable):
@@ -177,7 +177,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
             record = convert(raw, shape, spec)
             _check_images(data_dir, raw, record)
             record_id = str(raw.get("id", raw.get("question_id", f"{_stem(spec.path)}:{n}")))
-            if record_id in seen:
+            if (record.get("benchmark"), record_id) in seen:
                 raise F.RecordError(f"id {record_id!r} appears more than once; ids must be unique")
         except KeyError as error:
             bad.append((source, f"the {spec.format} item has no field {error}"))
@@ -185,7 +185,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
         except F.RecordError as error:
             bad.append((f"{source} (id={_raw_id(raw)!r})" if isinstance(raw, dict) else source, str(error)))
             continue
-        seen.add(record_id)
+        seen.add((record.get("benchmark"), record_id))
         for key, value in raw.items():  # the record's own labels (a preference pair's kind, a benchmark category)
             if key not in record and key not in CONSUMED and isinstance(value, str | int | float | bool):
                 record[key] = value
@@ -383,11 +383,13 @@ def load_questions(
     data_dir: Path, files: list[str] | tuple[str, ...] | None = None, *, role: str = "eval"
 ) -> list[dict]:
     """Question records {"id", "image", "question", "answer", "answers", "type" (the task), "scorer", "benchmark",
-    optional "choices" / "box", "source"} of the role's files; ids unique across them. RL prompts (role "rl") take
-    a longer conversation's first exchange, counted and said; a held-out question must be one exchange."""
+    optional "choices" / "box", "source"} of the role's files. Held-out ids are unique within a benchmark (POPE's
+    question 1 and MMBench's index 1 are two records; results are kept by benchmark and id); RL prompt ids are unique
+    across the files (RL keys its caches by id). RL prompts (role "rl") take a longer conversation's first exchange,
+    counted and said; a held-out question must be one exchange."""
     info = manifest(data_dir)
     records: list[dict] = []
-    seen: dict[str, str] = {}
+    seen: dict[tuple[str | None, str], str] = {}  # (benchmark, id) -> file
     for spec in info.files(role, files):
         read = _read(data_dir, spec, _question(info.tasks, first_exchange=role == "rl"), "question")
         shortened = sum(bool(r.pop("shortened", False)) for r in read)
@@ -399,14 +401,22 @@ def load_questions(
                 flush=True,
             )
         for record in read:
-            if record["id"] in seen:
-                raise ValueError(
-                    f"record id {record['id']!r} is in both {seen[record['id']]} and {spec.path}; "
-                    "held-out ids must be unique across files."
-                )
-            seen[record["id"]] = spec.path
+            key = (record["benchmark"] if role == "eval" else None, record["id"])
+            if key in seen:
+                raise ValueError(_repeated_id(record["id"], key[0], role, seen[key], spec.path))
+            seen[key] = spec.path
             records.append(record)
     return records
+
+
+def _repeated_id(record_id: str, benchmark: str | None, role: str, first: str, second: str) -> str:
+    where = f"record id {record_id!r} is in both {first} and {second}"
+    if role != "eval":
+        return f"{where}; RL prompt ids must be unique across files (RL keys its caches by id): renumber one file's."
+    return (
+        f"{where}, both of benchmark {benchmark!r}; ids must be unique within a benchmark: renumber one file's ids, "
+        "or give it another `benchmark:` in dataset.yaml."
+    )
 
 
 def conversation_questions(data_dir: Path, file_name: str | None, *, label: str = "rl prompt") -> list[dict]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 Box = tuple[float, float, float, float]
 
@@ -141,18 +142,23 @@ def _cider_sim(hyp, ref) -> float:
     return total / _CIDER_N
 
 
-def cider_d(candidates: Mapping[str, str], references: Mapping[str, Sequence[str]]) -> tuple[float, dict[str, float]]:
+Key = TypeVar("Key", bound=Hashable)
+
+
+def cider_d(candidates: Mapping[Key, str], references: Mapping[Key, Sequence[str]]) -> tuple[float, dict[Key, float]]:
     """CIDEr-D as in coco-caption's cider_scorer.py (corpus document frequency, n=1..4, sigma=6).
 
     Document frequency = number of images whose reference set contains the n-gram; idf uses
-    log(number of images), so a one-image corpus scores 0. Returns (mean score, score per id).
+    log(number of images), so a one-image corpus scores 0. Returns (mean score, score per id); an id is any key
+    (a (benchmark, id) pair where ids repeat across benchmarks).
     """
     if set(candidates) != set(references):
-        only_c, only_r = sorted(set(candidates) - set(references)), sorted(set(references) - set(candidates))
+        only_c = sorted(set(candidates) - set(references), key=str)
+        only_r = sorted(set(references) - set(candidates), key=str)
         raise ValueError(f"candidate and reference ids differ: only in candidates {only_c}, only in refs {only_r}")
     if not candidates:
         raise ValueError("cider_d needs at least one candidate, got none")
-    ref_counts: dict[str, list[Counter]] = {}
+    ref_counts: dict[Key, list[Counter]] = {}
     df: Counter[tuple[str, ...]] = Counter()
     for key, refs in references.items():
         if isinstance(refs, str) or not refs:
@@ -160,7 +166,7 @@ def cider_d(candidates: Mapping[str, str], references: Mapping[str, Sequence[str
         ref_counts[key] = [_ngrams(r) for r in refs]
         df.update({g for counts in ref_counts[key] for g in counts})
     log_n = math.log(len(references))
-    scores: dict[str, float] = {}
+    scores: dict[Key, float] = {}
     for key, cand in candidates.items():
         hyp = _tfidf(_ngrams(cand), df, log_n)
         sims = [_cider_sim(hyp, _tfidf(r, df, log_n)) for r in ref_counts[key]]

@@ -24,9 +24,12 @@ Rows = Sequence[Mapping[str, Any]]
 
 
 def _cider_report(rows: Rows) -> dict[str, float]:
-    if len({r["id"] for r in rows}) != len(rows):
-        raise ValueError("caption records have duplicate ids; CIDEr-D needs one candidate per id")
-    return {"cider_d": M.cider_d({r["id"]: r["prediction"] for r in rows}, {r["id"]: S.answers_of(r) for r in rows})[0]}
+    """CIDEr-D over a task's caption rows, one candidate per (benchmark, id): ids repeat across benchmarks."""
+    keys = [(r.get("benchmark"), r["id"]) for r in rows]
+    if len(set(keys)) != len(rows):
+        raise ValueError("caption records have duplicate ids; CIDEr-D needs one candidate per benchmark and id")
+    candidates = {key: r["prediction"] for key, r in zip(keys, rows, strict=True)}
+    return {"cider_d": M.cider_d(candidates, {key: S.answers_of(r) for key, r in zip(keys, rows, strict=True)})[0]}
 
 
 def _anls_report(rows: Rows) -> dict[str, float]:
