@@ -413,9 +413,10 @@ def _repeated_id(record_id: str, benchmark: str | None, role: str, first: str, s
     where = f"record id {record_id!r} is in both {first} and {second}"
     if role != "eval":
         return f"{where}; RL prompt ids must be unique across files (RL keys its caches by id): renumber one file's."
+    scope = f"both of benchmark {benchmark!r}" if benchmark else "neither naming a benchmark"
     return (
-        f"{where}, both of benchmark {benchmark!r}; ids must be unique within a benchmark: renumber one file's ids, "
-        "or give it another `benchmark:` in dataset.yaml."
+        f"{where}, {scope}; ids must be unique within a benchmark: renumber one file's ids, or give it another "
+        "`benchmark:` in dataset.yaml."
     )
 
 
