@@ -6,7 +6,8 @@ Per stage and for the preset's cluster profile: parameters (total / trainable, c
 the base model's config, trainability by the stage's settings), weights + gradients + AdamW states per GPU under
 its ZeRO stage or offload, activations at its token budget with and without gradient checkpointing, the logits at
 the vocabulary, the frozen models it keeps (RL's reference and reward model, distill's teacher), and whether it
-fits the profile's GPU. The planner refuses a preset that cannot fit and names the setting to change.
+fits the profile's GPU (a stage whose profile gives it no GPU is reported as not planned on one). The planner refuses
+a preset that cannot fit and names the setting to change, and a distill student larger than its teacher.
 
 An estimate, written by hand (no library plans multimodal packed training), from these rules: fp32 master weights,
 gradients and two AdamW moments per trainable parameter (the stages train in fp32 with bf16 autocast on GPUs);
@@ -88,6 +89,9 @@ def table(name: str, preset: str, plans: list[StagePlan]) -> str:
     )
     rows = [head]
     for p in plans:
+        if p.gpus == 0:  # a training stage whose pod has no GPU: nothing to fit
+            rows.append(f"{p.stage:<13}{0:>5} {p.notes[0]}")
+            continue
         rows.append(
             f"{p.stage:<13}{p.gpus:>5} {p.zero:<17}{p.params_total / 1e9:>7.2f}B{p.params_trainable / 1e9:>8.3f}B"
             f"{p.weights_gb:>8.1f}{p.grads_gb:>7.1f}{p.optimizer_gb:>7.1f}{p.activations_gb:>7.1f}"

@@ -78,3 +78,15 @@ def test_every_committed_prod_preset_fits_its_cluster_profile(preset):
     """`qvl plan` exits 0 for each: no committed preset ships a training stage that cannot fit its GPUs."""
     _, plans = plan(preset)
     assert refusals(plans) == [] and all(p.fits for p in plans)
+
+
+def test_a_training_stage_without_gpus_is_not_planned_and_a_student_larger_than_its_teacher_is_refused(tmp_path):
+    """sft on gpus: 0 was said to fit an 80 GB GPU it never gets (accelerator_type alone is a node selector)."""
+    name, plans = plan(_extending_prod_7b(tmp_path, "kubernetes: {stages: {sft: {gpus: 0}}}\n"))
+    sft = next(p for p in plans if p.stage == "sft")
+    assert sft.gpus == 0 and sft.fits is None and not refusals([sft])
+    (line,) = [row for row in table(name, "p", plans).splitlines() if row.startswith("sft ")]
+    assert "not planned on a GPU: kubernetes.stages.sft.gpus is 0" in line and "fits" not in line
+    larger = "distill: {student: {model_uri: s3://qvl-models/Qwen3-VL-8B-Instruct}}\n"  # 8.8B under a 8.3B teacher
+    with pytest.raises(ValueError, match=r"distill.student: the student has 8.\d\dB parameters, more than its teacher"):
+        plan(_extending_prod_7b(tmp_path, larger))

@@ -6,7 +6,8 @@ Per stage and for the preset's cluster profile: parameters (total / trainable, c
 the base model's config, trainability by the stage's settings), weights + gradients + AdamW states per GPU under
 its ZeRO stage or offload, activations at its token budget with and without gradient checkpointing, the logits at
 the vocabulary, the frozen models it keeps (RL's reference and reward model, distill's teacher), and whether it
-fits the profile's GPU. The planner refuses a preset that cannot fit and names the setting to change.
+fits the profile's GPU (a stage whose profile gives it no GPU is reported as not planned on one). The planner refuses
+a preset that cannot fit and names the setting to change, and a distill student larger than its teacher.
 
 An estimate, written by hand (no library plans multimodal packed training), from these rules: fp32 master weights,
 gradients and two AdamW moments per trainable parameter (the stages train in fp32 with bf16 autocast on GPUs);
@@ -131,6 +132,12 @@ def trainable(stage: str, cfg: dict, model, config, resolve: ConfigOf | None = N
         teacher_bytes = 4 if cfg.get("teacher_dtype") == "float32" else 2
         if student < 0:  # counted as large as the teacher: a bound
             return total, total, teacher_bytes, ["student sizes known only after pruning: counted as the teacher"]
+        if student > total:
+            raise ValueError(
+                f"distill.student: the student has {student / 1e9:.2f}B parameters, more than its teacher's "
+                f"{total / 1e9:.2f}B; distillation makes a smaller model: lower distill.student's sizes (layers, "
+                "hidden, ...) or name a smaller checkpoint as distill.student.model_uri."
+            )
         return student, total, teacher_bytes, [f"student {student / total:.2f}x, frozen teacher"]
     raise ValueError(f"{stage} does not train")
 
@@ -244,13 +251,19 @@ def plan_stage(
     total = weights + grads + optimizer + frozen + activations + logits
     if device == "cpu":  # the process also exports: a cast copy of the weights and its serialization buffer
         total = max(total, weights + frozen + 4 * params) + BASELINE_GB * GB
-    gpu = gpu_memory_gb(profile.accelerator_type) if device == "gpu" else None
+    unplanned = device == "gpu" and profile.gpus == 0  # a training stage whose pod holds no GPU
+    gpu = gpu_memory_gb(profile.accelerator_type) if device == "gpu" and not unplanned else None
+    if unplanned:
+        notes = [
+            f"not planned on a GPU: kubernetes.stages.{stage}.gpus is 0, so its pod gets none and it would train on "
+            "the CPU; give it gpus: 1 or more to plan it"
+        ]
     fix = ""
     if suggest_fix and gpu is not None and total / GB > 0.9 * gpu:
         fix = suggest(stage, cfg, profile, model, config, resolve)
     return StagePlan(
         stage=stage,
-        gpus=n,
+        gpus=0 if unplanned else n,
         zero=("offload " if offload else "") + (f"ZeRO-{zero}" if deepspeed else "torch (no ZeRO)"),
         params_total=params,
         params_trainable=trained,
