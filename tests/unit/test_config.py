@@ -182,12 +182,10 @@ def test_an_extends_cycle_is_named_and_shipped_presets_are_found_from_anywhere(t
     (tmp_path / "p").mkdir()
     (tmp_path / "p" / "a.yaml").write_text("extends: ../p/b\n")  # the path grows each turn unless resolved
     (tmp_path / "p" / "b.yaml").write_text("extends: ../p/a.yaml\nsft: {seed: 1}\n")
-    folder = tmp_path.resolve() / "p"
-    chain = f"{folder}/a.yaml -> {folder}/b.yaml -> {folder}/a.yaml"
-    with pytest.raises(ValueError, match=rf"presets extend each other in a cycle: {re.escape(chain)}; remove one"):
+    with pytest.raises(ValueError, match=r"presets extend each other in a cycle: a -> b -> a \(.*a.yaml\); remove"):
         read_section(tmp_path / "p" / "a.yaml", "sft")
     (tmp_path / "self.yaml").write_text("extends: self\n")
-    with pytest.raises(ValueError, match="cycle: .*self.yaml -> .*self.yaml"):
+    with pytest.raises(ValueError, match="cycle: self -> self"):
         read_preset_yaml(tmp_path / "self.yaml")
     assert presets.SHIPPED_PRESETS == PRESET_DIR.resolve()
     (tmp_path / "mine.yaml").write_text("extends: demo\nsft: {seed: 7}\n")  # a preset of one's own, outside presets/

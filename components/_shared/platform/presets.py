@@ -97,8 +97,10 @@ def read_preset_yaml(
     folder, by default the shipped presets; recursive), so a preset can start from another one and change only some
     settings. A chain that comes back to a file it passed is an error naming the chain."""
     if path.resolve() in seen:
-        chain = " -> ".join(str(p) for p in (*seen, path.resolve()))
-        raise ValueError(f"presets extend each other in a cycle: {chain}; remove one of these `extends:`.")
+        chain = " -> ".join(p.stem for p in (*seen, path.resolve()))
+        raise ValueError(
+            f"presets extend each other in a cycle: {chain} ({path.resolve()}); remove one of these `extends:`."
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
