@@ -225,9 +225,12 @@ USAGE = (
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     stale, because = _option(args, "--stale-others"), _option(args, "--because")
-    if len(args) not in (1, 2) or bool(stale) != bool(because):
+    if len(args) not in (1, 2) or bool(stale) != bool(because) or args[0].startswith("-"):
         raise SystemExit(USAGE)
-    summary = json.loads((Path(args[0]) / "run_summary.json").read_text())
+    summary_file = Path(args[0]) / "run_summary.json"
+    if not summary_file.is_file():
+        raise SystemExit(f"{summary_file}: no such file; RUN_DIR is a finished run's --out directory.\n{USAGE}")
+    summary = json.loads(summary_file.read_text())
     if summary.get("status") != "succeeded":
         raise SystemExit(f"{args[0]}: the run did not succeed ({summary.get('status')}); nothing to publish.")
     if summary.get("cpu_numerics") != PINS:
