@@ -119,6 +119,11 @@ def run(
 ) -> dict[str, Any]:
     """Run RL from the SFT model; returns efficacy before/after, length ratio, final KL and the timing split. Under
     torchrun every rank generates and scores its share of each step (shard.py); rank 0 reports and exports."""
+    if cfg.rewards.get("reward_model", 0.0) and not reward_model:  # before any data is read or model loaded
+        raise ValueError(
+            f"rl.rewards uses reward_model (weight {cfg.rewards['reward_model']}) but the stage got no reward model; "
+            "give --reward-model (the reward_model stage's output) or set rl.rewards.reward_model to 0."
+        )
     output_dir = Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     prompts = load_prompts(data_dir, cfg)
@@ -425,4 +430,11 @@ def report(metrics: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     from components._shared.launch.cli import stage_main
 
-    stage_main(RlConfig, run, section="rl", inputs=("base_model", "reward_model", "data"), argv=argv)
+    stage_main(
+        RlConfig,
+        run,
+        section="rl",
+        inputs=("base_model", "reward_model", "data"),
+        optional_inputs=("reward_model",),
+        argv=argv,
+    )

@@ -56,6 +56,17 @@ def test_an_empty_path_argument_is_refused_naming_the_flag(tmp_path, monkeypatch
     assert list(work.iterdir()) == [] and not (tmp_path / "o").exists()  # nothing written anywhere
 
 
+@pytest.mark.parametrize("given", [[], ["--reward-model", ""]])
+def test_rl_runs_without_a_reward_model_flag_until_its_rewards_name_one(tmp_path, given):
+    """rl's reward model is optional (left out, or '' as the DAG passes an unused input): only a reward mix that
+    weights it needs it, and that is refused naming the setting, not taken as the working directory."""
+    (tmp_path / "cfg.yaml").write_text("rl:\n  rewards: {efficacy: 1.0, reward_model: 0.5}\n")
+    args = ["stage", "rl", "--config", str(tmp_path / "cfg.yaml"), "--base-model", "builtin:tiny-qwen2_5-vl"]
+    result = runner.invoke(app, [*args, *given, "--data", str(tmp_path), "--output-dir", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "Traceback" not in result.stderr, result.output
+    assert "rl.rewards uses reward_model (weight 0.5) but the stage got no reward model" in result.stderr
+
+
 def test_run_refuses_non_local_and_unknown_stage(tmp_path):
     assert runner.invoke(app, ["run", "--lake", str(tmp_path)]).exit_code == 2
     result = runner.invoke(

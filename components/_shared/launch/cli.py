@@ -22,6 +22,7 @@ def stage_main(
     *,
     section: str,
     inputs: tuple[str, ...],
+    optional_inputs: tuple[str, ...] = (),
     argv: list[str] | None = None,
 ) -> dict[str, Any]:
     """Parse the command line, validate the config, run the stage under a tracker, print its metrics as JSON."""
@@ -34,7 +35,15 @@ def stage_main(
     parser.add_argument("--output-dir", required=True, help="Output directory or s3:// prefix (published atomically).")
     parser.add_argument("--experiment", default="vlm", help="MLflow experiment name.")
     for name in inputs:
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, required=True, help=f"Input '{name}'.")
+        optional = name in optional_inputs
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            required=not optional,
+            default="",
+            help=f"Input '{name}'"
+            + (" (leave it out, or give '', when the config does not use it)." if optional else "."),
+        )
     parser.add_argument("overrides", nargs="*", help="Dotted key=value overrides of the config.")
     parser.add_argument("--debug", action="store_true", help="Show the traceback of any error (also QVL_DEBUG=1).")
     args = parser.parse_args(argv)
@@ -43,14 +52,18 @@ def stage_main(
 
     log_file = None if args.output_dir.startswith("s3://") else Path(args.output_dir) / RESULT_FILE
     with reported(debug=args.debug, log_file=log_file):
-        return _run_section(parser, args, config_cls, run, section, inputs)
+        return _run_section(parser, args, config_cls, run, section, inputs, optional_inputs)
 
 
-def _run_section(parser, args, config_cls, run, section: str, inputs: tuple[str, ...]) -> dict[str, Any]:
+def _run_section(
+    parser, args, config_cls, run, section: str, inputs: tuple[str, ...], optional_inputs: tuple[str, ...]
+) -> dict[str, Any]:
     from components._shared.platform.storage import check_location
 
     check_location(args.output_dir, "--output-dir")
     for name in inputs:
+        if name in optional_inputs and not getattr(args, name).strip():
+            continue  # absent: the stage says so if its config needs it
         check_location(getattr(args, name), f"--{name.replace('_', '-')}", builtin=True)
     if args.config is not None and not args.config.strip():
         raise ValueError(
