@@ -6,7 +6,8 @@ can see the run. Credentials belong in the Kubernetes secrets the cluster profil
 preset's settings when the pipeline is built (compile, `qvl run --local`, submit) and on the submitted parameters.
 
 Detected: cloud and service keys by their published shapes (AWS access key ids, GitHub, Hugging Face, OpenAI,
-Slack, Google API keys, Databricks tokens, JWTs, PEM private keys), URLs carrying a password (`scheme://user:pw@`),
+Slack, Google API keys, Databricks tokens, JWTs, PEM private keys, AWS session tokens), URLs carrying a password
+(`scheme://user:pw@`) or a credential in their query (`?X-Amz-Security-Token=`, `?aws_secret_access_key=`, `?sig=`),
 and a non-trivial value under a setting named like a secret (`*_secret`, `password`, `*_token`, `api_key`, ...).
 The error names the setting and the kind, never the value.
 """
@@ -27,6 +28,16 @@ SHAPES = (
     ("a JSON web token", re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")),
     ("a private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")),
     ("a URL with a password", re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:[^/\s@]+@")),
+    # AWS session tokens are base64 of a protobuf whose first bytes are fixed: "IQoJb3JpZ2lu..." today, "FwoG..." before
+    ("an AWS session token", re.compile(r"\b(?:IQoJb3JpZ2lu|FwoGZXIvYXdz|FQoGZXIvYXdz)[A-Za-z0-9/+=]{16,}")),
+    (
+        "a URL whose query carries a credential",
+        re.compile(
+            r"[?&;](?:x-amz-(?:security-token|credential|signature)|aws_(?:secret_access_key|session_token|access_key_id)"
+            r"|(?:access_|auth_|session_|id_)?token|secret(?:_key)?|password|passwd|api_?key|key|sig|signature)=[^&\s]+",
+            re.IGNORECASE,
+        ),
+    ),
 )
 SECRET_NAME = re.compile(
     r"(?:^|_)(?:secret|secret_key|password|passwd|token|api_key|apikey|access_key|private_key|credentials?|auth)$",

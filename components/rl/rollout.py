@@ -305,7 +305,8 @@ class RolloutEngine:
             sample_id=prompt.sample_id,
         )
         text_ids = completion[:-1] if finished else completion
-        text = self.encoder.tokenizer.decode(text_ids, skip_special_tokens=True).strip()
+        text = self.encoder.template.shown_answer(self.encoder.tokenizer.decode(text_ids, skip_special_tokens=True))
+        text = text.strip()
         return Rollout(record=record, completion_ids=completion, text=text, finished=finished, sample=sample)
 
     @torch.no_grad()

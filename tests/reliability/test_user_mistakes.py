@@ -184,6 +184,10 @@ def test_skip_policy_trains_without_bad_records_and_counts_them(world, tmp_path,
         ({"stages": {"rl": {"tracking": "https://user:s3cretpass@mlflow.internal"}}}, "a URL with a password"),
         ({"kubernetes": {"hf_token": "hf_" + "x" * 34}}, "kubernetes.hf_token"),
         ({"kubernetes": {"api_key": "0123456789abcdef"}}, "a setting named like a secret"),
+        ({"lake_uri": "s3://lake/x?aws_secret_access_key=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"}, "query"),
+        ({"lake_uri": "s3://lake/x?X-Amz-Security-Token=" + "IQoJb3JpZ2luX2VjEJr" + "a" * 60}, "query"),
+        ({"stages": {"rl": {"note": "IQoJb3JpZ2luX2VjEJr" + "Zb9" * 30}}}, "an AWS session token"),
+        ({"model": "https://blob.example/m.tar?sv=2024&sig=Abc123Def456Ghi789"}, "query carries a credential"),
     ],
 )
 def test_credential_like_values_are_named_and_never_shown(settings, kind):
@@ -193,6 +197,25 @@ def test_credential_like_values_are_named_and_never_shown(settings, kind):
     for value in json.dumps(settings).split('"'):
         if len(value) > 12:
             assert value not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "s3://lake/x?X-Amz-Security-Token=IQoJb3JpZ2luX2VjEJrs3cr3tVALUE1234",
+        "s3://AKIAIOSFODNN7EXAMPLE:s3cr3tVALUE1234@lake/x",
+        "S3://lake/x?token=s3cr3tVALUE1234",
+        "https://user:s3cr3tVALUE1234@host/x?sig=s3cr3tVALUE1234",
+    ],
+)
+def test_a_location_with_a_credential_is_refused_without_showing_it(uri):
+    """A stage's path or URI given with a credential in it (an s3:// query, user:password@) is refused where the
+    stage reads its command line, and the error hides the credential."""
+    from components._shared.platform.storage import check_location
+
+    with pytest.raises(ValueError) as err:
+        check_location(uri, "--lake-uri")
+    assert "--lake-uri" in str(err.value) and "s3cr3tVALUE" not in str(err.value), str(err.value)
 
 
 def test_ordinary_settings_and_the_shipped_presets_are_not_flagged():

@@ -124,6 +124,24 @@ def test_encoding_equals_the_processor_with_the_checkpoints_own_template(family_
         assert processor.tokenizer.decode(prompt.input_ids).endswith("assistant\n<think>\n\n</think>\n\n")
 
 
+def test_a_generated_answer_with_a_stray_think_tag_is_encoded_as_the_template_shows_it(family_model):
+    """A sampled answer may hold `</think>` (the tiny Qwen3.5 sampled one in an RL run): Qwen3's templates move what
+    precedes it into the reasoning block, so the encoder would refuse the verbatim answer; RL and the reward model
+    score the answer as a conversation shows it, the text after the tag. Other families keep it verbatim."""
+    name, _, _, encoder = family_model
+    template = encoder.template
+    if "</think>" not in template.template:
+        assert template.shown_answer("a </think>\nb") == "a </think>\nb"
+        return
+    assert template.shown_answer("a </think>\n\nb") == "b" and template.shown_answer("plain") == "plain"
+    turns = [{"role": "user", "text": "<image>\nWhat shape?"}, {"role": "assistant", "text": "a </think>\n\nb"}]
+    with pytest.raises(ValueError, match="changes assistant text"):
+        encoder.encode(turns, images=[_image(56, 56, 1)])
+    shown = [turns[0], {"role": "assistant", "text": template.shown_answer(turns[1]["text"])}]
+    sample = encoder.encode(shown, images=[_image(56, 56, 1)])
+    assert encoder.tokenizer.decode(sample.input_ids[sample.labels != -100]) == "b<|im_end|>"
+
+
 def test_packed_logits_equal_padded_for_every_family(family_model):
     _, model, processor, encoder = family_model
     samples = _samples(encoder)

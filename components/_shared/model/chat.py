@@ -56,6 +56,14 @@ class ChatTemplate:
             "trims it); train with a template that writes assistant messages as given."
         )
 
+    def shown_answer(self, text: str) -> str:
+        """A generated answer as the template shows it in a conversation. Qwen3's and Qwen3.5's templates move what
+        comes before a `</think>` into the reasoning block and keep what follows (left-trimmed of newlines); a
+        sampled answer may hold a stray `</think>`, and scoring it verbatim would refuse the template."""
+        if "</think>" in text and "</think>" in self.template:
+            return text.split("</think>")[-1].lstrip("\n")
+        return text
+
     @staticmethod
     def _split(text: str, n: int) -> list[str]:
         pieces = []

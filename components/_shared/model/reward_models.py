@@ -128,6 +128,7 @@ class RewardModelScorer:
 
         samples = []
         for i, (record, answer) in enumerate(zip(records, answers, strict=True)):
+            answer = self.encoder.template.shown_answer(answer)  # a generated answer, as a conversation shows it
             turns = [{"role": "user", "text": f"<image>\n{record['question']}"}, {"role": "assistant", "text": answer}]
             sample = self.encoder.encode(turns, images=[record["pil"]], sample_id=f"{record['id']}#{i}")
             sample.meta["reward_index"] = reward_index(sample, int(self.meta["score_first_k"]))

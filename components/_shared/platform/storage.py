@@ -59,26 +59,47 @@ def check_location(value: str, setting: str, *, builtin: bool = False) -> str:
         return text
     if found and not text.startswith("s3://"):
         raise ValueError(
-            f"{setting}={text!r}: only local paths and s3:// URIs are supported here, not {found.group(1)}:// "
+            f"{setting}={shown(text)!r}: only local paths and s3:// URIs are supported here, not {found.group(1)}:// "
             "(copy it to S3 or to a local / mounted path first)."
         )
+    if text.startswith("s3://") and "?" in text and "=" in text.partition("?")[2]:
+        raise ValueError(
+            f"{setting}={shown(text)!r}: an s3:// URI takes no query (?name=value); credentials come from the "
+            "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, a Kubernetes secret on the "
+            "cluster), not the URI. Remove everything from '?'."
+        )
     if text.startswith("s3://"):
-        split_s3(text)  # a malformed bucket is an error here, not at the first request
+        try:
+            split_s3(text)  # a malformed bucket is an error here, not at the first request
+        except ValueError as err:
+            raise ValueError(f"{setting}: {err}") from None
     return text
+
+
+def shown(uri: str | Path) -> str:
+    """`uri` as an error may print it: a URL's query and any `user:password@` hidden (they can hold credentials)."""
+    text = re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@", r"\1<credentials hidden>@", str(uri))
+    base, query_mark, _ = text.partition("?")
+    return base + ("?<query hidden>" if query_mark else "")
 
 
 def split_s3(uri: str) -> tuple[str, str]:
     """`s3://bucket/a/b` -> ("bucket", "a/b"). Raises ValueError naming the URI when it is malformed."""
     if not is_s3(uri):
-        raise ValueError(f"{uri!r} is not an S3 URI: expected s3://bucket/key (lowercase 's3://').")
+        raise ValueError(f"{shown(uri)!r} is not an S3 URI: expected s3://bucket/key (lowercase 's3://').")
     bucket, _, key = str(uri)[5:].partition("/")
+    if "@" in bucket:
+        raise ValueError(
+            f"{shown(uri)!r} carries credentials (user:password@): an s3:// URI takes none; they come from the "
+            "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a Kubernetes secret on the cluster)."
+        )
     if not _BUCKET.match(bucket) or ".." in bucket:
         raise ValueError(
-            f"{uri!r} has an invalid bucket name {bucket!r}: use 3-63 lowercase letters, digits, "
+            f"{shown(uri)!r} has an invalid bucket name {shown(bucket)!r}: use 3-63 lowercase letters, digits, "
             f"'.' or '-', as in s3://my-bucket/prefix."
         )
     if "//" in key:
-        raise ValueError(f"{uri!r} contains an empty path segment ('//'); remove the doubled slash.")
+        raise ValueError(f"{shown(uri)!r} contains an empty path segment ('//'); remove the doubled slash.")
     return bucket, key
 
 
@@ -93,7 +114,7 @@ def join(uri: str | Path, *parts: str) -> str:
 def _local(uri: str | Path) -> Path:
     text = str(uri)
     if text.lower().startswith("s3:") or text.startswith("S3://"):
-        raise ValueError(f"{text!r} looks like a malformed S3 URI: write it as s3://bucket/key.")
+        raise ValueError(f"{shown(text)!r} looks like a malformed S3 URI: write it as s3://bucket/key.")
     return Path(text)
 
 
