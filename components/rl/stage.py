@@ -2,6 +2,7 @@
 
 1 process (CPU/tiny):  python -m components.rl --config pipelines/presets/tiny.yaml --base-model OUT/sft/model \
                            --reward-model OUT/reward_model/model --data runs/world/heldout --output-dir OUT/rl
+                       (--reward-model only when rl.rewards weights reward_model)
 In the pipeline:       components/rl/component.py calls run_stage("rl", ...).
 
 Each step: sample completions of `train.samples_per_step` prompts from the current policy (rollout engine),
