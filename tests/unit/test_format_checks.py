@@ -379,6 +379,30 @@ def test_answers_no_prediction_could_score_on_are_refused_when_read(data):
     assert [r["id"] for r in kept] == ["mc-ok", "yn-ok"] and ledger.metrics()["data/skipped_records"] == 2
 
 
+def test_grounding_answers_without_a_box_are_refused_when_read(data):
+    """A grounding record with no box in its answer and no 'box' field scores 0 whatever is predicted: as an RL
+    prompt it trained on a reward that is always 0 without a word. Refused when read (rl prompts and held-out
+    alike), or skipped and counted; the synthetic world's "(x1,y1),(x2,y2)", a [x1, y1, x2, y2] list and a 'box'
+    field are kept."""
+    (data / "dataset.yaml").write_text("rl: [rl.jsonl]\ntasks: {refer: grounding}\n")
+    records = [
+        {"id": "g-ok", "image": "a.png", "type": "grounding", "question": "Where is the circle?",
+         "answer": "(10,12),(40,44)"},
+        {"id": "g-list", "image": "a.png", "task": "refer", "question": "The dog?", "answer": "[1, 2, 30, 40]"},
+        {"id": "g-field", "image": "a.png", "task": "refer", "question": "The cat?", "answer": "the cat",
+         "box": [1, 2, 30, 40]},
+        {"id": "g-bad", "image": "a.png", "type": "grounding", "question": "Where is the square?",
+         "answer": "top left"},
+    ]  # fmt: skip
+    _jsonl(data / "rl.jsonl", records)
+    message = _error(datasets.conversation_questions, data, None)
+    assert message.startswith("1 bad question record(s) in rl.jsonl")
+    assert "a grounding answer needs a box" in _line(message, "rl.jsonl:4 (id='g-bad')")
+    with bad_records.policy("skip") as ledger:
+        kept = datasets.conversation_questions(data, None)
+    assert [r["id"] for r in kept] == ["g-ok", "g-list", "g-field"] and ledger.metrics()["data/skipped_records"] == 1
+
+
 def test_turns_out_of_order_and_marker_lookalikes_are_refused(data):
     """A leading assistant turn answers nothing and a trailing user turn is never answered (both used to be kept and
     tokenised, teaching nothing); two turns in a row by one role; '<Image>' stayed text while its image moved."""

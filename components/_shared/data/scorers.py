@@ -329,6 +329,17 @@ def grounding_iou(prediction: str, record: Record) -> float:
     return M.box_iou(pred, gold) if pred is not None and gold is not None else 0.0
 
 
+def grounding_gold(record: Record) -> None:
+    """ValueError when a grounding record has no reference box: no 'box' field and no box in its answer (every
+    prediction would score 0, and RL would train on a reward that is always 0). The readers call it when a record is
+    read."""
+    if record.get("box") is None and M.parse_box(answers_of(record)[0]) is None:
+        raise ValueError(
+            f'record {record.get("id")!r}: a grounding answer needs a box, written "(x1,y1),(x2,y2)" or '
+            f"\"[x1, y1, x2, y2]\", or a 'box' field; got {answers_of(record)[0][:60]!r}."
+        )
+
+
 def grounding(prediction: str, record: Record, threshold: float = 0.5) -> float:
     """1 if IoU >= 0.5 (RefCOCO's accuracy@0.5; 1e-9 float slack), else 0."""
     return float(grounding_iou(prediction, record) >= threshold - 1e-9)

@@ -63,6 +63,7 @@ SCORERS: dict[str, Scorer] = {
         reward=S.grounding_iou,
         parses=lambda p, r: S.parse_predicted_box(p) is not None,
         baseline=False,
+        check=S.grounding_gold,
     ),
     "cider_d": Scorer(S.caption_overlap, report=_cider_report, baseline=False),  # COCO / NoCaps captions
 }
