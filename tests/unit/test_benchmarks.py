@@ -234,3 +234,33 @@ def test_ids_repeat_across_benchmarks_and_are_unique_within_one(tmp_path):
     twice = "record id '1' is in both coco_pope_random.json and pope_again.json, both of benchmark 'pope'"
     with pytest.raises(ValueError, match=f"{twice}; ids must be unique within a benchmark"):
         datasets.load_eval_records(root)
+
+
+def test_an_id_that_is_not_a_string_or_an_integer_is_refused_naming_the_record(tmp_path):
+    """A POPE question_id that is a list, or an id that is an object, a float, a boolean or blank, would have been
+    kept as its Python repr; each is one bad record naming its line and the field."""
+    root = P.write_benchmarks(tmp_path)
+    pope = root / "coco_pope_random.json"
+    lines = pope.read_text().splitlines()
+    first = json.loads(lines[0])
+    lines[0] = json.dumps({**first, "question_id": [1, 2]})
+    pope.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as caught:
+        datasets.load_eval_records(root)
+    assert "coco_pope_random.json:1" in str(caught.value)
+    assert "'question_id' must be a string or an integer, got list [1, 2]" in str(caught.value)
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "a.png").write_bytes((root / "val2014" / first["image"]).read_bytes())
+    rows = [
+        {"id": value, "image": "a.png", "type": "count", "question": "How many?", "answer": "2"}
+        for value in ({"n": 1}, 1.5, True, "  ", "ok-1", 7)
+    ]
+    (flat / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError) as caught:
+        datasets.load_eval_records(flat)
+    message = str(caught.value)
+    assert message.startswith("4 bad question record(s) in eval.jsonl")
+    for line, kind in ((1, "dict {'n': 1}"), (2, "float 1.5"), (3, "bool True")):
+        assert f"eval.jsonl:{line}" in message and f"'id' must be a string or an integer, got {kind}" in message
+    assert "'id' is empty" in message

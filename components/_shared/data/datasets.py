@@ -169,6 +169,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
                 raise F.RecordError(str(raw))
             if not isinstance(raw, dict):
                 raise F.RecordError(f"a {type(raw).__name__}, not a record object")
+            F.check_ids(raw)
             if benchmark is not None:
                 raw, shape = benchmark.record(raw), "flat"
             else:

@@ -61,6 +61,22 @@ class RecordError(ValueError):
     """A record that cannot be used; the message says why and how to fix it."""
 
 
+ID_FIELDS = ("id", "question_id", "questionId", "image_id")
+
+
+def check_ids(raw: dict) -> None:
+    """A record's id fields are strings or integers: an object, list, float or boolean id would be written out
+    as its Python repr, never matching what the user's other files call the record."""
+    for name in ID_FIELDS:
+        value = raw.get(name)
+        if value is None or (isinstance(value, str | int) and not isinstance(value, bool)):
+            if value == "" or (isinstance(value, str) and not value.strip()):
+                raise RecordError(f"'{name}' is empty; give each record an id (a string or an integer)")
+            continue
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise RecordError(f"'{name}' must be a string or an integer, got {type(value).__name__} {shown}")
+
+
 def check_text(text: str, where: str) -> str:
     """`text` unchanged, or a RecordError naming `where` when the tokenizer would stop on it mid-run: a chat control
     token (read as template structure) or a lone surrogate (not text; a broken \\u escape in the JSON)."""
