@@ -2,21 +2,10 @@
 
     qvl plan --preset prod-7b [--config qwen2.5-vl-7b]
 
-Per stage and for the preset's cluster profile: parameters (total / trainable, counted on the meta device from
-the base model's config, trainability by the stage's settings), weights + gradients + AdamW states per GPU under
-its ZeRO stage or offload, activations at its token budget with and without gradient checkpointing, the logits at
-the vocabulary, the frozen models it keeps (RL's reference and reward model, distill's teacher), and whether it
-fits the profile's GPU (a stage whose profile gives it no GPU is reported as not planned on one). The planner refuses
-a preset that cannot fit and names the setting to change, and a distill student larger than its teacher.
-
-An estimate, written by hand (no library plans multimodal packed training), from these rules: fp32 master weights,
-gradients and two AdamW moments per trainable parameter (the stages train in fp32 with bf16 autocast on GPUs);
-ZeRO-2 shards gradients and optimizer states over the data-parallel GPUs, ZeRO-3 the weights too; activations per
-LM layer and token 2 bytes x (18 hidden + 6 intermediate), per ViT block and patch the same over the vision widths,
-one layer's worth plus the layer inputs with checkpointing; the loss's logits for one chunk of
-`train.loss_chunk_tokens` rows (`logits_bytes`). On the CPU
-(`device="cpu"`, what `qvl rehearse` runs) activations are fp32, the process adds BASELINE_GB, and its peak may be
-the export instead of training (the weights, a cast copy and its serialization buffer: LoRA's peak).
+Per training stage and for the preset's cluster profile: parameters, weights + gradients + optimizer states per
+GPU, activations, logits and the frozen models it keeps, and whether it fits; a preset that cannot fit is refused,
+naming the setting to change. The arithmetic and its rules are components/_shared/model/memory_plan.py (preflight
+runs the same); this module resolves the preset's models and writes the table.
 """
 
 from __future__ import annotations
