@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from components._shared.data import scorers
-from tests import real_photos as P
+from components.synth_world import real_photos as P
 
 pytestmark = pytest.mark.e2e
 

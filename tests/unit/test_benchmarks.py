@@ -10,7 +10,7 @@ import pytest
 
 from components._shared.data import datasets
 from components._shared.data.tasks import score, summarize
-from tests import real_photos as P
+from components.synth_world import real_photos as P
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +20,17 @@ def bench_dir(tmp_path_factory):
 
 def test_each_layout_maps_onto_question_records(bench_dir):
     records = {r["benchmark"]: r for r in datasets.load_eval_records(bench_dir)}
-    assert set(records) == {"vqav2", "textvqa", "docvqa", "chartqa", "refcoco", "mmbench", "pope"}
+    assert set(records) == {"vqav2", "textvqa", "docvqa", "chartqa", "refcoco", "mmbench", "pope", "coco_captions"}
     assert {b: r["scorer"] for b, r in records.items()} == {
         "vqav2": "vqa_accuracy", "textvqa": "vqa_accuracy", "docvqa": "anls", "chartqa": "relaxed_accuracy",
-        "refcoco": "grounding", "mmbench": "multiple_choice", "pope": "yes_no",
+        "refcoco": "grounding", "mmbench": "multiple_choice", "pope": "yes_no", "coco_captions": "cider_d",
     }  # fmt: skip
+    captions = [r for r in datasets.load_eval_records(bench_dir) if r["benchmark"] == "coco_captions"]
+    assert [(r["id"], len(r["answers"]), r["pil"].size) for r in captions] == [
+        ("42", 2, (600, 400)),
+        ("73", 2, (640, 427)),
+    ]
+    assert captions[0]["answers"][0].startswith("A cup of espresso")  # every caption of the image, in file order
     assert records["vqav2"]["answers"] == ["coffee"] * 7 + ["espresso"] * 3
     assert records["vqav2"]["image"] == "val2014/COCO_val2014_000000000042.jpg" and records["vqav2"]["id"] == "420"
     assert records["chartqa"]["answer"] == "40" and records["chartqa"]["pil"].size == (451, 300)
@@ -41,6 +47,8 @@ def test_perfect_answers_score_one_and_each_benchmark_is_summarised(bench_dir):
                "mmbench": "(B) cat", "pope": None}  # fmt: skip
     rows = []
     for r in records:
+        if r["benchmark"] == "coco_captions":  # CIDEr-D is scored over the set (tasks.py), not per answer
+            continue
         if r["benchmark"] == "refcoco":  # a Qwen2.5-VL answer in the pixels of the resized image
             frame = {"box_convention": "absolute", "image_size": (640, 427), "model_size": (320, 213.5)}
             prediction, r = '[{"bbox_2d": [145, 60, 172.5, 205]}]', {**r, **frame}

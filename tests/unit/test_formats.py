@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from components._shared.data import datasets
-from tests import real_photos as P
+from components.synth_world import real_photos as P
 
 
 @pytest.fixture(scope="module")

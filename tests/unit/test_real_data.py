@@ -11,7 +11,7 @@ from components._shared.data import datasets
 from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder
 from components._shared.model.vlm import load_vlm, set_pixel_bounds
 from components._shared.platform.tracking import NullTracker
-from tests import real_photos as P
+from components.synth_world import real_photos as P
 
 BASE = "builtin:tiny-qwen2_5-vl"
 SFT_FILES = ["llava.json", "sharegpt.jsonl", "messages.jsonl", "photos.parquet"]

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 from components._shared.platform.tracking import NullTracker
 from components.clean_data.config import CleanDataConfig
 from components.clean_data.stage import run
-from tests import real_photos as P
+from components.synth_world import real_photos as P
 
 
 def test_clean_data_keeps_awkward_encodings_and_rejects_real_defects(tmp_path):

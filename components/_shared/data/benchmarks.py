@@ -248,6 +248,37 @@ def _refcoco_items(path: Path, _: Path | None) -> Rows:
         yield source, {**row, "_stem": path.stem, "_index": i} if isinstance(row, dict) else row
 
 
+def _coco_captions_items(path: Path, _: Path | None) -> Rows:
+    """COCO Captions' captions_*.json (NoCaps and Flickr30k in Karpathy's COCO form use it too): an 'images' list
+    and an 'annotations' list of {image_id, caption}; one item per image with all its captions."""
+    data = _json(path)
+    if not (
+        isinstance(data, dict) and isinstance(data.get("images"), list) and isinstance(data.get("annotations"), list)
+    ):
+        raise ValueError(
+            f"{path.name}: expected COCO Captions' layout, an object with 'images' and 'annotations' lists, got "
+            f"{_shape(data)}."
+        )
+    captions: dict = {}
+    for i, a in enumerate(data["annotations"]):
+        if not (isinstance(a, dict) and "image_id" in a and isinstance(a.get("caption"), str)):
+            raise ValueError(
+                f"{path.name} annotations[{i}]: expected an object with 'image_id' and a 'caption' string, got "
+                f"{_shape(a)}; fix or remove that entry."
+            )
+        captions.setdefault(a["image_id"], []).append(a["caption"])
+    for i, image in enumerate(data["images"]):
+        item = {**image, "captions": captions.get(image.get("id"), [])} if isinstance(image, dict) else image
+        yield f"{path.name} images[{i}]", item
+
+
+def _coco_captions(item: dict) -> dict:
+    if not item["captions"]:
+        raise RecordError("no caption (an annotation with the image's id)")
+    return {"id": str(item["id"]), "image": item["file_name"], "question": "Describe the image.",
+            "answers": item["captions"]}  # fmt: skip
+
+
 def _refcoco(item: dict) -> dict:
     expression = item.get("expression") or item.get("caption") or item.get("answer") or item.get("question")
     if isinstance(expression, list):
@@ -334,4 +365,5 @@ BENCHMARKS: dict[str, Benchmark] = {
     "refcoco": Benchmark("grounding", _refcoco_items, _refcoco),
     "mmbench": Benchmark("multiple_choice", _mmbench_items, _mmbench),
     "pope": Benchmark("yes_no", _json_lines, _pope),
+    "coco_captions": Benchmark("cider_d", _coco_captions_items, _coco_captions),
 }

@@ -54,7 +54,7 @@ class DataFile(BaseModel):
     path: str = Field(min_length=1)
     format: Literal[
         "auto", "llava", "sharegpt", "messages", "flat", "preference",
-        "vqav2", "textvqa", "docvqa", "chartqa", "refcoco", "mmbench", "pope",
+        "vqav2", "textvqa", "docvqa", "chartqa", "refcoco", "mmbench", "pope", "coco_captions",
     ] = "auto"  # fmt: skip
     annotations: str | None = Field(None, description="The benchmark's second file (VQAv2's annotations).")
     task: str | None = Field(None, description="The task of records that name none (their 'task' / 'type').")

@@ -13,11 +13,13 @@ import csv
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
-PHOTOS = {  # name: (size w x h, captions, [(VQA question, ten answers), (yes/no question, answer)], {object: box})
+# name: (size w x h, captions, [(VQA question, ten answers), (yes/no question, answer)], {object: box})
+PHOTOS: dict[str, Any] = {
     "astronaut": (
         (512, 512),
         ["An astronaut in an orange suit smiles in front of an American flag and a space shuttle model.",
@@ -293,8 +295,8 @@ def _save_photo(root: Path, name: str, photo_name: str) -> str:
 
 def write_benchmarks(root: Path) -> Path:
     """A held-out set of the standard benchmarks in their release layouts (VQAv2 questions + annotations, TextVQA,
-    DocVQA, ChartQA, RefCOCO, an MMBench TSV with base64 images, POPE lines) on real photographs, with the
-    dataset.yaml that names them; returns `root`."""
+    DocVQA, ChartQA, RefCOCO, an MMBench TSV with base64 images, POPE lines, COCO Captions) on real photographs, with
+    the dataset.yaml that names them; returns `root`."""
     root.mkdir(parents=True, exist_ok=True)
     # VQAv2: questions + annotations, COCO file names under val2014/
     _save_photo(root, "val2014/COCO_val2014_000000000042.jpg", "coffee")
@@ -342,6 +344,16 @@ def write_benchmarks(root: Path) -> Path:
         json.dumps({"question_id": i, "image": "COCO_val2014_000000000310.jpg", "text": text, "label": label}) + "\n"
         for i, text, label in pope
     ))  # fmt: skip
+    # COCO Captions: images + annotations (five captions an image in the release; two here)
+    _save_photo(root, "val2014/COCO_val2014_000000000073.jpg", "rocket")
+    (root / "captions_val2014.json").write_text(json.dumps({
+        "images": [{"id": 42, "file_name": "COCO_val2014_000000000042.jpg", "height": 400, "width": 600},
+                   {"id": 73, "file_name": "COCO_val2014_000000000073.jpg", "height": 427, "width": 640}],
+        "annotations": [{"id": 1, "image_id": 42, "caption": PHOTOS["coffee"][1][0]},
+                        {"id": 2, "image_id": 42, "caption": PHOTOS["coffee"][1][1]},
+                        {"id": 3, "image_id": 73, "caption": PHOTOS["rocket"][1][0]},
+                        {"id": 4, "image_id": 73, "caption": PHOTOS["rocket"][1][1]}],
+    }))  # fmt: skip
     (root / "dataset.yaml").write_text("""\
 eval:
   - {path: v2_questions.json, format: vqav2, annotations: v2_annotations.json, images: val2014}
@@ -351,6 +363,7 @@ eval:
   - {path: final_refcoco_testA.json, format: refcoco, images: coco}
   - {path: MMBench_DEV_EN.tsv, format: mmbench}
   - {path: coco_pope_random.json, format: pope, images: val2014}
+  - {path: captions_val2014.json, format: coco_captions, images: val2014}
 """)
     return root
 
