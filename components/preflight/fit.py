@@ -86,3 +86,25 @@ def check_selection(select_config: dict[str, Any], records: list[dict], *, rewar
             f"{', '.join(sorted(named))}: the held-out data yields no such metric (its tasks and benchmarks give "
             f"{shown}); weigh and gate what the data measures (docs/stages/select_checkpoint.md)."
         )
+
+
+def check_pretrain_captions(records: list[dict]) -> int:
+    """pretrain measures held-out caption loss and retrieval on the held-out captions (task caption, or a task scored
+    by cider_d, e.g. COCO Captions); refuse held-out data with fewer than two before any GPU. Returns the count."""
+    captions = sum(1 for r in records if r.get("type") == "caption" or r.get("scorer") == "cider_d")
+    if captions < 2:
+        raise ValueError(
+            f"the held-out data has {captions} caption records; pretrain needs >= 2 to measure held-out caption loss "
+            "and retrieval: add captions (a `format: coco_captions` file, or records of task caption) to its eval "
+            "files (docs/data.md)."
+        )
+    return captions
+
+
+def check_curriculum(sft_config: dict[str, Any], records: list[dict]) -> None:
+    """SFT's curriculum phases name difficulties its training data has (sft would stop at its start, on GPUs)."""
+    from components._shared.data.curriculum import curriculum_problem
+
+    problem = curriculum_problem(sft_config.get("curriculum") or [], {r.get("difficulty", "all") for r in records})
+    if problem:
+        raise ValueError(problem)

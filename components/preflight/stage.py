@@ -15,7 +15,7 @@ from typing import Any
 
 from components._shared.platform.tracking import Tracker
 from components.preflight.config import PreflightConfig
-from components.preflight.fit import check_fits, check_selection
+from components.preflight.fit import check_curriculum, check_fits, check_pretrain_captions, check_selection
 
 
 def validate_stage_configs(stage_configs: dict[str, dict[str, Any]]) -> int:
@@ -429,6 +429,10 @@ def run(
                 records["eval_data_uri", "eval"],
                 reward_model="reward_model" in stage_configs,
             )
+        if "sft" in stage_configs and ("sft_data_uri", "sft") in records:
+            check_curriculum(stage_configs["sft"], records["sft_data_uri", "sft"])
+        if "pretrain" in stage_configs and ("eval_data_uri", "eval") in records:
+            metrics["heldout_captions"] = check_pretrain_captions(records["eval_data_uri", "eval"])
     if cfg.check_tracking:
         metrics["tracking"] = check_tracking_server(cfg.timeout_s)
     resolved: dict[str, str] = {}

@@ -11,9 +11,9 @@ import pytest
 
 from components._shared.data import datasets
 from components.preflight.fit import check_fits, check_selection, yielded_metrics
+from components.synth_world import real_photos as P
 from pipelines.presets import load_preset
 from pipelines.qvl.real_checkpoints import CHECKPOINT_DIR
-from tests import real_photos as P
 from tests.codebase import ROOT
 
 QWEN_7B = json.loads((CHECKPOINT_DIR / "qwen2.5-vl-7b.json").read_text())
@@ -80,3 +80,20 @@ def test_compile_refuses_a_preset_that_cannot_fit_unless_forced(tmp_path):
     assert not (tmp_path / "a.yaml").exists()
     forced = _qvl("compile", "--preset", str(tmp_path / "small.yaml"), "--out", str(tmp_path / "b.yaml"), "--force")
     assert forced.returncode == 0 and "warning: does not fit: rl" in forced.stderr and (tmp_path / "b.yaml").exists()
+
+
+def test_pretrain_needs_held_out_captions_and_sft_a_curriculum_its_data_has(benchmarks, tmp_path):
+    from components.preflight.fit import check_curriculum, check_pretrain_captions
+
+    assert check_pretrain_captions(benchmarks) == 2  # COCO Captions' two images
+    without = [r for r in benchmarks if r["benchmark"] != "coco_captions"]
+    with pytest.raises(
+        ValueError, match=r"held-out data has 0 caption records; pretrain needs >= 2.*format: coco_captions"
+    ):
+        check_pretrain_captions(without)
+    sft = load_preset("prod-7b").stages["sft"]  # phases basic, advanced, all
+    plain = [{"id": "a", "difficulty": "all"}]
+    with pytest.raises(ValueError, match=r"sft.curriculum\[0\] \(phase 'basic'\).difficulties: \['basic'\] match no"):
+        check_curriculum(sft, plain)
+    check_curriculum(sft, [{"id": "a", "difficulty": "basic"}, {"id": "b", "difficulty": "advanced"}])
+    check_curriculum({"curriculum": []}, plain)

@@ -9,7 +9,9 @@ input. Launchers read the record back (`read_result`) to return the metrics of a
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +46,14 @@ def report_metrics(artifact, metrics: dict[str, Any]) -> None:
     """Mirror a stage's metrics to a KFP Metrics artifact: logged for the UI and written as JSON at its path.
 
     The file matters: KFP's local cache treats an output whose path does not exist as missing and re-runs
-    the task, and a Metrics artifact otherwise has no file.
+    the task, and a Metrics artifact otherwise has no file. A value that is not finite (NaN, inf) is left out of the
+    artifact, with a warning naming it: KFP's metadata (protobuf JSON) refuses it and fails the task after its work
+    was done; it stays in the stage's record and MLflow.
     """
-    flat = flatten_metrics(metrics)
+    flat = {name: value for name, value in flatten_metrics(metrics).items() if math.isfinite(value)}
+    dropped = sorted(set(flatten_metrics(metrics)) - set(flat))
+    if dropped:
+        print(f"warning: not finite, left out of the KFP metrics: {', '.join(dropped)}", file=sys.stderr, flush=True)
     for name, value in flat.items():
         artifact.log_metric(name, value)
     Path(artifact.path).parent.mkdir(parents=True, exist_ok=True)
