@@ -257,6 +257,15 @@ def apply_task_policy(task: dsl.PipelineTask, stage: str, cluster: ClusterProfil
     return task.set_caching_options(p.caching)
 
 
+def apply_local_launch(task: dsl.PipelineTask, stage: str, processes: int | None) -> dsl.PipelineTask:
+    """kfp.local: the stage under torchrun with `processes` CPU processes (the launch plan a pod with that many GPUs
+    gets); nothing for None or 1."""
+    if processes and processes > 1:
+        plan = LaunchPlan(stage=stage, gpus_per_node=processes, image=task.container_spec.image)
+        task.set_env_variable(LAUNCH_PLAN_ENV, json.dumps(plan.model_dump(mode="json"), sort_keys=True))
+    return task
+
+
 def apply_profile(task: dsl.PipelineTask, stage: str, cluster: ClusterProfile) -> dsl.PipelineTask:
     """Resources, placement, volumes, secrets, security, retries and caching of `stage` onto `task`.
 

@@ -22,21 +22,27 @@ from components.select_checkpoint.component import select_checkpoint_op
 from components.sft.component import sft_op
 from components.stages import dag_stages
 from pipelines import credentials
-from pipelines.k8s import apply_profile, apply_task_policy
+from pipelines.k8s import apply_local_launch, apply_profile, apply_task_policy
 from pipelines.presets import Preset, as_preset
 
 PIPELINE_NAME = "vlm-training"
 DEFAULT_PRESET = "prod-7b"
 
 
-def build_pipeline(preset: Preset | str = DEFAULT_PRESET, until: str | None = None, for_cluster: bool = True):
+def build_pipeline(
+    preset: Preset | str = DEFAULT_PRESET,
+    until: str | None = None,
+    for_cluster: bool = True,
+    local_processes: dict[str, int] | None = None,
+):
     """The pipeline function for `preset` (a loaded Preset, or a name or path read here), with the stages up to and
     including `until` (all when None).
 
     `for_cluster=False` (kfp.local) leaves the cluster profile out: pod settings mean nothing on one machine,
     and its environment variables (cache on the scratch PVC, launch plans) would mislead the local tasks. A cluster
     build also gets the run-level TTL / deadline and an exit task that ends the run's MLflow parent run with the
-    DAG's final state (locally, `qvl run --local` owns the parent run).
+    DAG's final state (locally, `qvl run --local` owns the parent run). `local_processes` (kfp.local only) runs
+    those stages under torchrun with that many processes, as a pod with several GPUs does (`qvl rehearse --preset`).
     """
     p = as_preset(preset)
     credentials.check(p.model_dump(mode="json"), f"preset '{p.name}'")  # its settings become YAML defaults
@@ -44,7 +50,9 @@ def build_pipeline(preset: Preset | str = DEFAULT_PRESET, until: str | None = No
     cluster = p.cluster_profile()
 
     def on_cluster(task: dsl.PipelineTask, stage: str) -> dsl.PipelineTask:
-        return apply_profile(task, stage, cluster) if for_cluster else apply_task_policy(task, stage, cluster)
+        if for_cluster:
+            return apply_profile(task, stage, cluster)
+        return apply_local_launch(apply_task_policy(task, stage, cluster), stage, (local_processes or {}).get(stage))
 
     @dsl.pipeline(
         name=PIPELINE_NAME,

@@ -36,11 +36,24 @@ def lake_synth(
     sft_records: int = typer.Option(
         8000, min=1, help="Instruction conversations in DIR/heldout/sft.jsonl (the demo SFT trains ~8 epochs on them)."
     ),
+    real: bool = typer.Option(
+        False,
+        "--real",
+        help="Instead: the real-format set of photographs (DIR/lake as img2dataset tars, DIR/data in the layouts "
+        "users download); what `qvl rehearse --preset` runs on.",
+    ),
 ):
-    """Write the synthetic shapes world: a lake with labelled defects plus held-out splits."""
+    """Write the synthetic shapes world: a lake with labelled defects plus held-out splits (or, with --real, the
+    real-format set of photographs)."""
     from rich.console import Console
 
     from components.synth_world.lake import write_world
+
+    if real:
+        from components.synth_world.real_set import write_real_set
+
+        typer.echo(json.dumps(write_real_set(out), indent=2))
+        return
 
     with Console(stderr=True).status(f"Writing {records} records to {out} ..."):
         counts = write_world(out, records=records, seed=seed, sft_records=sft_records)
@@ -149,14 +162,36 @@ def stage(ctx: typer.Context, name: str = typer.Argument(..., help="Stage packag
 
 @app.command("rehearse")
 def rehearse(
-    config: str = typer.Option(..., "--config", help="A real checkpoint: qvl rehearse --list shows them."),
+    config: str = typer.Option("", "--config", help="A real checkpoint: qvl rehearse --list shows them."),
+    preset: str = typer.Option(
+        "", "--preset", help="Instead: the whole DAG at this preset's settings, sizes and widths cut (prod-7b, ...)."
+    ),
     stages: str = typer.Option("", help="Comma-separated runs (default: all, and what they need): " + REHEARSAL_RUNS),
     layers: int = typer.Option(2, min=1, help="LM layers kept (Qwen3.5 keeps its linear/full pattern)."),
     vision_depth: int = typer.Option(4, min=1, help="ViT blocks kept (full-attention / DeepStack indexes mapped)."),
+    data: str | None = typer.Option(None, help="--preset: your data directory (default: `qvl lake synth --real`)."),
+    lake: str | None = typer.Option(None, help="--preset: your lake (with --data)."),
+    real_widths: bool = typer.Option(False, "--real-widths", help="--preset: keep the checkpoint's widths."),
     out: Path = typer.Option(Path("runs/rehearsal"), help="Working directory (checkpoint, world, stage outputs)."),
 ):
     """Every model stage for a step or two on a real checkpoint's config (real widths, vocabulary, tokenizer,
-    processor and template; depth cut; random init): pass/fail, seconds and peak memory per stage."""
+    processor and template; depth cut; random init), or with --preset the whole DAG at a preset's settings:
+    pass/fail, seconds and peak memory per stage."""
+    if bool(config) == bool(preset):
+        typer.echo("give --config CHECKPOINT (every model stage) or --preset PRESET (the whole DAG).", err=True)
+        raise typer.Exit(2)
+    if preset:
+        import sys
+
+        from pipelines.qvl import rehearse_dag
+
+        summary, rows, cuts = rehearse_dag.rehearse_preset(
+            preset, out / Path(preset).stem, data=data, lake=lake, real_widths=real_widths, console=sys.stderr
+        )
+        typer.echo(rehearse_dag.table(preset, rows, cuts))
+        if summary["status"] != "succeeded":
+            raise typer.Exit(1)
+        return
     from pipelines.qvl.rehearse import rehearse as run_rehearsal
     from pipelines.qvl.rehearse import table
 

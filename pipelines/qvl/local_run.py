@@ -82,8 +82,12 @@ def _task_name(command: list[str]) -> str:
 
 
 @contextmanager
-def _task_logs(logs_dir: Path, view: ProgressView | None, echo: IO[str] | None) -> Iterator[None]:
-    """Each kfp.local task's output into logs_dir/<task>[-N].log (and `echo`), its start and end told to `view`.
+def _task_logs(
+    logs_dir: Path, view: ProgressView | None, echo: IO[str] | None, peaks: dict[str, float] | None = None
+) -> Iterator[None]:
+    """Each kfp.local task's output into logs_dir/<task>[-N].log (and `echo`), its start and end told to `view`;
+    into `peaks`, the peak resident memory (GB) of the task's largest process (itself or any it waited for: torchrun's
+    ranks), from the kernel's rusage.
 
     kfp.local streams every task's output to the console through `run_local_subprocess`; this replaces it
     for the block (the same Popen, its lines going to the task's file instead).
@@ -114,7 +118,10 @@ def _task_logs(logs_dir: Path, view: ProgressView | None, echo: IO[str] | None) 
                 sink.flush()
                 if echo is not None:
                     echo.write(f"[{stage_of(task)}] {line}")
-            returncode = process.wait()
+            _, status, usage = os.wait4(process.pid, 0)
+            returncode = process.returncode = os.waitstatus_to_exitcode(status)
+        if peaks is not None:
+            peaks[log.stem] = round(usage.ru_maxrss / 2**20, 3)  # KiB on Linux
         if view is not None:
             view.task_finished(task, returncode, log)
         return returncode
@@ -168,9 +175,10 @@ def run_local(
     console: IO[str] | None = None,
     live: bool | None = None,
     verbose: bool = False,
+    processes: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Run the DAG (up to `until`) on `lake_uri` with held-out / SFT data at `data_uri`; returns the run summary,
-    also written to out_dir/run_summary.json.
+    also written to out_dir/run_summary.json. `processes`: stages run under torchrun with that many processes.
 
     With `console`, the progress view goes there (redrawn in place when `live`, by default when it is a terminal;
     otherwise one line per event); `verbose` streams every task's output to stdout as well as to its log file.
@@ -180,7 +188,9 @@ def run_local(
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     p = as_preset(preset)  # read once: the caller's loaded preset, or its name read here
-    pipeline = build_pipeline(p, until, for_cluster=False)  # validates `until` before anything starts
+    pipeline = build_pipeline(
+        p, until, for_cluster=False, local_processes=processes
+    )  # validates `until` before anything starts
     if lake_uri and "://" not in lake_uri:
         lake_uri = str(Path(lake_uri).resolve())
     if data_uri and "://" not in data_uri:
@@ -212,7 +222,8 @@ def _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri
             stack.enter_context(contextlib.redirect_stderr(kfp_log))
         if view is not None:
             stack.enter_context(view)
-        stack.enter_context(_task_logs(dirs["logs"], view, echo=sys.stdout if verbose else None))
+        peaks: dict[str, float] = {}
+        stack.enter_context(_task_logs(dirs["logs"], view, echo=sys.stdout if verbose else None, peaks=peaks))
         hits = stack.enter_context(_recording_cache_hits(view))
         parent_run_id = _run_pipeline(pipeline, p, out_dir, dirs, lake_uri, data_uri, enable_caching)
     stages = _collect(dirs["stage_results"], expected, _cached_results(hits))
@@ -233,6 +244,7 @@ def _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri
         "cpu_numerics": {name: os.environ.get(name, "") for name in PINS},  # what the tasks' math libraries ran
         "cpu_vendor": cpu_vendor(),  # pinned runs agree within a vendor (docs/operations.md)
         "stages": stages,
+        "task_peak_rss_gb": peaks,  # per task log name: its largest process's peak resident memory
     }
     (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
     try:  # the page reads the summary just written; a failure to draw it never hides the run's own result

@@ -77,12 +77,15 @@ def model_config(name: str):
         return AutoConfig.from_pretrained(tmp)
 
 
-def reduced_config(name: str, *, layers: int, vision_depth: int):
+def reduced_config(name: str, *, layers: int, vision_depth: int, text_hidden: int = 0, vision_heads: int = 0):
     """The checkpoint's config with `layers` LM layers and `vision_depth` ViT blocks; block-index lists (full
-    attention, DeepStack) and the layer pattern (Qwen3.5) are mapped onto the cut depth, never dropped."""
+    attention, DeepStack) and the layer pattern (Qwen3.5) are mapped onto the cut depth, never dropped. With
+    `text_hidden` / `vision_heads` the widths are cut too (`narrowed`)."""
     from components._shared.model.families import family_for
 
     config = model_config(name)
+    if text_hidden or vision_heads:
+        narrowed(config, text_hidden=text_hidden, vision_heads=vision_heads)
     family = family_for(config)
     text, vision = config.text_config, config.vision_config
     text.layer_types = family.student_layer_types(text, layers)
@@ -98,6 +101,29 @@ def reduced_config(name: str, *, layers: int, vision_depth: int):
     return config
 
 
+def narrowed(config, *, text_hidden: int, vision_heads: int) -> None:
+    """Cut the widths in place, keeping every head's width (rotary sections stay valid): the LM to as many heads as
+    fit `text_hidden` (its key-value groups, Qwen3.5's linear-attention heads and the MLP scaled alike), the ViT to
+    `vision_heads` heads; the vocabulary, patches and depth pattern are untouched."""
+    text, vision = config.text_config, config.vision_config
+    if text_hidden:
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        heads = max(1, text_hidden // head_dim)
+        scale = heads / text.num_attention_heads
+        groups = text.num_attention_heads // text.num_key_value_heads
+        text.num_key_value_heads = max(1, heads // groups)
+        text.intermediate_size = max(64, round(text.intermediate_size * heads * head_dim / text.hidden_size / 64) * 64)
+        text.hidden_size, text.num_attention_heads, text.head_dim = heads * head_dim, heads, head_dim
+        for field in ("linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(text, field, None):
+                setattr(text, field, max(1, round(getattr(text, field) * scale)))
+    if vision_heads:
+        head_dim = vision.hidden_size // vision.num_heads
+        vision.intermediate_size = max(64, round(vision.intermediate_size * vision_heads / vision.num_heads))
+        vision.hidden_size, vision.num_heads = vision_heads * head_dim, vision_heads
+    vision.out_hidden_size = text.hidden_size
+
+
 def processor_for(config, tokenizer, *, min_pixels: int, max_pixels: int):
     """The checkpoint family's processor (its classes, patch and normalisation) with its real chat template."""
     from components._shared.model.families import family_for
@@ -110,14 +136,24 @@ def processor_for(config, tokenizer, *, min_pixels: int, max_pixels: int):
 
 
 def build_checkpoint(
-    name: str, dest: Path, *, layers: int = 2, vision_depth: int = 4, min_pixels: int = 3136, max_pixels: int = 12544
+    name: str,
+    dest: Path,
+    *,
+    layers: int = 2,
+    vision_depth: int = 4,
+    min_pixels: int = 3136,
+    max_pixels: int = 12544,
+    text_hidden: int = 0,
+    vision_heads: int = 0,
 ) -> Path:
-    """A hub-like directory of checkpoint `name` at reduced depth: random weights in the checkpoint's dtype,
-    its tokenizer, processor and chat template."""
+    """A hub-like directory of checkpoint `name` at reduced depth (and widths, with `text_hidden` / `vision_heads`):
+    random weights in the checkpoint's dtype, its tokenizer, processor and chat template."""
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    config = reduced_config(name, layers=layers, vision_depth=vision_depth)
+    config = reduced_config(
+        name, layers=layers, vision_depth=vision_depth, text_hidden=text_hidden, vision_heads=vision_heads
+    )
     from components._shared.model.families import family_for
 
     tokenizer = TOKENIZERS[family_for(config).vocabulary]()
