@@ -1,6 +1,7 @@
 """The sft stage on the tiny model: LoRA (incl. vision qkv and merger), QLoRA and full; merging; outputs load."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -202,3 +203,17 @@ def test_prefetching_data_workers_leave_the_model_bit_identical(data_dir, tmp_pa
         _run(_cfg("full", train={**train, "data_workers": workers}), data_dir, out)
 
     assert_same_with_and_without_workers(run_with, tmp_path)
+
+
+@pytest.mark.slow
+def test_lora_on_zero3_with_gradient_checkpointing_trains(data_dir, tmp_path):
+    """LoRA keeps the LM head frozen; under ZeRO-3 the head loss gathers it for its eager pass (a checkpointed head
+    failed: DeepSpeed does not gather a frozen parameter for the backward's recomputation). prod-qwen3-vl-8b's SFT."""
+    train = {"steps": 2, "samples_per_step": 8, "max_tokens_per_micro_batch": 256, "threads": 1, "eval_every": 2}
+    train.update(backend="deepspeed", zero_stage=3, gradient_checkpointing=True)
+    config = _cfg("lora", calibration={"enabled": False}, train=train).model_dump(mode="json", exclude_none=True)
+    proc = _stage_cli(config, data_dir, tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "out/_stage_result.json").read_text())["metrics"]
+    assert math.isfinite(metrics["train_loss_final"]) and metrics["merge_max_abs_logit_diff"] < 1e-3
+

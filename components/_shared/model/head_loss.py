@@ -124,6 +124,18 @@ class _EagerHeadLoss(torch.autograd.Function):
         )
 
 
+def _frozen_partitioned(hidden: torch.Tensor, head: nn.Module, row_loss: RowLoss, chunk_rows: int) -> torch.Tensor:
+    """A frozen ZeRO-3 head (LoRA's): gathered for the eager loss, which takes the hidden states' gradient chunk by
+    chunk in the forward and keeps nothing of the weight. (Checkpointing it instead fails: DeepSpeed does not gather
+    a frozen parameter for the backward's recomputation, which then sees an empty weight.)"""
+    import deepspeed
+
+    params = list(head.parameters(recurse=False))
+    with deepspeed.zero.GatheredParameters(params):
+        dtype = _compute_dtype(hidden, head.weight)
+        return _EagerHeadLoss.apply(hidden, head.weight, head.bias, row_loss, chunk_rows, dtype)
+
+
 def fused_head_loss(hidden: torch.Tensor, head: nn.Module, row_loss: RowLoss, *, chunk_rows: int) -> torch.Tensor:
     """sum_chunks row_loss(fp32 logits of hidden[chunk], chunk's row slice), a differentiable scalar.
 
@@ -137,6 +149,8 @@ def fused_head_loss(hidden: torch.Tensor, head: nn.Module, row_loss: RowLoss, *,
     if _partitioned(head):
         if not torch.is_grad_enabled():
             return sum((row_loss(head(hidden[r]).float(), r) for r in _chunks(hidden, chunk_rows)), zero)
+        if not any(p.requires_grad for p in head.parameters(recurse=False)):
+            return _frozen_partitioned(hidden, head, row_loss, chunk_rows)
         return sum(_checkpointed(hidden, head, row_loss, chunk_rows), zero)
     weight, bias = head.weight, head.bias
     dtype = _compute_dtype(hidden, weight)
