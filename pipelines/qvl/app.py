@@ -185,8 +185,9 @@ def rehearse(
 
         from pipelines.qvl import rehearse_dag
 
+        where = out / Path(preset).name.removesuffix(".yaml")  # prod-qwen3.5-9b: a name, not a file suffix
         summary, rows, cuts = rehearse_dag.rehearse_preset(
-            preset, out / Path(preset).stem, data=data, lake=lake, real_widths=real_widths, console=sys.stderr
+            preset, where, data=data, lake=lake, real_widths=real_widths, console=sys.stderr
         )
         typer.echo(rehearse_dag.table(preset, rows, cuts))
         if summary["status"] != "succeeded":

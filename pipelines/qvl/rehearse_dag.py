@@ -78,7 +78,7 @@ def _flat(node: Any, where: str = "") -> dict[str, Any]:
     return {where: node}
 
 
-def _train_cut(train: dict, checkpoints: Path, stage: str) -> dict:
+def _train_cut(checkpoints: Path, stage: str) -> dict:
     cut = {**TRAIN, "eval_every": TRAIN["steps"], "checkpoint_every": TRAIN["steps"]}
     return {**cut, "checkpoint_uri": str(checkpoints / stage)}
 
@@ -92,9 +92,9 @@ def size_overrides(stages: dict[str, dict], checkpoints: Path) -> dict[str, dict
             cut.update(min_pixels=3136, max_pixels=12544)
         for key, value in section.items():
             if key == "train":
-                cut["train"] = _train_cut(value, checkpoints, stage)
+                cut["train"] = _train_cut(checkpoints, stage)
             elif isinstance(value, dict) and isinstance(value.get("train"), dict):  # pretrain's stage1 / stage2
-                cut[key] = {"train": _train_cut(value["train"], checkpoints, f"{stage}-{key}")}
+                cut[key] = {"train": _train_cut(checkpoints, f"{stage}-{key}")}
             elif key == "eval" and "per_type" in value:
                 cut["eval"] = EVAL
             elif key == "schedule" and value.get("warmup_steps", 0) > 0:
@@ -106,8 +106,9 @@ def size_overrides(stages: dict[str, dict], checkpoints: Path) -> dict[str, dict
             cut["curriculum"] = [{**phase, "steps": 1} for phase in section["curriculum"]]
             steps = len(section["curriculum"])
             cut["train"] = {**cut.get("train", {}), "steps": steps, "eval_every": steps, "checkpoint_every": steps}
-        if stage == "rl":  # every PPO minibatch gets a rollout on each of the two processes
-            need = max(TRAIN["samples_per_step"], section["update"]["minibatches"] * PROCESSES // 2)
+        if stage == "rl":  # every PPO minibatch gets a rollout on each process
+            per_prompt = section["rollout"]["samples_per_prompt"]
+            need = max(TRAIN["samples_per_step"], -(-section["update"]["minibatches"] * PROCESSES // per_prompt))
             cut["train"] = {**cut["train"], "samples_per_step": need}
         if cut:
             out[stage] = cut
