@@ -216,4 +216,3 @@ def test_lora_on_zero3_with_gradient_checkpointing_trains(data_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((tmp_path / "out/_stage_result.json").read_text())["metrics"]
     assert math.isfinite(metrics["train_loss_final"]) and metrics["merge_max_abs_logit_diff"] < 1e-3
-
