@@ -188,9 +188,8 @@ def run_local(
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     p = as_preset(preset)  # read once: the caller's loaded preset, or its name read here
-    pipeline = build_pipeline(
-        p, until, for_cluster=False, local_processes=processes
-    )  # validates `until` before anything starts
+    # built first: it validates `until` before anything starts
+    pipeline = build_pipeline(p, until, for_cluster=False, local_processes=processes)
     if lake_uri and "://" not in lake_uri:
         lake_uri = str(Path(lake_uri).resolve())
     if data_uri and "://" not in data_uri:
