@@ -44,12 +44,8 @@ LAKE_PHOTOS = {  # scikit-image photographs beside real_photos.PHOTOS: name -> a
     "horse": "A black silhouette of a horse on a white background.",
 }
 LAKE_DEFECTS = {"near_duplicate", "truncated_image", "exact_duplicate", "empty_caption"}
-QA = {  # photo: (question, answer) of the custom task photo_qa: the RL prompts' verifiable answers
-    "astronaut": ("What is the person wearing?", "a space suit"),
-    "coffee": ("What drink is this?", "coffee"),
-    "chelsea": ("What animal is this?", "a cat"),
-    "rocket": ("What stands on the launch pad?", "a rocket"),
-    "camera": ("What is on the tripod?", "a camera"),
+QA = {  # photo: (question, answer) of the custom task photo_qa: real_photos' five and three lake photographs
+    **P.QA,
     "coins": ("What lies on the dark background?", "coins"),
     "moon": ("What is shown?", "the moon"),
     "stereo_motorcycle": ("What vehicle is this?", "a motorcycle"),

@@ -213,7 +213,7 @@ def processes(preset) -> dict[str, int]:
     return {s: PROCESSES for s in MULTI_PROCESS_STAGES if cluster.stages[s].gpus * cluster.stages[s].nodes > 1}
 
 
-def planned_gb(preset, stage: str) -> float:
+def planned_gb(preset, stage: str, config, launched: dict[str, int]) -> float:
     """The planner's arithmetic for one process of this run (PROCESSES processes, the stage's ZeRO stage and bf16, a
     full micro-batch of train.max_tokens_per_micro_batch) plus a process's baseline: an upper bound, since the
     rehearsal's micro-batches hold a few hundred tokens."""
@@ -225,12 +225,11 @@ def planned_gb(preset, stage: str) -> float:
 
     if stage not in TRAINING_STAGES:
         return 0.0
-    config = AutoConfig.from_pretrained(preset.base_model_uri)
 
     def resolve(uri: str):
         return AutoConfig.from_pretrained(uri) if Path(uri).is_dir() else known_config(uri)
 
-    profile = Profile(gpus=processes(preset).get(stage, 1))
+    profile = Profile(gpus=launched.get(stage, 1))
     plan = plan_stage(
         stage, preset.stages[stage], profile, meta_model(config), config, resolve=resolve, suggest_fix=False
     )
@@ -247,6 +246,8 @@ def rehearse_preset(
     console=None,
 ) -> tuple[dict, list[StageRow], list[Cut]]:
     """Run the whole DAG of preset `name` cut to this machine; returns (run summary, table rows, declared cuts)."""
+    from transformers import AutoConfig
+
     from components.stages import dag_stages
     from pipelines.qvl.local_run import run_local
 
@@ -262,6 +263,7 @@ def rehearse_preset(
     preset, cuts = rehearsal_preset(name, out, real_widths=real_widths)
     (out / "rehearsal_cuts.json").write_text(json.dumps([asdict(c) for c in cuts], indent=2, default=str) + "\n")
     launched = processes(preset)
+    config = AutoConfig.from_pretrained(preset.base_model_uri)  # the built base model's, read once for the planner
     summary = run_local(
         lake_uri=str(lake), out_dir=out, data_uri=str(data), preset=preset, console=console, processes=launched
     )
@@ -276,7 +278,7 @@ def rehearse_preset(
                 status=result.get("status", "not run"),
                 seconds=round(float(result.get("seconds") or 0.0), 1),
                 peak_rss_gb=round(peak, 2),
-                planned_gb=planned_gb(preset, stage),
+                planned_gb=planned_gb(preset, stage, config, launched),
                 processes=launched.get(stage, 1),
             )
         )
