@@ -469,7 +469,10 @@ def frozen_for_inference(model, cfg: RlConfig, device):
         return model.to(device).eval()
     import deepspeed
 
+    from components._shared.model.ds_backend import register_outside_reads
+
     bf16 = next(model.parameters()).dtype == torch.bfloat16
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "bf16": {"enabled": bf16}}
     engine, *_ = deepspeed.initialize(model=model.eval(), config=config)
+    register_outside_reads(engine.module)
     return engine.module.eval()

@@ -14,17 +14,7 @@ STAGES = ["preflight", "clean_data", "extract_features", "pretrain", "sft", "rew
 TORCHRUN = {"pretrain", "sft", "reward_model", "rl", "distill"}
 
 
-QWEN3_5_ZERO3 = (
-    "Qwen3.5 under ZeRO-3 (prod-qwen3.5-9b's pretrain stage 2, SFT, reward model, distill): its linear attention reads "
-    "conv1d.weight in its own forward, which ZeRO-3 leaves partitioned (empty) there; marking it a DeepSpeed leaf "
-    "module fixes the forward but the backward still meets the released weight (found by this rehearsal, not fixed)"
-)
-
-
-@pytest.mark.parametrize(
-    "preset",
-    ["prod-7b", "prod-qwen3-vl-8b", pytest.param("prod-qwen3.5-9b", marks=pytest.mark.xfail(reason=QWEN3_5_ZERO3))],
-)
+@pytest.mark.parametrize("preset", ["prod-7b", "prod-qwen3-vl-8b", "prod-qwen3.5-9b"])
 def test_the_whole_dag_runs_at_the_presets_settings(preset, tmp_path):
     cmd = [sys.executable, "-m", "pipelines.qvl.app", "rehearse", "--preset", preset, "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2400)

@@ -97,6 +97,8 @@ class DeepSpeedBackend:
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
         )
         self.module = self.engine.module
+        if train.zero_stage == 3:
+            register_outside_reads(self.module)
         self._pending = 0
 
     def begin_step(self, micro_batches: int) -> None:
@@ -154,6 +156,19 @@ class DeepSpeedBackend:
                 yield
         else:
             yield
+
+
+def register_outside_reads(model) -> None:
+    """ZeRO-3 gathers a parameter around its owner's forward; a family whose layers read a child's weight without
+    calling the child names those pairs, and each is registered with the module that reads it."""
+    from deepspeed.runtime.zero import register_external_parameter
+
+    from components._shared.model.families import family_for
+
+    for module in model.modules():
+        if hasattr(module, "get_rope_index") and hasattr(module, "visual"):
+            for reader, param in family_for(module.config).zero3_external_parameters(module):
+                register_external_parameter(reader, param)
 
 
 def _free_port() -> int:

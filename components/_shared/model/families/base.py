@@ -194,3 +194,8 @@ class Family:
 
     def prepare_packing(self, qwen) -> None:
         """Make the language model keep packed samples apart (attention already splits at position restarts)."""
+
+    def zero3_external_parameters(self, qwen) -> list[tuple[torch.nn.Module, torch.nn.Parameter]]:
+        """(module, parameter) pairs where a module's forward reads a child's parameter without calling the child.
+        ZeRO-3 gathers a parameter only around its owner's forward; these are registered with the reader instead."""
+        return []

@@ -149,3 +149,8 @@ class Qwen3_5(Family):
                 continue
             module.__class__ = _packed_class(type(module), "linear")
             layer.__class__ = _packed_class(type(layer), "layer")
+
+    def zero3_external_parameters(self, qwen) -> list[tuple[torch.nn.Module, torch.nn.Parameter]]:
+        """Gated DeltaNet passes `conv1d.weight` to its convolution function and never calls `conv1d`."""
+        linear = [getattr(layer, "linear_attn", None) for layer in qwen.language_model.layers]
+        return [(attn, param) for attn in linear if attn is not None for param in attn.conv1d.parameters()]
