@@ -54,6 +54,16 @@ def _model(tmp_path: Path, edit) -> Path:
     return model
 
 
+def _nan_weight(model: Path) -> None:
+    """A checkpoint of a diverged run: one NaN in one tensor (it was blamed on optim.lr at step 1)."""
+    for file in model.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        name = next(k for k in sorted(tensors) if "mlp" in k and tensors[k].is_floating_point())
+        tensors[name].view(-1)[0] = float("nan")
+        save_file(tensors, str(file), metadata={"format": "pt"})
+        return
+
+
 def _drop_vision_weights(model: Path) -> None:
     for file in model.glob("*.safetensors"):
         tensors = load_file(str(file))
@@ -118,6 +128,7 @@ CASES = {
     ),
     "weights hold no tensors": (dict(base=_empty_weights), r"holds no tensors"),
     "weights lack the vision tower": (dict(base=_drop_vision_weights), r"the checkpoint lacks \d+ weight\(s\)"),
+    "weights hold a NaN": (dict(base=_nan_weight), r"1 weight tensor\(s\) .*non-finite .*whatever the learning rate"),
 }
 
 
@@ -238,3 +249,43 @@ def test_compile_refuses_a_preset_with_a_credential(tmp_path):
     with pytest.raises(ValueError, match="kubernetes.token"):
         compile_pipeline(str(preset), tmp_path / "out.yaml")
     assert not (tmp_path / "out.yaml").exists()
+
+
+def _spoil_for_training(d: Path) -> None:
+    """Three records that passed the up-front check and stopped training mid-run: a truncated PNG, an image of
+    aspect ratio 250:1 (Qwen's processor refuses over 200:1) and a JPEG cut inside its scan; and one good record
+    whose image marker is in its second user turn (the encoder put the image at the first and then failed)."""
+    from PIL import Image
+
+    png = (d / "images/sft-00000.png").read_bytes()
+    (d / "images/sft-00000.png").write_bytes(png[: len(png) // 2])
+    Image.new("RGB", (1000, 4), "white").save(d / "images/sft-00001.png")
+    Image.open(d / "images/sft-00003.png").convert("RGB").resize((224, 224)).save(d / "cut.jpg", quality=90)
+    (d / "cut.jpg").write_bytes((d / "cut.jpg").read_bytes()[:-600])
+    lines = [json.loads(line) for line in (d / "sft.jsonl").read_text().splitlines()]
+    lines[3]["image"] = "cut.jpg"
+    question, answer = lines[2]["conversations"]
+    lines[2]["conversations"] = [
+        {"from": "human", "value": "Look closely."},
+        {"from": "gpt", "value": "Ready."},
+        question,
+        answer,
+    ]
+    (d / "sft.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_records_training_would_refuse_are_refused_before_step_one(world, tmp_path, capsys):
+    data = _data(world, tmp_path, _spoil_for_training)
+    code, err = _run(tmp_path, capsys, data=data)
+    assert code == 2 and "3 bad conversation record(s) in sft.jsonl" in err
+    assert re.search(r"sft.jsonl:1 \(id='sft-00000'\): image 'images/sft-00000.png' is truncated", err)
+    assert re.search(r"sft.jsonl:2 \(id='sft-00001'\): image 'images/sft-00001.png' is 1000x4, an aspect ratio of 250:1.*200:1", err)
+    assert re.search(r"sft.jsonl:4 \(id='sft-00003'\): image 'cut.jpg' is truncated", err)
+    assert "sft.jsonl:3" not in err and not (tmp_path / "out" / "checkpoints").exists()
+    cfg = tmp_path / "skip.yaml"
+    cfg.write_text(json.dumps({"sft": {**SFT, "on_bad_record": "skip", "train": {**SFT["train"], "steps": 3}}}))
+    sft_main(["--config", str(cfg), "--output-dir", str(tmp_path / "ok"), "--base-model", BASE, "--data", str(data)])
+    out = capsys.readouterr().out
+    metrics = json.loads(out[out.index("\n{") + 1 :] if not out.startswith("{") else out)
+    assert metrics["data/skipped_records"] == 3 and metrics["data/skipped/image"] == 3
+    assert metrics["steps"] == 3  # on the 5 records left, the later-turn one among them

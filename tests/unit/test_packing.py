@@ -190,3 +190,21 @@ def encoder_processor(encoder):
         image_processor = encoder.image_processor
 
     return _Processor()
+
+
+def test_an_image_marker_in_a_later_user_turn_puts_the_image_there(model_and_encoder):
+    """Only a record without any marker gets its images at the first user turn (it was so for every record: the
+    later turn's marker then had no image left and training stopped mid-run)."""
+    _, _, encoder = model_and_encoder
+    image = Image.fromarray(np.zeros((56, 56, 3), dtype=np.uint8))
+    turns = [
+        {"role": "user", "text": "Hello."},
+        {"role": "assistant", "text": "Hi."},
+        {"role": "user", "text": "<image>\nWhat is it?"},
+        {"role": "assistant", "text": "A square."},
+    ]
+    text = encoder.tokenizer.decode(encoder.encode(turns, images=[image], sample_id="later").input_ids)
+    assert text.index("Hi.") < text.index("<|vision_start|>") < text.index("What is it?")
+    unmarked = [{**turns[0], "text": "What is it?"}, turns[3]]
+    text = encoder.tokenizer.decode(encoder.encode(unmarked, images=[image], sample_id="unmarked").input_ids)
+    assert text.index("<|vision_start|>") < text.index("What is it?")

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from components._shared.data import formats as F
 from components._shared.data import tasks as T
 from components._shared.data.benchmarks import BENCHMARKS
+from components._shared.data.image_checks import MAX_IMAGE_PIXELS, local_image_path, probe_image
 from components._shared.platform import bad_records
 
 
@@ -269,49 +270,6 @@ def _image_like(value: Any, *, paths: bool) -> str | None:
     return None
 
 
-def probe_image(root: Path, reference: F.ImageRef) -> str | None:
-    """Why the image cannot be used, from its header (the format allow-list and size as the decoder checks them), or
-    None. s3:// references are not fetched here."""
-    import io
-
-    from components._shared.platform import storage
-    from components._shared.platform.image_decode import ALLOWED_FORMATS
-
-    if isinstance(reference, str) and storage.is_s3(reference):
-        return None
-    try:
-        if isinstance(reference, F.ParquetImage):
-            data, path_in_cell = F.read_parquet_image(reference)
-            if not data:
-                if not path_in_cell:
-                    state = "empty" if data == b"" else "null"
-                    return f"{_cell_name(reference)} holds no image (bytes {state}, no path); give it or drop the row"
-                return probe_image(root, path_in_cell)
-            source: Any = io.BytesIO(data)
-        elif isinstance(reference, bytes):
-            source = io.BytesIO(reference)
-        else:
-            try:
-                source = local_image_path(root, reference)
-            except ValueError as error:
-                return str(error).rstrip(".")
-        with Image.open(source, formats=list(ALLOWED_FORMATS)) as image:
-            width, height = image.size
-    except Exception as error:  # noqa: BLE001 - any failure to read an untrusted header is the record's problem
-        return (
-            f"image {reference if isinstance(reference, str) else type(reference).__name__!r} is unreadable ({error})"
-        )
-    if width * height > MAX_IMAGE_PIXELS:
-        return f"image {reference!r} declares {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} limit"
-    return None
-
-
-def _cell_name(ref: F.ParquetImage) -> str:
-    """`image cell data.parquet row 3 column 'images' element 1`: where a Parquet image is."""
-    element = "" if ref.index is None else f" element {ref.index}"
-    return f"image cell {Path(ref.path).name} row {ref.row} column {ref.column!r}{element}"
-
-
 def _task_name(raw: dict, spec: DataFile) -> str | None:
     return raw.get("task") or raw.get("type") or spec.task
 
@@ -438,21 +396,6 @@ def load_preferences(data_dir: Path, max_records: int | None = None) -> list[dic
     for spec in manifest(data_dir).files("preferences"):
         records += _read(data_dir, spec, _preference, "preference")
     return records[:max_records] if max_records else records
-
-
-MAX_IMAGE_PIXELS = 89_478_485  # Pillow's default bomb limit, enforced by imaging.decode_image
-
-
-def local_image_path(root: Path, reference: str) -> Path:
-    """The file an image path names, inside the data directory; a ValueError when it leaves it or is missing."""
-    path = (root / reference).resolve()
-    if root.resolve() not in path.parents:
-        raise ValueError(
-            f"image path {reference!r} leaves the data directory {root}; use paths inside it or s3:// URIs."
-        )
-    if not path.is_file():
-        raise ValueError(f"image {reference!r} does not exist under the data directory {root}.")
-    return path
 
 
 def load_image(root: Path, reference: F.ImageRef) -> Image.Image:

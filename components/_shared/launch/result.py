@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from components._shared.platform.disk_space import write_text_atomic
+
 RESULT_FILE = "_stage_result.json"
 MODEL_DIR = "model"  # a model stage's HF checkpoint inside its output artifact
 
@@ -63,11 +65,11 @@ def report_metrics(artifact, metrics: dict[str, Any]) -> None:
 def _record(stage: str, result: dict[str, Any], output_dir: Path | None) -> None:
     text = json.dumps({"stage": stage, **result}, indent=2, sort_keys=True, default=str)
     if output_dir is not None and output_dir.is_dir():
-        (output_dir / RESULT_FILE).write_text(text)
+        write_text_atomic(output_dir / RESULT_FILE, text)  # whole or not at all: never a 0-byte result
     summary_dir = os.environ.get(SUMMARY_DIR_ENV)
     if summary_dir:
         Path(summary_dir).mkdir(parents=True, exist_ok=True)
-        (Path(summary_dir) / f"{stage}.json").write_text(text)
+        write_text_atomic(Path(summary_dir) / f"{stage}.json", text)
 
 
 def read_result(output_dir: str | Path, stage: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 from components._shared.launch.plan import LaunchPlan, check_config, plan_from_env
 from components._shared.launch.result import _record, flatten_metrics
 from components._shared.launch.torchrun import run_local_torchrun
-from components._shared.platform import bad_records, locks, progress, storage
+from components._shared.platform import bad_records, disk_space, locks, progress, storage
 from components._shared.platform.presets import validate
 
 
@@ -81,19 +81,22 @@ def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifac
             if (output_dir / "report.md").is_file():  # the page the KFP UI shows, in the stage's MLflow run too
                 tracker.log_artifact(output_dir / "report.md")
     except BaseException as err:
+        full = disk_space.explain(err, output_dir, stage) if isinstance(err, Exception) else None
         if record_as:
-            _record(
-                record_as,
-                {
-                    "status": "failed",
-                    "error": f"{type(err).__name__}: {err}",
-                    "traceback": traceback.format_exc(limit=8),
-                    "metrics": {},
-                    "artifacts": artifacts,
-                    "seconds": round(time.time() - started, 3),
-                },
-                output_dir,
-            )
+            failure = {
+                "status": "failed",
+                "error": f"{type(err).__name__}: {err if full is None else full}",
+                "traceback": traceback.format_exc(limit=8),
+                "metrics": {},
+                "artifacts": artifacts,
+                "seconds": round(time.time() - started, 3),
+            }
+            try:
+                _record(record_as, failure, output_dir)
+            except OSError as unwritten:  # a full disk: the stage's own error is the one to show
+                print(f"warning: the failure record was not written: {unwritten}", file=sys.stderr, flush=True)
+        if full is not None:
+            raise full from err
         raise
     if record_as:
         _record(

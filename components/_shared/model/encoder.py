@@ -177,6 +177,8 @@ class ConversationEncoder:
         if self.system_prompt is not None and not (turns and turns[0].get("role") == "system"):
             messages.append({"role": "system", "content": self.system_prompt})
         placed = 0
+        # a record without any marker gets its images at the first user turn; with markers, where they are
+        marked = any(t.get("role") == "user" and IMAGE_PLACEHOLDER in str(t.get("text")) for t in turns)
         for i, turn in enumerate(turns):
             role, text = turn.get("role"), turn.get("text")
             if role not in ("system", "user", "assistant") or not isinstance(text, str) or (role == "system" and i):
@@ -188,7 +190,7 @@ class ConversationEncoder:
                 messages.append({"role": role, "content": text})
                 continue
             parts = text.split(IMAGE_PLACEHOLDER)
-            if len(parts) == 1 and placed == 0 and n_images:
+            if len(parts) == 1 and placed == 0 and n_images and not marked:
                 parts = [""] * n_images + [text]
             content: list[dict] = []
             for j, part in enumerate(parts):

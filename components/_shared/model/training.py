@@ -41,7 +41,7 @@ from components._shared.model.manifest import check_frozen, frozen_fingerprints,
 from components._shared.model.packing import batch_tokens, to_device
 from components._shared.model.step_inputs import PreparedStep, prepare_step, step_inputs
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig, lr_factor
-from components._shared.platform import progress
+from components._shared.platform import disk_space, progress
 from components._shared.platform.tracking import NullTracker, Tracker
 
 __all__ = ["DataCursor", "LoopData", "LoopSettings", "LoopState", "Phase", "TrainLoop", "TrainResult"]
@@ -219,8 +219,9 @@ class TrainLoop:
                 self.store.staging_dir(self.step, shared=True)
             _barrier()
             staging = self.store.scratch / f".{ckpt.step_name(self.step)}.partial-shared"
-        self.backend.save(staging)
-        states = ckpt.save_rng(staging, rank)
+        with disk_space.writing(staging, f"checkpoint of step {self.step}"):
+            self.backend.save(staging)
+            states = ckpt.save_rng(staging, rank)
         _crash_point("QVL_TEST_KILL_IN_CHECKPOINT", self.step)
         if world > 1:
             (staging / f"state-rank{rank}.json").write_text(json.dumps(states))

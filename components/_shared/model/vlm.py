@@ -19,6 +19,7 @@ from components._shared.model.attention import register as packed_attention
 from components._shared.model.families import family_for
 from components._shared.model.sources import resolve_model, validate_model_dir
 from components._shared.model.train_config import MODULE_GROUPS
+from components._shared.platform import disk_space
 
 _VISION_BLOCK = re.compile(r"(?:^|\.)visual\.blocks\.(\d+)\.")
 _LM_LAYER = re.compile(r"(?:^|\.)language_model\.layers\.(\d+)\.")
@@ -55,6 +56,7 @@ def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str
         output_loading_info=True,
     )
     check_complete(uri, loading)
+    check_finite_weights(model, loaded_from=uri)
     enable_vision_varlen(model)
     model = model.to(device)
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=False)
@@ -107,26 +109,34 @@ def save_vlm(
     out_dir.mkdir(parents=True, exist_ok=True)
     target = dtype
     current = next(model.parameters()).dtype
-    if target is None or target == current or not current.is_floating_point:
-        model.save_pretrained(out_dir, safe_serialization=True)
-    else:  # a cast copy of the weights; the model itself keeps training precision
-        state = {k: v.to(target) if v.is_floating_point() else v for k, v in model.state_dict().items()}
-        model.save_pretrained(out_dir, safe_serialization=True, state_dict=state)
-        _set_config_dtype(out_dir / "config.json", target)
-    processor.save_pretrained(out_dir)
-    if metadata is not None:
-        (out_dir / "qvl_model.json").write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+    with disk_space.writing(out_dir, "exporting the model"):
+        if target is None or target == current or not current.is_floating_point:
+            model.save_pretrained(out_dir, safe_serialization=True)
+        else:  # a cast copy of the weights; the model itself keeps training precision
+            state = {k: v.to(target) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+            model.save_pretrained(out_dir, safe_serialization=True, state_dict=state)
+            _set_config_dtype(out_dir / "config.json", target)
+        processor.save_pretrained(out_dir)
+        if metadata is not None:
+            (out_dir / "qvl_model.json").write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
     return validate_model_dir(out_dir)
 
 
-def check_finite_weights(model) -> None:
-    """Refuse to export a model any of whose floating-point tensors holds inf / nan (it would load and answer
-    garbage); the error names the tensors."""
+def check_finite_weights(model, *, loaded_from: str | Path | None = None) -> None:
+    """Refuse to export (or, `loaded_from`, to start from) a model any of whose floating-point tensors holds inf /
+    nan: it would load and answer garbage, or stop training at step 1 as if the learning rate were to blame. The
+    error names the tensors."""
     bad = [
         name
         for name, tensor in model.state_dict().items()
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
     ]
+    if bad and loaded_from is not None:
+        raise ValueError(
+            f"{loaded_from}: {len(bad)} weight tensor(s) of the checkpoint hold non-finite values ({bad[:3]}); "
+            "training from it stops at its first step whatever the learning rate. Use a checkpoint saved before "
+            "the run that wrote it diverged."
+        )
     if bad:
         raise ValueError(
             f"refusing to export: {len(bad)} weight tensor(s) hold non-finite values ({bad[:3]}); the training "

@@ -1,0 +1,116 @@
+"""What makes a record's image unusable, found before any training from its header and its last bytes.
+
+Training decodes images when a step needs them; an image that fails there stops the run at that step (or, under
+`on_bad_record: skip`, could not be skipped any more). So every image is checked when its record is read:
+- it exists inside the data directory and is an allowed format (JPEG, PNG, WebP) whose header Pillow reads;
+- its pixel count is under the decompression-bomb limit the decoder enforces;
+- its aspect ratio is at most 200:1, the most Qwen's image processor (`smart_resize`) accepts;
+- it is whole: a JPEG ends with its end-of-image marker after its last scan, a PNG holds its IEND chunk, a WebP
+  file is as long as its RIFF header says. A download or copy cut short fails these; the check reads the file's
+  last 64 KiB, never decodes it (decoding every image up front would cost the training set's decode time again).
+  Damage inside a complete file is found only by decoding; that error names the record's file and line too.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from components._shared.data import formats as F
+
+MAX_IMAGE_PIXELS = 89_478_485  # Pillow's default bomb limit, enforced by imaging.decode_image
+MAX_ASPECT_RATIO = 200  # transformers' Qwen smart_resize raises above this (every Qwen-VL family)
+TAIL_BYTES = 64 << 10
+
+
+def local_image_path(root: Path, reference: str) -> Path:
+    """The file an image path names, inside the data directory; a ValueError when it leaves it or is missing."""
+    path = (root / reference).resolve()
+    if root.resolve() not in path.parents:
+        raise ValueError(
+            f"image path {reference!r} leaves the data directory {root}; use paths inside it or s3:// URIs."
+        )
+    if not path.is_file():
+        raise ValueError(f"image {reference!r} does not exist under the data directory {root}.")
+    return path
+
+
+def probe_image(root: Path, reference: F.ImageRef) -> str | None:
+    """Why the image cannot be used (the module's checks), or None. s3:// references are not fetched here."""
+    from components._shared.platform import storage
+    from components._shared.platform.image_decode import ALLOWED_FORMATS
+
+    if isinstance(reference, str) and storage.is_s3(reference):
+        return None
+    name = repr(reference) if isinstance(reference, str) else type(reference).__name__
+    try:
+        if isinstance(reference, F.ParquetImage):
+            data, path_in_cell = F.read_parquet_image(reference)
+            if not data:
+                if not path_in_cell:
+                    state = "empty" if data == b"" else "null"
+                    return f"{_cell_name(reference)} holds no image (bytes {state}, no path); give it or drop the row"
+                return probe_image(root, path_in_cell)
+            source: Any = io.BytesIO(data)
+            name = _cell_name(reference)
+        elif isinstance(reference, bytes):
+            source = io.BytesIO(reference)
+        else:
+            try:
+                source = local_image_path(root, reference)
+            except ValueError as error:
+                return str(error).rstrip(".")
+        with Image.open(source, formats=list(ALLOWED_FORMATS)) as image:
+            width, height, kind = image.width, image.height, image.format
+    except Exception as error:  # noqa: BLE001 - any failure to read an untrusted header is the record's problem
+        return f"image {name} is unreadable ({error})"
+    if width * height > MAX_IMAGE_PIXELS:
+        return f"image {name} declares {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} limit"
+    ratio = max(width, height) / max(min(width, height), 1)
+    if ratio > MAX_ASPECT_RATIO or min(width, height) < 1:
+        return (
+            f"image {name} is {width}x{height}, an aspect ratio of {ratio:.0f}:1; Qwen's image processor refuses "
+            f"more than {MAX_ASPECT_RATIO}:1: crop or pad it, or drop the record"
+        )
+    head, tail, size = _ends(source)
+    if _cut_short(kind, head, tail, size):
+        return (
+            f"image {name} is truncated: its {kind} data ends before the format's end ({size} bytes; a download or "
+            "copy cut short?); fetch it again or drop the record"
+        )
+    return None
+
+
+def _ends(source: Path | io.BytesIO) -> tuple[bytes, bytes, int]:
+    """(first 16 bytes, last TAIL_BYTES bytes, size) of a file or buffer."""
+    if isinstance(source, io.BytesIO):
+        data = source.getbuffer()
+        return bytes(data[:16]), bytes(data[-TAIL_BYTES:]), len(data)
+    with open(source, "rb") as f:
+        head = f.read(16)
+        size = f.seek(0, 2)
+        f.seek(max(0, size - TAIL_BYTES))
+        return head, f.read(), size
+
+
+def _cut_short(kind: str | None, head: bytes, tail: bytes, size: int) -> bool:
+    """Whether the file ends before its format's end: no JPEG end-of-image marker after the last start-of-scan,
+    no PNG IEND chunk, fewer bytes than WebP's RIFF header declares."""
+    if kind == "JPEG":
+        end = tail.rfind(b"\xff\xd9")
+        return end < 0 or end < tail.rfind(b"\xff\xda")
+    if kind == "PNG":
+        return b"IEND" not in tail
+    if kind == "WEBP" and len(head) >= 8:
+        return struct.unpack("<I", head[4:8])[0] + 8 > size
+    return False
+
+
+def _cell_name(ref: F.ParquetImage) -> str:
+    """`image cell data.parquet row 3 column 'images' element 1`: where a Parquet image is."""
+    element = "" if ref.index is None else f" element {ref.index}"
+    return f"image cell {Path(ref.path).name} row {ref.row} column {ref.column!r}{element}"
