@@ -148,6 +148,7 @@ def _load_4bit(cfg: SftConfig, base_model: str):
         dtype=torch.float32,
         attn_implementation=packed_attention(),
         output_loading_info=True,
+        ignore_mismatched_sizes=True,  # reported in `loading` for check_complete's message, not raised mid-load
     )
     check_complete(base_model, loading)
     enable_vision_varlen(model)

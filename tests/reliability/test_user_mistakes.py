@@ -54,6 +54,13 @@ def _model(tmp_path: Path, edit) -> Path:
     return model
 
 
+def _widen_config(model: Path) -> None:
+    """config.json's text hidden size 8 wider than the weights (transformers raised its own RuntimeError)."""
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"]["hidden_size"] += 8
+    (model / "config.json").write_text(json.dumps(config))
+
+
 def _nan_weight(model: Path) -> None:
     """A checkpoint of a diverged run: one NaN in one tensor (it was blamed on optim.lr at step 1)."""
     for file in model.glob("*.safetensors"):
@@ -128,6 +135,10 @@ CASES = {
     ),
     "weights hold no tensors": (dict(base=_empty_weights), r"holds no tensors"),
     "weights lack the vision tower": (dict(base=_drop_vision_weights), r"the checkpoint lacks \d+ weight\(s\)"),
+    "config's hidden size is not the weights'": (
+        dict(base=_widen_config),
+        r"has \d+ of another shape than its config.json says",
+    ),
     "weights hold a NaN": (dict(base=_nan_weight), r"1 weight tensor\(s\) .*non-finite .*whatever the learning rate"),
 }
 

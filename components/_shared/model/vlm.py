@@ -54,6 +54,7 @@ def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str
         use_safetensors=True,
         trust_remote_code=False,
         output_loading_info=True,
+        ignore_mismatched_sizes=True,  # reported in `loading` for check_complete's message, not raised mid-load
     )
     check_complete(uri, loading)
     check_finite_weights(model, loaded_from=uri)
