@@ -272,3 +272,29 @@ def test_an_id_that_is_not_a_string_or_an_integer_is_refused_naming_the_record(t
     for line, kind in ((1, "dict {'n': 1}"), (2, "float 1.5"), (3, "bool True")):
         assert f"eval.jsonl:{line}" in message and f"'id' must be a string or an integer, got {kind}" in message
     assert "'id' is empty" in message
+
+
+def test_a_file_that_is_not_utf8_or_a_damaged_parquet_is_one_error_naming_it(tmp_path):
+    """They were UnicodeDecodeError / pyarrow's errors naming no file (and a traceback for a cut Parquet file)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    questions = {"questions": [{"question_id": 1, "image_id": 7, "question": "What is it?"}]}
+    text = json.dumps(questions, indent=1).replace("What is it?", "What is \\u00e9t?").encode()
+    (tmp_path / "q.json").write_bytes(text.replace(b"What", b"\xe9 What", 1))
+    (tmp_path / "dataset.yaml").write_text("eval: [{path: q.json, format: vqav2, annotations: a.json}]\n")
+    with pytest.raises(ValueError, match=r"^q.json:6: not UTF-8 text \(byte b'\\xe9'\); re-encode the file as UTF-8"):
+        datasets.load_eval_records(tmp_path)
+    (tmp_path / "MMBench_DEV_EN.tsv").write_bytes(b"index\tquestion\n1\tcaf\xe9?\n")
+    (tmp_path / "dataset.yaml").write_text("eval: [{path: MMBench_DEV_EN.tsv, format: mmbench}]\n")
+    with pytest.raises(ValueError, match=r"^MMBench_DEV_EN.tsv:2: not UTF-8 text"):
+        datasets.load_eval_records(tmp_path)
+    (tmp_path / "prefs").mkdir()
+    rows = [{"prompt": "<image>Which?", "chosen": "a cat", "rejected": "a dog", "image": "x.png"}] * 50
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "prefs/pairs.parquet")
+    whole = (tmp_path / "prefs/pairs.parquet").read_bytes()
+    (tmp_path / "dataset.yaml").write_text("preferences: [prefs/pairs.parquet]\n")
+    for damaged in (whole[: len(whole) // 2], whole[:8] + b"\0" * 64 + whole[72:]):
+        (tmp_path / "prefs/pairs.parquet").write_bytes(damaged)
+        with pytest.raises(ValueError, match=r"^prefs/pairs.parquet: unreadable \(.*\); the file is damaged"):
+            datasets.load_preferences(tmp_path)

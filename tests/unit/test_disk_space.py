@@ -58,7 +58,8 @@ def test_torchs_pathless_message_is_explained_by_the_space_left(tmp_path, monkey
     """torch.save on a full disk raises RuntimeError('... unexpected pos N vs M') with no errno and no path."""
     monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(10 << 30, 10 << 30, 1 << 20))
     error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 791893376 vs 791893264")
-    with pytest.raises(DiskFull, match=r"distill: writing .*ckpt/deep failed: the volume holding it is full \(1.0 MB free"):
+    says = r"distill: writing .*ckpt/deep failed: the volume holding it is full \(1.0 MB free"
+    with pytest.raises(DiskFull, match=says):
         with disk_space.writing(tmp_path / "ckpt" / "deep", "distill"):
             raise error
     monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(10 << 30, 1 << 30, 9 << 30))

@@ -164,7 +164,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
         annotations = data_dir / spec.annotations if spec.annotations else None
         items = benchmark.items(data_dir / spec.path, annotations)
     seen: set[tuple[str | None, str]] = set()  # (benchmark, id): ids are unique within a benchmark
-    for n, (source, raw) in enumerate(items):
+    for n, (source, raw) in enumerate(_naming_the_file(items, data_dir / spec.path, spec.path)):
         try:
             if isinstance(raw, F.Unparsable):
                 raise F.RecordError(str(raw))
@@ -211,6 +211,26 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
             f"without them, counted in the metrics):\n  {shown}{more}"
         )
     return out
+
+
+NEWLINE = b"\n"
+
+
+def _naming_the_file(items, path: Path, shown: str):
+    """A reader's failure on the file as a whole (not on one record: those are the records' errors) as one error
+    naming the file: invalid UTF-8 in a benchmark's JSON or TSV, a damaged or cut Parquet file."""
+    from pyarrow import ArrowException
+
+    try:
+        yield from items
+    except UnicodeDecodeError as error:
+        whole = path.is_file() and len(error.object) == path.stat().st_size
+        line = f":{bytes(error.object[: error.start]).count(NEWLINE) + 1}" if whole else ""
+        bad = bytes(error.object[error.start : error.start + 1])
+        raise ValueError(f"{shown}{line}: not UTF-8 text (byte {bad!r}); re-encode the file as UTF-8.") from None
+    except (OSError, ArrowException) as error:
+        said = " ".join(str(error).split())
+        raise ValueError(f"{shown}: unreadable ({said}); the file is damaged or cut short: fetch it again.") from None
 
 
 def _check_inside(data_dir: Path, spec: DataFile) -> None:
