@@ -20,7 +20,6 @@ student.json (sizes, init, what pruning kept), eval_predictions.jsonl (student),
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 
 from components._shared.data import datasets
 from components._shared.data import tasks as T
+from components._shared.data.image_cache import DecodedImages
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.attention import PACKED_SDPA, enable_vision_varlen
@@ -232,7 +232,7 @@ def write_outputs(
 
 def record_encoder(encoder: ConversationEncoder, records: list[dict], data_dir: Path):
     """(index, turns=None, **kw) -> the encoded record (its own turns unless others are given); images cached."""
-    image = functools.lru_cache(maxsize=4096)(functools.partial(datasets.load_image, data_dir))
+    image = DecodedImages(data_dir)
 
     def encode(i: int, turns: list[dict] | None = None, **kw):
         r = records[i]

@@ -22,7 +22,6 @@ their rewards, for inspection), report.md.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections import defaultdict
@@ -36,6 +35,7 @@ import torch
 from components._shared.data import datasets
 from components._shared.data import metrics as M
 from components._shared.data import tasks as T
+from components._shared.data.image_cache import DecodedImages
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.device import resolve_device
@@ -230,7 +230,7 @@ def build_trainer(
         reference,
         cfg=cfg,
         prompts=prompts,
-        image=functools.lru_cache(maxsize=4096)(functools.partial(datasets.load_image, data_dir)),
+        image=DecodedImages(data_dir),
         engine=engine,
         rewards=rewards,
         checkpoints=checkpoint_store("rl", cfg.train, key, output_dir),

@@ -14,7 +14,6 @@ checkpoints/ (resume), eval_predictions.jsonl, calibration.json and report.md.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from collections import defaultdict
@@ -28,6 +27,7 @@ from components._shared.data import datasets
 from components._shared.data import tasks as T
 from components._shared.data.curriculum import curriculum_problem
 from components._shared.data.datasets import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
+from components._shared.data.image_cache import DecodedImages
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.encoder import ConversationEncoder
@@ -272,9 +272,7 @@ def build_loop(
 ) -> tuple[TrainLoop, Callable[[int, Any], dict[str, float]]]:
     """The TrainLoop over the SFT records (images decoded on demand, a bounded cache) and its quick evaluation."""
 
-    @functools.lru_cache(maxsize=4096)  # bounded: a real SFT set does not fit in memory decoded
-    def image(reference: str):
-        return datasets.load_image(data_dir, reference)
+    image = DecodedImages(data_dir)  # bounded by bytes: a real SFT set does not fit in memory decoded
 
     def sample(i: int):
         r = records[i]
