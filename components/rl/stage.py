@@ -68,8 +68,8 @@ def load_prompts(
     types = cfg.prompt_types if types is None else types
     prompts, seen_types = [], set()
     records = datasets.conversation_questions(data_dir, cfg.prompts_file, label="rl prompt")
-    held_out = {f.path for f in datasets.manifest(data_dir).files("eval", cfg.eval.files)}
-    overlap = sorted(held_out & {r["file"] for r in records})
+    held_out = {datasets.same_file(f.path) for f in datasets.manifest(data_dir).files("eval", cfg.eval.files)}
+    overlap = sorted(held_out & {datasets.same_file(r["file"]) for r in records})
     if overlap:
         raise ValueError(
             f"rl: {overlap} are both prompt and held-out files; the policy would train on its held-out questions. "

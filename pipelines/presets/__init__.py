@@ -59,9 +59,11 @@ def load_preset(name_or_path: str | Path = "tiny", overrides: dict[str, Any] | N
     from components._shared.launch.plan import check_config
     from components._shared.platform.presets import deep_merge, read_preset_yaml, validate
     from components.stages import STAGES, load_config_class
+    from pipelines import credentials
 
     path = preset_path(name_or_path)
     data = deep_merge(read_preset_yaml(path, search=(PRESET_DIR,)), overrides or {})
+    credentials.check(data, f"preset {path.name!r}")  # before validation, whose errors would repeat the value
     unknown = set(data) - TOP_LEVEL_KEYS - set(STAGES)
     if unknown:
         raise ValueError(

@@ -1,10 +1,10 @@
 """`qvl rehearse` on the smallest real config of every family (real widths, vocabulary, tokenizer, processor and
 template; 2 LM layers, 4 ViT blocks, as in the docs table). Qwen3.5-0.8B (the newest, vocabulary 248,320) runs the
-stages up to LoRA SFT, each with its seconds and peak memory, `qvl plan`'s estimate within 25% of the measured
-peak, the result loading with the Auto classes; Qwen2-VL-2B, Qwen2.5-VL-3B and Qwen3-VL-2B run up to pretrain (the
-family-specific paths: their processors and patch sizes in clean_data, the DeepStack levels of Qwen3-VL's feature
-cache, packing and attention in pretrain) within CI's budget. Every stage of each, promote included, is the full
-table in docs/benchmarks.md."""
+stages up to LoRA SFT and on through the reward model to rl, each with its seconds and peak memory, `qvl plan`'s
+estimate within 25% of the measured peak of every training stage (rl's included), the LoRA SFT result loading with
+the Auto classes; Qwen2-VL-2B, Qwen2.5-VL-3B and Qwen3-VL-2B run up to pretrain (the family-specific paths: their
+processors and patch sizes in clean_data, the DeepStack levels of Qwen3-VL's feature cache, packing and attention
+in pretrain) within CI's budget. Every stage of each, promote included, is the full table in docs/benchmarks.md."""
 
 import json
 
@@ -15,18 +15,19 @@ from pipelines.qvl.rehearse import rehearse
 pytestmark = pytest.mark.slow
 
 
-def test_rehearsal_of_qwen3_5_runs_the_stages_up_to_lora_sft_at_real_shapes(tmp_path):
+def test_rehearsal_of_qwen3_5_runs_the_stages_up_to_rl_at_real_shapes(tmp_path):
     from transformers import AutoConfig, AutoProcessor
 
-    results = rehearse("qwen3.5-0.8b", tmp_path, runs=["sft_lora"], layers=2, vision_depth=4)
-    assert [r.run for r in results] == ["clean_data", "extract_features", "pretrain", "sft_lora"]
+    results = rehearse("qwen3.5-0.8b", tmp_path, runs=["sft_lora", "rl"], layers=2, vision_depth=4)
+    runs = ["clean_data", "extract_features", "pretrain", "sft_lora", "reward_model", "rl"]
+    assert [r.run for r in results] == runs
     assert all(r.status == "passed" for r in results), [(r.run, r.detail) for r in results]
     assert all(r.seconds > 0 and r.peak_rss_gb > 0.3 for r in results)
     planned = {r.run: r.planned_gb / r.peak_rss_gb for r in results if r.planned_gb}
-    assert set(planned) == {"pretrain", "sft_lora"}  # the training runs, with qvl plan's estimate
-    assert 0.75 <= planned["pretrain"] <= 1.25, planned
-    assert 0.75 <= planned["sft_lora"] <= 1.25, planned
-    assert json.loads((tmp_path / "rehearsal.json").read_text())[-1]["run"] == "sft_lora"
+    assert set(planned) == {"pretrain", "sft_lora", "reward_model", "rl"}  # the training runs, with qvl plan's estimate
+    for run, ratio in planned.items():  # rl: policy, value head, frozen reference, reward model and rollouts
+        assert 0.75 <= ratio <= 1.25, (run, planned)
+    assert json.loads((tmp_path / "rehearsal.json").read_text())[-1]["run"] == "rl"
     model_dir = tmp_path / "sft_lora" / "model"
     assert AutoConfig.from_pretrained(model_dir).text_config.vocab_size == 248320
     assert len(AutoProcessor.from_pretrained(model_dir).tokenizer) == 248077

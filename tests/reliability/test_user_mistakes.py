@@ -301,3 +301,29 @@ def test_records_training_would_refuse_are_refused_before_step_one(world, tmp_pa
     metrics = json.loads(out[out.index("\n{") + 1 :] if not out.startswith("{") else out)
     assert metrics["data/skipped_records"] == 3 and metrics["data/skipped/image"] == 3
     assert metrics["steps"] == 3  # on the 5 records left, the later-turn one among them
+
+
+TOKEN = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
+
+
+@pytest.mark.parametrize(
+    "override",
+    [f"mode={TOKEN}", f"train.steps={TOKEN}", "train.checkpoint_uri=https://user:s3cretpass9@example.com/ck"],
+)
+def test_a_credential_typed_into_a_setting_is_refused_and_never_printed_back(override, world, tmp_path, capsys):
+    """The setting's error repeated the value it refused ("got 'hf_...'"), printing the token in full."""
+    code, err = _run(tmp_path, capsys, data=world, extra=[override])
+    secret = override.split("=", 1)[1].split("@")[0].split(":")[-1]
+    assert code == 2 and "<a credential, hidden>" in err and secret not in err
+    result = tmp_path / "out" / "_stage_result.json"
+    assert not result.exists() or secret not in result.read_text()
+
+
+def test_a_preset_holding_a_credential_is_refused_before_its_settings_are_validated(tmp_path):
+    from pipelines.presets import load_preset
+
+    preset = tmp_path / "mine.yaml"
+    preset.write_text(f"extends: demo\nsft: {{mode: {TOKEN}}}\n")  # also an invalid mode: validation would repeat it
+    with pytest.raises(ValueError) as caught:
+        load_preset(preset)
+    assert "sft.mode: a Hugging Face token" in str(caught.value) and TOKEN not in str(caught.value)

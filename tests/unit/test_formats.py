@@ -303,3 +303,49 @@ def test_parquet_questions_with_a_raw_bytes_image_column(tmp_path):
     assert [r["id"] for r in records] == ["7", "8"] and records[1]["benchmark"] == "vqa"
     assert [r["pil"].size for r in records] == [(600, 400), (640, 427)]
     assert records[1]["source"] == "vqa.parquet row 1"
+
+
+def test_records_json_reads_ambiguously_or_not_at_all_are_bad_records_naming_their_line(tmp_path):
+    """A key given twice (json keeps the last, other readers the first), nesting past the recursion limit (it was a
+    RecursionError traceback) and an integer of 5,000 digits (Python's limit, an error naming no line)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    P.photo("chelsea").save(tmp_path / "a.png")
+    good = {"id": "ok", "image": "a.png", "conversations": [HUMAN, GPT]}
+    twice = json.dumps(good).replace('"id": "ok"', '"id": "t", "image": "b.png"')
+    lines = [json.dumps(good), twice, '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", '{"n": ' + "9" * 5000 + "}"]
+    (tmp_path / "sft.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as caught:
+        datasets.load_conversations(tmp_path)
+    message = str(caught.value)
+    assert message.startswith("3 bad conversation record(s) in sft.jsonl")
+    assert "sft.jsonl:2: the key 'image' is given twice in one object" in message
+    assert "sft.jsonl:3: JSON nested deeper than the reader's recursion limit" in message
+    assert "sft.jsonl:4: not readable as JSON (Exceeds the limit (4300 digits)" in message
+    (tmp_path / "arr.json").write_text("[\n" + json.dumps(good) + ",\n" + twice + "\n]\n")
+    with pytest.raises(ValueError, match=r"arr.json:3 \[1\]: the key 'image' is given twice"):
+        datasets.load_conversations(tmp_path, file_name="arr.json")
+    table = pa.Table.from_arrays([pa.array(["p"]), pa.array(["a"]), pa.array(["b"])], ["prompt", "chosen", "chosen"])
+    pq.write_table(table, tmp_path / "pairs.parquet")
+    (tmp_path / "dataset.yaml").write_text("preferences: [pairs.parquet]\n")
+    with pytest.raises(ValueError, match=r"pairs.parquet: the column\(s\) \['chosen'\] appear more than once"):
+        datasets.load_preferences(tmp_path)
+
+
+def test_a_training_file_listed_twice_or_also_held_out_is_refused(tmp_path):
+    """`sft: [sft.jsonl, ./sft.jsonl]` trained each record twice; `sft` naming the eval file trained on the held-out
+    questions, both with exit 0; rl's own check compared the paths as written (`./heldout.jsonl` passed)."""
+    P.photo("chelsea").save(tmp_path / "a.png")
+    record = {"id": "r", "image": "a.png", "conversations": [HUMAN, GPT]}
+    (tmp_path / "sft.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "heldout.jsonl").write_text(json.dumps(record) + "\n")
+    _manifest(tmp_path, "sft: [sft.jsonl, images/../sft.jsonl]\neval: [heldout.jsonl]\n")
+    with pytest.raises(ValueError, match=r"sft files name 'images/../sft.jsonl' twice \(also as 'sft.jsonl'\)"):
+        datasets.load_conversations(tmp_path)
+    _manifest(tmp_path, "sft: [./heldout.jsonl]\neval: [heldout.jsonl]\n")
+    with pytest.raises(ValueError, match=r"\['heldout.jsonl'\] are both sft and held-out \(eval\) files"):
+        datasets.load_conversations(tmp_path)
+    _manifest(tmp_path, "sft: [sft.jsonl]\nrl: [./heldout.jsonl]\neval: [heldout.jsonl]\n")
+    with pytest.raises(ValueError, match=r"are both rl and held-out"):
+        datasets.conversation_questions(tmp_path, None)

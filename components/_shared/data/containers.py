@@ -25,6 +25,36 @@ class ParquetImage:
     index: int | None = None
 
 
+class _KeyedDecoder(json.JSONDecoder):
+    """json's decoder that notes keys given twice in one object (json keeps the last quietly; other readers keep the
+    first, so such a record means different things to different tools): `take_duplicates()` after each record."""
+
+    def __init__(self) -> None:
+        super().__init__(object_pairs_hook=self._pairs)
+        self._twice: list[str] = []
+
+    def _pairs(self, pairs: list[tuple[str, Any]]) -> dict:
+        record = dict(pairs)
+        if len(record) != len(pairs):
+            seen: set[str] = set()
+            self._twice += [k for k, _ in pairs if k in seen or seen.add(k)]
+        return record
+
+    def take_duplicates(self) -> str | None:
+        """Why the record just decoded is bad (a key given twice), or None; resets for the next record."""
+        twice, self._twice = self._twice, []
+        return f"the key {twice[0]!r} is given twice in one object; keep one" if twice else None
+
+
+def _json_problem(error: Exception) -> str:
+    """A line's JSON failure as a bad record's reason."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"not valid JSON ({error.msg}); fix or remove that line"
+    if isinstance(error, RecursionError):
+        return "JSON nested deeper than the reader's recursion limit; flatten or remove that line"
+    return f"not readable as JSON ({error}); fix or remove that line"  # e.g. an integer of over 4,300 digits
+
+
 # ------------------------------------------------------------------------------------------ containers ---
 
 
@@ -62,6 +92,7 @@ def _holds_an_array(path: Path) -> bool:
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     """(source, record) per non-blank line; a line that is not UTF-8 or not JSON comes as an `Unparsable`, so the
     reader reports it with every other bad record."""
+    decoder = _KeyedDecoder()
     with path.open("rb") as lines:
         for n, raw in enumerate(lines, 1):
             source = f"{path.name}:{n}"
@@ -76,11 +107,13 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                yield source, Unparsable(f"not valid JSON ({error.msg}); fix or remove that line")
+                record = decoder.decode(line)
+            except (ValueError, RecursionError) as error:
+                decoder.take_duplicates()
+                yield source, Unparsable(_json_problem(error))
                 continue
-            yield source, record
+            twice = decoder.take_duplicates()
+            yield source, (Unparsable(twice) if twice else record)
 
 
 class Unparsable(str):
@@ -94,7 +127,7 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, dict]]:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark may start the file
     except UnicodeDecodeError as error:
         raise ValueError(f"{path.name}: not UTF-8 text (byte {error.start}); re-encode the file as UTF-8.") from None
-    decoder = json.JSONDecoder()
+    decoder = _KeyedDecoder()
     pos = _skip_space(text, 0)
     if pos < len(text) and text[pos] == "{":
         raise ValueError(
@@ -113,7 +146,10 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, dict]]:
             raise ValueError(
                 f"{path.name}:{error.lineno}: not valid JSON ({error.msg}) in record {index}; fix the file."
             ) from error
-        yield f"{path.name}:{line} [{index}]", record
+        except (ValueError, RecursionError) as error:  # the walk cannot go on past a record it could not read
+            raise ValueError(f"{path.name}:{line}: record {index}: {_json_problem(error)}.") from None
+        twice = decoder.take_duplicates()
+        yield f"{path.name}:{line} [{index}]", (Unparsable(twice) if twice else record)
         index += 1
         pos = _skip_space(text, end)
         if pos < len(text) and text[pos] == ",":
@@ -164,6 +200,10 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, dict]]:
     import pyarrow.parquet as pq
 
     handle = pq.ParquetFile(path)
+    names = handle.schema_arrow.names
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:  # rows as dicts would keep one of them without a word
+        raise ValueError(f"{path.name}: the column(s) {twice} appear more than once; keep one of each.")
     images = _image_columns(handle.schema_arrow)
     others = [name for name in handle.schema_arrow.names if name not in images]
     leaves = [handle.schema.column(i).path for i in range(len(handle.schema))]

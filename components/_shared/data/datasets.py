@@ -76,17 +76,51 @@ class Manifest(BaseModel):
     preferences: list[DataFile | str] = Field(default_factory=list)
 
     def files(self, role: str, names: list[str] | tuple[str, ...] | None = None) -> list[DataFile]:
-        """The files `role` reads: `names` (a stage setting) or the manifest's list, else the default file."""
+        """The files `role` reads: `names` (a stage setting) or the manifest's list, else the default file. A
+        training role's file listed twice (its records would train twice) or also held out is refused."""
         listed = [DataFile(path=f) if isinstance(f, str) else f for f in getattr(self, role)]
         if names:
-            known = {f.path: f for r in ("sft", "eval", "rl", "preferences") for f in self.files(r)}
-            return [known.get(n, DataFile(path=n)) for n in names]
-        if listed:
-            return [
+            known = {f.path: f for r in ("sft", "eval", "rl", "preferences") for f in self._listed(r)}
+            files = [known.get(n, DataFile(path=n)) for n in names]
+        elif listed:
+            files = [
                 f if f.benchmark or role != "eval" else f.model_copy(update={"benchmark": _default_name(f)})
                 for f in listed
             ]
-        return [DataFile(path=ROLES_DEFAULT[role])]
+        else:
+            files = [DataFile(path=ROLES_DEFAULT[role])]
+        if role in TRAINING_ROLES:
+            _check_training_files(role, files, self._listed("eval"))
+        return files
+
+    def _listed(self, role: str) -> list[DataFile]:
+        listed = [DataFile(path=f) if isinstance(f, str) else f for f in getattr(self, role)]
+        return listed or [DataFile(path=ROLES_DEFAULT[role])]
+
+
+TRAINING_ROLES = ("sft", "rl", "preferences")
+
+
+def same_file(path: str) -> str:
+    """A data file's path as one string however it is spelled (`./a.jsonl`, `x/../a.jsonl`: `a.jsonl`)."""
+    return os.path.normpath(path)
+
+
+def _check_training_files(role: str, files: list[DataFile], held_out: list[DataFile]) -> None:
+    seen: dict[str, str] = {}
+    for f in files:
+        if same_file(f.path) in seen:
+            raise ValueError(
+                f"dataset.yaml's {role} files name {f.path!r} twice (also as {seen[same_file(f.path)]!r}): its records "
+                "would train twice. List each file once."
+            )
+        seen[same_file(f.path)] = f.path
+    both = sorted(path for path in seen if path in {same_file(f.path) for f in held_out})
+    if both:
+        raise ValueError(
+            f"{both} are both {role} and held-out (eval) files: the model would train on the questions it is scored "
+            "on. Give training and held-out data different files in dataset.yaml (or the stage's file settings)."
+        )
 
 
 def _stem(path: str) -> str:
@@ -185,7 +219,8 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
             bad.append((source, f"the {spec.format} item has no field {error}"))
             continue
         except F.RecordError as error:
-            bad.append((f"{source} (id={_raw_id(raw)!r})" if isinstance(raw, dict) else source, str(error)))
+            reason = str(error) if len(str(error)) <= 400 else str(error)[:400] + "... [cut]"  # values of any size
+            bad.append((f"{source} (id={_raw_id(raw)!r})" if isinstance(raw, dict) else source, reason))
             continue
         seen.add((record.get("benchmark"), record_id))
         for key, value in raw.items():  # the record's own labels (a preference pair's kind, a benchmark category)

@@ -21,6 +21,7 @@ from components._shared.launch.plan import LaunchPlan, check_config, plan_from_e
 from components._shared.launch.result import _record, flatten_metrics
 from components._shared.launch.torchrun import run_local_torchrun
 from components._shared.platform import bad_records, disk_space, locks, progress, storage
+from components._shared.platform.credential_shapes import redact
 from components._shared.platform.presets import validate
 
 
@@ -85,8 +86,8 @@ def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifac
         if record_as:
             failure = {
                 "status": "failed",
-                "error": f"{type(err).__name__}: {err if full is None else full}",
-                "traceback": traceback.format_exc(limit=8),
+                "error": _shown(f"{type(err).__name__}: {err if full is None else full}"),
+                "traceback": _shown(traceback.format_exc(limit=8)),
                 "metrics": {},
                 "artifacts": artifacts,
                 "seconds": round(time.time() - started, 3),
@@ -113,6 +114,15 @@ def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifac
     if os.environ.get("RANK", "0").strip() in ("", "0"):
         storage.commit_dir(output_dir)  # last: readers treat a directory without the marker as unfinished
     return metrics
+
+
+RECORDED_ERROR = 20_000  # characters: a record's value in an error must not make a 30 MB result file
+
+
+def _shown(text: str) -> str:
+    """An error as a stage's result records it: credentials hidden, capped."""
+    text = redact(text)
+    return text if len(text) <= RECORDED_ERROR else text[:RECORDED_ERROR] + f"... [{len(text) - RECORDED_ERROR} more]"
 
 
 def verify_inputs(inputs: dict[str, Any]) -> int:

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from components._shared.platform.credential_shapes import redact
+
 
 def _accepts_int_not_float(annotation: Any) -> bool:
     """True when a field's type admits int but not float (``int``, ``int | None``, ``Annotated[int, ...]``)."""
@@ -121,6 +123,9 @@ class SubConfig(_Settings):
     """A nested block of a stage config (same strictness, same float coercion, no boolean for a number)."""
 
 
+SHOWN_VALUE = 200  # characters of a refused value an error repeats
+
+
 def format_validation_error(section: str, error: Exception) -> str:
     """A pydantic ValidationError rewritten as 'section.field: message' lines a person can act on."""
     errors = getattr(error, "errors", None)
@@ -129,5 +134,7 @@ def format_validation_error(section: str, error: Exception) -> str:
     lines = []
     for item in errors():
         where = ".".join(str(p) for p in item.get("loc", ())) or "(config)"
-        lines.append(f"  {section}.{where}: {item.get('msg')} (got {item.get('input')!r})")
+        got = repr(item.get("input"))
+        got = got if len(got) <= SHOWN_VALUE else got[:SHOWN_VALUE] + f"... [{len(got) - SHOWN_VALUE} more characters]"
+        lines.append(f"  {section}.{where}: {item.get('msg')} (got {redact(got)})")
     return f"Invalid config for stage '{section}':\n" + "\n".join(lines)

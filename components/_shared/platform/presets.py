@@ -39,10 +39,11 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         try:
             node[leaf] = _scalar(raw)
-        except yaml.YAMLError as error:
+        except (yaml.YAMLError, ValueError) as error:  # ValueError: an integer of over 4,300 digits
             reason = str(error).splitlines()[0]
+            shown = pair if len(pair) <= 200 else pair[:200] + "..."
             raise ValueError(
-                f"Override '{pair}': the value is not valid YAML ({reason}); write key=value with a "
+                f"Override '{shown}': the value is not valid YAML ({reason}); write key=value with a "
                 "number, true/false, a word, a [list] or a quoted string (example: optim.lr=2e-5)."
             ) from None
     return out
