@@ -35,6 +35,7 @@ import torch
 from components._shared.data import datasets
 from components._shared.data import metrics as M
 from components._shared.data import tasks as T
+from components._shared.data.file_checks import same_file
 from components._shared.data.image_cache import DecodedImages
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
@@ -68,8 +69,8 @@ def load_prompts(
     types = cfg.prompt_types if types is None else types
     prompts, seen_types = [], set()
     records = datasets.conversation_questions(data_dir, cfg.prompts_file, label="rl prompt")
-    held_out = {datasets.same_file(f.path) for f in datasets.manifest(data_dir).files("eval", cfg.eval.files)}
-    overlap = sorted(held_out & {datasets.same_file(r["file"]) for r in records})
+    held_out = {same_file(f.path) for f in datasets.manifest(data_dir).files("eval", cfg.eval.files)}
+    overlap = sorted(held_out & {same_file(r["file"]) for r in records})
     if overlap:
         raise ValueError(
             f"rl: {overlap} are both prompt and held-out files; the policy would train on its held-out questions. "

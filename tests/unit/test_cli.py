@@ -35,7 +35,16 @@ def test_stage_with_an_invalid_setting_names_it(tmp_path):
     cfg.write_text("clean_data:\n  min_side: -3\n")
     result = runner.invoke(
         app,
-        ["stage", "clean_data", "--config", str(cfg), "--lake-uri", str(tmp_path), "--output-dir", str(tmp_path / "o")],
+        [
+            "stage",
+            "clean_data",
+            "--config",
+            str(cfg),
+            "--lake-uri",
+            str(tmp_path / "lake"),
+            "--output-dir",
+            str(tmp_path / "o"),
+        ],
     )
     assert result.exit_code == 2  # one message, no traceback (platform/user_errors.py)
     assert "error: " in result.stderr and "clean_data.min_side" in result.stderr and "Traceback" not in result.stderr
@@ -49,11 +58,26 @@ def test_an_empty_path_argument_is_refused_naming_the_flag(tmp_path, monkeypatch
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
-    given = {"--config": str(tmp_path / "cfg.yaml"), "--lake-uri": str(tmp_path), "--output-dir": str(tmp_path / "o")}
+    given = {
+        "--config": str(tmp_path / "cfg.yaml"),
+        "--lake-uri": str(tmp_path / "lake"),
+        "--output-dir": str(tmp_path / "o"),
+    }
     given[flag] = empty
     result = runner.invoke(app, ["stage", "clean_data", *(part for pair in given.items() for part in pair)])
     assert result.exit_code == 2 and f"error: {flag}={empty!r} is empty" in result.stderr, result.output
     assert list(work.iterdir()) == [] and not (tmp_path / "o").exists()  # nothing written anywhere
+
+
+@pytest.mark.parametrize(("output", "says"), [("data", "the same directory as"), ("data/out", "inside or around")])
+def test_an_output_directory_that_is_or_holds_an_input_is_refused(tmp_path, output, says):
+    """`--output-dir` equal to `--data` wrote the model and commit marker into the data (exit 0); inside it, every
+    rerun fingerprinted its own outputs as data and set its checkpoints aside instead of resuming."""
+    (tmp_path / "data").mkdir()
+    args = ["stage", "sft", "--base-model", "builtin:tiny-qwen2_5-vl", "--data", str(tmp_path / "data")]
+    result = runner.invoke(app, [*args, "--output-dir", str(tmp_path / output)])
+    assert result.exit_code == 2 and f"error: --output-dir '{tmp_path / output}' is {says} --data" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == []  # nothing written into the data
 
 
 @pytest.mark.parametrize("given", [[], ["--reward-model", ""]])
@@ -62,7 +86,8 @@ def test_rl_runs_without_a_reward_model_flag_until_its_rewards_name_one(tmp_path
     weights it needs it, and that is refused naming the setting, not taken as the working directory."""
     (tmp_path / "cfg.yaml").write_text("rl:\n  rewards: {efficacy: 1.0, reward_model: 0.5}\n")
     args = ["stage", "rl", "--config", str(tmp_path / "cfg.yaml"), "--base-model", "builtin:tiny-qwen2_5-vl"]
-    result = runner.invoke(app, [*args, *given, "--data", str(tmp_path), "--output-dir", str(tmp_path / "o")])
+    (tmp_path / "data").mkdir()
+    result = runner.invoke(app, [*args, *given, "--data", str(tmp_path / "data"), "--output-dir", str(tmp_path / "o")])
     assert result.exit_code == 2 and "Traceback" not in result.stderr, result.output
     assert "rl.rewards uses reward_model (weight 0.5) but the stage got no reward model" in result.stderr
 

@@ -479,3 +479,20 @@ def test_rl_prompts_take_a_conversations_first_exchange_counted_and_said(data, c
     assert "note: 3 of 4 RL prompts of sft.jsonl are the first exchange of a longer conversation" in (
         capsys.readouterr().err
     )
+
+
+def test_choices_beyond_z_or_blank_are_bad_records(data):
+    """A list of 30 options kept A-Z and dropped the last 4 without a word; blank options were kept."""
+    records = [
+        {"id": "thirty", "image": "a.png", "task": "multiple_choice", "question": "Pick",
+         "choices": [f"option {n}" for n in range(30)], "answer": "A"},
+        {"id": "blank", "image": "a.png", "task": "multiple_choice", "question": "Pick",
+         "choices": {"A": "cat", "B": "  "}, "answer": "A"},
+        {"id": "ok", "image": "a.png", "task": "multiple_choice", "question": "Pick",
+         "choices": ["cat", "dog"], "answer": "B"},
+    ]  # fmt: skip
+    _jsonl(data / "eval.jsonl", records)
+    message = _error(datasets.load_questions, data)
+    assert message.startswith("2 bad question record(s) in eval.jsonl")
+    assert "30 choices; at most 26 options (A to Z) are lettered" in _line(message, "eval.jsonl:1")
+    assert "hold a blank option letter or text" in _line(message, "eval.jsonl:2")

@@ -349,3 +349,32 @@ def test_a_training_file_listed_twice_or_also_held_out_is_refused(tmp_path):
     _manifest(tmp_path, "sft: [sft.jsonl]\nrl: [./heldout.jsonl]\neval: [heldout.jsonl]\n")
     with pytest.raises(ValueError, match=r"are both rl and held-out"):
         datasets.conversation_questions(tmp_path, None)
+
+
+def test_whole_file_mistakes_say_what_the_path_is(tmp_path):
+    """Each said "does not exist", named no file, or was pydantic's raw text."""
+    from PIL import Image
+
+    P.photo("chelsea").save(tmp_path / "a.png")
+    (tmp_path / "dir.png").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "anim.gif")
+    lines = [
+        {"id": n, "image": image, "conversations": [HUMAN, GPT]} for n, image in enumerate(["dir.png", "anim.gif"])
+    ]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError) as caught:
+        datasets.load_conversations(tmp_path)
+    assert "image 'dir.png' under the data directory" in str(caught.value) and "is not a file" in str(caught.value)
+    assert "image 'anim.gif' is a GIF file; only JPEG, PNG, WEBP are read: convert it" in str(caught.value)
+    with pytest.raises(ValueError, match=r"--data '.*sft.jsonl' is a file; give the directory that holds it"):
+        datasets.resolve_data_dir(tmp_path / "sft.jsonl", scratch=tmp_path)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    for entry, says in [
+        ("sft: [empty.jsonl]", r"^empty.jsonl holds no records; fill it or leave it out of dataset.yaml"),
+        ("sft: [dir.png]", r"dir.png is a directory; name a data file"),
+        ("sft: ['']", r"dataset.yaml: sft lists an empty file name"),
+        ("sft: ['https://user:pw0rd@host/x.jsonl']", r"path is a URL; nothing is fetched"),
+    ]:
+        _manifest(tmp_path, entry + "\n")
+        with pytest.raises(ValueError, match=says):
+            datasets.load_conversations(tmp_path)

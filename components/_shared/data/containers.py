@@ -60,6 +60,10 @@ def _json_problem(error: Exception) -> str:
 
 def iter_file(path: Path) -> Iterator[tuple[str, Any]]:
     """(source, raw record) of a data file, in file order; the container is chosen by the file's suffix."""
+    if path.is_dir():
+        raise ValueError(
+            f"{path} is a directory; name a data file (.jsonl, .json or .parquet) inside the data directory."
+        )
     if not path.is_file():
         raise ValueError(f"{path} does not exist; name a file inside the data directory.")
     suffix = path.suffix.lower()

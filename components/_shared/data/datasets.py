@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from components._shared.data import formats as F
 from components._shared.data import tasks as T
 from components._shared.data.benchmarks import BENCHMARKS
+from components._shared.data.file_checks import TRAINING_ROLES, check_training_files, naming_the_file
 from components._shared.data.image_checks import MAX_IMAGE_PIXELS, local_image_path, probe_image
 from components._shared.platform import bad_records
 
@@ -33,6 +34,11 @@ def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
     if storage.is_s3(uri):
         return storage.fetch_dir(uri, scratch / "data", require_commit=storage.is_committed(uri))
     path = Path(uri)
+    if path.is_file():
+        raise ValueError(
+            f"--data {str(uri)!r} is a file; give the directory that holds it (and dataset.yaml, or the default file "
+            f"names), here {str(path.parent)!r}."
+        )
     if not path.is_dir():
         raise ValueError(
             f"data directory {uri!r} does not exist; pass the held-out directory `qvl lake synth` "
@@ -90,37 +96,12 @@ class Manifest(BaseModel):
         else:
             files = [DataFile(path=ROLES_DEFAULT[role])]
         if role in TRAINING_ROLES:
-            _check_training_files(role, files, self._listed("eval"))
+            check_training_files(role, [f.path for f in files], [f.path for f in self._listed("eval")])
         return files
 
     def _listed(self, role: str) -> list[DataFile]:
         listed = [DataFile(path=f) if isinstance(f, str) else f for f in getattr(self, role)]
         return listed or [DataFile(path=ROLES_DEFAULT[role])]
-
-
-TRAINING_ROLES = ("sft", "rl", "preferences")
-
-
-def same_file(path: str) -> str:
-    """A data file's path as one string however it is spelled (`./a.jsonl`, `x/../a.jsonl`: `a.jsonl`)."""
-    return os.path.normpath(path)
-
-
-def _check_training_files(role: str, files: list[DataFile], held_out: list[DataFile]) -> None:
-    seen: dict[str, str] = {}
-    for f in files:
-        if same_file(f.path) in seen:
-            raise ValueError(
-                f"dataset.yaml's {role} files name {f.path!r} twice (also as {seen[same_file(f.path)]!r}): its records "
-                "would train twice. List each file once."
-            )
-        seen[same_file(f.path)] = f.path
-    both = sorted(path for path in seen if path in {same_file(f.path) for f in held_out})
-    if both:
-        raise ValueError(
-            f"{both} are both {role} and held-out (eval) files: the model would train on the questions it is scored "
-            "on. Give training and held-out data different files in dataset.yaml (or the stage's file settings)."
-        )
 
 
 def _stem(path: str) -> str:
@@ -152,6 +133,9 @@ def parse_manifest(text: str, where: str) -> Manifest:
         result = Manifest.model_validate(raw)
     except ValidationError as error:
         raise ValueError(f"{where}: {_describe(error)}; see docs/data.md for the fields.") from error
+    for role in ("sft", "eval", "rl", "preferences"):
+        if any(isinstance(f, str) and not f.strip() for f in getattr(result, role)):
+            raise ValueError(f"{where}: {role} lists an empty file name; name each file (or leave the list out).")
     for task in result.tasks:
         if not BENCHMARK_NAME.match(task):
             raise ValueError(
@@ -198,7 +182,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
         annotations = data_dir / spec.annotations if spec.annotations else None
         items = benchmark.items(data_dir / spec.path, annotations)
     seen: set[tuple[str | None, str]] = set()  # (benchmark, id): ids are unique within a benchmark
-    for n, (source, raw) in enumerate(_naming_the_file(items, data_dir / spec.path, spec.path)):
+    for n, (source, raw) in enumerate(naming_the_file(items, data_dir / spec.path, spec.path)):
         try:
             if isinstance(raw, F.Unparsable):
                 raise F.RecordError(str(raw))
@@ -228,6 +212,8 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
                 record[key] = value
         record["id"], record["source"], record["file"] = record_id, source, spec.path
         out.append(record)
+    if not out and not bad:
+        raise ValueError(f"{spec.path} holds no records; fill it or leave it out of dataset.yaml.")
     ledger = bad_records.current()
     if bad and ledger is not None and ledger.skipping:
         name = Path(spec.path).name
@@ -248,26 +234,6 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
     return out
 
 
-NEWLINE = b"\n"
-
-
-def _naming_the_file(items, path: Path, shown: str):
-    """A reader's failure on the file as a whole (not on one record: those are the records' errors) as one error
-    naming the file: invalid UTF-8 in a benchmark's JSON or TSV, a damaged or cut Parquet file."""
-    from pyarrow import ArrowException
-
-    try:
-        yield from items
-    except UnicodeDecodeError as error:
-        whole = path.is_file() and len(error.object) == path.stat().st_size
-        line = f":{bytes(error.object[: error.start]).count(NEWLINE) + 1}" if whole else ""
-        bad = bytes(error.object[error.start : error.start + 1])
-        raise ValueError(f"{shown}{line}: not UTF-8 text (byte {bad!r}); re-encode the file as UTF-8.") from None
-    except (OSError, ArrowException) as error:
-        said = " ".join(str(error).split())
-        raise ValueError(f"{shown}: unreadable ({said}); the file is damaged or cut short: fetch it again.") from None
-
-
 def _check_inside(data_dir: Path, spec: DataFile) -> None:
     """The entry's path, annotations and images folder resolve inside the data directory (an s3:// images folder
     aside): a `../x.jsonl` or an absolute path would read files the data directory does not hold."""
@@ -276,6 +242,11 @@ def _check_inside(data_dir: Path, spec: DataFile) -> None:
     for field, value in named.items():
         if not value or (field == "images" and value.startswith("s3://")):
             continue
+        if "://" in value:
+            raise ValueError(
+                f"data file entry {spec.path!r}: {field} is a URL; nothing is fetched: copy the file into the data "
+                "directory and name it relative to it."
+            )
         where = (data_dir / value).resolve()
         if where != root and root not in where.parents:
             raise ValueError(

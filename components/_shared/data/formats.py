@@ -280,10 +280,16 @@ def choices_of(raw: dict) -> dict[str, str] | None:
     if value is None:
         return None
     if isinstance(value, list):
+        if len(value) > len(_LETTERS):
+            raise RecordError(f"{len(value)} choices; at most {len(_LETTERS)} options (A to Z) are lettered")
         value = dict(zip(_LETTERS, value, strict=False))
     if not isinstance(value, dict) or len(value) < 2 or not all(isinstance(v, str) for v in value.values()):
-        raise RecordError(f"choices must be two or more option strings (a list or {{letter: text}}), got {value!r}")
+        raise RecordError(
+            f"choices must be two or more option strings (a list or {{letter: text}}), got {repr(value)[:200]}"
+        )
     letters = [str(k).strip().upper() for k in value]
+    if not all(letters) or any(not v.strip() for v in value.values()):
+        raise RecordError(f"choices {list(value)[:8]} hold a blank option letter or text; give each option both")
     if len(set(letters)) != len(letters):
         raise RecordError(f"choices {list(value)} name an option twice once upper-cased (letters are A, B, ...)")
     return {letter: check_text(v, f"'choices' {k}") for letter, (k, v) in zip(letters, value.items(), strict=True)}

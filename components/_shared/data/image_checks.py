@@ -34,6 +34,8 @@ def local_image_path(root: Path, reference: str) -> Path:
         raise ValueError(
             f"image path {reference!r} leaves the data directory {root}; use paths inside it or s3:// URIs."
         )
+    if path.exists() and not path.is_file():
+        raise ValueError(f"image {reference!r} under the data directory {root} is not a file (a directory?).")
     if not path.is_file():
         raise ValueError(f"image {reference!r} does not exist under the data directory {root}.")
     return path
@@ -67,6 +69,9 @@ def probe_image(root: Path, reference: F.ImageRef) -> str | None:
         with Image.open(source, formats=list(ALLOWED_FORMATS)) as image:
             width, height, kind = image.width, image.height, image.format
     except Exception as error:  # noqa: BLE001 - any failure to read an untrusted header is the record's problem
+        other = _other_format(source) if not isinstance(error, OSError) or "cannot identify" in str(error) else None
+        if other:
+            return f"image {name} is a {other} file; only {', '.join(ALLOWED_FORMATS)} are read: convert it"
         return f"image {name} is unreadable ({error})"
     if width * height > MAX_IMAGE_PIXELS:
         return f"image {name} declares {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} limit"
@@ -83,6 +88,17 @@ def probe_image(root: Path, reference: F.ImageRef) -> str | None:
             "copy cut short?); fetch it again or drop the record"
         )
     return None
+
+
+def _other_format(source: Any) -> str | None:
+    """The format Pillow finds in a file outside the allow-list (GIF, TIFF, BMP, ...), or None."""
+    try:
+        if isinstance(source, io.BytesIO):
+            source.seek(0)
+        with Image.open(source) as image:
+            return image.format
+    except Exception:  # noqa: BLE001 - not an image of any format Pillow knows
+        return None
 
 
 def _ends(source: Path | io.BytesIO) -> tuple[bytes, bytes, int]:

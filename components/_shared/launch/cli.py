@@ -65,6 +65,7 @@ def _run_section(
         if name in optional_inputs and not getattr(args, name).strip():
             continue  # absent: the stage says so if its config needs it
         check_location(getattr(args, name), f"--{name.replace('_', '-')}", builtin=True)
+        _check_apart(args.output_dir, getattr(args, name), f"--{name.replace('_', '-')}")
     if args.config is not None and not args.config.strip():
         raise ValueError(
             f"--config={args.config!r} is empty (an unset shell variable gives one); "
@@ -106,3 +107,22 @@ def _run_section(
             storage.publish_dir(local_out, args.output_dir)  # rank 0 only: it alone wrote the outputs
     print(json.dumps(metrics, indent=2, sort_keys=True, default=str))
     return metrics
+
+
+def _check_apart(output: str, given: str, flag: str) -> None:
+    """The output directory is neither an input nor inside or around one: the stage would write its model and
+    commit marker into the data (which then no longer matches what it was), or fingerprint its own outputs as
+    data and never resume."""
+    from components._shared.platform import storage
+
+    if not given or storage.is_s3(output) != storage.is_s3(given) or given.startswith("builtin:"):
+        return
+    if storage.is_s3(output):
+        out, other = output.rstrip("/"), given.rstrip("/")
+    else:
+        out, other = os.path.realpath(output), os.path.realpath(given)
+    if out == other or out.startswith(other + "/") or other.startswith(out + "/"):
+        raise ValueError(
+            f"--output-dir {output!r} is {'the same directory as' if out == other else 'inside or around'} {flag} "
+            f"{given!r}: the stage would write into its own input. Give it a directory of its own."
+        )
