@@ -37,7 +37,10 @@ class _KeyedDecoder(json.JSONDecoder):
         record = dict(pairs)
         if len(record) != len(pairs):
             seen: set[str] = set()
-            self._twice += [k for k, _ in pairs if k in seen or seen.add(k)]
+            for key, _ in pairs:
+                if key in seen:
+                    self._twice.append(key)
+                seen.add(key)
         return record
 
     def take_duplicates(self) -> str | None:
@@ -124,7 +127,7 @@ class Unparsable(str):
     """A data line that could not be read, with the reason (reported like any other bad record)."""
 
 
-def _iter_json_array(path: Path) -> Iterator[tuple[str, dict]]:
+def _iter_json_array(path: Path) -> Iterator[tuple[str, Any]]:
     """Items of a top-level JSON array with the line each starts on and its index in the array (`file:LINE [INDEX]`:
     LLaVA's releases are one line, so the line alone names no record); raw_decode walks the array item by item."""
     try:
