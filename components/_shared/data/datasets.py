@@ -25,6 +25,7 @@ from components._shared.data.benchmarks import BENCHMARKS
 from components._shared.data.file_checks import TRAINING_ROLES, check_training_files, naming_the_file
 from components._shared.data.image_checks import MAX_IMAGE_PIXELS, local_image_path, probe_image
 from components._shared.platform import bad_records
+from components._shared.platform.credential_shapes import shown
 
 
 def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
@@ -84,7 +85,7 @@ class Manifest(BaseModel):
     def files(self, role: str, names: list[str] | tuple[str, ...] | None = None) -> list[DataFile]:
         """The files `role` reads: `names` (a stage setting) or the manifest's list, else the default file. A
         training role's file listed twice (its records would train twice) or also held out is refused."""
-        listed = [DataFile(path=f) if isinstance(f, str) else f for f in getattr(self, role)]
+        listed = self._entries(role)
         if names:
             known = {f.path: f for r in ("sft", "eval", "rl", "preferences") for f in self._listed(r)}
             files = [known.get(n, DataFile(path=n)) for n in names]
@@ -99,9 +100,11 @@ class Manifest(BaseModel):
             check_training_files(role, [f.path for f in files], [f.path for f in self._listed("eval")])
         return files
 
+    def _entries(self, role: str) -> list[DataFile]:
+        return [DataFile(path=f) if isinstance(f, str) else f for f in getattr(self, role)]
+
     def _listed(self, role: str) -> list[DataFile]:
-        listed = [DataFile(path=f) if isinstance(f, str) else f for f in getattr(self, role)]
-        return listed or [DataFile(path=ROLES_DEFAULT[role])]
+        return self._entries(role) or [DataFile(path=ROLES_DEFAULT[role])]
 
 
 def _stem(path: str) -> str:
@@ -203,7 +206,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
             bad.append((source, f"the {spec.format} item has no field {error}"))
             continue
         except F.RecordError as error:
-            reason = str(error) if len(str(error)) <= 400 else str(error)[:400] + "... [cut]"  # values of any size
+            reason = shown(str(error), 400)  # a record's value of any size
             bad.append((f"{source} (id={_raw_id(raw)!r})" if isinstance(raw, dict) else source, reason))
             continue
         seen.add((record.get("benchmark"), record_id))
@@ -225,11 +228,11 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
                 f"{bad[0][0]}: {bad[0][1]}; fix the file."
             )
     elif bad:
-        shown = "\n  ".join(f"{source}: {reason}" for source, reason in bad[: F.MAX_REPORTED])
+        listed = "\n  ".join(f"{source}: {reason}" for source, reason in bad[: F.MAX_REPORTED])
         more = f"\n  ... and {len(bad) - F.MAX_REPORTED} more" if len(bad) > F.MAX_REPORTED else ""
         raise ValueError(
             f"{len(bad)} bad {what} record(s) in {spec.path}; fix or drop them (or set on_bad_record: skip to train "
-            f"without them, counted in the metrics):\n  {shown}{more}"
+            f"without them, counted in the metrics):\n  {listed}{more}"
         )
     return out
 

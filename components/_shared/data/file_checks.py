@@ -32,9 +32,6 @@ def check_training_files(role: str, files: list[str], held_out: list[str]) -> No
         )
 
 
-NEWLINE = b"\n"
-
-
 def naming_the_file(items, path: Path, shown: str):
     """A reader's failure on the file as a whole (not on one record: those are the records' errors) as one error
     naming the file: invalid UTF-8 in a benchmark's JSON or TSV, a damaged or cut Parquet file."""
@@ -44,7 +41,8 @@ def naming_the_file(items, path: Path, shown: str):
         yield from items
     except UnicodeDecodeError as error:
         whole = path.is_file() and len(error.object) == path.stat().st_size
-        line = f":{bytes(error.object[: error.start]).count(NEWLINE) + 1}" if whole else ""
+        number = bytes(error.object[: error.start]).count(b"\n") + 1
+        line = f":{number}" if whole else ""
         bad = bytes(error.object[error.start : error.start + 1])
         raise ValueError(f"{shown}{line}: not UTF-8 text (byte {bad!r}); re-encode the file as UTF-8.") from None
     except (OSError, ArrowException) as error:

@@ -18,7 +18,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from components._shared.data import formats as F
 
@@ -69,7 +69,7 @@ def probe_image(root: Path, reference: F.ImageRef) -> str | None:
         with Image.open(source, formats=list(ALLOWED_FORMATS)) as image:
             width, height, kind = image.width, image.height, image.format
     except Exception as error:  # noqa: BLE001 - any failure to read an untrusted header is the record's problem
-        other = _other_format(source) if not isinstance(error, OSError) or "cannot identify" in str(error) else None
+        other = _other_format(source) if isinstance(error, UnidentifiedImageError) else None
         if other:
             return f"image {name} is a {other} file; only {', '.join(ALLOWED_FORMATS)} are read: convert it"
         return f"image {name} is unreadable ({error})"

@@ -21,7 +21,7 @@ from components._shared.launch.plan import LaunchPlan, check_config, plan_from_e
 from components._shared.launch.result import _record, flatten_metrics
 from components._shared.launch.torchrun import run_local_torchrun
 from components._shared.platform import bad_records, disk_space, locks, progress, storage
-from components._shared.platform.credential_shapes import redact
+from components._shared.platform.credential_shapes import shown
 from components._shared.platform.presets import validate
 
 
@@ -51,6 +51,9 @@ def execute(
         # first: a second run into this output fails here, before any work, and writes nothing into it
         locks.hold(output_dir, purpose=f"{stage} output")
         return _execute_held(stage, cfg, run, inputs, output_dir, experiment, artifacts, record_as)
+
+
+RECORDED_ERROR = 20_000  # characters: a record's value in an error must not make a 30 MB result file
 
 
 def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifacts, record_as) -> dict[str, Any]:
@@ -86,8 +89,8 @@ def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifac
         if record_as:
             failure = {
                 "status": "failed",
-                "error": _shown(f"{type(err).__name__}: {err if full is None else full}"),
-                "traceback": _shown(traceback.format_exc(limit=8)),
+                "error": shown(f"{type(err).__name__}: {err if full is None else full}", RECORDED_ERROR),
+                "traceback": shown(traceback.format_exc(limit=8), RECORDED_ERROR),
                 "metrics": {},
                 "artifacts": artifacts,
                 "seconds": round(time.time() - started, 3),
@@ -114,15 +117,6 @@ def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifac
     if os.environ.get("RANK", "0").strip() in ("", "0"):
         storage.commit_dir(output_dir)  # last: readers treat a directory without the marker as unfinished
     return metrics
-
-
-RECORDED_ERROR = 20_000  # characters: a record's value in an error must not make a 30 MB result file
-
-
-def _shown(text: str) -> str:
-    """An error as a stage's result records it: credentials hidden, capped."""
-    text = redact(text)
-    return text if len(text) <= RECORDED_ERROR else text[:RECORDED_ERROR] + f"... [{len(text) - RECORDED_ERROR} more]"
 
 
 def verify_inputs(inputs: dict[str, Any]) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from components._shared.model.train_config import OptimConfig, TrainConfig
-from components._shared.model.vlm import named_groups
+from components._shared.model.vlm import named_groups, qwen_model
 
 TAG = "state"
 
@@ -165,10 +165,9 @@ def register_outside_reads(model) -> None:
 
     from components._shared.model.families import family_for
 
-    for module in model.modules():
-        if hasattr(module, "get_rope_index") and hasattr(module, "visual"):
-            for reader, param in family_for(module.config).zero3_external_parameters(module):
-                register_external_parameter(reader, param)
+    qwen = qwen_model(model)
+    for reader, param in family_for(qwen.config).zero3_external_parameters(qwen):
+        register_external_parameter(reader, param)
 
 
 def _free_port() -> int:

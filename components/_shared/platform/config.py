@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from components._shared.platform.credential_shapes import redact
+from components._shared.platform.credential_shapes import shown
 
 
 def _accepts_int_not_float(annotation: Any) -> bool:
@@ -134,7 +134,5 @@ def format_validation_error(section: str, error: Exception) -> str:
     lines = []
     for item in errors():
         where = ".".join(str(p) for p in item.get("loc", ())) or "(config)"
-        got = repr(item.get("input"))
-        got = got if len(got) <= SHOWN_VALUE else got[:SHOWN_VALUE] + f"... [{len(got) - SHOWN_VALUE} more characters]"
-        lines.append(f"  {section}.{where}: {item.get('msg')} (got {redact(got)})")
+        lines.append(f"  {section}.{where}: {item.get('msg')} (got {shown(repr(item.get('input')), SHOWN_VALUE)})")
     return f"Invalid config for stage '{section}':\n" + "\n".join(lines)

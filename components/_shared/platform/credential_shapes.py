@@ -3,8 +3,8 @@
 Detected by their published shapes: AWS access key ids, GitHub, Hugging Face, OpenAI, Slack, Google API keys,
 Databricks tokens, JWTs, PEM private keys, AWS session tokens; URLs carrying a password (`scheme://user:pw@`) or a
 credential in their query. pipelines/credentials.py refuses them in presets and parameters; every `error:` message
-and every failure a stage records passes through `redact` (platform/user_errors.py, launch/runner.py), so a token
-typed in the wrong place is named as a credential and never printed back.
+and every failure a stage records passes through `shown` (redacted and capped: platform/user_errors.py,
+launch/runner.py), so a token typed in the wrong place is named as a credential and never printed back.
 """
 
 from __future__ import annotations
@@ -42,3 +42,9 @@ def redact(text: str) -> str:
     for _, shape in sorted(SHAPES, key=lambda kind: "query" not in kind[0]):  # a whole query parameter first
         text = shape.sub(lambda m: (m.group(0)[0] if m.group(0)[0] in "?&;" else "") + HIDDEN, text)
     return text
+
+
+def shown(text: str, limit: int) -> str:
+    """`text` as an error or record shows it: credentials hidden, at most `limit` characters (then how many more)."""
+    text = redact(text)
+    return text if len(text) <= limit else text[:limit] + f" ... [{len(text) - limit} more characters]"

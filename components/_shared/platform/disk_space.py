@@ -40,13 +40,12 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def _caused_by_space(error: BaseException, path: Path) -> bool:
+def _caused_by_space(error: BaseException, space: tuple[int, int] | None) -> bool:
     seen: BaseException | None = error
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in _NO_SPACE:
             return True
         seen = seen.__cause__ or seen.__context__
-    space = free_bytes(path)
     return space is not None and space[0] < NEARLY_FULL_BYTES
 
 
@@ -54,9 +53,9 @@ def explain(error: BaseException, path: Path, what: str) -> DiskFull | None:
     """A DiskFull naming `path` when `error` came from a full volume, else None."""
     if not isinstance(error, OSError | RuntimeError) or isinstance(error, DiskFull):
         return None
-    if not _caused_by_space(error, path):
-        return None
     space = free_bytes(path)
+    if not _caused_by_space(error, space):
+        return None
     left = f" ({_gb(space[0])} free of {_gb(space[1])})" if space else ""
     full = DiskFull(
         f"{what}: writing {path} failed: the volume holding it is full{left}. Free space there or point the "

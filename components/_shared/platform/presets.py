@@ -13,6 +13,7 @@ import yaml
 
 from components._shared.platform import strict_yaml
 from components._shared.platform.config import format_validation_error
+from components._shared.platform.credential_shapes import shown
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -41,9 +42,8 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             node[leaf] = _scalar(raw)
         except (yaml.YAMLError, ValueError) as error:  # ValueError: an integer of over 4,300 digits
             reason = str(error).splitlines()[0]
-            shown = pair if len(pair) <= 200 else pair[:200] + "..."
             raise ValueError(
-                f"Override '{shown}': the value is not valid YAML ({reason}); write key=value with a "
+                f"Override '{shown(pair, 200)}': the value is not valid YAML ({reason}); write key=value with a "
                 "number, true/false, a word, a [list] or a quoted string (example: optim.lr=2e-5)."
             ) from None
     return out

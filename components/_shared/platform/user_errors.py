@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from components._shared.platform.credential_shapes import redact
+from components._shared.platform.credential_shapes import shown
 from components._shared.platform.locks import LockHeld, OutputUnusable
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, LockHeld, OutputUnusable)
@@ -35,10 +35,7 @@ def message(err: BaseException) -> str:
     text = str(err) or type(err).__name__
     if isinstance(err, OSError) and err.filename and str(err.filename) not in text:
         text = f"{text} ({err.filename})"
-    text = redact(text)  # a token typed where a setting or path belongs is never printed back
-    if len(text) > MAX_MESSAGE:
-        text = text[:MAX_MESSAGE] + f" ... [{len(text) - MAX_MESSAGE} more characters]"
-    return text
+    return shown(text, MAX_MESSAGE)  # a token typed where a setting or path belongs is never printed back
 
 
 @contextlib.contextmanager
