@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from components._shared.data import datasets
 from components._shared.model.encoder import ConversationEncoder, Sample
+from components._shared.model.length_check import keep_trainable
 from components._shared.model.packing import pack, plan_micro_batches, to_device
 from components._shared.model.reward_models import RewardModel, reward_index, save_reward_model
 from components._shared.model.stage_steps import (
@@ -87,7 +88,7 @@ def run(
     """Train the reward model; returns held-out pair accuracy (overall and per rejection kind) and reward stats."""
     output_dir = Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
-    train, heldout = split_pairs(load_pairs(data_dir, cfg.max_records), cfg.heldout_fraction)
+    loaded = load_pairs(data_dir, cfg.max_records)
     store = checkpoint_store(
         "reward_model", cfg.train, run_key(cfg, {"base_model": base_model, "data": data}), output_dir
     )
@@ -99,6 +100,10 @@ def run(
     encoder = ConversationEncoder(
         processor, backbone, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
+    loaded = keep_trainable(
+        loaded, pair_tokens(encoder), budget=cfg.train.max_tokens_per_micro_batch, what="preference"
+    )
+    train, heldout = split_pairs(loaded, cfg.heldout_fraction)
     unit = pair_encoder(encoder, data_dir, cfg.score_first_k)
     heldout_units = [unit(r) for r in heldout]
 
@@ -166,6 +171,23 @@ def split_pairs(pairs: list[dict], fraction: float) -> tuple[list[dict], list[di
     return train, heldout
 
 
+def pair_turns(record: dict, side: str) -> list[dict]:
+    """The conversation one side of a preference pair is scored on."""
+    return [{"role": "user", "text": f"<image>\n{record['prompt']}"}, {"role": "assistant", "text": record[side]}]
+
+
+def pair_tokens(encoder: ConversationEncoder):
+    """record -> the tokens of its pair (both sides: a pair is one unit of a micro-batch)."""
+
+    def count(r: dict) -> int:
+        return sum(
+            encoder.count_tokens(pair_turns(r, side), r["image_sizes"], sample_id=f"{r['id']}:{side}")
+            for side in ("chosen", "rejected")
+        )
+
+    return count
+
+
 def pair_encoder(encoder: ConversationEncoder, data_dir: Path, score_first_k: int):
     """record -> [chosen sample, rejected sample], each marked with the token the reward is read at."""
 
@@ -173,11 +195,7 @@ def pair_encoder(encoder: ConversationEncoder, data_dir: Path, score_first_k: in
         image = datasets.load_image(data_dir, record["image"])
         out = []
         for side in ("chosen", "rejected"):
-            turns = [
-                {"role": "user", "text": f"<image>\n{record['prompt']}"},
-                {"role": "assistant", "text": record[side]},
-            ]
-            sample = encoder.encode(turns, images=[image], sample_id=f"{record['id']}:{side}")
+            sample = encoder.encode(pair_turns(record, side), images=[image], sample_id=f"{record['id']}:{side}")
             sample.meta["reward_index"] = reward_index(sample, score_first_k)
             out.append(sample)
         return out

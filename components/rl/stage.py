@@ -41,6 +41,7 @@ from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.device import resolve_device
 from components._shared.model.encoder import ConversationEncoder
+from components._shared.model.length_check import keep_trainable
 from components._shared.model.sources import resolve_model
 from components._shared.model.stage_steps import (
     SCRATCH,
@@ -211,6 +212,7 @@ def build_trainer(
     encoder = ConversationEncoder(
         processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
+    prompts = keep_trainable(prompts, prompt_tokens(encoder), budget=None, what="rl prompt", setting="max_length")
     rewards = build_rewards(
         dict(cfg.rewards),
         reward_model_uri=reward_model or None,
@@ -236,15 +238,30 @@ def build_trainer(
         rewards=rewards,
         checkpoints=checkpoint_store("rl", cfg.train, key, output_dir),
         tracker=tracker,
-        ptx_pool=ptx_pool(data_dir, cfg) if cfg.ptx.coef else None,
+        ptx_pool=ptx_pool(data_dir, cfg, encoder) if cfg.ptx.coef else None,
     )
     return trainer, encoder, processor, rewards
 
 
-def ptx_pool(data_dir: Path, cfg: RlConfig) -> list[dict]:
-    """The records ptx draws its reference answers from; ptx.samples_per_step larger than the pool is an error (each
-    step would use the whole pool, fewer than asked), the default (train.samples_per_step) is capped, said."""
+def prompt_tokens(encoder: ConversationEncoder, *, answered: bool = False) -> Callable[[dict], int]:
+    """record -> the tokens of its rollout prompt (`answered`: of the prompt and its reference answer, as ptx
+    encodes it); over max_length is a ValueError (model/length_check.py)."""
+
+    def count(r: dict) -> int:
+        turns = datasets.prompt_turns(r["question"])
+        if answered:
+            turns = turns + [{"role": "assistant", "text": r["answer"]}]
+        return encoder.count_tokens(turns, r["image_sizes"], sample_id=r["id"], add_generation_prompt=not answered)
+
+    return count
+
+
+def ptx_pool(data_dir: Path, cfg: RlConfig, encoder: ConversationEncoder) -> list[dict]:
+    """The records ptx draws its reference answers from (those whose answer fits max_length); ptx.samples_per_step
+    larger than the pool is an error (each step would use the whole pool, fewer than asked), the default
+    (train.samples_per_step) is capped, said."""
     pool = load_prompts(data_dir, cfg, types=cfg.ptx.types, setting="ptx.types")
+    pool = keep_trainable(pool, prompt_tokens(encoder, answered=True), budget=None, what="ptx", setting="max_length")
     if cfg.ptx.samples_per_step > len(pool):
         raise ValueError(
             f"ptx.samples_per_step={cfg.ptx.samples_per_step} exceeds the {len(pool)} ptx records (the prompts file"

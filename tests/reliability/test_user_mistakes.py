@@ -140,6 +140,11 @@ CASES = {
         r"has \d+ of another shape than its config.json says",
     ),
     "weights hold a NaN": (dict(base=_nan_weight), r"1 weight tensor\(s\) .*non-finite .*whatever the learning rate"),
+    "override key with two dots": (dict(extra=["train..steps=3"]), r"the key 'train..steps' has an empty part"),
+    "override key with a look-alike letter": (
+        dict(extra=["tr\u0430in.steps=3"]),
+        r"the key holds '\u0430' \(CYRILLIC SMALL LETTER A\), not an ASCII letter",
+    ),
 }
 
 
@@ -327,3 +332,43 @@ def test_a_preset_holding_a_credential_is_refused_before_its_settings_are_valida
     with pytest.raises(ValueError) as caught:
         load_preset(preset)
     assert "sft.mode: a Hugging Face token" in str(caught.value) and TOKEN not in str(caught.value)
+
+
+def _lengthen(d: Path) -> None:
+    """Record 2's answer over the micro-batch budget (512 tokens), record 5's over max_length (4096)."""
+    lines = [json.loads(line) for line in (d / "sft.jsonl").read_text().splitlines()]
+    lines[1]["conversations"][1]["value"] = "red " * 700
+    lines[4]["conversations"][1]["value"] = "blue " * 5000
+    (d / "sft.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_records_too_long_to_train_on_are_refused_or_skipped_before_step_one(world, tmp_path, capsys):
+    """They stopped training at the step that drew them, and on_bad_record: skip could not skip them there."""
+    data = _data(world, tmp_path, _lengthen)
+    code, err = _run(tmp_path, capsys, data=data)
+    assert code == 2 and "2 conversation record(s) too long to train on in sft.jsonl" in err
+    budget = (
+        r"sft.jsonl:2 \(id='sft-00001'\): \d+ tokens \(text \+ visual\), more than train.max_tokens_per_micro_batch=512"
+    )
+    assert re.search(budget, err)
+    assert re.search(
+        r"sft.jsonl:5 \(id='sft-00004'\): sample 'sft-00004' has \d+ tokens .* more than max_length=4096", err
+    )
+    assert not any((tmp_path / "out" / "checkpoints").iterdir())  # no step taken
+    cfg = tmp_path / "skip.yaml"
+    cfg.write_text(json.dumps({"sft": {**SFT, "on_bad_record": "skip", "train": {**SFT["train"], "steps": 2}}}))
+    sft_main(["--config", str(cfg), "--output-dir", str(tmp_path / "ok"), "--base-model", BASE, "--data", str(data)])
+    out = capsys.readouterr().out
+    metrics = json.loads(out[out.index("\n{") + 1 :] if not out.startswith("{") else out)
+    assert metrics["data/skipped_records"] == 2 and metrics["data/skipped/too_long"] == 2
+    assert metrics["steps"] == 2
+
+
+def test_an_output_directory_that_is_a_file_is_named(world, tmp_path, capsys):
+    """Was `[Errno 17] File exists` from deep inside the checkpoint store."""
+    (tmp_path / "taken").write_text("a file")
+    for output, said in ((tmp_path / "taken", "is a file"), (tmp_path / "taken" / "sub", "is under")):
+        with pytest.raises(SystemExit) as exit_info:
+            sft_main(["--output-dir", str(output), "--base-model", BASE, "--data", str(world)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"--output-dir '{output}' {said}" in err and "Errno" not in err

@@ -298,3 +298,26 @@ def test_a_file_that_is_not_utf8_or_a_damaged_parquet_is_one_error_naming_it(tmp
         (tmp_path / "prefs/pairs.parquet").write_bytes(damaged)
         with pytest.raises(ValueError, match=r"^prefs/pairs.parquet: unreadable \(.*\); the file is damaged"):
             datasets.load_preferences(tmp_path)
+
+
+def test_a_refcoco_image_with_two_annotations_is_a_bad_record_not_the_last_box(tmp_path):
+    """MDETR's layout pairs each image entry (one expression) with one annotation; a second annotation with the same
+    image id replaced the first quietly."""
+    P._save_photo(tmp_path, "a.jpg", "coffee")
+    data = {
+        "images": [
+            {"id": 1, "file_name": "a.jpg", "caption": "the cup"},
+            {"id": 2, "file_name": "a.jpg", "caption": "the saucer"},
+        ],
+        "annotations": [
+            {"image_id": 1, "bbox": [1, 2, 3, 4]},
+            {"image_id": 2, "bbox": [5, 6, 7, 8]},
+            {"image_id": 2, "bbox": [9, 9, 3, 3]},
+        ],
+    }
+    _write(
+        tmp_path, {"final_refcoco_testA.json": json.dumps(data)}, "{path: final_refcoco_testA.json, format: refcoco}"
+    )
+    with pytest.raises(ValueError) as caught:
+        datasets.load_questions(tmp_path)
+    assert "final_refcoco_testA.json images[1] (id='2'): 2 annotations carry this image's id" in str(caught.value)

@@ -352,3 +352,38 @@ def test_qwen3_5_packed_gradients_are_the_same_with_gradient_checkpointing():
         float((grads[0][n] - grads[1][n]).abs().max() / grads[0][n].abs().max().clamp_min(1e-12)) for n in grads[0]
     )
     assert worst <= 1e-4
+
+
+def test_token_counts_from_image_headers_equal_the_encoding_for_every_family(family_model, tmp_path):
+    """model/length_check.py counts every record before step 1 from its images' header sizes: the count equals the
+    encoded sample's length for every family, image size and turn layout, an EXIF-rotated JPEG included (decoded
+    upright, so its header's width and height swap)."""
+    from components._shared.data.image_cache import DecodedImages
+    from components._shared.data.image_checks import inspect_image
+
+    _, _, _, encoder = family_model
+    rotated = _image(60, 200, 5)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees: decoded 60 wide, 200 high
+    rotated.save(tmp_path / "turned.jpg", exif=exif)
+    problem, size = inspect_image(tmp_path, "turned.jpg")
+    assert problem is None and size == (60, 200)
+    decoded = DecodedImages(tmp_path)("turned.jpg")
+    cases = [([decoded], [size])] + [([_image(h, w, i)], [(w, h)]) for i, (h, w) in enumerate(SIZES)]
+    cases.append(([_image(300, 40, 1), _image(40, 40, 2)], [(40, 300), (40, 40)]))
+    for images, sizes in cases:
+        turns = [
+            {"role": "user", "text": "<image>" * len(images) + "\nWhat is shown?"},
+            {"role": "assistant", "text": "a red circle " * len(sizes)},
+            {"role": "user", "text": "And then?"},
+            {"role": "assistant", "text": "nothing"},
+        ]
+        assert encoder.count_tokens(turns, sizes) == encoder.encode(turns, images=images).num_tokens
+        prompt = turns[:1]
+        counted = encoder.count_tokens(prompt, sizes, add_generation_prompt=True)
+        assert counted == encoder.encode(prompt, images=images, add_generation_prompt=True).num_tokens
+    _, model, processor, _ = family_model
+    short = ConversationEncoder(processor, model, **PIXELS, max_length=20)
+    long = [{"role": "user", "text": "<image>\nhi"}, {"role": "assistant", "text": "x " * 40}]
+    with pytest.raises(ValueError, match=r"sample 'long' has \d+ tokens \(text \+ visual\), more than max_length=20"):
+        short.count_tokens(long, [(64, 64)], sample_id="long")

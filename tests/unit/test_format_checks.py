@@ -390,7 +390,7 @@ def test_grounding_answers_without_a_box_are_refused_when_read(data):
          "answer": "(10,12),(40,44)"},
         {"id": "g-list", "image": "a.png", "task": "refer", "question": "The dog?", "answer": "[1, 2, 30, 40]"},
         {"id": "g-field", "image": "a.png", "task": "refer", "question": "The cat?", "answer": "the cat",
-         "box": [1, 2, 30, 40]},
+         "box": [1, 2, 30, 20]},
         {"id": "g-bad", "image": "a.png", "type": "grounding", "question": "Where is the square?",
          "answer": "top left"},
     ]  # fmt: skip
@@ -496,3 +496,44 @@ def test_choices_beyond_z_or_blank_are_bad_records(data):
     assert message.startswith("2 bad question record(s) in eval.jsonl")
     assert "30 choices; at most 26 options (A to Z) are lettered" in _line(message, "eval.jsonl:1")
     assert "hold a blank option letter or text" in _line(message, "eval.jsonl:2")
+
+
+def test_boxes_off_the_image_animated_images_non_numbers_and_look_alike_ids_are_bad_records(data):
+    """Each was kept quietly: a box off its 32x24 image (scored against a place the image lacks), an animated PNG
+    (trained on its first frame), `Infinity` in a record (JSON has none; copied into the record), and an id that
+    differs from another only by white space or a zero-width space (two records to the reader, one to anyone
+    reading the results)."""
+    frames = [Image.new("RGB", (32, 24), c) for c in ("red", "blue")]
+    frames[0].save(data / "anim.png", save_all=True, append_images=frames[1:])
+    box = {"image": "a.png", "task": "grounding", "question": "where", "answer": ""}
+    lines = [
+        json.dumps({"id": "negative", **box, "box": [-5, 0, 10, 10]}),
+        json.dumps({"id": "outside", **box, "box": [10, 10, 40, 20]}),
+        json.dumps({"id": "rounding", **box, "box": [0, 0, 32.4, 24]}),
+        json.dumps({"id": "animated", "image": "anim.png", "task": "color", "question": "Colour?", "answer": "red"}),
+        '{"id": "inf", "image": "a.png", "task": "color", "question": "Colour?", "answer": "red", "score": Infinity}',
+        json.dumps({"id": "q1 ", "image": "a.png", "task": "color", "question": "Colour?", "answer": "red"}),
+        json.dumps({"id": "q\u200b1", "image": "a.png", "task": "color", "question": "Colour?", "answer": "red"}),
+    ]
+    (data / "eval.jsonl").write_text("\n".join(lines) + "\n")
+    message = _error(datasets.load_questions, data)
+    assert message.startswith("5 bad question record(s) in eval.jsonl")
+    assert "box [-5.0, 0.0, 10.0, 10.0] is not inside its 32x24 image" in _line(message, "eval.jsonl:1")
+    assert "box [10.0, 10.0, 40.0, 20.0] is not inside its 32x24 image" in _line(message, "eval.jsonl:2")
+    assert "image 'anim.png' is animated (2 frames)" in _line(message, "eval.jsonl:4")
+    assert "Infinity is not a JSON value" in _line(message, "eval.jsonl:5")
+    assert "id 'q\\u200b1' appears more than once (as 'q1 ': they differ only in white space" in _line(
+        message, "eval.jsonl:7"
+    )
+    with bad_records.policy("skip") as ledger:
+        kept = datasets.load_questions(data)
+    assert [r["id"] for r in kept] == ["rounding", "q1 "] and ledger.metrics()["data/skipped/box"] == 2
+
+
+def test_an_empty_file_list_and_an_entrys_unknown_task_are_named_in_the_manifest(data):
+    """`sft: []` read the default file instead; an entry's task was unchecked when its records carry their own."""
+    (data / "dataset.yaml").write_text("sft: []\n")
+    assert "sft is an empty list; name its files, or leave sft out" in _error(datasets.load_conversations, data)
+    (data / "dataset.yaml").write_text("eval: [{path: eval.jsonl, task: exact_matchh}]\n")
+    _jsonl(data / "eval.jsonl", [{"id": "a", "image": "a.png", "task": "color", "question": "C?", "answer": "red"}])
+    assert "eval entry 'eval.jsonl': unknown task 'exact_matchh'" in _error(datasets.load_questions, data)

@@ -377,15 +377,24 @@ def test_the_report_lists_each_benchmark_before_and_after():
 
 def test_ptx_asking_for_more_records_than_its_pool_is_refused(tmp_path, capsys):
     """ptx.samples_per_step larger than the ptx pool used to be capped silently to the pool."""
+    from components._shared.model.encoder import ConversationEncoder
+    from components._shared.model.vlm import load_vlm
     from components.rl.stage import ptx_pool
 
     data = tmp_path / "data"
     write_splits(data, seed=7, eval_per_type=1, sft_records=16, preference_pairs=2)
-    pool = ptx_pool(data, _cfg("ppo", ptx={"coef": 1.0, "types": ["color"]}))
+    model, processor, _ = load_vlm(BASE)
+    encoder = ConversationEncoder(processor, model, min_pixels=3136, max_pixels=3136)
+    pool = ptx_pool(data, _cfg("ppo", ptx={"coef": 1.0, "types": ["color"]}), encoder)
     with pytest.raises(ValueError, match=rf"ptx.samples_per_step=1000 exceeds the {len(pool)} ptx records .*'color'"):
-        ptx_pool(data, _cfg("ppo", ptx={"coef": 1.0, "types": ["color"], "samples_per_step": 1000}))
+        ptx_pool(data, _cfg("ppo", ptx={"coef": 1.0, "types": ["color"], "samples_per_step": 1000}), encoder)
     big = _cfg(
         "ppo", ptx={"coef": 1.0, "types": ["color"]}, train={**_cfg("ppo").train.model_dump(), "samples_per_step": 64}
     )
-    assert len(ptx_pool(data, big)) == len(pool) < 64
+    assert len(ptx_pool(data, big, encoder)) == len(pool) < 64
     assert f"warning: ptx uses all {len(pool)} ptx records per step" in capsys.readouterr().err
+    short = ConversationEncoder(processor, model, min_pixels=3136, max_pixels=3136, max_length=24)
+    with pytest.raises(
+        ValueError, match=r"(?s)ptx record\(s\) too long to train on in sft.jsonl.*more than max_length=24"
+    ):
+        ptx_pool(data, _cfg("ppo", ptx={"coef": 1.0, "types": ["color"]}), short)  # answers past rl.max_length

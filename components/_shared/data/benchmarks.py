@@ -228,20 +228,26 @@ def _refcoco_items(path: Path, _: Path | None) -> Rows:
                 f"{path.name}: expected MDETR's COCO-style layout, an object with 'images' and 'annotations' lists, "
                 f"got {_shape(data)}; or give rows (a JSON list, JSON lines or Parquet)."
             )
-        boxes = {}
+        boxes: dict[object, list] = {}  # image id -> its annotations' boxes
         for i, a in enumerate(annotations):
             if not (isinstance(a, dict) and "image_id" in a and "bbox" in a):
                 raise ValueError(
                     f"{path.name} annotations[{i}]: expected an object with 'image_id' and 'bbox', got {_shape(a)}; "
                     "fix or remove that entry."
                 )
-            boxes[a["image_id"]] = a["bbox"]
+            boxes.setdefault(a["image_id"], []).append(a["bbox"])
         for i, image in enumerate(images):
             source = f"{path.name} images[{i}]"
             if not isinstance(image, dict):
                 yield source, image  # reported by the reader as not a record object
                 continue
-            item = {**image, "bbox": boxes.get(image.get("id")), "expression": image.get("caption")}
+            found = boxes.get(image.get("id"), [])
+            item = {
+                **image,
+                "bbox": found[0] if found else None,
+                "_boxes": len(found),
+                "expression": image.get("caption"),
+            }
             yield source, {**item, "_stem": path.stem, "_index": i}
         return
     for i, (source, row) in enumerate(iter_file(path)):
@@ -287,6 +293,10 @@ def _refcoco(item: dict) -> dict:
         raise RecordError("no referring expression (expression / caption / answer)")
     if item.get("bbox") is None:
         raise RecordError("no bbox (an annotation with the image's id)")
+    if item.get("_boxes", 1) > 1:
+        raise RecordError(
+            f"{item['_boxes']} annotations carry this image's id; a referring expression names one box: keep one"
+        )
     given = next((item[k] for k in ("question_id", "id") if item.get(k) is not None), None)
     return {
         "id": str(given) if given is not None else f"{item['_stem']}:{item['_index']}",  # rows without ids: FILE:INDEX

@@ -26,12 +26,14 @@ class ParquetImage:
 
 
 class _KeyedDecoder(json.JSONDecoder):
-    """json's decoder that notes keys given twice in one object (json keeps the last quietly; other readers keep the
-    first, so such a record means different things to different tools): `take_duplicates()` after each record."""
+    """json's decoder that notes what it would accept quietly: keys given twice in one object (json keeps the last;
+    other readers keep the first, so such a record means different things to different tools) and NaN / Infinity
+    (not JSON: other readers refuse them, and a non-finite number copied into a record poisons what sums it).
+    `take_duplicates()` after each record."""
 
     def __init__(self) -> None:
-        super().__init__(object_pairs_hook=self._pairs)
-        self._twice: list[str] = []
+        super().__init__(object_pairs_hook=self._pairs, parse_constant=self._constant)
+        self._problems: list[str] = []
 
     def _pairs(self, pairs: list[tuple[str, Any]]) -> dict:
         record = dict(pairs)
@@ -39,14 +41,17 @@ class _KeyedDecoder(json.JSONDecoder):
             seen: set[str] = set()
             for key, _ in pairs:
                 if key in seen:
-                    self._twice.append(key)
+                    self._problems.append(f"the key {key!r} is given twice in one object; keep one")
                 seen.add(key)
         return record
 
+    def _constant(self, name: str) -> None:
+        self._problems.append(f"{name} is not a JSON value (JSON has no NaN or infinity); write a number or null")
+
     def take_duplicates(self) -> str | None:
-        """Why the record just decoded is bad (a key given twice), or None; resets for the next record."""
-        twice, self._twice = self._twice, []
-        return f"the key {twice[0]!r} is given twice in one object; keep one" if twice else None
+        """Why the record just decoded is bad (a key given twice, a NaN), or None; resets for the next record."""
+        problems, self._problems = self._problems, []
+        return problems[0] if problems else None
 
 
 def _json_problem(error: Exception) -> str:

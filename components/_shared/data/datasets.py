@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import unicodedata
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +24,7 @@ from components._shared.data import formats as F
 from components._shared.data import tasks as T
 from components._shared.data.benchmarks import BENCHMARKS
 from components._shared.data.file_checks import TRAINING_ROLES, check_training_files, naming_the_file
-from components._shared.data.image_checks import MAX_IMAGE_PIXELS, local_image_path, probe_image
+from components._shared.data.image_checks import MAX_IMAGE_PIXELS, inspect_image, local_image_path
 from components._shared.platform import bad_records
 from components._shared.platform.credential_shapes import shown
 
@@ -137,6 +138,11 @@ def parse_manifest(text: str, where: str) -> Manifest:
     except ValidationError as error:
         raise ValueError(f"{where}: {_describe(error)}; see docs/data.md for the fields.") from error
     for role in ("sft", "eval", "rl", "preferences"):
+        if role in result.model_fields_set and not getattr(result, role):
+            raise ValueError(
+                f"{where}: {role} is an empty list; name its files, or leave {role} out (then "
+                f"{ROLES_DEFAULT[role]} is read if the directory has it)."
+            )
         if any(isinstance(f, str) and not f.strip() for f in getattr(result, role)):
             raise ValueError(f"{where}: {role} lists an empty file name; name each file (or leave the list out).")
     for task in result.tasks:
@@ -148,6 +154,10 @@ def parse_manifest(text: str, where: str) -> Manifest:
         if task in T.BUILTIN_TASKS:
             raise ValueError(f"{where}: task {task!r} is a builtin task; give your task another name.")
         T.resolve(task, result.tasks, where=f"{where} tasks")
+    for role in ("sft", "eval", "rl", "preferences"):  # an entry's task, whether or not its records name their own
+        for entry in result._entries(role):
+            if entry.task is not None:
+                T.resolve(entry.task, result.tasks, where=f"{where} {role} entry {entry.path!r}")
     return result
 
 
@@ -184,7 +194,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
     else:
         annotations = data_dir / spec.annotations if spec.annotations else None
         items = benchmark.items(data_dir / spec.path, annotations)
-    seen: set[tuple[str | None, str]] = set()  # (benchmark, id): ids are unique within a benchmark
+    seen: dict[tuple[str | None, str], str] = {}  # (benchmark, id as seen) -> id: unique within a benchmark
     for n, (source, raw) in enumerate(naming_the_file(items, data_dir / spec.path, spec.path)):
         try:
             if isinstance(raw, F.Unparsable):
@@ -200,8 +210,9 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
             record = convert(raw, shape, spec)
             _check_images(data_dir, raw, record)
             record_id = str(raw.get("id", raw.get("question_id", f"{_stem(spec.path)}:{n}")))
-            if (record.get("benchmark"), record_id) in seen:
-                raise F.RecordError(f"id {record_id!r} appears more than once; ids must be unique")
+            first = seen.get((record.get("benchmark"), id_as_seen(record_id)))
+            if first is not None:
+                raise F.RecordError(_twice(record_id, first))
         except KeyError as error:
             bad.append((source, f"the {spec.format} item has no field {error}"))
             continue
@@ -209,7 +220,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
             reason = shown(str(error), 400)  # a record's value of any size
             bad.append((f"{source} (id={_raw_id(raw)!r})" if isinstance(raw, dict) else source, reason))
             continue
-        seen.add((record.get("benchmark"), record_id))
+        seen[record.get("benchmark"), id_as_seen(record_id)] = record_id
         for key, value in raw.items():  # the record's own labels (a preference pair's kind, a benchmark category)
             if key not in record and key not in CONSUMED and isinstance(value, str | int | float | bool):
                 record[key] = value
@@ -217,24 +228,24 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
         out.append(record)
     if not out and not bad:
         raise ValueError(f"{spec.path} holds no records; fill it or leave it out of dataset.yaml.")
-    ledger = bad_records.current()
-    if bad and ledger is not None and ledger.skipping:
-        name = Path(spec.path).name
-        for source, reason in bad:  # keyed by the file's path in the data dir: same-named files never collide
-            ledger.skip(spec.path + source[len(name) :] if source.startswith(name) else source, reason)
-        if not out:
-            raise ValueError(
-                f"every record of {spec.path} is bad ({len(bad)} skipped under on_bad_record: skip), e.g. "
-                f"{bad[0][0]}: {bad[0][1]}; fix the file."
-            )
-    elif bad:
-        listed = "\n  ".join(f"{source}: {reason}" for source, reason in bad[: F.MAX_REPORTED])
-        more = f"\n  ... and {len(bad) - F.MAX_REPORTED} more" if len(bad) > F.MAX_REPORTED else ""
-        raise ValueError(
-            f"{len(bad)} bad {what} record(s) in {spec.path}; fix or drop them (or set on_bad_record: skip to train "
-            f"without them, counted in the metrics):\n  {listed}{more}"
-        )
+    bad_records.settle(spec.path, bad, kept=len(out), what=f"bad {what} record(s)")
     return out
+
+
+def id_as_seen(record_id: str) -> str:
+    """An id as a reader sees it: NFKC form, no invisible format characters, no surrounding white space (two ids
+    that differ only there are one id to anyone reading the results)."""
+    folded = unicodedata.normalize("NFKC", record_id)
+    return "".join(c for c in folded if unicodedata.category(c) != "Cf").strip()
+
+
+def _twice(record_id: str, first: str) -> str:
+    if first == record_id:
+        return f"id {record_id!r} appears more than once; ids must be unique"
+    return (
+        f"id {record_id!r} appears more than once (as {first!r}: they differ only in white space or invisible / "
+        "Unicode-form characters); ids must be unique"
+    )
 
 
 def _check_inside(data_dir: Path, spec: DataFile) -> None:
@@ -260,13 +271,30 @@ def _check_inside(data_dir: Path, spec: DataFile) -> None:
 
 def _check_images(data_dir: Path, raw: dict, record: dict) -> None:
     """Before any training: every image a record names exists and its header decodes (s3:// objects are read when
-    used), and no field outside image / images holds an image (a misspelled key would train text only)."""
+    used), and no field outside image / images holds an image (a misspelled key would train text only). The
+    images' sizes go in `image_sizes`."""
     refs = record.get("images") or ([record["image"]] if "image" in record else [])
     _check_stray_images(raw, paths=not refs)  # a path beside the record's images may be metadata (file_name)
+    sizes = []
     for ref in refs:
-        problem = probe_image(data_dir, ref)
+        problem, size = inspect_image(data_dir, ref)
         if problem:
             raise F.RecordError(problem)
+        sizes.append(size)
+    record["image_sizes"] = sizes  # (width, height) from the headers, None for s3://: model/length_check.py
+    if record.get("box") is not None and sizes and sizes[0] is not None:
+        _check_box(record["box"], sizes[0])
+
+
+def _check_box(box: list[float], size: tuple[int, int]) -> None:
+    """A box lies inside its image (pixels; half a pixel of rounding allowed): one outside it or partly off it
+    would teach or score a place the image does not have."""
+    width, height = size
+    if min(box) < -0.5 or box[2] > width + 0.5 or box[3] > height + 0.5:
+        raise F.RecordError(
+            f"box {[round(v, 1) for v in box]} is not inside its {width}x{height} image; boxes are [x1, y1, x2, y2] "
+            "in the image's pixels (0 <= x <= width, 0 <= y <= height): fix the box or the image"
+        )
 
 
 def _check_stray_images(raw: dict, *, paths: bool) -> None:
@@ -389,7 +417,7 @@ def load_questions(
                 flush=True,
             )
         for record in read:
-            key = (record["benchmark"] if role == "eval" else None, record["id"])
+            key = (record["benchmark"] if role == "eval" else None, id_as_seen(record["id"]))
             if key in seen:
                 raise ValueError(_repeated_id(record["id"], key[0], role, seen[key], spec.path))
             seen[key] = spec.path

@@ -41,7 +41,6 @@ ImageRef = str | bytes | ParquetImage
 RECORD_FORMATS = ("auto", "llava", "sharegpt", "messages", "flat", "preference")
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 IMAGE_MARKER = "<image>"
-MAX_REPORTED = 20
 _LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _DATA_URI = re.compile(r"^data:image/[\w.+-]+;base64,", re.I)
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -3,6 +3,7 @@
 Training decodes images when a step needs them; an image that fails there stops the run at that step (or, under
 `on_bad_record: skip`, could not be skipped any more). So every image is checked when its record is read:
 - it exists inside the data directory and is an allowed format (JPEG, PNG, WebP) whose header Pillow reads;
+- it is a still image (an animated WebP or PNG would be trained on its first frame alone);
 - its pixel count is under the decompression-bomb limit the decoder enforces;
 - its aspect ratio is at most 200:1, the most Qwen's image processor (`smart_resize`) accepts;
 - it is whole: a JPEG ends with its end-of-image marker after its last scan, a PNG holds its IEND chunk, a WebP
@@ -25,6 +26,7 @@ from components._shared.data import formats as F
 MAX_IMAGE_PIXELS = 89_478_485  # Pillow's default bomb limit, enforced by imaging.decode_image
 MAX_ASPECT_RATIO = 200  # transformers' Qwen smart_resize raises above this (every Qwen-VL family)
 TAIL_BYTES = 64 << 10
+EXIF_ORIENTATION = 0x0112  # values 5-8 turn the image a quarter: width and height swap
 
 
 def local_image_path(root: Path, reference: str) -> Path:
@@ -43,11 +45,17 @@ def local_image_path(root: Path, reference: str) -> Path:
 
 def probe_image(root: Path, reference: F.ImageRef) -> str | None:
     """Why the image cannot be used (the module's checks), or None. s3:// references are not fetched here."""
+    return inspect_image(root, reference)[0]
+
+
+def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[int, int] | None]:
+    """(why the image cannot be used or None, its (width, height) as decoded, EXIF rotation applied, or None
+    where not read: an s3:// reference, or an unusable image)."""
     from components._shared.platform import storage
     from components._shared.platform.image_decode import ALLOWED_FORMATS
 
     if isinstance(reference, str) and storage.is_s3(reference):
-        return None
+        return None, None
     name = repr(reference) if isinstance(reference, str) else type(reference).__name__
     try:
         if isinstance(reference, F.ParquetImage):
@@ -55,8 +63,11 @@ def probe_image(root: Path, reference: F.ImageRef) -> str | None:
             if not data:
                 if not path_in_cell:
                     state = "empty" if data == b"" else "null"
-                    return f"{_cell_name(reference)} holds no image (bytes {state}, no path); give it or drop the row"
-                return probe_image(root, path_in_cell)
+                    return (
+                        f"{_cell_name(reference)} holds no image (bytes {state}, no path); give it or drop the row",
+                        None,
+                    )
+                return inspect_image(root, path_in_cell)
             source: Any = io.BytesIO(data)
             name = _cell_name(reference)
         elif isinstance(reference, bytes):
@@ -65,29 +76,47 @@ def probe_image(root: Path, reference: F.ImageRef) -> str | None:
             try:
                 source = local_image_path(root, reference)
             except ValueError as error:
-                return str(error).rstrip(".")
+                return str(error).rstrip("."), None
         with Image.open(source, formats=list(ALLOWED_FORMATS)) as image:
             width, height, kind = image.width, image.height, image.format
+            turned = _quarter_turned(image)
+            frames = getattr(image, "n_frames", 1)
     except Exception as error:  # noqa: BLE001 - any failure to read an untrusted header is the record's problem
         other = _other_format(source) if isinstance(error, UnidentifiedImageError) else None
         if other:
-            return f"image {name} is a {other} file; only {', '.join(ALLOWED_FORMATS)} are read: convert it"
-        return f"image {name} is unreadable ({error})"
+            return f"image {name} is a {other} file; only {', '.join(ALLOWED_FORMATS)} are read: convert it", None
+        return f"image {name} is unreadable ({error})", None
     if width * height > MAX_IMAGE_PIXELS:
-        return f"image {name} declares {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} limit"
+        return f"image {name} declares {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} limit", None
     ratio = max(width, height) / max(min(width, height), 1)
     if ratio > MAX_ASPECT_RATIO or min(width, height) < 1:
         return (
             f"image {name} is {width}x{height}, an aspect ratio of {ratio:.0f}:1; Qwen's image processor refuses "
             f"more than {MAX_ASPECT_RATIO}:1: crop or pad it, or drop the record"
-        )
+        ), None
     head, tail, size = _ends(source)
     if _cut_short(kind, head, tail, size):
         return (
             f"image {name} is truncated: its {kind} data ends before the format's end ({size} bytes; a download or "
             "copy cut short?); fetch it again or drop the record"
-        )
-    return None
+        ), None
+    if frames > 1:
+        return (
+            f"image {name} is animated ({frames} frames); the model reads one still image: save the frame you mean "
+            "as a PNG or JPEG, or drop the record"
+        ), None
+    if isinstance(turned, Exception):
+        return f"image {name} is unreadable ({turned})", None
+    return None, ((height, width) if turned else (width, height))
+
+
+def _quarter_turned(image: Image.Image) -> bool | Exception:
+    """Whether the image's EXIF orientation turns it a quarter (decode_image applies it: width and height swap);
+    the exception where its EXIF cannot be read (a PNG's eXIf chunk sits after its data: reading it reads on)."""
+    try:
+        return image.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8)
+    except Exception as error:  # noqa: BLE001 - untrusted bytes
+        return error
 
 
 def _other_format(source: Any) -> str | None:

@@ -61,6 +61,7 @@ def _run_section(
     from components._shared.platform.storage import check_location
 
     check_location(args.output_dir, "--output-dir")
+    _check_directory(args.output_dir)
     for name in inputs:
         if name in optional_inputs and not getattr(args, name).strip():
             continue  # absent: the stage says so if its config needs it
@@ -107,6 +108,19 @@ def _run_section(
             storage.publish_dir(local_out, args.output_dir)  # rank 0 only: it alone wrote the outputs
     print(json.dumps(metrics, indent=2, sort_keys=True, default=str))
     return metrics
+
+
+def _check_directory(output: str) -> None:
+    """A local output directory is a directory, or can be made one: not an existing file, nor under one."""
+    if output.startswith("s3://"):
+        return
+    path = Path(output).absolute()
+    found = next((p for p in (path, *path.parents) if p.exists()), None)
+    if found is not None and not found.is_dir():
+        where = "is" if found == path else f"is under {str(found)!r}, which is"
+        raise ValueError(
+            f"--output-dir {output!r} {where} a file, not a directory; give a directory (made if missing)."
+        )
 
 
 def _check_apart(output: str, given: str, flag: str) -> None:

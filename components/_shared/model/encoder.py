@@ -45,6 +45,14 @@ class Sample:
         return int((self.labels != IGNORE_INDEX).sum())
 
 
+@dataclass(frozen=True)
+class _Size:
+    """An image's size where only its header was read (model_image_size reads .width and .height)."""
+
+    width: int
+    height: int
+
+
 class RopeIndex:
     """The model's own `get_rope_index` without a reference to the model: its class's method bound to an object
     that holds only the config (the method reads the config and calls sibling methods, never weights)."""
@@ -154,6 +162,30 @@ class ConversationEncoder:
         cached `features` (pre-merger rows per image) instead of pixels; `grids` alone leaves the visual rows to
         be passed to forward_logits as `image_embeds`."""
         pixel_values, grid_list = self._visual_inputs(images, grids)
+        ids, labels = self._tokens(turns, grid_list, sample_id, add_generation_prompt)
+        grid = torch.stack(grid_list) if grid_list else torch.zeros((0, 3), dtype=torch.int64)
+        return self._sample(ids, labels, grid, pixel_values, features, sample_id, meta)
+
+    def count_tokens(
+        self, turns: list[dict], image_sizes=(), *, sample_id: str = "", add_generation_prompt: bool = False
+    ) -> int:
+        """The tokens `encode` would give `turns` with images of these (width, height) sizes (None: not known,
+        counted at min_pixels), without decoding an image; raises what `encode` raises (over max_length, ...)."""
+        grids = [self.grid_for_size(size) for size in image_sizes]
+        return len(self._tokens(turns, grids, sample_id, add_generation_prompt)[0])
+
+    def grid_for_size(self, size: tuple[int, int] | None) -> torch.Tensor:
+        """The (t, h, w) patch grid the image processor gives an image of `size` (width, height): one frame."""
+        factor = int(self.image_processor.patch_size) * int(self.image_processor.merge_size)
+        width, height = size or (factor, factor)
+        model_width, model_height = self.model_image_size(_Size(width, height))
+        patch = int(self.image_processor.patch_size)
+        return torch.tensor([1, model_height // patch, model_width // patch], dtype=torch.int64)
+
+    def _tokens(
+        self, turns: list[dict], grid_list: list[torch.Tensor], sample_id: str, add_generation_prompt: bool
+    ) -> tuple[list[int], list[int]]:
+        """(input ids, labels) of `turns` with one image of each grid; over max_length is a ValueError."""
         self._check_control_tokens(turns, sample_id)
         messages = self._messages(turns, len(grid_list), sample_id)
         ids: list[int] = []
@@ -168,8 +200,7 @@ class ConversationEncoder:
                 f"sample {sample_id!r} has {len(ids)} tokens (text + visual), more than max_length="
                 f"{self.max_length}; lower max_pixels or raise max_length."
             )
-        grid = torch.stack(grid_list) if grid_list else torch.zeros((0, 3), dtype=torch.int64)
-        return self._sample(ids, labels, grid, pixel_values, features, sample_id, meta)
+        return ids, labels
 
     def _messages(self, turns: list[dict], n_images: int, sample_id: str) -> list[dict]:
         """Chat-template messages: user content as [image | text] parts at the placeholders, assistant as text."""

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from pathlib import Path
 
 MAX_LISTED = 20
 
@@ -27,6 +28,8 @@ _REASONS = (
     ("not_an_object", r"not a record object"),
     ("duplicate_id", r"more than once"),
     ("identical_pair", r"chosen and rejected are the same text"),
+    ("too_long", r"tokens \(text \+ visual\), more than"),
+    ("box", r"^box "),
     ("image", r"image"),
     ("empty", r"(?<!non-)\bempty\b"),  # "is empty", not "must be a non-empty string" (a wrong type)
 )
@@ -96,6 +99,32 @@ def policy(name: str) -> Iterator[Ledger]:
 def current() -> Ledger | None:
     """The ledger of the open `policy` (None outside one: readers fail on any bad record)."""
     return _CURRENT.get()
+
+
+def settle(path: str, bad: list[tuple[str, str]], *, kept: int, what: str, state: str = "bad") -> None:
+    """Apply the open policy to the bad records of the data file `path` (its path in the data directory), each
+    (source "name:line ...", reason): under `skip`, count them (an error if none is `kept`); else one ValueError
+    listing them (the first MAX_LISTED). `what` names them ("bad conversation record(s)"), `state` says what
+    they are ("bad", "too long to train on")."""
+    if not bad:
+        return
+    ledger = current()
+    if ledger is not None and ledger.skipping:
+        name = Path(path).name
+        for source, reason in bad:  # keyed by the file's path in the data dir: same-named files never collide
+            ledger.skip(path + source[len(name) :] if source.startswith(name) else source, reason)
+        if not kept:
+            raise ValueError(
+                f"every record of {path} is {state} ({len(bad)} skipped under on_bad_record: skip), e.g. "
+                f"{bad[0][0]}: {bad[0][1]}; fix the file."
+            )
+        return
+    listed = "\n  ".join(f"{source}: {reason}" for source, reason in bad[:MAX_LISTED])
+    more = f"\n  ... and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
+    raise ValueError(
+        f"{len(bad)} {what} in {path}; fix or drop them (or set on_bad_record: skip to train without "
+        f"them, counted in the metrics):\n  {listed}{more}"
+    )
 
 
 def _one_line(text: str) -> str:

@@ -6,6 +6,7 @@ A config file is either a preset (one section per stage; a stage's section is us
 
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"Override '{pair}' is not key=value (example: optim.lr=2e-5).")
+        _check_key(key, pair)
         *parents, leaf = key.split(".")
         prefixes = [".".join(parents[: k + 1]) for k in range(len(parents))]
         earlier = given.get(key) or next((given[p] for p in prefixes if p in given), None)
@@ -47,6 +49,23 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
                 "number, true/false, a word, a [list] or a quoted string (example: optim.lr=2e-5)."
             ) from None
     return out
+
+
+def _check_key(key: str, pair: str) -> None:
+    """A dotted key of ASCII names: an empty part (`train..steps`) or a look-alike letter (Cyrillic 'а' in `trаin`)
+    is named, where validation would only call the setting unknown."""
+    parts = key.split(".")
+    if not all(p.strip() for p in parts):
+        raise ValueError(
+            f"Override '{shown(pair, 200)}': the key {key!r} has an empty part (two dots, or one at an end); write "
+            "dotted setting names, e.g. train.steps=3."
+        )
+    odd = next((c for c in key if not c.isascii()), None)
+    if odd is not None:
+        raise ValueError(
+            f"Override '{shown(pair, 200)}': the key holds {odd!r} ({unicodedata.name(odd, f'U+{ord(odd):04X}')}), "
+            "not an ASCII letter; setting names are ASCII: retype the key."
+        )
 
 
 def _scalar(raw: str) -> Any:
