@@ -37,7 +37,7 @@ from components._shared.model.attention import PACKED_SDPA, enable_vision_varlen
 from components._shared.model.device import resolve_device
 from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder
 from components._shared.model.head_loss import output_head
-from components._shared.model.length_check import keep_trainable
+from components._shared.model.length_check import conversation_tokens, keep_trainable
 from components._shared.model.packing import forward_outputs, pack, plan_micro_batches, to_device
 from components._shared.model.stage_steps import (
     SCRATCH,
@@ -119,12 +119,8 @@ def run(
     encoder = ConversationEncoder(
         processor, teacher, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
-    records = keep_trainable(
-        records,
-        lambda r: encoder.count_tokens(r["turns"], r["image_sizes"], sample_id=r["id"]),
-        budget=cfg.train.max_tokens_per_micro_batch,
-        what="conversation",
-    )
+    budget = cfg.train.max_tokens_per_micro_batch
+    records = keep_trainable(records, conversation_tokens(encoder), budget=budget, what="conversation")
     encode = record_encoder(encoder, records, data_dir)
     student, plan, pairs = prepare_student(cfg, teacher, processor, encode, len(records))
     final_rows: list[dict] = []

@@ -35,7 +35,7 @@ import torch
 from components._shared.data import datasets
 from components._shared.data import metrics as M
 from components._shared.data import tasks as T
-from components._shared.data.file_checks import same_file
+from components._shared.data.file_checks import check_distinct_contents, same_file
 from components._shared.data.image_cache import DecodedImages
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
@@ -71,12 +71,14 @@ def load_prompts(
     prompts, seen_types = [], set()
     records = datasets.conversation_questions(data_dir, cfg.prompts_file, label="rl prompt")
     held_out = {same_file(f.path) for f in datasets.manifest(data_dir).files("eval", cfg.eval.files)}
-    overlap = sorted(held_out & {same_file(r["file"]) for r in records})
+    prompt_files = {same_file(r["file"]) for r in records}
+    overlap = sorted(held_out & prompt_files)
     if overlap:
         raise ValueError(
             f"rl: {overlap} are both prompt and held-out files; the policy would train on its held-out questions. "
             "Name other files in dataset.yaml (rl / eval) or in rl.prompts_file / rl.eval.files."
         )
+    check_distinct_contents(data_dir, "rl", sorted(prompt_files), sorted(held_out))  # a link or copy of one
     for r in records:
         seen_types.add(r["type"])
         if types and r["type"] not in types:

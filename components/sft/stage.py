@@ -32,7 +32,7 @@ from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.families import family_for
-from components._shared.model.length_check import keep_trainable
+from components._shared.model.length_check import conversation_tokens, keep_trainable
 from components._shared.model.stage_steps import (
     SCRATCH,
     Figure,
@@ -228,12 +228,8 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
     encoder = ConversationEncoder(
         processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
-    records = keep_trainable(
-        records,
-        lambda r: encoder.count_tokens(r["turns"], r["image_sizes"], sample_id=r["id"]),
-        budget=cfg.train.max_tokens_per_micro_batch,
-        what="conversation",
-    )
+    budget = cfg.train.max_tokens_per_micro_batch
+    records = keep_trainable(records, conversation_tokens(encoder), budget=budget, what="conversation")
     loop, quick_eval = build_loop(cfg, model, encoder, records, eval_records, data_dir, store, tracker)
     trainable = count_parameters(model, trainable_only=True)
     tracker.log_params({"trainable_parameters": trainable, "records": len(records)})

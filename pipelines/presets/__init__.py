@@ -7,8 +7,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from components._shared.platform.presets import PRESET_TOP_LEVEL
+
 PRESET_DIR = Path(__file__).parent
-TOP_LEVEL_KEYS = {"description", "base_model_uri", "experiment", "lake_uri", "kubernetes"}  # + `extends: PRESET`
+TOP_LEVEL_KEYS = set(PRESET_TOP_LEVEL)  # + `extends: PRESET`
 
 
 class Preset(BaseModel):

@@ -141,6 +141,20 @@ CASES = {
     ),
     "weights hold a NaN": (dict(base=_nan_weight), r"1 weight tensor\(s\) .*non-finite .*whatever the learning rate"),
     "override key with two dots": (dict(extra=["train..steps=3"]), r"the key 'train..steps' has an empty part"),
+    "a flag given twice": (dict(extra=["--data", "/elsewhere"]), r"--data is given twice; give it once"),
+    "config-json key given twice": (
+        dict(extra=["--config-json", '{"train": {"steps": 1}, "train": {"steps": 2}}']),
+        r"--config-json: the key 'train' is given twice",
+    ),
+    "a misspelled preset section": (
+        dict(config_text="sft: {train: {steps: 1}}\nsfft: {optim: {lr: 0.5}}\n"),
+        r"unknown section\(s\) \['sfft'\] in a preset \('sfft': did you mean 'sft'\?\)",
+    ),
+    "a stage's setting at a preset's top level": (
+        dict(config_text="sft:\ntrain: {steps: 1}\ndescription: mine\n"),
+        r"unknown section\(s\) \['train'\] in a preset.*a stage's settings go inside its section",
+    ),
+    "an s3 location with one slash": (dict(base="s3:/bucket/model"), r"an s3 URI starts with two slashes"),
     "override key with a look-alike letter": (
         dict(extra=["tr\u0430in.steps=3"]),
         r"the key holds '\u0430' \(CYRILLIC SMALL LETTER A\), not an ASCII letter",

@@ -321,3 +321,33 @@ def test_a_refcoco_image_with_two_annotations_is_a_bad_record_not_the_last_box(t
     with pytest.raises(ValueError) as caught:
         datasets.load_questions(tmp_path)
     assert "final_refcoco_testA.json images[1] (id='2'): 2 annotations carry this image's id" in str(caught.value)
+
+
+def test_release_files_that_say_two_things_are_refused_and_a_byte_order_mark_is_read(tmp_path):
+    """Kept quietly before: a key given twice in a release file's item (the last won), a second VQAv2 annotation for
+    a question (its answers replaced the first's), COCO caption annotations whose image_id names no image (dropped);
+    a byte-order mark made MMBench's first column unknown and POPE's first line invalid JSON."""
+    P._save_photo(tmp_path, "a.jpg", "coffee")
+    item = '{"questionId": 1, "question": "Q?", "question": "Other?", "answers": ["x"], "image": "a.jpg"}'
+    _write(tmp_path, {"val.json": '{"data": [' + item + "]}"}, "{path: val.json, format: docvqa}")
+    with pytest.raises(ValueError, match=r"^val.json: the key 'question' is given twice in one object; keep one"):
+        datasets.load_questions(tmp_path)
+    questions = {"data_subtype": "val2014", "questions": [{"question_id": 1, "image_id": 1, "question": "Q?"}]}
+    answer = {"question_id": 1, "answers": [{"answer": "yes"}]}
+    annotations = {"annotations": [answer, {**answer, "answers": [{"answer": "no"}]}]}
+    _write(tmp_path, {"q.json": questions, "a.json": annotations}, "{path: q.json, annotations: a.json, format: vqav2}")
+    with pytest.raises(ValueError, match=r"a.json annotations\[1\]: question_id 1 has an annotation already"):
+        datasets.load_questions(tmp_path)
+    captions = {
+        "images": [{"id": 1, "file_name": "a.jpg"}],
+        "annotations": [{"image_id": 1, "caption": "a cup"}, {"image_id": "1", "caption": "a mug"}],
+    }
+    _write(tmp_path, {"c.json": captions}, "{path: c.json, format: coco_captions}")
+    with pytest.raises(ValueError, match=r"c.json: 1 annotation image_id\(s\) name no image of 'images' \(e.g. '1'"):
+        datasets.load_questions(tmp_path)
+    pope = '\ufeff{"question_id": 1, "image": "a.jpg", "text": "Is there a cup?", "label": "yes"}\n'
+    _write(tmp_path, {"pope.json": pope}, "{path: pope.json, format: pope}")
+    assert [r["answer"] for r in datasets.load_questions(tmp_path)] == ["yes"]
+    _write(tmp_path, {"pope.json": "[\n" + pope.strip("\ufeff\n") + "\n]\n"}, "{path: pope.json, format: pope}")
+    with pytest.raises(ValueError, match=r"pope.json:1: not valid JSON .*this benchmark's file is JSON Lines"):
+        datasets.load_questions(tmp_path)

@@ -191,3 +191,13 @@ def test_an_extends_cycle_is_named_and_shipped_presets_are_found_from_anywhere(t
     (tmp_path / "mine.yaml").write_text("extends: demo\nsft: {seed: 7}\n")  # a preset of one's own, outside presets/
     demo = read_section(PRESET_DIR / "demo.yaml", "sft")
     assert read_section(tmp_path / "mine.yaml", "sft") == {**demo, "seed": 7}
+
+
+def test_extends_naming_a_directory_says_so(tmp_path):
+    """Was `[Errno 21] Is a directory`."""
+    from components._shared.platform.presets import read_preset_yaml
+
+    (tmp_path / "sub.yaml").mkdir()
+    (tmp_path / "mine.yaml").write_text("extends: sub\nsft: {}\n")
+    with pytest.raises(ValueError, match=r"mine.yaml: extends 'sub', which names .*sub.yaml': a directory, not a file"):
+        read_preset_yaml(tmp_path / "mine.yaml")

@@ -85,7 +85,7 @@ def test_eval_records_are_validated(tmp_path: Path):
     (tmp_path / "eval.jsonl").write_text(
         '{"id": "q1", "image": "../x.png", "question": "?", "answer": "a", "type": "color"}\n'
     )
-    with pytest.raises(ValueError, match="leaves the data directory"):
+    with pytest.raises(ValueError, match="leads outside the data directory"):
         datasets.load_eval_records(tmp_path)
     (tmp_path / "eval.jsonl").write_text('{"id": "q2", "image": "x.png", "question": "?"}\n')
     with pytest.raises(ValueError, match=r"eval.jsonl:1 \(id='q2'\): a flat record needs 'answer'"):

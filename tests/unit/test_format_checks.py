@@ -537,3 +537,154 @@ def test_an_empty_file_list_and_an_entrys_unknown_task_are_named_in_the_manifest
     (data / "dataset.yaml").write_text("eval: [{path: eval.jsonl, task: exact_matchh}]\n")
     _jsonl(data / "eval.jsonl", [{"id": "a", "image": "a.png", "task": "color", "question": "C?", "answer": "red"}])
     assert "eval entry 'eval.jsonl': unknown task 'exact_matchh'" in _error(datasets.load_questions, data)
+
+
+def test_records_that_say_two_things_are_refused_not_read_one_way(data):
+    """A second hostile pass found records kept with half of them dropped: synonyms that disagree (`from` human and
+    `role` assistant in one turn; an image part's `image` and `url`), two shapes in one record, `task` and `type`
+    naming different tasks, a curriculum level that is not a name (a traceback once a curriculum ran), and options
+    on a task that scores the answer's text (the prompt asked for a letter the reference never is)."""
+    (data / "b.png").write_bytes(_png())
+    turn = lambda **kw: kw  # noqa: E731
+    records = [
+        {
+            "id": "roles",
+            "image": "a.png",
+            "conversations": [turn(**{"from": "human", "role": "assistant", "value": "<image>Q"}), G("A")],
+        },
+        {
+            "id": "texts",
+            "image": "a.png",
+            "conversations": [turn(**{"from": "human", "value": "<image>Q", "content": "B"}), G("A")],
+        },
+        {
+            "id": "parts",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "image": "a.png", "url": "b.png"}, {"type": "text", "text": "Q"}],
+                },
+                {"role": "assistant", "content": "A"},
+            ],
+        },
+        {
+            "id": "shapes",
+            "image": "a.png",
+            "conversations": [H("<image>Q"), G("A")],
+            "messages": [{"role": "user", "content": "x"}],
+        },
+        {"id": "level", "image": "a.png", "difficulty": ["basic"], "conversations": [H("<image>Q"), G("A")]},
+        {"id": "null-level", "image": "a.png", "difficulty": None, "conversations": [H("<image>Q"), G("A")]},
+    ]
+    _jsonl(data / "sft.jsonl", records)
+    message = _error(datasets.load_conversations, data)
+    assert message.startswith("5 bad conversation record(s) in sft.jsonl")
+    assert "conversations[0]: 'from' and 'role' are both given and differ; keep one" in _line(message, "sft.jsonl:1")
+    assert "'value' and 'content' are both given and differ" in _line(message, "sft.jsonl:2")
+    assert "part 0: 'image' and 'url' are both given and differ" in _line(message, "sft.jsonl:3")
+    assert "the record holds 'conversations' and 'messages': two record shapes" in _line(message, "sft.jsonl:4")
+    assert "'difficulty' must be a level's name (a string such as 'basic'), got ['basic']" in _line(
+        message, "sft.jsonl:5"
+    )
+    with bad_records.policy("skip"):
+        assert [r["difficulty"] for r in datasets.load_conversations(data)] == ["all"]  # a null level is none given
+    questions = [
+        {"id": "both", "image": "a.png", "question": "Q", "answer": "red", "task": "color", "type": "count"},
+        {
+            "id": "options",
+            "image": "a.png",
+            "question": "Q",
+            "answer": "red",
+            "task": "color",
+            "choices": ["red", "blue"],
+        },
+        {
+            "id": "chat",
+            "image": "a.png",
+            "question": "Q",
+            "answer": "red",
+            "task": "color",
+            "conversations": [H("Q"), G("A")],
+        },
+    ]
+    _jsonl(data / "eval.jsonl", questions)
+    message = _error(datasets.load_questions, data)
+    assert "'task' 'color' and 'type' 'count' disagree; give one of them" in _line(message, "eval.jsonl:1")
+    assert "'choices' given, but task 'color' is scored by exact_match" in _line(message, "eval.jsonl:2")
+    assert "the record holds 'conversations' and 'question'" in _line(message, "eval.jsonl:3")
+
+
+def test_an_entrys_declared_format_must_be_its_records_and_annotations_only_go_with_vqav2(data):
+    _jsonl(data / "eval.jsonl", [{"id": "q", "image": "a.png", "question": "Q", "answer": "red", "task": "color"}])
+    (data / "dataset.yaml").write_text("eval: [{path: eval.jsonl, format: llava}]\n")
+    assert "dataset.yaml gives 'eval.jsonl' format: llava, but this record is flat" in _error(
+        datasets.load_questions, data
+    )
+    (data / "dataset.yaml").write_text("eval: [{path: eval.jsonl, annotations: nothere.json}]\n")
+    assert "gives annotations, which only format: vqav2 reads" in _error(datasets.load_questions, data)
+    (data / "dataset.yaml").write_text("eval: [eval.jsonl]\n")
+    (data / "dataset.json").write_text('{"eval": ["eval.jsonl"]}')
+    assert "holds both dataset.yaml and dataset.json" in _error(datasets.load_questions, data)
+    (data / "dataset.yaml").unlink()
+    (data / "dataset.json").rename(data / "dataset.yml")
+    assert "holds dataset.yml, not dataset.yaml: name it dataset.yaml" in _error(datasets.load_questions, data)
+
+
+def test_a_training_file_under_another_name_is_refused_however_it_is_linked_or_copied(data):
+    """normpath caught `./sft.jsonl`; a symlink, a hard link or a copy trained twice or on held-out data, exit 0."""
+    import os
+    import shutil
+
+    _jsonl(data / "sft.jsonl", [{"id": "s", "image": "a.png", "conversations": [H("<image>Q"), G("A")]}])
+    _jsonl(data / "eval.jsonl", [{"id": "q", "image": "a.png", "question": "Q", "answer": "red", "task": "color"}])
+    os.symlink("sft.jsonl", data / "linked.jsonl")
+    os.link(data / "sft.jsonl", data / "hard.jsonl")
+    shutil.copy(data / "sft.jsonl", data / "copy.jsonl")
+    for other in ("linked.jsonl", "hard.jsonl", "copy.jsonl"):
+        (data / "dataset.yaml").write_text(f"sft: [sft.jsonl, {other}]\n")
+        assert "hold the same bytes (a link or a copy): sft would train on the same training records twice" in (
+            _error(datasets.load_conversations, data)
+        )
+        (data / "dataset.yaml").write_text(f"sft: [sft.jsonl]\neval: [eval.jsonl, {other}]\n")
+        assert "would train on held-out records" in _error(datasets.load_conversations, data)
+
+
+def test_image_paths_that_go_wrong_say_how(data):
+    """A NUL character, the data directory itself, a symlink out of it and a name in another Unicode form (macOS
+    writes NFD) were 'embedded null byte', 'leaves the data directory' or 'does not exist'."""
+    import os
+    import unicodedata
+
+    (data / unicodedata.normalize("NFD", "café.png")).write_bytes(_png())
+    os.symlink("/tmp", data / "out")
+    cases = {
+        "nul": "a.png\u0000.txt",
+        "dir": "./",
+        "link": "out/x.png",
+        "nfd": unicodedata.normalize("NFC", "café.png"),
+    }
+    records = [{"id": k, "image": v, "question": "Q", "answer": "red", "task": "color"} for k, v in cases.items()]
+    _jsonl(data / "eval.jsonl", records)
+    message = _error(datasets.load_questions, data)
+    assert "holds a NUL character" in _line(message, "eval.jsonl:1")
+    assert "names the data directory itself, not an image file" in _line(message, "eval.jsonl:2")
+    assert "leads outside the data directory" in _line(message, "eval.jsonl:3") and "through the symlink 'out'" in (
+        _line(message, "eval.jsonl:3")
+    )
+    assert "is written in another Unicode form: rename one" in _line(message, "eval.jsonl:4")
+
+
+def test_a_parquet_image_column_of_nulls_is_refused_and_a_cells_path_is_under_the_entrys_folder(data):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": ["a"], "image": pa.array([None], type=pa.null()), "question": ["Q"], "answer": ["red"]})
+    pq.write_table(table, data / "eval.parquet")
+    (data / "dataset.yaml").write_text("eval: [{path: eval.parquet, task: color}]\n")
+    assert "the column 'image' holds no image in any row (every value is null)" in _error(datasets.load_questions, data)
+    (data / "pics").mkdir()
+    (data / "pics" / "c.png").write_bytes(_png())
+    cell = pa.array([{"bytes": None, "path": "c.png"}], type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    pq.write_table(pa.table({"id": ["a"], "image": cell, "question": ["Q"], "answer": ["red"]}), data / "eval.parquet")
+    (data / "dataset.yaml").write_text("eval: [{path: eval.parquet, task: color, images: pics}]\n")
+    assert datasets.load_questions(data)[0]["image_sizes"] == [(32, 24)]  # was "'c.png' does not exist"

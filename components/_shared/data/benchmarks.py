@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components._shared.data.formats import RecordError, iter_file
+from components._shared.platform.strict_yaml import KeyGivenTwice, json_object
 
 Rows = Iterator[tuple[str, dict]]
 GROUNDING_PROMPT = 'Locate "{expression}" in the image and output its bbox coordinates in JSON format.'
@@ -42,13 +43,23 @@ class Benchmark:
     record: Callable[[dict], dict]
 
 
-def _json(path: Path):
+def _check_file(path: Path) -> None:
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; name the benchmark's file in dataset.yaml.")
     if not path.is_file():
         raise ValueError(f"{path} does not exist; name the benchmark's file in dataset.yaml.")
+
+
+def _json(path: Path):
+    """A release file's JSON; a key given twice in one object is refused (json keeps the last quietly)."""
+    _check_file(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8-sig"), object_pairs_hook=json_object)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{path.name}:{error.lineno}: not valid JSON ({error.msg}).") from error
+        lines = " (more than one JSON document: a JSON Lines file?)" if error.msg == "Extra data" else ""
+        raise ValueError(f"{path.name}:{error.lineno}: not valid JSON ({error.msg}){lines}.") from error
+    except KeyGivenTwice as error:
+        raise ValueError(f"{path.name}: {error}; keep one.") from None
 
 
 def _data_list(path: Path, _: Path | None = None) -> Rows:
@@ -70,12 +81,17 @@ def _list(path: Path, _: Path | None = None) -> Rows:
 
 def _json_lines(path: Path, _: Path | None = None) -> Rows:
     """JSON lines whatever the suffix (POPE ships them as .json)."""
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    _check_file(path)
+    for n, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), 1):
         if line.strip():
             try:
-                yield f"{path.name}:{n}", json.loads(line)
+                yield f"{path.name}:{n}", json.loads(line, object_pairs_hook=json_object)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{path.name}:{n}: not valid JSON ({error.msg}).") from error
+                array = " (a JSON array: this benchmark's file is JSON Lines, one object per line)"
+                hint = array if n == 1 and line.strip() == "[" else ""
+                raise ValueError(f"{path.name}:{n}: not valid JSON ({error.msg}){hint}.") from error
+            except KeyGivenTwice as error:
+                raise ValueError(f"{path.name}:{n}: {error}; keep one.") from None
 
 
 def coco_image(image_id: int, split: str) -> str:
@@ -116,6 +132,11 @@ def _vqav2_items(path: Path, annotations: Path | None) -> Rows:
             raise ValueError(
                 f"{annotations.name} annotations[{i}]: expected an object with 'question_id' and 'answers' "
                 f"(VQAv2's annotation), got {_shape(a)}; fix or remove that entry."
+            )
+        if a["question_id"] in answers:
+            raise ValueError(
+                f"{annotations.name} annotations[{i}]: question_id {a['question_id']!r} has an annotation already; "
+                "keep one per question."
             )
         answers[a["question_id"]] = a
     split = questions.get("data_subtype", "val2014")
@@ -273,6 +294,13 @@ def _coco_captions_items(path: Path, _: Path | None) -> Rows:
                 f"{_shape(a)}; fix or remove that entry."
             )
         captions.setdefault(a["image_id"], []).append(a["caption"])
+    ids = {image.get("id") for image in data["images"] if isinstance(image, dict)}
+    strays = [image_id for image_id in captions if image_id not in ids]
+    if strays:  # their captions would be dropped without a word (an id written "1" for the image 1, say)
+        raise ValueError(
+            f"{path.name}: {len(strays)} annotation image_id(s) name no image of 'images' (e.g. {strays[0]!r}; the "
+            f"images' ids are like {next(iter(ids), None)!r}); fix the ids or drop those annotations."
+        )
     for i, image in enumerate(data["images"]):
         item = {**image, "captions": captions.get(image.get("id"), [])} if isinstance(image, dict) else image
         yield f"{path.name} images[{i}]", item
@@ -308,10 +336,9 @@ def _refcoco(item: dict) -> dict:
 
 
 def _tsv(path: Path, _: Path | None = None) -> Rows:
-    if not path.is_file():
-        raise ValueError(f"{path} does not exist; name the benchmark's file in dataset.yaml.")
+    _check_file(path)
     csv.field_size_limit(sys.maxsize)  # MMBench's images are base64 cells
-    with path.open(encoding="utf-8", newline="") as f:
+    with path.open(encoding="utf-8-sig", newline="") as f:  # a byte-order mark may start the file
         for n, row in enumerate(csv.DictReader(f, delimiter="\t"), 2):
             yield f"{path.name}:{n}", row
 

@@ -23,6 +23,7 @@ class ParquetImage:
     row: int
     column: str
     index: int | None = None
+    root: str = ""  # the entry's image folder (dataset.yaml `images:`): a path in the cell is under it
 
 
 class _KeyedDecoder(json.JSONDecoder):
@@ -217,6 +218,12 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, dict]]:
     if twice:  # rows as dicts would keep one of them without a word
         raise ValueError(f"{path.name}: the column(s) {twice} appear more than once; keep one of each.")
     images = _image_columns(handle.schema_arrow)
+    empty = [f.name for f in handle.schema_arrow if f.name in ("image", "images") and str(f.type) == "null"]
+    if empty and handle.metadata.num_rows:  # pyarrow's type for a column holding only nulls: text-only records
+        raise ValueError(
+            f"{path.name}: the column {empty[0]!r} holds no image in any row (every value is null); fill it, or drop "
+            "the column for text-only records."
+        )
     others = [name for name in handle.schema_arrow.names if name not in images]
     leaves = [handle.schema.column(i).path for i in range(len(handle.schema))]
     # a list column's lengths from a leaf other than the image bytes (the struct's "path"), so no image is read here

@@ -15,16 +15,22 @@ import sys
 import unicodedata
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from components._shared.data import formats as F
 from components._shared.data import tasks as T
 from components._shared.data.benchmarks import BENCHMARKS
-from components._shared.data.file_checks import TRAINING_ROLES, check_training_files, naming_the_file
-from components._shared.data.image_checks import MAX_IMAGE_PIXELS, inspect_image, local_image_path
+from components._shared.data.file_checks import (
+    TRAINING_ROLES,
+    check_distinct_contents,
+    check_training_files,
+    naming_the_file,
+)
+from components._shared.data.image_checks import MAX_IMAGE_PIXELS, local_image_path
+from components._shared.data.record_images import check_record_images, check_stray_images
 from components._shared.platform import bad_records
 from components._shared.platform.credential_shapes import shown
 
@@ -82,6 +88,7 @@ class Manifest(BaseModel):
     eval: list[DataFile | str] = Field(default_factory=list)
     rl: list[DataFile | str] = Field(default_factory=list)
     preferences: list[DataFile | str] = Field(default_factory=list)
+    _root: Path | None = PrivateAttr(None)  # the data directory (manifest() sets it): files compared by content
 
     def files(self, role: str, names: list[str] | tuple[str, ...] | None = None) -> list[DataFile]:
         """The files `role` reads: `names` (a stage setting) or the manifest's list, else the default file. A
@@ -98,7 +105,10 @@ class Manifest(BaseModel):
         else:
             files = [DataFile(path=ROLES_DEFAULT[role])]
         if role in TRAINING_ROLES:
-            check_training_files(role, [f.path for f in files], [f.path for f in self._listed("eval")])
+            held_out = [f.path for f in self._listed("eval")]
+            check_training_files(role, [f.path for f in files], held_out)
+            if self._root is not None:
+                check_distinct_contents(self._root, role, [f.path for f in files], held_out)
         return files
 
     def _entries(self, role: str) -> list[DataFile]:
@@ -119,11 +129,15 @@ def _default_name(spec: DataFile) -> str:
 
 def manifest(data_dir: Path) -> Manifest:
     """The data directory's dataset.yaml (or dataset.json), validated; an empty manifest when there is none."""
-    for name in (MANIFEST, "dataset.json"):
-        path = data_dir / name
-        if path.is_file():
-            return parse_manifest(path.read_text(), str(path))
-    return Manifest()
+    found = [data_dir / name for name in (MANIFEST, "dataset.json") if (data_dir / name).is_file()]
+    if len(found) > 1:
+        raise ValueError(f"{data_dir} holds both {MANIFEST} and dataset.json; keep the one that describes the data.")
+    misnamed = [p.name for p in data_dir.glob("dataset.*") if p.suffix in (".yml", ".YAML", ".Yaml", ".JSON")]
+    if not found and misnamed:
+        raise ValueError(f"{data_dir} holds {misnamed[0]}, not {MANIFEST}: name it {MANIFEST} to be read.")
+    result = parse_manifest(found[0].read_text(), str(found[0])) if found else Manifest()
+    result._root = data_dir
+    return result
 
 
 def parse_manifest(text: str, where: str) -> Manifest:
@@ -158,6 +172,11 @@ def parse_manifest(text: str, where: str) -> Manifest:
         for entry in result._entries(role):
             if entry.task is not None:
                 T.resolve(entry.task, result.tasks, where=f"{where} {role} entry {entry.path!r}")
+            if entry.annotations and entry.format != "vqav2":
+                raise ValueError(
+                    f"{where}: {role} entry {entry.path!r} gives annotations, which only format: vqav2 reads (its "
+                    f"answers file); this entry's format is {entry.format}: drop annotations or fix the format."
+                )
     return result
 
 
@@ -205,10 +224,10 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
             if benchmark is not None:
                 raw, shape = benchmark.record(raw), "flat"
             else:
-                shape = F.detect(raw) if spec.format == "auto" else spec.format
-            _check_stray_images(raw, paths=False)  # before the shape's own errors ("0 images") hide the cause
+                shape = _declared_shape(raw, spec)
+            check_stray_images(raw, paths=False)  # before the shape's own errors ("0 images") hide the cause
             record = convert(raw, shape, spec)
-            _check_images(data_dir, raw, record)
+            check_record_images(data_dir, raw, record)
             record_id = str(raw.get("id", raw.get("question_id", f"{_stem(spec.path)}:{n}")))
             first = seen.get((record.get("benchmark"), id_as_seen(record_id)))
             if first is not None:
@@ -230,6 +249,18 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
         raise ValueError(f"{spec.path} holds no records; fill it or leave it out of dataset.yaml.")
     bad_records.settle(spec.path, bad, kept=len(out), what=f"bad {what} record(s)")
     return out
+
+
+def _declared_shape(raw: dict, spec: DataFile) -> str:
+    """The record's shape: detected (format: auto), or the entry's format, which the record must have (a flat record
+    under `format: llava` was read as flat without a word)."""
+    found = F.detect(raw)
+    if spec.format in ("auto", found) or (spec.format == "sharegpt" and found == "llava"):
+        return found if spec.format == "auto" else spec.format
+    raise F.RecordError(
+        f"dataset.yaml gives {spec.path!r} format: {spec.format}, but this record is {found} (keys "
+        f"{sorted(raw)[:6]}); fix the entry's format (or leave it out: auto) or the record"
+    )
 
 
 def id_as_seen(record_id: str) -> str:
@@ -269,66 +300,21 @@ def _check_inside(data_dir: Path, spec: DataFile) -> None:
             )
 
 
-def _check_images(data_dir: Path, raw: dict, record: dict) -> None:
-    """Before any training: every image a record names exists and its header decodes (s3:// objects are read when
-    used), and no field outside image / images holds an image (a misspelled key would train text only). The
-    images' sizes go in `image_sizes`."""
-    refs = record.get("images") or ([record["image"]] if "image" in record else [])
-    _check_stray_images(raw, paths=not refs)  # a path beside the record's images may be metadata (file_name)
-    sizes = []
-    for ref in refs:
-        problem, size = inspect_image(data_dir, ref)
-        if problem:
-            raise F.RecordError(problem)
-        sizes.append(size)
-    record["image_sizes"] = sizes  # (width, height) from the headers, None for s3://: model/length_check.py
-    if record.get("box") is not None and sizes and sizes[0] is not None:
-        _check_box(record["box"], sizes[0])
-
-
-def _check_box(box: list[float], size: tuple[int, int]) -> None:
-    """A box lies inside its image (pixels; half a pixel of rounding allowed): one outside it or partly off it
-    would teach or score a place the image does not have."""
-    width, height = size
-    if min(box) < -0.5 or box[2] > width + 0.5 or box[3] > height + 0.5:
-        raise F.RecordError(
-            f"box {[round(v, 1) for v in box]} is not inside its {width}x{height} image; boxes are [x1, y1, x2, y2] "
-            "in the image's pixels (0 <= x <= width, 0 <= y <= height): fix the box or the image"
-        )
-
-
-def _check_stray_images(raw: dict, *, paths: bool) -> None:
-    """No field but image / images holds an image (with `paths`, an image file path counts)."""
-    for key, value in raw.items():
-        what = None if key in ("image", "images") else _image_like(value, paths=paths)
-        if what:
-            raise F.RecordError(
-                f"field {key!r} holds {what}, which is read only from 'image' (one) or 'images' (a list, one per "
-                f"<image> marker): rename the field, or drop it"
-            )
-
-
-def _image_like(value: Any, *, paths: bool) -> str | None:
-    """What image `value` holds, if it looks like one: a Parquet image column's cell, a data: URI, an HF {"bytes"}
-    struct, a list of them, or (with `paths`) an image file path or a list of them; else None."""
-    if isinstance(value, F.ParquetImage):
-        return "a Parquet image column (binary or {bytes, path} structs)"
-    if isinstance(value, str) and F._DATA_URI.match(value):
-        return "a data: URI image"
-    if isinstance(value, dict) and "bytes" in value:
-        return "an image struct {bytes, path}"
-    if paths and isinstance(value, str) and value.lower().endswith(F.IMAGE_SUFFIXES):
-        return f"an image path ({value[:80]!r})"
-    if paths and isinstance(value, dict) and isinstance(value.get("path"), str):
-        return _image_like(value["path"], paths=True) and f"an image struct {{path: {value['path'][:80]!r}}}"
-    if isinstance(value, list):
-        found = next((w for w in (_image_like(v, paths=paths) for v in value) if w), None)
-        return found and f"a list of images ({found})"
-    return None
-
-
 def _task_name(raw: dict, spec: DataFile) -> str | None:
-    return raw.get("task") or raw.get("type") or spec.task
+    task, kind = raw.get("task"), raw.get("type")
+    if task and kind and task != kind:
+        raise F.RecordError(f"'task' {task!r} and 'type' {kind!r} disagree; give one of them")
+    return task or kind or spec.task
+
+
+def _difficulty(raw: dict) -> str:
+    """A curriculum level's name ("all" when none is given)."""
+    level = raw.get("difficulty")
+    if level is None:  # not given (or a table's empty cell): every phase's
+        return "all"
+    if not isinstance(level, str) or not level.strip():
+        raise F.RecordError(f"'difficulty' must be a level's name (a string such as 'basic'), got {level!r}")
+    return level
 
 
 def _conversation(raw: dict, shape: str, spec: DataFile) -> dict:
@@ -338,7 +324,7 @@ def _conversation(raw: dict, shape: str, spec: DataFile) -> dict:
     return {
         "images": images,
         "turns": turns,
-        "difficulty": raw.get("difficulty", "all"),
+        "difficulty": _difficulty(raw),
         "type": _task_name(raw, spec) or "unknown",
     }
 
@@ -385,6 +371,11 @@ def _question(tasks: dict[str, str], *, first_exchange: bool = False):
             record["scorer"] = task.scorer
         if task.scorer == "multiple_choice" and "choices" not in record:
             raise F.RecordError("a multiple_choice task needs 'choices' (a list or {letter: text}, or A..D columns)")
+        if task.scorer != "multiple_choice" and "choices" in record:  # the prompt would ask for a letter
+            raise F.RecordError(
+                f"'choices' given, but task {task.name!r} is scored by {task.scorer}, which compares the answer text "
+                "(the prompt would ask for an option's letter); use a multiple_choice task or drop the choices"
+            )
         check = T.SCORERS[task.scorer].check
         try:  # an answer its scorer cannot use fails here, not after generation or in RL's rewards
             check and check(record)
@@ -466,7 +457,7 @@ def load_image(root: Path, reference: F.ImageRef) -> Image.Image:
         data, path_in_cell = F.read_parquet_image(reference)
         name = f"{Path(reference.path).name} row {reference.row} column {reference.column!r}"
         if data is None and path_in_cell:
-            return load_image(root, path_in_cell)
+            return load_image(root, F.image_ref(path_in_cell, reference.root))
     elif isinstance(reference, bytes):
         data, name = reference, f"<{len(reference)} bytes>"
     elif storage.is_s3(reference):

@@ -24,6 +24,7 @@ Video is not read (a video part is refused with its source): decoding and sampli
 from __future__ import annotations
 
 import base64
+import dataclasses
 import itertools
 import re
 import unicodedata
@@ -100,7 +101,9 @@ def check_text(text: str, where: str) -> str:
 def image_ref(value: Any, image_root: str = "") -> ImageRef:
     """One image reference of a record: a path (under `image_root`), s3:// URI, data: URI, {"path"} / {"bytes"}
     struct (HF datasets' Image feature), or a Parquet cell."""
-    if isinstance(value, ParquetImage | bytes):
+    if isinstance(value, ParquetImage):
+        return dataclasses.replace(value, root=image_root) if image_root else value
+    if isinstance(value, bytes):
         return value
     if isinstance(value, dict):
         data = value.get("bytes")
@@ -165,7 +168,7 @@ def _text_of(content: Any, where: str, images: list, image_root: str) -> str:
                 raise RecordError(f"{where} part {k}: a text part needs a 'text' string")
             pieces.append(part["text"])
         elif kind in ("image", "image_url"):
-            carried = part.get("image") or part.get("url") or part.get("path")
+            carried = one_of(part, ("image", "url", "path"), f"{where} part {k}")
             if kind == "image_url":
                 carried = (
                     (part.get("image_url") or {}).get("url")
@@ -205,13 +208,11 @@ def conversation(raw: dict, image_root: str = "") -> tuple[list[ImageRef], list[
     for i, turn in enumerate(messages):
         if not isinstance(turn, dict):
             raise RecordError(f"{key}[{i}] is {type(turn).__name__}, not a turn object")
-        role = ROLES.get(str(turn.get("from") or turn.get("role")))
+        named = one_of(turn, ("from", "role"), f"{key}[{i}]")
+        role = ROLES.get(str(named))
         if role is None:
-            raise RecordError(
-                f"{key}[{i}]: role {turn.get('from') or turn.get('role')!r}; use from=system|human|gpt or "
-                "role=system|user|assistant"
-            )
-        text = _text_of(turn.get("value", turn.get("content")), f"{key}[{i}]", carried, image_root)
+            raise RecordError(f"{key}[{i}]: role {named!r}; use from=system|human|gpt or role=system|user|assistant")
+        text = _text_of(one_of(turn, ("value", "content"), f"{key}[{i}]"), f"{key}[{i}]", carried, image_root)
         if role == "system" and turns:
             raise RecordError(
                 f"{key}[{i}]: a system turn is only allowed first, and once (a top-level 'system' counts)"
@@ -391,11 +392,11 @@ def _message(message: Any, where: str, carried: list, image_root: str) -> tuple[
     """(role, text) of one message object of a preference record, checked the way conversation() checks turns."""
     if not isinstance(message, dict):
         raise RecordError(f"{where} is {type(message).__name__}, not a message object {{role, content}}")
-    named = message.get("role", message.get("from"))
+    named = one_of(message, ("role", "from"), where)
     role = ROLES.get(str(named))
     if role is None:
         raise RecordError(f"{where}: role {named!r}; use role=system|user|assistant (or from=system|human|gpt)")
-    return role, _text_of(message.get("content", message.get("value")), where, carried, image_root)
+    return role, _text_of(one_of(message, ("content", "value"), where), where, carried, image_root)
 
 
 def _side(value: Any, name: str, image_root: str) -> str:
@@ -462,8 +463,21 @@ def preference(raw: dict, image_root: str = "") -> dict:
     return {"images": images, "prompt": _strip_markers(prompt), "chosen": chosen, "rejected": rejected}
 
 
+def one_of(mapping: dict, keys: tuple[str, ...], where: str) -> Any:
+    """The value under whichever of `keys` (synonyms) the mapping gives; two that differ are an error, since one
+    reader takes the first and another the second (`from` human and `role` assistant in one turn)."""
+    given = [k for k in keys if mapping.get(k) is not None]
+    if len({repr(mapping[k]) for k in given}) > 1:
+        raise RecordError(f"{where}: {' and '.join(repr(k) for k in given)} are both given and differ; keep one")
+    return mapping[given[0]] if given else None
+
+
 def detect(raw: dict) -> str:
-    """The record shape of one raw record (for format: auto)."""
+    """The record shape of one raw record (for format: auto); two shapes in one record are an error (one would be
+    read, the other dropped without a word)."""
+    shapes = [k for k in ("conversations", "messages", "question") if k in raw]
+    if len(shapes) > 1:
+        raise RecordError(f"the record holds {' and '.join(map(repr, shapes))}: two record shapes; keep one")
     if "chosen" in raw and "rejected" in raw:
         return "preference"
     if "conversations" in raw:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import struct
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +32,35 @@ EXIF_ORIENTATION = 0x0112  # values 5-8 turn the image a quarter: width and heig
 
 def local_image_path(root: Path, reference: str) -> Path:
     """The file an image path names, inside the data directory; a ValueError when it leaves it or is missing."""
+    if "\x00" in reference:
+        raise ValueError(f"image path {reference!r} holds a NUL character (\\u0000); fix the path")
     path = (root / reference).resolve()
+    if path == root.resolve():
+        raise ValueError(f"image path {reference!r} names the data directory itself, not an image file")
     if root.resolve() not in path.parents:
+        linked = (root / reference).absolute()
+        via = next((p for p in (linked, *linked.parents) if p.is_symlink()), None)
+        how = f" through the symlink {str(via.relative_to(root.absolute()))!r}" if via is not None else ""
         raise ValueError(
-            f"image path {reference!r} leaves the data directory {root}; use paths inside it or s3:// URIs."
+            f"image path {reference!r} leads outside the data directory {root}{how} (to {str(path)!r}); copy the "
+            "file into the directory, or use an s3:// URI"
         )
     if path.exists() and not path.is_file():
         raise ValueError(f"image {reference!r} under the data directory {root} is not a file (a directory?).")
     if not path.is_file():
-        raise ValueError(f"image {reference!r} does not exist under the data directory {root}.")
+        raise ValueError(f"image {reference!r} does not exist under the data directory {root}{_other_form(path)}.")
     return path
+
+
+def _other_form(path: Path) -> str:
+    """Where a file of the same name in another Unicode form exists (a macOS NFD name for an NFC path): said."""
+    if not path.parent.is_dir():
+        return ""
+    wanted = unicodedata.normalize("NFC", path.name)
+    for entry in path.parent.iterdir():
+        if entry.name != path.name and unicodedata.normalize("NFC", entry.name) == wanted:
+            return f" (a file {entry.name!r} looks the same but is written in another Unicode form: rename one)"
+    return ""
 
 
 def probe_image(root: Path, reference: F.ImageRef) -> str | None:
@@ -67,7 +87,7 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
                         f"{_cell_name(reference)} holds no image (bytes {state}, no path); give it or drop the row",
                         None,
                     )
-                return inspect_image(root, path_in_cell)
+                return inspect_image(root, F.image_ref(path_in_cell, reference.root))
             source: Any = io.BytesIO(data)
             name = _cell_name(reference)
         elif isinstance(reference, bytes):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from components._shared.platform.presets import deep_merge, parse_overrides, read_section, validate
+from components._shared.platform.strict_yaml import KeyGivenTwice, json_object
 
 
 def stage_main(
@@ -27,17 +28,21 @@ def stage_main(
 ) -> dict[str, Any]:
     """Parse the command line, validate the config, run the stage under a tracker, print its metrics as JSON."""
     parser = argparse.ArgumentParser(prog=f"python -m components.{section}", description=run.__doc__)
-    parser.add_argument("--config", help=f"Preset YAML (uses its '{section}' section) or a bare section.")
+    parser.add_argument("--config", action=_Once, help=f"Preset YAML (uses its '{section}' section) or a bare section.")
     parser.add_argument(
         "--config-json",
+        action=_Once,
         help="The section as JSON (what launchers pass); --config and overrides apply underneath and on top.",
     )
-    parser.add_argument("--output-dir", required=True, help="Output directory or s3:// prefix (published atomically).")
-    parser.add_argument("--experiment", default="vlm", help="MLflow experiment name.")
+    parser.add_argument(
+        "--output-dir", action=_Once, required=True, help="Output directory or s3:// prefix (published atomically)."
+    )
+    parser.add_argument("--experiment", action=_Once, default="vlm", help="MLflow experiment name.")
     for name in inputs:
         optional = name in optional_inputs
         parser.add_argument(
             f"--{name.replace('_', '-')}",
+            action=_Once,
             dest=name,
             required=not optional,
             default="",
@@ -72,12 +77,16 @@ def _run_section(
             f"--config={args.config!r} is empty (an unset shell variable gives one); "
             "give the YAML file, or leave --config out."
         )
-    data = read_section(Path(args.config) if args.config is not None else None, section)
+    from components.stages import STAGES
+
+    data = read_section(Path(args.config) if args.config is not None else None, section, sections=tuple(STAGES))
     if args.config_json:
         try:
-            given = json.loads(args.config_json)
+            given = json.loads(args.config_json, object_pairs_hook=json_object)
         except json.JSONDecodeError as err:
             parser.error(f"--config-json is not valid JSON: {err}")
+        except KeyGivenTwice as err:
+            parser.error(f"--config-json: {err}; give each setting once.")
         if not isinstance(given, dict):
             parser.error(f"--config-json must be a JSON object (the '{section}' section), got {type(given).__name__}.")
         data = deep_merge(data, given)
@@ -108,6 +117,16 @@ def _run_section(
             storage.publish_dir(local_out, args.output_dir)  # rank 0 only: it alone wrote the outputs
     print(json.dumps(metrics, indent=2, sort_keys=True, default=str))
     return metrics
+
+
+class _Once(argparse.Action):
+    """A flag given twice is an error (argparse keeps the last quietly: `--data A --data B` trained on B)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.dest in getattr(namespace, "_given", set()):
+            parser.error(f"{option_string} is given twice; give it once.")
+        namespace._given = getattr(namespace, "_given", set()) | {self.dest}
+        setattr(namespace, self.dest, values)
 
 
 def _check_directory(output: str) -> None:

@@ -8,8 +8,8 @@ from the size its header gave (`image_sizes`, read by the image checks; no image
 records like the readers' own: listed in one error naming file, line and id (`on_bad_record: fail`), or dropped
 and counted (`skip`).
 
-    records = keep_trainable(records, lambda r: encoder.count_tokens(r["turns"], r["image_sizes"]),
-                             budget=cfg.train.max_tokens_per_micro_batch, what="conversation")
+    records = keep_trainable(records, conversation_tokens(encoder), budget=cfg.train.max_tokens_per_micro_batch,
+                             what="conversation")
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ from components._shared.platform import bad_records
 from components._shared.platform.credential_shapes import shown
 
 BUDGET_SETTING = "train.max_tokens_per_micro_batch"
+
+
+def conversation_tokens(encoder) -> Callable[[dict], int]:
+    """record -> the tokens of a conversation record (its turns and its images' header sizes)."""
+    return lambda r: encoder.count_tokens(r["turns"], r["image_sizes"], sample_id=r["id"])
 
 
 def keep_trainable(

@@ -6,7 +6,9 @@ A config file is either a preset (one section per stage; a stage's section is us
 
 from __future__ import annotations
 
+import difflib
 import unicodedata
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -90,16 +92,35 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_section(config_file: Path | None, section: str) -> dict[str, Any]:
-    """The stage section of a preset file, or the whole file when it is a bare section."""
+# A preset's settings beside its stage sections (pipelines/presets reads the same set).
+PRESET_TOP_LEVEL = frozenset({"description", "base_model_uri", "experiment", "lake_uri", "kubernetes"})
+
+
+def read_section(config_file: Path | None, section: str, sections: Collection[str] = ()) -> dict[str, Any]:
+    """The stage section of a preset file, or the whole file when it is a bare section. A file holding any of
+    `sections` (the stage names) or a preset's top-level settings is a preset: a key that is neither (a misspelled
+    section, a stage's setting left at the top) is an error naming it, never ignored."""
     if config_file is None:
         return {}
     data = read_preset_yaml(Path(config_file))
+    known = set(sections) | PRESET_TOP_LEVEL
+    if sections and set(data) & known:
+        unknown = sorted(set(data) - known - {"stages"})
+        if unknown:
+            close = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
+            hints = "; ".join(f"{k!r}: did you mean {c[0]!r}?" for k, c in close.items() if c)
+            raise ValueError(
+                f"{config_file}: unknown section(s) {unknown} in a preset{f' ({hints})' if hints else ''}. A preset "
+                f"holds stage sections {sorted(sections)} and {sorted(PRESET_TOP_LEVEL)}; a stage's settings go "
+                "inside its section."
+            )
     found = data
     if section in data:
         found = data[section] or {}
     elif isinstance(data.get("stages"), dict) and section in data["stages"]:
         found = data["stages"][section] or {}
+    elif sections and set(data) & known:
+        found = {}  # a preset without this stage's section: the stage's defaults, as the DAG runs it
     if not isinstance(found, dict):
         raise ValueError(f"{config_file}: the '{section}' section must be a mapping of settings, got {found!r:.80}.")
     return found
@@ -137,6 +158,8 @@ def read_preset_yaml(
     name = parent if parent.endswith((".yaml", ".yml")) else f"{parent}.yaml"
     candidates = [path.parent / name, *(folder / name for folder in search)]
     parent_path = next((c for c in candidates if c.exists()), None)
+    if parent_path is not None and not parent_path.is_file():
+        raise ValueError(f"{path}: extends '{parent}', which names {str(parent_path)!r}: a directory, not a file.")
     if parent_path is None:
         raise ValueError(f"{path}: extends '{parent}', but none of {[str(c) for c in candidates]} exists.")
     return deep_merge(read_preset_yaml(parent_path, (*seen, path.resolve()), search), data)

@@ -57,6 +57,8 @@ def check_location(value: str, setting: str, *, builtin: bool = False) -> str:
     found = _SCHEME.match(text)
     if builtin and text.startswith("builtin:"):
         return text
+    if re.match(r"(?i)s3:/?(?!/)", text):  # `s3:/bucket/x` or `s3:bucket/x`: a local path named 's3:' otherwise
+        raise ValueError(f"{setting}={shown(text)!r}: an s3 URI starts with two slashes: write s3://BUCKET/PREFIX.")
     if found and not text.startswith("s3://"):
         raise ValueError(
             f"{setting}={shown(text)!r}: only local paths and s3:// URIs are supported here, not {found.group(1)}:// "

@@ -58,3 +58,19 @@ def load(text: str, where: str) -> Any:
         if len(message) > MAX_ERROR_CHARS:
             message = message[:MAX_ERROR_CHARS] + f"... ({len(message) - MAX_ERROR_CHARS} more characters)"
         raise ValueError(f"{where}: not a valid config ({message})") from None
+
+
+class KeyGivenTwice(ValueError):
+    """A JSON object names a key twice (json keeps the last silently; other readers the first)."""
+
+
+def json_object(pairs: list[tuple[str, Any]]) -> dict:
+    """`object_pairs_hook` for json.loads that refuses a key given twice, as `load` does for YAML."""
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise KeyGivenTwice(f"the key {key!r} is given twice in one object")
+            seen.add(key)
+    return record
