@@ -205,7 +205,7 @@ def test_training_data_is_required_where_the_dag_reads_it(tmp_path, lake):
         _run(tmp_path, lake, data_files=spec("", True))
     with pytest.raises(ValueError, match="heldout/sft.jsonl does not exist"):
         _run(tmp_path, lake, data_files=spec(str(data), True))
-    (data / "sft.jsonl").write_text("{}\n")
+    (data / "sft.jsonl").write_text('{"id": "s0"}\n')  # not eval.jsonl's bytes: that is a held-out leak of its own
     with pytest.raises(ValueError, match=r"(?s)sft_data_uri .*sft records: 1 bad conversation.*sft.jsonl:1 .*unknown"):
         _run(tmp_path, lake, data_files=spec(str(data), True))  # every record read before any GPU is asked for
     # every reader of the data skips (pretrain is left out: its held-out captions are a check of their own,
