@@ -7,7 +7,8 @@
 #   make push                         push both tags
 #   make lint-docker                  hadolint both Dockerfiles with .hadolint.yaml
 #   make print-tags                   the tags, exactly as components/_shared/platform/container_images.py spells them
-#   make buildah-base                 debootstrap a bookworm + python3.11 base for offline buildah builds
+#   make local-base                   debootstrap a bookworm + python3.11 base image (no registry needed)
+#   make images-cpu                   both images on that base, the train image for the CPU (runs here)
 #   make compile | make test          qvl compile / the default test run
 #   make lint                         ruff check, ruff format --check, mypy (what CI and pre-commit run)
 #   make format                       ruff format + the import order fixed in place
@@ -56,22 +57,30 @@ DS_BUILD_OPS_LIST ?=
 TRAIN_ARGS = --build-arg WITH_FLASH_ATTN=$(WITH_FLASH_ATTN) \
 	$(if $(TORCH_CUDA_ARCH_LIST),--build-arg TORCH_CUDA_ARCH_LIST="$(TORCH_CUDA_ARCH_LIST)") \
 	$(if $(DS_BUILD_OPS_LIST),--build-arg DS_BUILD_OPS_LIST="$(DS_BUILD_OPS_LIST)")
-# Data image knobs: another base (e.g. the one `make buildah-base` makes), the PyTorch CPU wheel index.
+# Data image knobs: another base (e.g. the one `make local-base` makes), the PyTorch CPU wheel index.
 DATA_BASE ?=
 DATA_TORCH_INDEX_URL ?=
 DATA_ARGS = $(if $(DATA_BASE),--build-arg BASE=$(DATA_BASE)) \
 	$(if $(DATA_TORCH_INDEX_URL),--build-arg TORCH_INDEX_URL=$(DATA_TORCH_INDEX_URL))
 
-# `make buildah-base`: a Debian bookworm rootfs with python3.11 (+ venv) as a local image, for building
-# the data image where base images cannot be pulled. Needs root, debootstrap and buildah.
+# `make local-base`: a Debian bookworm rootfs with python3.11 (+ venv) as a local image of the engine, for building
+# where base images cannot be pulled. Needs root and debootstrap. It trusts the build host's CA bundle
+# (HOST_CA_BUNDLE), so that pip in the builds works behind a TLS-intercepting proxy; the image stays local.
 LOCAL_BASE ?= localhost/qvl-base:bookworm-py3.11
 DEBIAN_MIRROR ?= http://deb.debian.org/debian
 BASE_ROOTFS ?= build/bookworm-rootfs
+HOST_CA_BUNDLE ?= $(wildcard /etc/ssl/certs/ca-certificates.crt)
+# `make images-cpu`: both images on LOCAL_BASE, the train image with DeepSpeed's CPU accelerator and no
+# prebuilt ops (no CUDA image to compile them in); its RUNs reach the package registry on the host's network.
+CPU_NETWORK ?= host
+CPU_TRAIN_ARGS = --build-arg BUILDER_BASE=$(LOCAL_BASE) --build-arg RUNTIME_BASE=$(LOCAL_BASE) \
+	--build-arg DS_ACCELERATOR=cpu --build-arg DS_BUILD_OPS_LIST=
 
 PRESET ?= prod-7b
 PIPELINE_YAML ?= pipelines/compiled/vlm_training.yaml
 
-.PHONY: help images image-data image-train push lint-docker print-tags buildah-base compile test lint format check-engine
+.PHONY: help images images-cpu image-data image-train push lint-docker print-tags local-base buildah-base compile \
+	test lint format check-engine
 
 help:
 	@sed -n 's/^#   make/  make/p' $(MAKEFILE_LIST)
@@ -98,20 +107,35 @@ push: check-engine
 lint-docker:
 	hadolint --config .hadolint.yaml docker/Dockerfile.train docker/Dockerfile.data
 
-buildah-base:
+images-cpu: check-engine
+	$(BUILD) $(BUILD_FLAGS) --network $(CPU_NETWORK) -f docker/Dockerfile.data $(COMMON_ARGS) \
+		--build-arg BASE=$(LOCAL_BASE) -t $(DATA_IMAGE) .
+	$(BUILD) $(BUILD_FLAGS) --network $(CPU_NETWORK) -f docker/Dockerfile.train $(COMMON_ARGS) $(CPU_TRAIN_ARGS) \
+		-t $(TRAIN_IMAGE) .
+
+local-base: check-engine
 	rm -rf $(BASE_ROOTFS) $(BASE_ROOTFS).tar
 	mkdir -p $(dir $(BASE_ROOTFS))
 	debootstrap --variant=minbase --include=python3.11,python3.11-venv,python3-distutils,ca-certificates \
 		bookworm $(BASE_ROOTFS) $(DEBIAN_MIRROR)
+	$(if $(HOST_CA_BUNDLE),cp $(HOST_CA_BUNDLE) $(BASE_ROOTFS)/etc/ssl/certs/ca-certificates.crt)
 	rm -rf $(BASE_ROOTFS)/var/lib/apt/lists/* $(BASE_ROOTFS)/var/cache/apt/archives/*.deb
 	tar -C $(BASE_ROOTFS) -cf $(BASE_ROOTFS).tar .
-	ctr=$$(buildah from scratch); \
-	buildah add --quiet "$$ctr" $(BASE_ROOTFS).tar / >/dev/null; \
-	buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --env LANG=C.UTF-8 \
-		--cmd /bin/bash "$$ctr"; \
-	buildah commit --quiet --rm "$$ctr" $(LOCAL_BASE)
+	if [[ "$(ENGINE)" == docker ]]; then \
+		docker import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+			--change 'ENV LANG=C.UTF-8' --change 'CMD ["/bin/bash"]' $(BASE_ROOTFS).tar $(LOCAL_BASE) >/dev/null; \
+	else \
+		ctr=$$(buildah from scratch); \
+		buildah add --quiet "$$ctr" $(BASE_ROOTFS).tar / >/dev/null; \
+		buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --env LANG=C.UTF-8 \
+			--cmd /bin/bash "$$ctr"; \
+		buildah commit --quiet --rm "$$ctr" $(LOCAL_BASE); \
+	fi
 	rm -rf $(BASE_ROOTFS) $(BASE_ROOTFS).tar
-	@echo "Now: make image-data ENGINE=buildah DATA_BASE=$(LOCAL_BASE)"
+	@echo "Now: make images-cpu (or make image-data DATA_BASE=$(LOCAL_BASE))"
+
+buildah-base: ENGINE = buildah
+buildah-base: local-base
 
 compile:
 	QVL_IMAGE_REGISTRY=$(IMAGE_REGISTRY) $(PYTHON) -m pipelines.qvl.app compile --preset $(PRESET) --out $(PIPELINE_YAML)

@@ -6,6 +6,19 @@
 # the installed torch, so it skips build isolation (an isolated build would fetch another torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# `--images` (.ci/run, before the image test): docker (Debian's docker.io; its daemon started when none answers)
+# and debootstrap, which `make local-base` and `make images-cpu` use (tests/pipeline/test_images.py, -m images).
+if [ "${1:-}" = "--images" ]; then
+    if ! command -v dockerd >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2>&1; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap >/dev/null
+    fi
+    if ! docker info >/dev/null 2>&1; then
+        nohup dockerd >"${TMPDIR:-/tmp}/qvl-dockerd.log" 2>&1 &
+        for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+        docker info >/dev/null 2>&1 || { echo "dockerd did not start; see ${TMPDIR:-/tmp}/qvl-dockerd.log" >&2; exit 1; }
+    fi
+    exit 0
+fi
 PY=${PYTHON:-python3}
 PIP=("$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -c .ci/constraints.txt)
 "${PIP[@]}" torch torchvision numpy packaging "setuptools>=70.1" wheel ninja psutil py-cpuinfo hjson  # deepspeed's build

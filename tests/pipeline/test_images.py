@@ -292,56 +292,65 @@ def test_committed_pipeline_uses_only_the_package_images():
     assert used and used <= allowed, f"images not built by docker/: {sorted(used - allowed)}"
 
 
-# --- the real build (slow) -------------------------------------------------------------------------------------
+# --- the real build (marker `images`: .ci/run runs it in turn with the rehearsals) -------------------------------
 
 
-def _buildah_skip_reason() -> str | None:
-    missing = [tool for tool in ("buildah", "debootstrap") if shutil.which(tool) is None]
-    if missing:
-        return f"{' and '.join(missing)} not installed (apt-get install buildah debootstrap)"
+def _docker_skip_reason() -> str | None:
+    if shutil.which("docker") is None or shutil.which("debootstrap") is None:
+        return "docker or debootstrap not installed (.ci/install.sh --images installs them and starts dockerd)"
+    if subprocess.run(["docker", "info"], capture_output=True, timeout=60, check=False).returncode != 0:
+        return "no docker daemon answers `docker info` (.ci/install.sh --images starts one)"
     if os.geteuid() != 0:
-        return "debootstrap and `buildah --isolation chroot` need root here"
+        return "debootstrap needs root"
     return None
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(_buildah_skip_reason() is not None, reason=str(_buildah_skip_reason()))
-def test_data_image_builds_with_buildah_from_a_debootstrap_base(tmp_path):
-    """`make buildah-base` + `make image-data ENGINE=buildah` (the data image's own RUN loads the OCR and NSFW
-    models as uid 1000 with no network), then the image's user, labels and env."""
-    base = "localhost/qvl-test-base:bookworm-py3.11"
-    tag_registry = "localhost/qvl-test"
-    flags = ["--layers=false"]  # no intermediate images left in the machine's container storage
-    # Behind a TLS-intercepting proxy pip needs the host's CA bundle; it is mounted for the RUNs only.
-    bundle = Path("/etc/ssl/certs/ca-certificates.crt")
-    if bundle.exists():
-        pip_conf = tmp_path / "pip.conf"
-        pip_conf.write_text(f"[global]\ncert = {bundle}\n")
-        flags += [f"--volume={bundle}:{bundle}:ro", f"--volume={pip_conf}:/etc/pip.conf:ro"]
-    image = images.image_for("data", tag_registry)
+def _docker(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.mark.images
+@pytest.mark.skipif(_docker_skip_reason() is not None, reason=str(_docker_skip_reason()))
+def test_both_images_build_here_and_the_train_image_runs_a_model_stage_offline_as_uid_1000(tmp_path):
+    """`make local-base` + `make images-cpu`, each Dockerfile's own checks included (imports as uid 1000, the data
+    image's OCR and NSFW models loaded with no network, `pip check`); then the images' user, labels and env, and
+    the train image running the sft stage on a mounted data directory with no network, as uid 1000."""
+    from components.synth_world.splits import write_splits
+
+    base, registry = "localhost/qvl-test-base:bookworm-py3.11", "localhost/qvl-test"
+    built = {kind: images.image_for(kind, registry) for kind in ("data", "train")}
     try:
-        make("buildah-base", f"LOCAL_BASE={base}", f"BASE_ROOTFS={tmp_path}/rootfs", timeout=900)
-        make(
-            "image-data",
-            "ENGINE=buildah",
-            f"DATA_BASE={base}",
-            f"IMAGE_REGISTRY={tag_registry}",
-            f"BUILD_FLAGS={' '.join(flags)}",
-            timeout=2400,
-        )
-        inspected = json.loads(
-            subprocess.run(
-                ["buildah", "inspect", "--type", "image", image],
-                check=True,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            ).stdout
-        )
-        config = inspected["Docker"]["config"]
-        assert config["User"] == "1000:1000"
-        assert config["Labels"]["org.opencontainers.image.version"] == __version__
-        assert "QVL_CACHE_DIR=/home/qvl/.cache/qvl" in config["Env"]
+        make("local-base", "ENGINE=docker", f"LOCAL_BASE={base}", f"BASE_ROOTFS={tmp_path}/rootfs", timeout=900)
+        make("images-cpu", "ENGINE=docker", f"LOCAL_BASE={base}", f"IMAGE_REGISTRY={registry}", timeout=3600)
+        for image in built.values():
+            config = json.loads(_docker("image", "inspect", image).stdout)[0]["Config"]
+            assert config["User"] == "1000:1000"
+            assert config["Labels"]["org.opencontainers.image.version"] == __version__
+            assert "QVL_CACHE_DIR=/home/qvl/.cache/qvl" in config["Env"]
+        data, out = tmp_path / "data", tmp_path / "out"
+        write_splits(data, seed=3, eval_per_type=1, sft_records=8, preference_pairs=4)
+        out.mkdir()
+        out.chmod(0o777)  # the container's uid 1000 writes here
+        stage = ["python", "-m", "components.sft", "--data", "/data", "--base-model", "builtin:tiny-qwen2_5-vl"]
+        settings = ["mode=full", "min_pixels=3136", "max_pixels=3136", "train.steps=2", "train.samples_per_step=2"]
+        settings += ["train.threads=1", "calibration.enabled=false", "eval.per_type=1", "eval.max_new_tokens=2"]
+        mounts = ["-v", f"{data}:/data:ro", "-v", f"{out}:/out"]
+        zero2 = ["train.backend=deepspeed", "train.zero_stage=2", "train.offload_optimizer=true"]  # ops JIT-compiled
+        for run, extra in (("sft", []), ("sft-zero2", zero2)):
+            command = [*stage, "--output-dir", f"/out/{run}", *settings, *extra]
+            done = _docker("run", "--rm", "--network", "none", *mounts, built["train"], *command, timeout=900)
+            assert done.returncode == 0, done.stderr[-3000:]
+            printed = done.stdout
+            metrics = json.loads(printed[printed.index("\n{") + 1 :] if not printed.startswith("{") else printed)
+            assert metrics["steps"] == 2
+        for run in ("sft", "sft-zero2"):
+            model = out / run / "model" / "model.safetensors"
+            assert model.is_file() and model.stat().st_uid == 1000
+        accelerator = _docker(
+            "run", "--rm", "--network", "none", built["train"], "python", "-c",
+            "from deepspeed.accelerator import get_accelerator; print(get_accelerator().device_name())",
+        )  # fmt: skip
+        assert accelerator.returncode == 0 and accelerator.stdout.strip().splitlines()[-1] == "cpu"
     finally:
-        for name in (image, base):
-            subprocess.run(["buildah", "rmi", "--force", name], capture_output=True, timeout=300, check=False)
+        for image in (*built.values(), base):
+            _docker("rmi", "--force", image, timeout=300)
