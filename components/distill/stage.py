@@ -120,7 +120,7 @@ def run(
         processor, teacher, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
     budget = cfg.train.max_tokens_per_micro_batch
-    records = keep_trainable(records, conversation_tokens(encoder), budget=budget, what="conversation")
+    records = keep_trainable(records, conversation_tokens(encoder, budget), budget=budget, what="conversation")
     encode = record_encoder(encoder, records, data_dir)
     student, plan, pairs = prepare_student(cfg, teacher, processor, encode, len(records))
     final_rows: list[dict] = []

@@ -229,7 +229,7 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
         processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
     budget = cfg.train.max_tokens_per_micro_batch
-    records = keep_trainable(records, conversation_tokens(encoder), budget=budget, what="conversation")
+    records = keep_trainable(records, conversation_tokens(encoder, budget), budget=budget, what="conversation")
     loop, quick_eval = build_loop(cfg, model, encoder, records, eval_records, data_dir, store, tracker)
     trainable = count_parameters(model, trainable_only=True)
     tracker.log_params({"trainable_parameters": trainable, "records": len(records)})

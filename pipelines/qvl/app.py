@@ -104,6 +104,11 @@ def run(
     until: str | None = typer.Option(None, help="Last stage to run (default: all)."),
     cache: bool = typer.Option(False, help="Reuse outputs of tasks whose inputs did not change (kfp.local cache)."),
     verbose: bool = typer.Option(False, "--verbose", help="Stream every task's output too (it is in OUT/logs/)."),
+    runner: str = typer.Option(
+        "subprocess",
+        help="subprocess: every task a process of this Python; docker: every task in its component's image, as uid "
+        "1000 without network (build the images first: make local-base images-cpu; docs/images.md).",
+    ),
 ):
     """Run the DAG and write OUT/run_summary.json; the console shows each stage's progress and result."""
     if not local:
@@ -132,6 +137,7 @@ def run(
         enable_caching=cache,
         console=sys.stdout,
         verbose=verbose,
+        runner=runner,
     )
     minutes, seconds = divmod(int(summary["seconds"]), 60)
     typer.echo(f"Run {summary['status']} in {minutes}:{seconds:02d}.")

@@ -16,9 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,8 +27,9 @@ from components._shared.platform.cpu_numerics import PINS, cpu_vendor, pinned_en
 from components._shared.platform.progress import PROGRESS_DIR_ENV
 from components.stages import dag_stages
 from pipelines.presets import Preset, as_preset
-from pipelines.qvl.progress_view import ProgressView, stage_of
+from pipelines.qvl.progress_view import ProgressView
 from pipelines.qvl.run_report import write_run_report
+from pipelines.qvl.task_logs import TaskLogs
 
 
 @contextmanager
@@ -74,13 +73,6 @@ def _cached_results(hits: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return results
 
 
-def _task_name(command: list[str]) -> str:
-    """The component function a kfp.local task runs (`--function_to_execute sft_op`), else the program."""
-    if "--function_to_execute" in command:
-        return command[command.index("--function_to_execute") + 1]
-    return Path(command[0]).name if command else "task"
-
-
 @contextmanager
 def _task_logs(
     logs_dir: Path, view: ProgressView | None, echo: IO[str] | None, peaks: dict[str, float] | None = None
@@ -95,16 +87,10 @@ def _task_logs(
     from kfp.local import subprocess_task_handler
 
     original = subprocess_task_handler.run_local_subprocess
-    seen: Counter[str] = Counter()
-    lock = threading.Lock()
+    logs = TaskLogs(logs_dir, view, echo)
 
     def run_local_subprocess(full_command: list[str], env_vars: dict[str, str] | None = None) -> int:
-        task = _task_name(full_command)
-        with lock:
-            seen[task] += 1
-            log = logs_dir / (f"{task}.log" if seen[task] == 1 else f"{task}-{seen[task]}.log")
-        if view is not None:
-            view.task_started(task, log)
+        task, log = logs.started(full_command)
         env = {**os.environ, **(env_vars or {})}
         with (
             log.open("w") as sink,
@@ -114,16 +100,12 @@ def _task_logs(
         ):
             assert process.stdout is not None
             for line in process.stdout:
-                sink.write(line)
-                sink.flush()
-                if echo is not None:
-                    echo.write(f"[{stage_of(task)}] {line}")
+                logs.write(sink, task, line)
             _, status, usage = os.wait4(process.pid, 0)
             returncode = process.returncode = os.waitstatus_to_exitcode(status)
         if peaks is not None:
             peaks[log.stem] = round(usage.ru_maxrss / 2**20, 3)  # KiB on Linux
-        if view is not None:
-            view.task_finished(task, returncode, log)
+        logs.finished(task, returncode, log)
         return returncode
 
     subprocess_task_handler.run_local_subprocess = run_local_subprocess
@@ -176,12 +158,15 @@ def run_local(
     live: bool | None = None,
     verbose: bool = False,
     processes: dict[str, int] | None = None,
+    runner: str = "subprocess",
 ) -> dict[str, Any]:
     """Run the DAG (up to `until`) on `lake_uri` with held-out / SFT data at `data_uri`; returns the run summary,
     also written to out_dir/run_summary.json. `processes`: stages run under torchrun with that many processes.
 
     With `console`, the progress view goes there (redrawn in place when `live`, by default when it is a terminal;
     otherwise one line per event); `verbose` streams every task's output to stdout as well as to its log file.
+    `runner`: "subprocess" (every task a process of this Python) or "docker" (every task in its component's image,
+    pipelines/qvl/docker_tasks.py).
     """
     from pipelines.vlm_training import build_pipeline
 
@@ -190,6 +175,19 @@ def run_local(
     p = as_preset(preset)  # read once: the caller's loaded preset, or its name read here
     # built first: it validates `until` before anything starts
     pipeline = build_pipeline(p, until, for_cluster=False, local_processes=processes)
+    if runner not in ("subprocess", "docker"):
+        raise ValueError(f"runner {runner!r}: choose subprocess or docker.")
+    if runner == "docker":
+        from components._shared.platform.container_images import image_for
+        from pipelines.qvl.docker_tasks import check_images
+
+        check_images(image_for(kind) for kind in ("data", "train"))
+        remote = [u for u in (lake_uri, data_uri, os.environ.get("MLFLOW_TRACKING_URI", "")) if "://" in u]
+        if [u for u in remote if not u.startswith("sqlite:///")]:
+            raise ValueError(
+                f"--runner docker runs each task without network: {remote} cannot be reached from it; give local "
+                "directories and leave MLFLOW_TRACKING_URI unset (the run's own sqlite store)."
+            )
     if lake_uri and "://" not in lake_uri:
         lake_uri = str(Path(lake_uri).resolve())
     if data_uri and "://" not in data_uri:
@@ -210,10 +208,29 @@ def run_local(
     names = ("MLFLOW_TRACKING_URI", PARENT_RUN_ENV, SUMMARY_DIR_ENV, PROGRESS_DIR_ENV, *PINS)
     with _environment_restored(*names):
         os.environ.update(pinned_environment())  # the same numbers on any host of a CPU vendor (cpu_numerics.py)
-        return _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri, enable_caching)
+        launch = _task_logs if runner == "subprocess" else _containers(out_dir, lake_uri, data_uri, names)
+        return _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri, enable_caching, launch)
 
 
-def _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri, enable_caching) -> dict[str, Any]:
+def _containers(out_dir: Path, lake_uri: str, data_uri: str, env: tuple[str, ...]):
+    """The `_task_logs` of the docker runner: the run directory writable, the lake and data read-only, the run's
+    variables and a model cache in the run directory (the images' own cache is not shared between tasks)."""
+    from pipelines.qvl.docker_tasks import in_containers, open_to_containers
+
+    mounts = {str(out_dir): "rw", **{uri: "ro" for uri in (lake_uri, data_uri) if uri and "://" not in uri}}
+    cache = out_dir / "qvl-cache"
+
+    def launch(logs_dir: Path, view, echo, peaks) -> contextlib.AbstractContextManager:
+        cache.mkdir(exist_ok=True)
+        open_to_containers(cache)
+        return in_containers(TaskLogs(logs_dir, view, echo), mounts, env, {"QVL_CACHE_DIR": str(cache)})
+
+    return launch
+
+
+def _run(
+    pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri, enable_caching, launch=None
+) -> dict[str, Any]:
     started = time.time()
     with (dirs["logs"] / "kfp.log").open("w") as kfp_log, contextlib.ExitStack() as stack:  # the log closes last
         if not verbose:  # kfp.local's lines, library warnings and MLflow's notices: into logs/kfp.log
@@ -222,9 +239,10 @@ def _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri
         if view is not None:
             stack.enter_context(view)
         peaks: dict[str, float] = {}
-        stack.enter_context(_task_logs(dirs["logs"], view, echo=sys.stdout if verbose else None, peaks=peaks))
+        stack.enter_context((launch or _task_logs)(dirs["logs"], view, sys.stdout if verbose else None, peaks))
         hits = stack.enter_context(_recording_cache_hits(view))
-        parent_run_id = _run_pipeline(pipeline, p, out_dir, dirs, lake_uri, data_uri, enable_caching)
+        docker = launch is not None and launch is not _task_logs
+        parent_run_id = _run_pipeline(pipeline, p, out_dir, dirs, lake_uri, data_uri, enable_caching, docker)
     stages = _collect(dirs["stage_results"], expected, _cached_results(hits))
     ok = all(stages.get(s, {}).get("status") in ("succeeded", "cached") for s in expected)
 
@@ -256,8 +274,11 @@ def _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri
     return summary
 
 
-def _run_pipeline(pipeline, p, out_dir: Path, dirs: dict[str, Path], lake_uri, data_uri, enable_caching) -> str:
-    """Open the MLflow parent run and run the pipeline under kfp.local; returns the parent run id."""
+def _run_pipeline(
+    pipeline, p, out_dir: Path, dirs: dict[str, Path], lake_uri, data_uri, enable_caching, docker: bool = False
+) -> str:
+    """Open the MLflow parent run and run the pipeline under kfp.local (each task in its image with `docker`);
+    returns the parent run id."""
     from kfp import local
 
     from components._shared.platform.mlflow_runs import PARENT_RUN_ENV, start_pipeline_run
@@ -269,8 +290,17 @@ def _run_pipeline(pipeline, p, out_dir: Path, dirs: dict[str, Path], lake_uri, d
     os.environ[SUMMARY_DIR_ENV] = str(dirs["stage_results"])
     os.environ[PROGRESS_DIR_ENV] = str(dirs["progress"])
     cache_root = out_dir / "kfp_cache"
+    if docker:  # what the host made before the containers' user writes to it
+        from pipelines.qvl.docker_tasks import open_to_containers
+
+        uri = os.environ["MLFLOW_TRACKING_URI"]
+        database = [Path(uri[len("sqlite:///") :])] if uri.startswith("sqlite:///") else []
+        made = [out_dir / "pipeline_root", out_dir / "mlartifacts"]  # else docker makes a missing mount root's
+        for directory in made:
+            directory.mkdir(exist_ok=True)
+        open_to_containers(out_dir, *dirs.values(), *made, *database)
     local.init(
-        runner=local.SubprocessRunner(use_venv=False),
+        runner=local.DockerRunner() if docker else local.SubprocessRunner(use_venv=False),
         pipeline_root=str(out_dir / "pipeline_root"),
         raise_on_error=False,
         enable_caching=enable_caching,

@@ -309,48 +309,92 @@ def _docker(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, check=False)
 
 
+REGISTRY = "localhost/qvl-test"  # never the default tags: a developer's own images stay as they are
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """`make local-base` + `make images-cpu` from scratch, each Dockerfile's own checks included (imports as uid
+    1000, the data image's OCR and NSFW models loaded with no network, `pip check`); removed afterwards."""
+    reason = _docker_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    base = "localhost/qvl-test-base:bookworm-py3.11"
+    tags = {kind: images.image_for(kind, REGISTRY) for kind in ("data", "train")}
+    rootfs = tmp_path_factory.mktemp("base") / "rootfs"
+    try:
+        make("local-base", "ENGINE=docker", f"LOCAL_BASE={base}", f"BASE_ROOTFS={rootfs}", timeout=900)
+        make("images-cpu", "ENGINE=docker", f"LOCAL_BASE={base}", f"IMAGE_REGISTRY={REGISTRY}", timeout=3600)
+        yield tags
+    finally:
+        for image in (*tags.values(), base):
+            _docker("rmi", "--force", image, timeout=300)
+
+
 @pytest.mark.images
-@pytest.mark.skipif(_docker_skip_reason() is not None, reason=str(_docker_skip_reason()))
-def test_both_images_build_here_and_the_train_image_runs_a_model_stage_offline_as_uid_1000(tmp_path):
-    """`make local-base` + `make images-cpu`, each Dockerfile's own checks included (imports as uid 1000, the data
-    image's OCR and NSFW models loaded with no network, `pip check`); then the images' user, labels and env, and
-    the train image running the sft stage on a mounted data directory with no network, as uid 1000."""
+def test_both_images_build_here_and_the_train_image_runs_a_model_stage_offline_as_uid_1000(built, tmp_path):
+    """The images' user, labels and env; the train image runs the sft stage on a mounted data directory with no
+    network, as uid 1000, with torch and with DeepSpeed ZeRO-2 + CPU offload (its ops JIT-compiled in the image)."""
     from components.synth_world.splits import write_splits
 
-    base, registry = "localhost/qvl-test-base:bookworm-py3.11", "localhost/qvl-test"
-    built = {kind: images.image_for(kind, registry) for kind in ("data", "train")}
-    try:
-        make("local-base", "ENGINE=docker", f"LOCAL_BASE={base}", f"BASE_ROOTFS={tmp_path}/rootfs", timeout=900)
-        make("images-cpu", "ENGINE=docker", f"LOCAL_BASE={base}", f"IMAGE_REGISTRY={registry}", timeout=3600)
-        for image in built.values():
-            config = json.loads(_docker("image", "inspect", image).stdout)[0]["Config"]
-            assert config["User"] == "1000:1000"
-            assert config["Labels"]["org.opencontainers.image.version"] == __version__
-            assert "QVL_CACHE_DIR=/home/qvl/.cache/qvl" in config["Env"]
-        data, out = tmp_path / "data", tmp_path / "out"
-        write_splits(data, seed=3, eval_per_type=1, sft_records=8, preference_pairs=4)
-        out.mkdir()
-        out.chmod(0o777)  # the container's uid 1000 writes here
-        stage = ["python", "-m", "components.sft", "--data", "/data", "--base-model", "builtin:tiny-qwen2_5-vl"]
-        settings = ["mode=full", "min_pixels=3136", "max_pixels=3136", "train.steps=2", "train.samples_per_step=2"]
-        settings += ["train.threads=1", "calibration.enabled=false", "eval.per_type=1", "eval.max_new_tokens=2"]
-        mounts = ["-v", f"{data}:/data:ro", "-v", f"{out}:/out"]
-        zero2 = ["train.backend=deepspeed", "train.zero_stage=2", "train.offload_optimizer=true"]  # ops JIT-compiled
-        for run, extra in (("sft", []), ("sft-zero2", zero2)):
-            command = [*stage, "--output-dir", f"/out/{run}", *settings, *extra]
-            done = _docker("run", "--rm", "--network", "none", *mounts, built["train"], *command, timeout=900)
-            assert done.returncode == 0, done.stderr[-3000:]
-            printed = done.stdout
-            metrics = json.loads(printed[printed.index("\n{") + 1 :] if not printed.startswith("{") else printed)
-            assert metrics["steps"] == 2
-        for run in ("sft", "sft-zero2"):
-            model = out / run / "model" / "model.safetensors"
-            assert model.is_file() and model.stat().st_uid == 1000
-        accelerator = _docker(
-            "run", "--rm", "--network", "none", built["train"], "python", "-c",
-            "from deepspeed.accelerator import get_accelerator; print(get_accelerator().device_name())",
-        )  # fmt: skip
-        assert accelerator.returncode == 0 and accelerator.stdout.strip().splitlines()[-1] == "cpu"
-    finally:
-        for image in (*built.values(), base):
-            _docker("rmi", "--force", image, timeout=300)
+    for image in built.values():
+        config = json.loads(_docker("image", "inspect", image).stdout)[0]["Config"]
+        assert config["User"] == "1000:1000"
+        assert config["Labels"]["org.opencontainers.image.version"] == __version__
+        assert "QVL_CACHE_DIR=/home/qvl/.cache/qvl" in config["Env"]
+    data, out = tmp_path / "data", tmp_path / "out"
+    write_splits(data, seed=3, eval_per_type=1, sft_records=8, preference_pairs=4)
+    out.mkdir()
+    out.chmod(0o777)  # the container's uid 1000 writes here
+    stage = ["python", "-m", "components.sft", "--data", "/data", "--base-model", "builtin:tiny-qwen2_5-vl"]
+    settings = ["mode=full", "min_pixels=3136", "max_pixels=3136", "train.steps=2", "train.samples_per_step=2"]
+    settings += ["train.threads=1", "calibration.enabled=false", "eval.per_type=1", "eval.max_new_tokens=2"]
+    mounts = ["-v", f"{data}:/data:ro", "-v", f"{out}:/out"]
+    zero2 = ["train.backend=deepspeed", "train.zero_stage=2", "train.offload_optimizer=true"]
+    for run, extra in (("sft", []), ("sft-zero2", zero2)):
+        command = [*stage, "--output-dir", f"/out/{run}", *settings, *extra]
+        done = _docker("run", "--rm", "--network", "none", *mounts, built["train"], *command, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        printed = done.stdout
+        metrics = json.loads(printed[printed.index("\n{") + 1 :] if not printed.startswith("{") else printed)
+        assert metrics["steps"] == 2
+        model = out / run / "model" / "model.safetensors"
+        assert model.is_file() and model.stat().st_uid == 1000
+    accelerator = _docker(
+        "run", "--rm", "--network", "none", built["train"], "python", "-c",
+        "from deepspeed.accelerator import get_accelerator; print(get_accelerator().device_name())",
+    )  # fmt: skip
+    assert accelerator.returncode == 0 and accelerator.stdout.strip().splitlines()[-1] == "cpu"
+
+
+DAG_METRICS = {  # numbers of the tiny DAG to sft that both runners must give bit for bit (no timings)
+    "clean_data": ("records_kept", "records_rejected"),
+    "extract_features": ("images",),
+    "pretrain": ("retrieval_r1", "heldout_caption_loss_final"),
+    "sft": ("vqa_exact_match", "train_loss_final"),
+}
+
+
+@pytest.mark.images
+def test_the_dag_runs_with_every_task_in_its_image_and_gives_the_subprocess_runners_numbers(built, tmp_path):
+    """`qvl run --local --runner docker` on the tiny preset to sft: every task in its component's image (the results
+    each stage wrote are owned by the containers' uid 1000), no network, and the same metrics as the subprocess
+    runner on the same lake."""
+    from components.synth_world.lake import write_world
+
+    write_world(tmp_path / "world", records=200, seed=3)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env["QVL_IMAGE_REGISTRY"] = REGISTRY  # the components name the test's images
+    summaries = {}
+    for runner in ("docker", "subprocess"):
+        out = tmp_path / runner
+        cmd = [sys.executable, "-m", "pipelines.qvl.app", "run", "--local", "--preset", "tiny", "--until", "sft"]
+        cmd += ["--lake", str(tmp_path / "world" / "lake"), "--out", str(out), "--runner", runner]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env, cwd=ROOT, check=False)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        summaries[runner] = json.loads((out / "run_summary.json").read_text())
+    for stage, keys in DAG_METRICS.items():
+        assert (tmp_path / "docker" / "stage_results" / f"{stage}.json").stat().st_uid == 1000  # written inside
+        for key in keys:
+            ours = summaries["docker"]["stages"][stage]["metrics"][key]
+            assert ours == summaries["subprocess"]["stages"][stage]["metrics"][key], (stage, key)

@@ -238,3 +238,11 @@ def test_json_arrays_reports_both_arms_for_each_size():
     out = _run("bench/json_arrays.py", "--records", "2000", "10000")
     rows = [line.split() for line in out.splitlines()[1:]]
     assert [int(r[0]) for r in rows] == [2000, 10000] and all(float(r[3]) > 0 for r in rows)
+
+
+def test_length_check_reports_the_length_pass_against_reading():
+    """Every arm keeps every record (the bench asserts it) and prints a rate and a ratio to the read time."""
+    out = _run("bench/length_check.py", "--records", "300")
+    rows = {line[:16].strip(): line[16:].split() for line in out.splitlines()[2:]}
+    assert set(rows) == {"read (baseline)", "length pass", "exact counts"}
+    assert float(rows["read (baseline)"][1]) == 1.0 and all(float(r[1]) > 0 for r in rows.values())

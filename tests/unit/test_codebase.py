@@ -183,7 +183,7 @@ def test_the_local_runner_still_matches_kfp_locals_task_stream():
         "env_vars",
     ]
     from components.sft.component import sft_op
-    from pipelines.qvl.local_run import _task_name
+    from pipelines.qvl.task_logs import task_name as _task_name
 
     container = sft_op.component_spec.implementation.container
     assert _task_name([*container.command, *container.args]) == "sft_op"
@@ -212,3 +212,15 @@ def test_the_training_loop_takes_a_handful_of_parameters_and_hands_its_model_to_
     assert vlm.LoadedVlm._fields == ("model", "processor", "stored_dtype")
     sources = "\n".join(p.read_text() for p in source_files())
     assert "qvl_checkpoint_dtype" not in sources
+
+
+def test_the_docker_runner_still_matches_kfp_locals_container_start():
+    """pipelines/qvl/docker_tasks.py replaces kfp.local's `run_docker_container` (docs/images.md): the docker handler
+    must still call it by its module-level name with the client, image, command and volumes as keywords."""
+    from kfp.local import docker_task_handler
+
+    source = inspect.getsource(docker_task_handler.DockerTaskHandler.run)
+    assert "run_docker_container(" in source
+    assert all(f"{name}=" in source for name in ("client", "image", "command", "volumes"))
+    parameters = list(inspect.signature(docker_task_handler.run_docker_container).parameters)
+    assert parameters[:4] == ["client", "image", "command", "volumes"]

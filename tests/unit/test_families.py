@@ -387,3 +387,35 @@ def test_token_counts_from_image_headers_equal_the_encoding_for_every_family(fam
     long = [{"role": "user", "text": "<image>\nhi"}, {"role": "assistant", "text": "x " * 40}]
     with pytest.raises(ValueError, match=r"sample 'long' has \d+ tokens \(text \+ visual\), more than max_length=20"):
         short.count_tokens(long, [(64, 64)], sample_id="long")
+
+
+def test_the_cheap_token_bound_is_never_below_the_exact_count(family_model, tmp_path):
+    """length_check counts exactly only where token_bound exceeds the limit, so the bound must hold for every
+    shape of conversation: a system turn, several turns, unmarked images (placed at the first user turn), markers in
+    a later turn, two images, non-ASCII and marker-adjacent text; and for the synthetic world's SFT records."""
+    from components._shared.data import datasets
+    from components.synth_world.splits import write_splits
+
+    _, _, _, encoder = family_model
+    write_splits(tmp_path, seed=5, eval_per_type=1, sft_records=40, preference_pairs=2)
+    cases = [(r["turns"], r["image_sizes"]) for r in datasets.load_conversations(tmp_path)]
+    u, a, s = "user", "assistant", "system"
+    cases += [
+        ([{"role": s, "text": "Be brief."}, {"role": u, "text": "Colour?"}, {"role": a, "text": "red"}], [(64, 64)]),
+        (
+            [
+                {"role": u, "text": "Hi"},
+                {"role": a, "text": "Hello"},
+                {"role": u, "text": "<image>\nThis?"},
+                {"role": a, "text": "a cat"},
+            ],
+            [(300, 40)],
+        ),  # fmt: skip
+        (
+            [{"role": u, "text": "<image><image>\nSame? äöü 東京 😀"}, {"role": a, "text": "no\n\n  spaced "}],
+            [(64, 64), (128, 32)],
+        ),  # fmt: skip
+        ([{"role": u, "text": "Describe."}, {"role": a, "text": "x" * 300}], [None]),
+    ]
+    for turns, sizes in cases:
+        assert encoder.token_bound(turns, sizes) >= encoder.count_tokens(turns, sizes)

@@ -132,9 +132,10 @@ def manifest(data_dir: Path) -> Manifest:
     found = [data_dir / name for name in (MANIFEST, "dataset.json") if (data_dir / name).is_file()]
     if len(found) > 1:
         raise ValueError(f"{data_dir} holds both {MANIFEST} and dataset.json; keep the one that describes the data.")
-    misnamed = [p.name for p in data_dir.glob("dataset.*") if p.suffix in (".yml", ".YAML", ".Yaml", ".JSON")]
-    if not found and misnamed:
-        raise ValueError(f"{data_dir} holds {misnamed[0]}, not {MANIFEST}: name it {MANIFEST} to be read.")
+    if not found:  # a manifest under another name would be ignored: the default files read instead
+        misnamed = [f"dataset{s}" for s in (".yml", ".YAML", ".JSON") if (data_dir / f"dataset{s}").is_file()]
+        if misnamed:
+            raise ValueError(f"{data_dir} holds {misnamed[0]}, not {MANIFEST}: name it {MANIFEST} to be read.")
     result = parse_manifest(found[0].read_text(), str(found[0])) if found else Manifest()
     result._root = data_dir
     return result

@@ -98,6 +98,7 @@ class ConversationEncoder:
         self.merge_unit = int(config.vision_config.spatial_merge_size) ** 2
         self.min_pixels, self.max_pixels, self.max_length = min_pixels, max_pixels, max_length
         self.system_prompt = system_prompt
+        self._skeletons: dict[tuple, int] = {}  # token_bound's counts of conversations with empty texts, by shape
         self.template = ChatTemplate(
             self.tokenizer,
             getattr(processor, "chat_template", None) or self.tokenizer.chat_template,
@@ -173,6 +174,29 @@ class ConversationEncoder:
         counted at min_pixels), without decoding an image; raises what `encode` raises (over max_length, ...)."""
         grids = [self.grid_for_size(size) for size in image_sizes]
         return len(self._tokens(turns, grids, sample_id, add_generation_prompt)[0])
+
+    def token_bound(self, turns: list[dict], image_sizes=()) -> int:
+        """An upper bound of `count_tokens(turns, image_sizes)` that neither renders nor tokenizes the texts: the
+        tokens of the same conversation with empty texts (counted once per shape of turns, then cached), each
+        text's UTF-8 bytes (a byte-level BPE token covers at least one byte) plus 8 for merges at its edges, and
+        the images' visual tokens. model/length_check.py counts exactly only records this does not clear."""
+        self._check_control_tokens(turns, "")
+        marked = any(t.get("role") == "user" and IMAGE_PLACEHOLDER in str(t.get("text")) for t in turns)
+        first_user = next((i for i, t in enumerate(turns) if t.get("role") == "user"), -1)  # unmarked images go there
+        shape = tuple(
+            (
+                t.get("role"),
+                str(t.get("text")).count(IMAGE_PLACEHOLDER) if marked else len(image_sizes) * (i == first_user),
+            )
+            for i, t in enumerate(turns)
+        )
+        if shape not in self._skeletons:
+            empty = [{"role": role, "text": IMAGE_PLACEHOLDER * n} for role, n in shape]
+            one_patch = [torch.tensor([1, 1, self.merge_unit])] * sum(n for _, n in shape)  # one visual token each
+            self._skeletons[shape] = len(self._tokens(empty, one_patch, "", False)[0]) - len(one_patch)
+        visual = sum(int(self.grid_for_size(size).prod()) // self.merge_unit for size in image_sizes)
+        texts = sum(len(str(t.get("text")).encode()) + 8 for t in turns)
+        return self._skeletons[shape] + visual + texts
 
     def grid_for_size(self, size: tuple[int, int] | None) -> torch.Tensor:
         """The (t, h, w) patch grid the image processor gives an image of `size` (width, height): one frame."""

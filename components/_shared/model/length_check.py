@@ -8,8 +8,8 @@ from the size its header gave (`image_sizes`, read by the image checks; no image
 records like the readers' own: listed in one error naming file, line and id (`on_bad_record: fail`), or dropped
 and counted (`skip`).
 
-    records = keep_trainable(records, conversation_tokens(encoder), budget=cfg.train.max_tokens_per_micro_batch,
-                             what="conversation")
+    budget = cfg.train.max_tokens_per_micro_batch
+    records = keep_trainable(records, conversation_tokens(encoder, budget), budget=budget, what="conversation")
 """
 
 from __future__ import annotations
@@ -23,9 +23,18 @@ from components._shared.platform.credential_shapes import shown
 BUDGET_SETTING = "train.max_tokens_per_micro_batch"
 
 
-def conversation_tokens(encoder) -> Callable[[dict], int]:
-    """record -> the tokens of a conversation record (its turns and its images' header sizes)."""
-    return lambda r: encoder.count_tokens(r["turns"], r["image_sizes"], sample_id=r["id"])
+def conversation_tokens(encoder, limit: int) -> Callable[[dict], int]:
+    """record -> the tokens of a conversation record (its turns and its images' header sizes), counted exactly only
+    where the encoder's cheap upper bound exceeds `limit` (the bound, at most `limit`, otherwise: such a record
+    fits); a LLaVA-scale file is then read at about the readers' own speed (bench/length_check.py)."""
+
+    def count(r: dict) -> int:
+        bound = encoder.token_bound(r["turns"], r["image_sizes"])
+        if bound <= min(limit, encoder.max_length):
+            return bound
+        return encoder.count_tokens(r["turns"], r["image_sizes"], sample_id=r["id"])
+
+    return count
 
 
 def keep_trainable(
