@@ -351,3 +351,26 @@ def test_release_files_that_say_two_things_are_refused_and_a_byte_order_mark_is_
     _write(tmp_path, {"pope.json": "[\n" + pope.strip("\ufeff\n") + "\n]\n"}, "{path: pope.json, format: pope}")
     with pytest.raises(ValueError, match=r"pope.json:1: not valid JSON .*this benchmark's file is JSON Lines"):
         datasets.load_questions(tmp_path)
+
+
+def test_a_benchmark_format_on_a_file_of_another_kind_names_both(tmp_path):
+    """They were "not UTF-8" (Parquet read as a release JSON) and "a field is missing" (JSON Lines read as a TSV)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"question": "q?", "answer": "a"}]), tmp_path / "val.parquet")
+    _write(tmp_path, {}, "{path: val.parquet, format: docvqa}")
+    with pytest.raises(ValueError, match=r"^val.parquet: `format: docvqa` reads JSON .*, but this file is Parquet"):
+        datasets.load_eval_records(tmp_path)
+    _write(tmp_path, {"mm.jsonl": '{"index": 1, "question": "q?"}\n'}, "{path: mm.jsonl, format: mmbench}")
+    with pytest.raises(
+        ValueError, match=r"^mm.jsonl: `format: mmbench` reads text such as a TSV, but this file is JSON"
+    ):
+        datasets.load_eval_records(tmp_path)
+    (tmp_path / "pope.json").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    _write(tmp_path, {}, "{path: pope.json, format: pope}")
+    with pytest.raises(ValueError, match=r"^pope.json: `format: pope` reads JSON .*, but this file is binary"):
+        datasets.load_eval_records(tmp_path)
+    _write(tmp_path, {"tv.json": "  \n"}, "{path: tv.json, format: textvqa}")  # empty: the reader's own message
+    with pytest.raises(ValueError, match=r"^tv.json:\d+: not valid JSON"):
+        datasets.load_eval_records(tmp_path)

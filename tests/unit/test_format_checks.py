@@ -370,7 +370,7 @@ def test_answers_no_prediction_could_score_on_are_refused_when_read(data):
     _jsonl(data / "eval.jsonl", records)
     message = _error(datasets.load_questions, data)
     assert message.startswith("2 bad question record(s) in eval.jsonl")
-    assert "answer ['DOG'] is not one of the options ['A', 'B']; give the answer as an option letter" in _line(
+    assert "answer ['DOG'] is not one of the options ['A', 'B']; give the answer as one of the options' keys" in _line(
         message, "eval.jsonl:2 (id='mc-bad')"
     )
     assert "a yes_no task needs yes/no answers, got ['true']" in _line(message, "eval.jsonl:4 (id='yn-bad')")
@@ -688,3 +688,66 @@ def test_a_parquet_image_column_of_nulls_is_refused_and_a_cells_path_is_under_th
     pq.write_table(pa.table({"id": ["a"], "image": cell, "question": ["Q"], "answer": ["red"]}), data / "eval.parquet")
     (data / "dataset.yaml").write_text("eval: [{path: eval.parquet, task: color, images: pics}]\n")
     assert datasets.load_questions(data)[0]["image_sizes"] == [(32, 24)]  # was "'c.png' does not exist"
+
+
+def test_parquet_columns_of_surprising_types_are_named_by_their_cause(tmp_path):
+    """A text field stored as bytes was read as an image column ("'id' must be a string, got ParquetImage"); an image
+    nested one struct deeper was "an image must be a path, got None"; a null list of images was a text-only record."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(buffer, format="PNG")
+    png = buffer.getvalue()
+    conv = [{"from": "human", "value": "<image>\nWhat color?"}, {"from": "gpt", "value": "red"}]
+    cell = {"bytes": png, "path": "x.png"}
+    (tmp_path / "dataset.yaml").write_text("sft: [sft.parquet]\n")
+
+    def refused(table, match):
+        pq.write_table(table, tmp_path / "sft.parquet")
+        with pytest.raises(ValueError, match=match):
+            datasets.load_conversations(tmp_path)
+
+    binary_id = pa.table({"id": pa.array([b"a"], pa.binary()), "conversations": [conv], "image": [cell]})
+    refused(binary_id, r"sft.parquet: the column 'id' is binary \(bytes\), not text.*pa.string\(\)")
+    nested = pa.table({"id": ["a"], "conversations": [conv], "image": [{"img": cell}]})
+    refused(nested, r"row 0 \(id='a'\): 'image': an image object has 'bytes' and/or 'path'.*keys \['img'\]")
+    images = pa.array([[cell], None], pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())])))
+    null_list = pa.table({"id": ["a", "b"], "conversations": [conv, conv], "images": images})
+    refused(null_list, r"row 1 \(id='b'\): .*the image list in sft.parquet row 1 column 'images' is null; write \[\]")
+
+
+def test_an_image_named_relative_to_a_data_file_in_a_subfolder_suggests_images(tmp_path):
+    (tmp_path / "llava" / "pics").mkdir(parents=True)
+    Image.new("RGB", (32, 32), "red").save(tmp_path / "llava" / "pics" / "a.png")
+    record = {"id": "a", "image": "pics/a.png", "conversations": [
+        {"from": "human", "value": "<image>\nWhat color?"}, {"from": "gpt", "value": "red"}]}  # fmt: skip
+    (tmp_path / "llava" / "train.jsonl").write_text(json.dumps(record) + "\n")
+    (tmp_path / "dataset.yaml").write_text("sft: [llava/train.jsonl]\n")
+    with pytest.raises(ValueError, match=r"'pics/a.png' does not exist .* add `images: llava` to the file's dataset"):
+        datasets.load_conversations(tmp_path)
+    (tmp_path / "dataset.yaml").write_text("sft: [{path: llava/train.jsonl, images: llava}]\n")
+    assert [r["id"] for r in datasets.load_conversations(tmp_path)] == ["a"]
+
+
+def test_an_id_mixing_latin_cyrillic_or_greek_letters_is_a_bad_record_other_scripts_are_ids(data):
+    """`q-а1` with a Cyrillic "а" read as a second record beside `q-a1`: two ids that look the same."""
+    row = {"image": "a.png", "task": "color", "question": "Colour?", "answer": "red"}
+    ids = [
+        "q-a1",
+        "q-\u0430" + "1",
+        "\u03b1\u03b2-7",
+        "图片-a1",
+        "фото-1",
+    ]  # Latin, mixed, Greek, Han + Latin, Cyrillic
+    _jsonl(data / "eval.jsonl", [{"id": i, **row} for i in ids])
+    message = _error(datasets.load_questions, data)
+    assert message.startswith("1 bad question record(s) in eval.jsonl")
+    assert "'id' 'q-а1' mixes letters of Latin and Cyrillic ('q' (Latin, U+0071), 'а' (Cyrillic, U+0430))" in _line(
+        message, "eval.jsonl:2"
+    )
+    with bad_records.policy("skip") as ledger:
+        kept = datasets.load_questions(data)
+    assert [r["id"] for r in kept] == ["q-a1", "αβ-7", "图片-a1", "фото-1"] and ledger.metrics()[
+        "data/skipped/mixed_script_id"
+    ] == 1

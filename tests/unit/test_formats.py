@@ -374,3 +374,15 @@ def test_whole_file_mistakes_say_what_the_path_is(tmp_path):
         _manifest(tmp_path, entry + "\n")
         with pytest.raises(ValueError, match=says):
             datasets.load_conversations(tmp_path)
+
+
+def test_the_options_prompt_names_the_kind_of_key_the_record_uses():
+    """Numeric option keys were asked for "the option's letter"."""
+    from components._shared.data.formats import with_options
+
+    lettered = with_options("Which?", {"A": "cat", "B": "dog"})
+    assert lettered.endswith("A. cat\nB. dog\nAnswer with the option's letter from the given choices directly.")
+    numbered = with_options("Which?", {"1": "cat", "2": "dog"})
+    assert numbered.endswith("1. cat\n2. dog\nAnswer with the option's number from the given choices directly.")
+    assert "option's label" in with_options("Which?", {"YES": "cat", "NO": "dog"})
+    assert with_options("Which?\n(1) cat\n(2) dog", {"1": "cat", "2": "dog"}) == "Which?\n(1) cat\n(2) dog"

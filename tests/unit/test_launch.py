@@ -116,3 +116,35 @@ def test_settings_without_effect_are_said_at_the_start_and_kept_with_the_result(
     result = json.loads((env / "results" / "toy.json").read_text())
     assert result["ignored_settings"] == ["toy.factor: no effect here"]
     assert "ignored_settings" not in json.loads((env / "out" / RESULT_FILE).read_text())["metrics"]
+
+
+@pytest.mark.parametrize(
+    ("variables", "named"),
+    [
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a whole number"),
+        ({"RANK": "-1"}, "RANK='-1' is not a whole number"),
+        ({"LOCAL_RANK": "٣"}, "LOCAL_RANK='٣' is not a whole number"),  # an Arabic-Indic digit: isdigit() but no rank
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0: a run has at least one process"),
+        ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
+    ],
+)
+def test_a_launcher_variable_that_is_no_rank_is_named_before_the_stage_runs(env, monkeypatch, variables, named):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=named):
+        execute(
+            "toy", ToyConfig(), toy_run, inputs={"value": 3}, output_dir=env / "out", experiment="t", record_as="toy"
+        )
+    assert not (env / "out").exists()  # nothing ran
+
+
+def test_launcher_variables_that_agree_pass(env, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", " 1 ")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "")
+    metrics = execute(
+        "toy", ToyConfig(), toy_run, inputs={"value": 3}, output_dir=env / "out", experiment="t", record_as="toy"
+    )
+    assert metrics["doubled"] == 6.0

@@ -41,6 +41,43 @@ class Benchmark:
     scorer: str
     items: Callable[[Path, Path | None], Rows]
     record: Callable[[dict], dict]
+    contents: tuple[str, ...] = ("json",)  # what the release file is (file_contents): another is named at once
+
+    def read(self, name: str, path: Path, annotations: Path | None) -> Rows:
+        """The release's items, after checking that the file is the kind this benchmark ships."""
+        _check_file(path)
+        found = file_contents(path)
+        if found != "empty" and found not in self.contents:
+            wanted = " or ".join(CONTENT_NAMES[kind] for kind in self.contents)
+            raise ValueError(
+                f"{path.name}: `format: {name}` reads {wanted}, but this file is {CONTENT_NAMES[found]}; name the "
+                f"benchmark's own release file in dataset.yaml, or drop `format: {name}` for records of this "
+                "project's own shapes (docs/data.md)."
+            )
+        return self.items(path, annotations)
+
+
+CONTENT_NAMES = {
+    "json": "JSON (or JSON Lines)",
+    "parquet": "Parquet",
+    "text": "text such as a TSV",
+    "binary": "binary, not text",
+}
+
+
+def file_contents(path: Path) -> str:
+    """What a file holds, from its first bytes: parquet, json (an object or array, or JSON Lines), text, binary or
+    empty."""
+    with path.open("rb") as f:
+        head = f.read(4096)
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    text = head.removeprefix(b"\xef\xbb\xbf").lstrip()
+    if not text:
+        return "empty"  # the reader says what an empty release file lacks
+    if text[:1] in (b"{", b"["):
+        return "json"
+    return "binary" if b"\0" in head else "text"  # text not in UTF-8 is named by its reader, with the line
 
 
 def _check_file(path: Path) -> None:
@@ -399,8 +436,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "textvqa": Benchmark("vqa_accuracy", _data_list, _textvqa),
     "docvqa": Benchmark("anls", _data_list, _docvqa),
     "chartqa": Benchmark("relaxed_accuracy", _list, _chartqa),
-    "refcoco": Benchmark("grounding", _refcoco_items, _refcoco),
-    "mmbench": Benchmark("multiple_choice", _mmbench_items, _mmbench),
+    "refcoco": Benchmark("grounding", _refcoco_items, _refcoco, ("json", "parquet")),
+    "mmbench": Benchmark("multiple_choice", _mmbench_items, _mmbench, ("text",)),
     "pope": Benchmark("yes_no", _json_lines, _pope),
     "coco_captions": Benchmark("cider_d", _coco_captions_items, _coco_captions),
 }

@@ -24,6 +24,7 @@ class ParquetImage:
     column: str
     index: int | None = None
     root: str = ""  # the entry's image folder (dataset.yaml `images:`): a path in the cell is under it
+    null_list: bool = False  # the row's list of images is null, not a list: refused like a null image cell
 
 
 class _KeyedDecoder(json.JSONDecoder):
@@ -187,7 +188,13 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
-def _image_columns(schema) -> dict[str, bool]:
+TEXT_FIELDS = frozenset(  # record fields that are text in every shape (data/formats.py): never a bytes column
+    "id question_id question answer answers text caption prompt chosen rejected task type content value from role "
+    "hint expression label category benchmark difficulty format source".split()
+)
+
+
+def _image_columns(schema, file_name: str) -> dict[str, bool]:
     """Columns that hold images: {name: is a list column}; a struct with a "bytes" field, or raw binary."""
     import pyarrow as pa
 
@@ -200,6 +207,11 @@ def _image_columns(schema) -> dict[str, bool]:
 
     out = {}
     for field in schema:
+        if field.name in TEXT_FIELDS and (pa.types.is_binary(field.type) or pa.types.is_large_binary(field.type)):
+            raise ValueError(
+                f"{file_name}: the column {field.name!r} is binary (bytes), not text: write it as a "
+                "string column (pyarrow: pa.string(); decode the bytes as UTF-8 first). Raw-bytes columns are images."
+            )
         if is_image(field.type):
             out[field.name] = False
         elif (pa.types.is_list(field.type) or pa.types.is_large_list(field.type)) and is_image(field.type.value_type):
@@ -217,7 +229,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, dict]]:
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:  # rows as dicts would keep one of them without a word
         raise ValueError(f"{path.name}: the column(s) {twice} appear more than once; keep one of each.")
-    images = _image_columns(handle.schema_arrow)
+    images = _image_columns(handle.schema_arrow, path.name)
     empty = [f.name for f in handle.schema_arrow if f.name in ("image", "images") and str(f.type) == "null"]
     if empty and handle.metadata.num_rows:  # pyarrow's type for a column holding only nulls: text-only records
         raise ValueError(
@@ -241,8 +253,10 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, dict]]:
         }
         for i, record in enumerate(table.to_pylist()):
             for name, is_list in images.items():
-                if is_list:
-                    record[name] = [ParquetImage(str(path), row + i, name, k) for k in range(lengths[name][i] or 0)]
+                if is_list and lengths[name][i] is None:  # not text-only (the hub writes [] for that): images lost
+                    record[name] = ParquetImage(str(path), row + i, name, null_list=True)
+                elif is_list:
+                    record[name] = [ParquetImage(str(path), row + i, name, k) for k in range(lengths[name][i])]
                 else:
                     record[name] = ParquetImage(str(path), row + i, name)
             yield f"{path.name} row {row + i}", record

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import unicodedata
 from collections import defaultdict
 from pathlib import Path
 from typing import Literal
@@ -30,6 +29,7 @@ from components._shared.data.file_checks import (
     naming_the_file,
 )
 from components._shared.data.image_checks import MAX_IMAGE_PIXELS, local_image_path
+from components._shared.data.record_ids import check_ids, id_as_seen, said_twice
 from components._shared.data.record_images import check_record_images, check_stray_images
 from components._shared.platform import bad_records
 from components._shared.platform.credential_shapes import shown
@@ -213,7 +213,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
         items = F.iter_file(data_dir / spec.path)
     else:
         annotations = data_dir / spec.annotations if spec.annotations else None
-        items = benchmark.items(data_dir / spec.path, annotations)
+        items = benchmark.read(spec.format, data_dir / spec.path, annotations)
     seen: dict[tuple[str | None, str], str] = {}  # (benchmark, id as seen) -> id: unique within a benchmark
     for n, (source, raw) in enumerate(naming_the_file(items, data_dir / spec.path, spec.path)):
         try:
@@ -221,18 +221,18 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
                 raise F.RecordError(str(raw))
             if not isinstance(raw, dict):
                 raise F.RecordError(f"a {type(raw).__name__}, not a record object")
-            F.check_ids(raw)
+            check_ids(raw)
             if benchmark is not None:
                 raw, shape = benchmark.record(raw), "flat"
             else:
                 shape = _declared_shape(raw, spec)
             check_stray_images(raw, paths=False)  # before the shape's own errors ("0 images") hide the cause
             record = convert(raw, shape, spec)
-            check_record_images(data_dir, raw, record)
+            check_record_images(data_dir, raw, record, "" if spec.images else str(Path(spec.path).parent))
             record_id = str(raw.get("id", raw.get("question_id", f"{_stem(spec.path)}:{n}")))
             first = seen.get((record.get("benchmark"), id_as_seen(record_id)))
             if first is not None:
-                raise F.RecordError(_twice(record_id, first))
+                raise F.RecordError(said_twice(record_id, first))
         except KeyError as error:
             bad.append((source, f"the {spec.format} item has no field {error}"))
             continue
@@ -261,22 +261,6 @@ def _declared_shape(raw: dict, spec: DataFile) -> str:
     raise F.RecordError(
         f"dataset.yaml gives {spec.path!r} format: {spec.format}, but this record is {found} (keys "
         f"{sorted(raw)[:6]}); fix the entry's format (or leave it out: auto) or the record"
-    )
-
-
-def id_as_seen(record_id: str) -> str:
-    """An id as a reader sees it: NFKC form, no invisible format characters, no surrounding white space (two ids
-    that differ only there are one id to anyone reading the results)."""
-    folded = unicodedata.normalize("NFKC", record_id)
-    return "".join(c for c in folded if unicodedata.category(c) != "Cf").strip()
-
-
-def _twice(record_id: str, first: str) -> str:
-    if first == record_id:
-        return f"id {record_id!r} appears more than once; ids must be unique"
-    return (
-        f"id {record_id!r} appears more than once (as {first!r}: they differ only in white space or invisible / "
-        "Unicode-form characters); ids must be unique"
     )
 
 

@@ -61,22 +61,6 @@ class RecordError(ValueError):
     """A record that cannot be used; the message says why and how to fix it."""
 
 
-ID_FIELDS = ("id", "question_id", "questionId", "image_id")
-
-
-def check_ids(raw: dict) -> None:
-    """A record's id fields are strings or integers: an object, list, float or boolean id would be written out
-    as its Python repr, never matching what the user's other files call the record."""
-    for name in ID_FIELDS:
-        value = raw.get(name)
-        if value is None or (isinstance(value, str | int) and not isinstance(value, bool)):
-            if value == "" or (isinstance(value, str) and not value.strip()):
-                raise RecordError(f"'{name}' is empty; give each record an id (a string or an integer)")
-            continue
-        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-        raise RecordError(f"'{name}' must be a string or an integer, got {type(value).__name__} {shown}")
-
-
 def check_text(text: str, where: str) -> str:
     """`text` unchanged, or a RecordError naming `where` when the tokenizer would stop on it mid-run: a chat control
     token (read as template structure) or a lone surrogate (not text; a broken \\u escape in the JSON)."""
@@ -106,6 +90,11 @@ def image_ref(value: Any, image_root: str = "") -> ImageRef:
     if isinstance(value, bytes):
         return value
     if isinstance(value, dict):
+        if not {"bytes", "path", "url"} & value.keys():
+            raise RecordError(
+                f"an image object has 'bytes' and/or 'path' (the hub's Image feature), this one has keys "
+                f"{sorted(value)[:8]}: a nested struct? give the image itself, not an object around it"
+            )
         data = value.get("bytes")
         if data is not None and data not in ("", b""):
             if isinstance(data, bytes):
@@ -319,10 +308,18 @@ def _answers(value: Any) -> list[str]:
 
 def with_options(question: str, choices: dict[str, str]) -> str:
     """A multiple-choice prompt in MMBench / LLaVA's form, unless the question already lists its options."""
-    if re.search(r"(?m)^\s*\(?A[.)]", question):
+    first = next(iter(choices))
+    if re.search(rf"(?m)^\s*\(?{re.escape(first)}[.)]", question):
         return question
-    options = "\n".join(f"{letter}. {text}" for letter, text in choices.items())
-    return f"{question}\n{options}\nAnswer with the option's letter from the given choices directly."
+    options = "\n".join(f"{key}. {text}" for key, text in choices.items())
+    return f"{question}\n{options}\nAnswer with the option's {_key_kind(choices)} from the given choices directly."
+
+
+def _key_kind(choices: dict[str, str]) -> str:
+    """What the option keys are, for the prompt: letters (A, B, ...), numbers (1, 2, ...) or labels."""
+    if all(len(key) == 1 and key in _LETTERS for key in choices):
+        return "letter"
+    return "number" if all(key.isascii() and key.isdigit() for key in choices) else "label"
 
 
 def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -> dict:

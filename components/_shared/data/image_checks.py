@@ -79,6 +79,9 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
     name = repr(reference) if isinstance(reference, str) else type(reference).__name__
     try:
         if isinstance(reference, F.ParquetImage):
+            if reference.null_list:
+                where = f"{Path(reference.path).name} row {reference.row} column {reference.column!r}"
+                return f"the image list in {where} is null; write [] for a row without images, or give them", None
             data, path_in_cell = F.read_parquet_image(reference)
             if not data:
                 if not path_in_cell:

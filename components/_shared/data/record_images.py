@@ -11,21 +11,33 @@ from components._shared.data import formats as F
 from components._shared.data.image_checks import inspect_image
 
 
-def check_record_images(data_dir: Path, raw: dict, record: dict) -> None:
+def check_record_images(data_dir: Path, raw: dict, record: dict, data_file_folder: str = "") -> None:
     """Before any training: every image a record names exists and its header decodes (s3:// objects are read when
     used), and no field outside image / images holds an image (a misspelled key would train text only). The
-    images' sizes go in `image_sizes`."""
+    images' sizes go in `image_sizes`. `data_file_folder`: the data file's folder, when its entry names no
+    `images:` folder (a missing image found there is said)."""
     refs = record.get("images") or ([record["image"]] if "image" in record else [])
     check_stray_images(raw, paths=not refs)  # a path beside the record's images may be metadata (file_name)
     sizes = []
     for ref in refs:
         problem, size = inspect_image(data_dir, ref)
         if problem:
-            raise F.RecordError(problem)
+            raise F.RecordError(problem + _beside_the_data_file(data_dir, ref, data_file_folder))
         sizes.append(size)
     record["image_sizes"] = sizes  # (width, height) from the headers, None for s3://: model/length_check.py
     if record.get("box") is not None and sizes and sizes[0] is not None:
         _check_box(record["box"], sizes[0])
+
+
+def _beside_the_data_file(data_dir: Path, ref: Any, folder: str) -> str:
+    """Where an image path missing from the data directory is there relative to the data file's own folder."""
+    if folder in ("", ".") or not isinstance(ref, str) or ref.startswith(("s3://", "/")):
+        return ""
+    if (data_dir / ref).exists():  # there, but unusable for another reason
+        return ""
+    if (data_dir / folder / ref).is_file():
+        return f" It is under {folder}/, beside the data file: add `images: {folder}` to the file's dataset.yaml entry."
+    return ""
 
 
 def _check_box(box: list[float], size: tuple[int, int]) -> None:

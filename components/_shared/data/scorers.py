@@ -193,7 +193,7 @@ def choice_golds(record: Record) -> set[str]:
     if not golds <= set(choices):
         raise ValueError(
             f"record {record.get('id')!r}: answer {sorted(golds)} is not one of the options {list(choices)}; "
-            "give the answer as an option letter."
+            "give the answer as one of the options' keys."
         )
     return golds
 

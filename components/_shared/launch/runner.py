@@ -20,7 +20,7 @@ from typing import Any
 from components._shared.launch.plan import LaunchPlan, check_config, plan_from_env
 from components._shared.launch.result import _record, flatten_metrics
 from components._shared.launch.torchrun import run_local_torchrun
-from components._shared.platform import bad_records, disk_space, locks, progress, storage
+from components._shared.platform import bad_records, disk_space, launcher_env, locks, progress, storage
 from components._shared.platform.credential_shapes import shown
 from components._shared.platform.presets import validate
 
@@ -42,6 +42,7 @@ def execute(
     (one shard of a fan-out: its merge task reports for it). The output directory is locked for the run
     (platform/locks.py): a second run into it fails at once, naming this one.
     """
+    launcher_env.check()  # RANK / WORLD_SIZE read as numbers below and in the stage: named here when they are not
     if os.environ.get("RANK", "0").strip() not in ("", "0"):
         # torchrun: every rank trains; only rank 0 writes the record and the commit marker (and logs).
         record_as = None
