@@ -28,6 +28,14 @@ class RewardModelConfig(TrainedStageConfig):
             ),
         ),
     ] = 150
+    likelihood_term: bool = Field(
+        False,
+        description=(
+            "Add the backbone's mean log-probability of the answer (its tokens up to the K-th), times a learned "
+            "weight starting at 1, to the head's score: what the SFT model knows about the image (a colour, a count) "
+            "counts from the first step, where a head on one hidden state reads it out poorly."
+        ),
+    )
     margin: Annotated[
         float, Field(ge=0, description="Bradley-Terry margin: -log sigmoid(r_chosen - r_rejected - m).")
     ] = 0.0

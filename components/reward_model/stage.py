@@ -96,7 +96,7 @@ def run(
     backbone, processor, stored_dtype = load_vlm(base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     freeze(backbone, tuple(cfg.freeze))
-    model = RewardModel(backbone)  # the head's random init comes right after the seed, as it always has
+    model = RewardModel(backbone, likelihood_term=cfg.likelihood_term)  # head init right after the seed
     encoder = ConversationEncoder(
         processor, backbone, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
@@ -118,7 +118,7 @@ def run(
     )
     loop = TrainLoop(model, LoopSettings.of(cfg), pairs, store, tracker=tracker, loss_fn=bt_loss(cfg.margin))
     result = loop.run(evaluate=evaluate)
-    trained = trained_module(loop, lambda: RewardModel(load_vlm(base_model)[0]))
+    trained = trained_module(loop, lambda: RewardModel(load_vlm(base_model)[0], likelihood_term=cfg.likelihood_term))
     if trained is None:  # DeepSpeed ranks > 0: rank 0 scores and saves
         return {"rank": loop.backend.rank, "steps": result.steps}
     model = trained

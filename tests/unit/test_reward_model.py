@@ -134,3 +134,44 @@ def test_gradient_checkpointing_trains_the_same_reward_model(data_dir, tmp_path)
     model = RewardModel(load_vlm(BASE)[0])
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert model.backbone.is_activation_checkpointing
+
+
+def test_the_likelihood_term_adds_the_answers_mean_log_probability_up_to_k_and_survives_saving(data_dir, tmp_path):
+    """score = head(h_K) + w x mean log p(answer tokens 1..K); text after the K-th token changes neither part, and the
+    learned weight is saved with the head."""
+    from components._shared.model.packing import forward_logits
+    from components._shared.model.reward_models import save_reward_model
+
+    torch.manual_seed(0)
+    backbone, processor, _ = load_vlm(BASE)
+    plain, with_term = RewardModel(backbone).eval(), RewardModel(backbone, likelihood_term=True).eval()
+    with_term.head.load_state_dict(plain.head.state_dict())
+    with_term.likelihood_weight.data.fill_(0.7)
+    encoder = ConversationEncoder(processor, backbone, min_pixels=3136, max_pixels=12544)
+    record = {"image": load_pairs(data_dir, None)[0]["image"], "prompt": "What shape is it?"}
+    record |= {"chosen": "a red circle", "rejected": "a blue square"}
+    for k in (2, 150):
+        samples = _unit(encoder, data_dir, record, k=k)
+        with torch.no_grad():
+            batch = pack(samples)
+            logits = forward_logits(backbone, batch)[0]
+            expected = []
+            for i, sample in enumerate(samples):  # by hand: sample i's answer tokens up to its K-th
+                start = sum(s.num_tokens for s in samples[:i])
+                answer = (sample.labels != -100).nonzero().flatten()
+                answer = answer[answer <= sample.meta["reward_index"]]
+                logp = torch.log_softmax(logits[start + answer - 1].float(), -1)
+                expected.append(logp.gather(1, sample.labels[answer][:, None]).mean())
+            got = with_term.scores(batch, samples) - plain.scores(batch, samples)
+        assert torch.allclose(got, 0.7 * torch.stack(expected), atol=1e-5), (k, got, expected)
+    suffix = _unit(encoder, data_dir, record, k=2, rejected="a red circle, as the image shows")
+    with torch.no_grad():
+        chosen, rejected = with_term.scores(pack(suffix), suffix)
+    assert float(chosen) == pytest.approx(float(rejected), abs=1e-5)  # same first 2 answer tokens
+    save_reward_model(with_term, processor, tmp_path, score_first_k=2, mean=0.0, std=1.0, base_model=BASE)
+    loaded, _, _ = load_reward_model(str(tmp_path))
+    assert float(loaded.likelihood_weight.detach()) == pytest.approx(0.7)
+    with torch.no_grad():
+        assert torch.allclose(loaded.scores(pack(suffix), suffix), with_term.scores(pack(suffix), suffix), atol=1e-5)
+    save_reward_model(plain, processor, tmp_path / "plain", score_first_k=2, mean=0.0, std=1.0, base_model=BASE)
+    assert load_reward_model(str(tmp_path / "plain"))[0].likelihood_weight is None  # older artifacts load as before

@@ -21,18 +21,22 @@ from components._shared.model.vlm import load_vlm, qwen_model, save_vlm
 
 HEAD_FILE = "reward_head.safetensors"
 META_FILE = "reward_model.json"
+LIKELIHOOD_KEY = "likelihood_weight"  # in HEAD_FILE when the score has the likelihood term
 
 
 class RewardModel(torch.nn.Module):
     """A Qwen2(.5)-VL (the full conditional-generation model, so it saves and loads as one) plus a scalar head."""
 
-    def __init__(self, backbone) -> None:
+    def __init__(self, backbone, *, likelihood_term: bool = False) -> None:
         super().__init__()
         self.backbone = backbone
         hidden = qwen_model(backbone).config.text_config.hidden_size
         self.head = torch.nn.Linear(hidden, 1)
         torch.nn.init.normal_(self.head.weight, std=1.0 / hidden**0.5)
         torch.nn.init.zeros_(self.head.bias)
+        # the backbone's own mean log-probability of the answer (up to the K-th token), weighted: what the SFT model
+        # knows about the image (a colour, a count) that a head on one hidden state does not read out
+        self.likelihood_weight = torch.nn.Parameter(torch.ones(())) if likelihood_term else None
 
     def get_input_embeddings(self):
         return self.backbone.get_input_embeddings()
@@ -49,8 +53,27 @@ class RewardModel(torch.nn.Module):
         """One reward per sample of a packed batch, read at each sample's `reward_index`."""
         hidden = forward_hidden(self.backbone, batch)[0]
         starts = torch.tensor([0, *[s.num_tokens for s in samples]]).cumsum(0)[:-1]
-        index = starts + torch.tensor([s.meta["reward_index"] for s in samples])
-        return self.head(hidden[index.to(hidden.device)].to(self.head.weight.dtype)).float().squeeze(-1)
+        read_at = torch.tensor([s.meta["reward_index"] for s in samples])
+        index = (starts + read_at).to(hidden.device)
+        score = self.head(hidden[index].to(self.head.weight.dtype)).float().squeeze(-1)
+        if self.likelihood_weight is None:
+            return score
+        return score + self.likelihood_weight.float() * self._answer_logprob(hidden, batch, starts, read_at)
+
+    def _answer_logprob(self, hidden, batch: dict, starts: torch.Tensor, read_at: torch.Tensor) -> torch.Tensor:
+        """Mean log-probability of each sample's answer tokens up to the one the reward is read at."""
+        device = hidden.device
+        targets = batch["targets"].to(device).flatten()
+        seq = batch["seq_index"].to(device).flatten()
+        known = seq.clamp_min(0)
+        local = torch.arange(targets.numel(), device=device) - starts.to(device)[known]
+        valid = (targets != IGNORE_INDEX) & (seq >= 0) & (local < read_at.to(device)[known])
+        logits = self.backbone.get_output_embeddings()(hidden[valid]).float()
+        token = torch.log_softmax(logits, dim=-1).gather(1, targets[valid][:, None]).squeeze(1)
+        n = len(starts)
+        sums = torch.zeros(n, device=device).index_add_(0, seq[valid], token)
+        counts = torch.zeros(n, device=device).index_add_(0, seq[valid], torch.ones_like(token))
+        return sums / counts.clamp_min(1)
 
 
 def reward_index(sample: Sample, k: int) -> int:
@@ -76,7 +99,10 @@ def save_reward_model(
 
     meta = {"stage": "reward_model", "base_model": str(base_model)}
     save_vlm(model.backbone, processor, out_dir, metadata=meta, dtype=dtype)
-    save_file({k: v.detach().cpu().contiguous() for k, v in model.head.state_dict().items()}, str(out_dir / HEAD_FILE))
+    head = dict(model.head.state_dict())
+    if model.likelihood_weight is not None:
+        head[LIKELIHOOD_KEY] = model.likelihood_weight
+    save_file({k: v.detach().cpu().contiguous() for k, v in head.items()}, str(out_dir / HEAD_FILE))
     (out_dir / META_FILE).write_text(
         json.dumps({"score_first_k": score_first_k, "reward_mean": mean, "reward_std": std}, indent=2) + "\n"
     )
@@ -92,8 +118,12 @@ def load_reward_model(uri: str | Path, *, dtype: torch.dtype = torch.float32) ->
     if not (path / HEAD_FILE).is_file() or not (path / META_FILE).is_file():
         raise ValueError(f"{uri} has no {HEAD_FILE} / {META_FILE}; point at the reward_model stage's model/ directory.")
     backbone, processor, _ = load_vlm(path, dtype=dtype)
-    model = RewardModel(backbone).to(dtype)
-    model.head.load_state_dict(load_file(str(path / HEAD_FILE)))
+    head = load_file(str(path / HEAD_FILE))
+    weight = head.pop(LIKELIHOOD_KEY, None)
+    model = RewardModel(backbone, likelihood_term=weight is not None).to(dtype)
+    model.head.load_state_dict(head)
+    if weight is not None:
+        model.likelihood_weight.data.copy_(weight)
     return model.eval(), processor, json.loads((path / META_FILE).read_text())
 
 
