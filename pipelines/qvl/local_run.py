@@ -192,24 +192,28 @@ def run_local(
         lake_uri = str(Path(lake_uri).resolve())
     if data_uri and "://" not in data_uri:
         data_uri = str(Path(data_uri).resolve())
-    dirs = {name: out_dir / name for name in ("stage_results", "progress", "logs")}
-    for directory in dirs.values():
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir()
-    expected = ["preflight", *dag_stages(p.stages, until)]
-    view = None
-    if console is not None:
-        is_live = console.isatty() if live is None else live
-        view = ProgressView(
-            expected, stream=console, live=is_live, progress_dir=dirs["progress"], results_dir=dirs["stage_results"]
-        )
-    from components._shared.platform.mlflow_runs import PARENT_RUN_ENV
+    from components._shared.platform import locks
 
-    names = ("MLFLOW_TRACKING_URI", PARENT_RUN_ENV, SUMMARY_DIR_ENV, PROGRESS_DIR_ENV, *PINS)
-    with _environment_restored(*names):
-        os.environ.update(pinned_environment())  # the same numbers on any host of a CPU vendor (cpu_numerics.py)
-        launch = _task_logs if runner == "subprocess" else _containers(out_dir, lake_uri, data_uri, names)
-        return _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri, enable_caching, launch)
+    with locks.scope():  # one run per run directory: a second would clear this one's logs and stage results
+        locks.hold(out_dir, purpose="qvl run --local")
+        dirs = {name: out_dir / name for name in ("stage_results", "progress", "logs")}
+        for directory in dirs.values():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+        expected = ["preflight", *dag_stages(p.stages, until)]
+        view = None
+        if console is not None:
+            is_live = console.isatty() if live is None else live
+            view = ProgressView(
+                expected, stream=console, live=is_live, progress_dir=dirs["progress"], results_dir=dirs["stage_results"]
+            )
+        from components._shared.platform.mlflow_runs import PARENT_RUN_ENV
+
+        names = ("MLFLOW_TRACKING_URI", PARENT_RUN_ENV, SUMMARY_DIR_ENV, PROGRESS_DIR_ENV, *PINS)
+        with _environment_restored(*names):
+            os.environ.update(pinned_environment())  # the same numbers on any host of a CPU vendor (cpu_numerics.py)
+            launch = _task_logs if runner == "subprocess" else _containers(out_dir, lake_uri, data_uri, names)
+            return _run(pipeline, p, out_dir, dirs, expected, view, verbose, lake_uri, data_uri, enable_caching, launch)
 
 
 def _containers(out_dir: Path, lake_uri: str, data_uri: str, env: tuple[str, ...]):
@@ -284,7 +288,7 @@ def _run_pipeline(
     from components._shared.platform.mlflow_runs import PARENT_RUN_ENV, start_pipeline_run
     from components._shared.platform.mlflow_tracking import default_tracking_uri
 
-    os.environ.setdefault("MLFLOW_TRACKING_URI", default_tracking_uri(out_dir))
+    os.environ["MLFLOW_TRACKING_URI"] = default_tracking_uri(out_dir)  # the run's own store unless one is set
     parent_run_id = start_pipeline_run(p.experiment, run_name=f"local-{p.name}", tags={"preset": p.name})
     os.environ[PARENT_RUN_ENV] = parent_run_id
     os.environ[SUMMARY_DIR_ENV] = str(dirs["stage_results"])

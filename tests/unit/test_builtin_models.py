@@ -466,3 +466,11 @@ def test_shape_swapped_captions_change_only_shapes_and_name_no_true_object():
         assert sorted(c for c, _ in named) == ["red", "red"]  # colours kept
         assert swapped.replace("square", "X").split()[-4:] == caption.split()[-4:]  # the rest untouched
     assert shape_swapped("IMG_0042.JPG", rng) is None  # names no object: no negative to make
+
+
+@pytest.mark.parametrize("cache", ["/proc/self", "/proc/qvl-cache"])  # exists but takes no files / cannot be made
+def test_a_model_cache_that_cannot_be_written_is_named_at_once_not_waited_on(cache, monkeypatch):
+    """filelock took a lock file it could not create for one another process held, and waited an hour."""
+    monkeypatch.setenv("QVL_CACHE_DIR", cache)
+    with pytest.raises(OSError, match=rf"the model cache {cache} cannot be written .*set QVL_CACHE_DIR"):
+        resolve_model("builtin:tiny-qwen2_5-vl")

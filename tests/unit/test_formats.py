@@ -378,7 +378,7 @@ def test_whole_file_mistakes_say_what_the_path_is(tmp_path):
 
 def test_the_options_prompt_names_the_kind_of_key_the_record_uses():
     """Numeric option keys were asked for "the option's letter"."""
-    from components._shared.data.formats import with_options
+    from components._shared.data.choices import with_options
 
     lettered = with_options("Which?", {"A": "cat", "B": "dog"})
     assert lettered.endswith("A. cat\nB. dog\nAnswer with the option's letter from the given choices directly.")
@@ -386,3 +386,19 @@ def test_the_options_prompt_names_the_kind_of_key_the_record_uses():
     assert numbered.endswith("1. cat\n2. dog\nAnswer with the option's number from the given choices directly.")
     assert "option's label" in with_options("Which?", {"YES": "cat", "NO": "dog"})
     assert with_options("Which?\n(1) cat\n(2) dog", {"1": "cat", "2": "dog"}) == "Which?\n(1) cat\n(2) dog"
+
+
+def test_options_are_shown_unless_the_question_lists_exactly_them():
+    """A question starting "A.I. systems" was taken for one that lists its options (they were never shown); one that
+    listed other options than its 'choices' was asked as it was."""
+    from components._shared.data.choices import with_options
+    from components._shared.data.formats import RecordError
+
+    shown = with_options("A.I. systems: which one is shown?", {"A": "robot", "B": "toaster"})
+    assert shown.startswith("A.I. systems: which one is shown?\nA. robot\nB. toaster\nAnswer with")
+    listed = "Which animal?\nA. Dog\n(B) cat."
+    assert with_options(listed, {"A": "dog", "B": "cat"}) == listed  # the same options, listed: kept as written
+    with pytest.raises(RecordError, match=r"lists option\(s\) \['A. dog', 'B. cat'\] that are not its 'choices'"):
+        with_options("Which colour?\nA. dog\nB. cat", {"A": "red", "B": "blue", "C": "green"})
+    with pytest.raises(RecordError, match=r"lists option\(s\) \['A. red'\]"):
+        with_options("Which colour?\nA. red", {"A": "red", "B": "blue"})  # some of them

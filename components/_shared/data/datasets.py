@@ -161,7 +161,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
         if any(isinstance(f, str) and not f.strip() for f in getattr(result, role)):
             raise ValueError(f"{where}: {role} lists an empty file name; name each file (or leave the list out).")
     for task in result.tasks:
-        if not BENCHMARK_NAME.match(task):
+        if not BENCHMARK_NAME.fullmatch(task):
             raise ValueError(
                 f"{where}: task name {task!r}: use letters, digits, '_', '.', '-' and start with a letter or digit "
                 f"(it names the metrics task/<name> and count/<name>), e.g. {re.sub(r'[^A-Za-z0-9_.-]', '_', task)!r}."
@@ -349,7 +349,7 @@ def _question(tasks: dict[str, str], *, first_exchange: bool = False):
             raise F.RecordError(str(error)) from None
         images = q.pop("images")
         benchmark = raw.get("benchmark") or spec.benchmark
-        if benchmark is not None and not (isinstance(benchmark, str) and BENCHMARK_NAME.match(benchmark)):
+        if benchmark is not None and not (isinstance(benchmark, str) and BENCHMARK_NAME.fullmatch(benchmark)):
             raise F.RecordError(f"benchmark {benchmark!r}: use letters, digits, '_', '.', '-' (a metric name part)")
         record = {"image": images[0], **q, "answer": q["answers"][0], "type": task.name, "benchmark": benchmark}
         if not task.builtin:

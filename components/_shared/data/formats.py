@@ -261,29 +261,6 @@ def _is_number(value) -> bool:
     )
 
 
-def choices_of(raw: dict) -> dict[str, str] | None:
-    """Multiple-choice options as {letter: text}: a dict, a list (lettered A, B, ...) or MMBench's A..E columns."""
-    value = raw.get("choices", raw.get("options"))
-    if value is None and all(isinstance(raw.get(c), str) for c in "AB"):
-        value = {c: raw[c] for c in _LETTERS[:8] if isinstance(raw.get(c), str) and raw[c].strip()}
-    if value is None:
-        return None
-    if isinstance(value, list):
-        if len(value) > len(_LETTERS):
-            raise RecordError(f"{len(value)} choices; at most {len(_LETTERS)} options (A to Z) are lettered")
-        value = dict(zip(_LETTERS, value, strict=False))
-    if not isinstance(value, dict) or len(value) < 2 or not all(isinstance(v, str) for v in value.values()):
-        raise RecordError(
-            f"choices must be two or more option strings (a list or {{letter: text}}), got {repr(value)[:200]}"
-        )
-    letters = [str(k).strip().upper() for k in value]
-    if not all(letters) or any(not v.strip() for v in value.values()):
-        raise RecordError(f"choices {list(value)[:8]} hold a blank option letter or text; give each option both")
-    if len(set(letters)) != len(letters):
-        raise RecordError(f"choices {list(value)} name an option twice once upper-cased (letters are A, B, ...)")
-    return {letter: check_text(v, f"'choices' {k}") for letter, (k, v) in zip(letters, value.items(), strict=True)}
-
-
 def _check_markers(text: str, images: list) -> None:
     markers = text.count(IMAGE_MARKER)
     if markers and markers != len(images):
@@ -304,22 +281,6 @@ def _answers(value: Any) -> list[str]:
         if len(texts) == len(out):
             return [check_text(v, f"answer {k}") for k, v in enumerate(texts)]
     raise RecordError(f"answers must be a string or a list of strings, got {value!r}")
-
-
-def with_options(question: str, choices: dict[str, str]) -> str:
-    """A multiple-choice prompt in MMBench / LLaVA's form, unless the question already lists its options."""
-    first = next(iter(choices))
-    if re.search(rf"(?m)^\s*\(?{re.escape(first)}[.)]", question):
-        return question
-    options = "\n".join(f"{key}. {text}" for key, text in choices.items())
-    return f"{question}\n{options}\nAnswer with the option's {_key_kind(choices)} from the given choices directly."
-
-
-def _key_kind(choices: dict[str, str]) -> str:
-    """What the option keys are, for the prompt: letters (A, B, ...), numbers (1, 2, ...) or labels."""
-    if all(len(key) == 1 and key in _LETTERS for key in choices):
-        return "letter"
-    return "number" if all(key.isascii() and key.isdigit() for key in choices) else "label"
 
 
 def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -> dict:
@@ -365,6 +326,8 @@ def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -
         raise RecordError(f"{len(images)} images; a held-out or RL question needs exactly one")
     if not any(a.strip() for a in answers) and raw.get("box") is None:
         raise RecordError("the answer is empty; give the reference answer")
+    from components._shared.data.choices import choices_of, with_options  # choices.py reads this module's errors
+
     choices = choices_of(raw)
     out: dict[str, Any] = {
         "images": images,

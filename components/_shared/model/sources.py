@@ -232,8 +232,16 @@ def _materialize(target: Path, produce) -> Path:
 
     if target.is_dir():
         return validate_model_dir(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target) + ".lock", timeout=LOCK_TIMEOUT_S):
+    lock = str(target) + ".lock"
+    try:  # filelock reads a lock file it cannot create as one held by another process, and waits an hour
+        target.parent.mkdir(parents=True, exist_ok=True)
+        Path(lock).touch()
+    except OSError as error:
+        raise OSError(
+            f"the model cache {target.parent} cannot be written ({error.strerror or error}); set QVL_CACHE_DIR to a "
+            "directory this user can write (the images' user is uid 1000)"
+        ) from None
+    with FileLock(lock, timeout=LOCK_TIMEOUT_S):
         if target.is_dir():  # another process finished while we waited
             return validate_model_dir(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))

@@ -364,7 +364,7 @@ def replay_fallback(path: str | Path, *, tracking_uri: str | None = None) -> int
 
 def default_tracking_uri(out_dir: str | Path) -> str:
     """$MLFLOW_TRACKING_URI when set, else an embedded sqlite store `sqlite:///<out_dir>/mlflow.db`."""
-    configured = os.environ.get("MLFLOW_TRACKING_URI")
+    configured = os.environ.get("MLFLOW_TRACKING_URI", "").strip()  # an empty variable is unset
     if configured:
         return configured
     Path(out_dir).mkdir(parents=True, exist_ok=True)

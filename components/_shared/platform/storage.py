@@ -95,7 +95,7 @@ def split_s3(uri: str) -> tuple[str, str]:
             f"{shown(uri)!r} carries credentials (user:password@): an s3:// URI takes none; they come from the "
             "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a Kubernetes secret on the cluster)."
         )
-    if not _BUCKET.match(bucket) or ".." in bucket:
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket:
         raise ValueError(
             f"{shown(uri)!r} has an invalid bucket name {shown(bucket)!r}: use 3-63 lowercase letters, digits, "
             f"'.' or '-', as in s3://my-bucket/prefix."
