@@ -103,8 +103,12 @@ def check_pretrain_captions(records: list[dict]) -> int:
 
 def check_curriculum(sft_config: dict[str, Any], records: list[dict]) -> None:
     """SFT's curriculum phases name difficulties its training data has (sft would stop at its start, on GPUs)."""
+    from collections import Counter
+
     from components._shared.data.curriculum import curriculum_problem
 
-    problem = curriculum_problem(sft_config.get("curriculum") or [], {r.get("difficulty", "all") for r in records})
+    problem = curriculum_problem(
+        sft_config.get("curriculum") or [], Counter(r.get("difficulty", "all") for r in records)
+    )
     if problem:
         raise ValueError(problem)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -204,7 +204,7 @@ def phases_for(cfg: SftConfig, records: list[dict]) -> list[Phase]:
     if not cfg.curriculum:
         pool = list(range(len(records)))
         return [Phase("all", cfg.train.steps, pool, weights=type_weights(cfg, records, pool))]
-    problem = curriculum_problem([p.model_dump() for p in cfg.curriculum], {r["difficulty"] for r in records})
+    problem = curriculum_problem([p.model_dump() for p in cfg.curriculum], Counter(r["difficulty"] for r in records))
     if problem:
         raise ValueError(problem)
     phases = []

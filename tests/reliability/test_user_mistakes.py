@@ -155,6 +155,23 @@ CASES = {
         r"unknown section\(s\) \['train'\] in a preset.*a stage's settings go inside its section",
     ),
     "an s3 location with one slash": (dict(base="s3:/bucket/model"), r"an s3 URI starts with two slashes"),
+    "an empty experiment": (dict(extra=["--experiment", ""]), r"--experiment='' is empty"),
+    "a preset nested thousands deep": (
+        dict(config_text="sft: " + "[" * 3000 + "]" * 3000 + "\n"),
+        r"nested too deeply to be a config",
+    ),
+    "config-json nested thousands deep": (
+        dict(extra=["--config-json", "[" * 5000 + "]" * 5000]),
+        r"--config-json is nested too deeply",
+    ),
+    "an override value nested thousands deep": (
+        dict(extra=["train.steps=" + "[" * 3000 + "]" * 3000]),
+        r"Override 'train.steps=\[\[.* the value is not valid YAML \(nested too deeply\)",
+    ),
+    "a long override value given twice": (
+        dict(extra=["train.steps=1", "train.steps=" + "9" * 5000]),
+        r"sets 'train.steps' again after 'train.steps=1'",
+    ),
     "override key with a look-alike letter": (
         dict(extra=["tr\u0430in.steps=3"]),
         r"the key holds '\u0430' \(CYRILLIC SMALL LETTER A\), not an ASCII letter",

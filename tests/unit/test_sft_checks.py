@@ -87,6 +87,18 @@ def test_curriculum_phases_that_name_only_known_difficulties_select_their_record
     assert [p.pool for p in phases] == [[0, 1, 2], [0, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
 
 
+def test_records_no_phase_trains_on_are_named_not_left_out():
+    """With phases `basic` then `advanced`, records of `Basic`, `expert` or none ('all') were in no phase: never
+    trained and never counted."""
+    records = RECORDS + [{"difficulty": d, "type": "color"} for d in ("Basic", "expert", "expert", "all")]
+    with pytest.raises(ValueError) as err:
+        phases_for(_curriculum(["basic"], ["advanced"]), records)
+    assert str(err.value).startswith(
+        "4 training record(s) have a difficulty no sft.curriculum phase trains on ({'Basic': 1, 'all': 1, 'expert': 2};"
+    )
+    assert [p.pool for p in phases_for(_curriculum(["basic"], []), records)] == [[0, 1, 2], list(range(9))]
+
+
 def test_the_synthetic_world_and_the_presets_curricula_agree(tmp_path):
     """Every difficulty a preset's curriculum names is one the shapes world writes, so its sft data passes
     phases_for for each preset (prod-7b's basic / advanced are the world's names too)."""

@@ -77,6 +77,11 @@ def _run_section(
             f"--config={args.config!r} is empty (an unset shell variable gives one); "
             "give the YAML file, or leave --config out."
         )
+    if not args.experiment.strip():
+        raise ValueError(
+            f"--experiment={args.experiment!r} is empty (an unset shell variable gives one); give the MLflow "
+            "experiment's name, or leave --experiment out (default 'vlm')."
+        )
     from components.stages import STAGES
 
     data = read_section(Path(args.config) if args.config is not None else None, section, sections=tuple(STAGES))
@@ -87,6 +92,8 @@ def _run_section(
             parser.error(f"--config-json is not valid JSON: {err}")
         except KeyGivenTwice as err:
             parser.error(f"--config-json: {err}; give each setting once.")
+        except RecursionError:
+            parser.error("--config-json is nested too deeply to be a stage's settings.")
         if not isinstance(given, dict):
             parser.error(f"--config-json must be a JSON object (the '{section}' section), got {type(given).__name__}.")
         data = deep_merge(data, given)

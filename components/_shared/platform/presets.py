@@ -35,8 +35,8 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         earlier = earlier or next((v for k, v in given.items() if k.startswith(f"{key}.")), None)
         if earlier is not None:
             raise ValueError(
-                f"Override '{pair}' sets {key!r} again after '{earlier}' on the same command line; give each "
-                "key=value once."
+                f"Override '{shown(pair, 200)}' sets {key!r} again after '{shown(earlier, 200)}' on the same command "
+                "line; give each key=value once."
             )
         given[key] = pair
         node = out
@@ -44,8 +44,8 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         try:
             node[leaf] = _scalar(raw)
-        except (yaml.YAMLError, ValueError) as error:  # ValueError: an integer of over 4,300 digits
-            reason = str(error).splitlines()[0]
+        except (yaml.YAMLError, ValueError, RecursionError) as error:  # an integer of over 4,300 digits; [[[...]]]
+            reason = "nested too deeply" if isinstance(error, RecursionError) else str(error).splitlines()[0]
             raise ValueError(
                 f"Override '{shown(pair, 200)}': the value is not valid YAML ({reason}); write key=value with a "
                 "number, true/false, a word, a [list] or a quoted string (example: optim.lr=2e-5)."

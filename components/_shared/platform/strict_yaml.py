@@ -58,6 +58,8 @@ def load(text: str, where: str) -> Any:
         if len(message) > MAX_ERROR_CHARS:
             message = message[:MAX_ERROR_CHARS] + f"... ({len(message) - MAX_ERROR_CHARS} more characters)"
         raise ValueError(f"{where}: not a valid config ({message})") from None
+    except RecursionError:  # the parser and composer recurse once per level of nesting
+        raise ValueError(f"{where}: nested too deeply to be a config (thousands of levels); flatten it") from None
 
 
 class KeyGivenTwice(ValueError):
