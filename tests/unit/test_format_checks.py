@@ -759,3 +759,41 @@ def test_an_id_mixing_latin_cyrillic_or_greek_letters_is_a_bad_record_other_scri
     assert [r["id"] for r in kept] == ["q-a1", "αβ-7", "图片-a1", "фото-1"] and ledger.metrics()[
         "data/skipped/mixed_script_id"
     ] == 1
+
+
+def test_held_out_and_preference_records_that_would_lose_a_field_are_refused(data):
+    """Third hostile pass: each was read one way and the rest dropped quietly."""
+    (data / "b.png").write_bytes(_png())
+    q = {"image": "a.png", "task": "color", "question": "Colour?"}
+    chat = [H("<image>\nColour?"), G("cat")]
+    _jsonl(
+        data / "eval.jsonl",
+        [
+            {"id": "two-answers", **q, "answer": "red", "answers": ["blue"]},
+            {"id": "turn-vs-answers", "image": "a.png", "task": "color", "conversations": chat, "answers": ["dog"]},
+            {"id": "system", **q, "answer": "red", "system": "Be brief."},
+            {"id": "marker", **q, "answer": "<image> red"},
+            {"id": "agrees", **q, "answer": "Red", "answers": ["red", "crimson"]},  # one of them: fine
+        ],
+    )
+    message = _error(datasets.load_questions, data)
+    assert message.startswith("4 bad question record(s) in eval.jsonl")
+    assert "'answer' 'red' is not among 'answers' ['blue']: the record says two things" in _line(
+        message, "eval.jsonl:1"
+    )
+    assert "the assistant turn 'cat' is not among 'answers' ['dog']" in _line(message, "eval.jsonl:2")
+    assert "'system': a held-out or RL question is asked without a system prompt" in _line(message, "eval.jsonl:3")
+    assert "an answer holds <image>; the image goes with the question" in _line(message, "eval.jsonl:4")
+    pair = {"image": "a.png", "prompt": "Which?", "chosen": "a cat", "rejected": "a dog"}
+    _jsonl(
+        data / "preferences.jsonl",
+        [
+            {"id": "p1", **pair, "rejected_image": "b.png"},
+            {"id": "p2", **pair, "system": "Be brief."},
+            {"id": "p3", **pair, "image_id": 7},  # an id, not an image
+        ],
+    )
+    message = _error(datasets.load_preferences, data)
+    assert message.startswith("2 bad preference record(s)")
+    assert "'rejected_image' names another image: a pair is both answers to one prompt on one image" in message
+    assert "'system' would be dropped" in _line(message, "preferences.jsonl:2")

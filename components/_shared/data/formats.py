@@ -300,6 +300,8 @@ def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -
         _check_markers(check_text(raw["question"], "'question'"), images)
         text = _strip_markers(raw["question"])
         answers = _answers(raw.get("answers", raw.get("answer")))
+        if "answers" in raw and "answer" in raw:
+            _one_of_the_answers(_answers(raw["answer"])[0], answers, "'answer'")
     else:
         images, turns = conversation(raw, image_root)
         roles = [t["role"] for t in turns]
@@ -322,8 +324,16 @@ def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -
             )
         text = _strip_markers(turns[0]["text"])
         answers = _answers(raw["answers"]) if "answers" in raw else [turns[1]["text"]]
+        if "answers" in raw:
+            _one_of_the_answers(turns[1]["text"], answers, "the assistant turn")
     if len(images) != 1:
         raise RecordError(f"{len(images)} images; a held-out or RL question needs exactly one")
+    if any(IMAGE_MARKER in a for a in answers):
+        raise RecordError(f"an answer holds {IMAGE_MARKER}; the image goes with the question, the answer is text")
+    if "system" in raw:
+        raise RecordError(
+            "'system': a held-out or RL question is asked without a system prompt (it would be dropped); drop it"
+        )
     if not any(a.strip() for a in answers) and raw.get("box") is None:
         raise RecordError("the answer is empty; give the reference answer")
     from components._shared.data.choices import choices_of, with_options  # choices.py reads this module's errors
@@ -346,6 +356,15 @@ def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -
             raise RecordError(f"'box' must be [x1, y1, x2, y2] in image pixels{why}, got {box!r}")
         out["box"] = [float(v) for v in box]
     return out
+
+
+def _one_of_the_answers(given: str, answers: list[str], what: str) -> None:
+    """A record that gives an answer beside its 'answers' says two things unless the one is among the others."""
+    if visible_text(given).casefold() not in {visible_text(a).casefold() for a in answers}:
+        raise RecordError(
+            f"{what} {given[:80]!r} is not among 'answers' {[a[:40] for a in answers[:5]]}: the record says two "
+            "things; give one answer, or the answers list alone"
+        )
 
 
 def _message(message: Any, where: str, carried: list, image_root: str) -> tuple[str, str]:
@@ -389,6 +408,9 @@ def visible_text(text: str) -> str:
     return " ".join("".join(c for c in folded if unicodedata.category(c) != "Cf").casefold().split())
 
 
+_SECOND_IMAGE = re.compile(r"(?i)\w*_images?|images?_?\d+")  # rejected_image, chosen_images, image2 (not image_id)
+
+
 def preference(raw: dict, image_root: str = "") -> dict:
     """A preference pair {"images", "prompt", "chosen", "rejected"} (TRL's DPO layout, prompt a string or messages)."""
     missing = [k for k in ("prompt", "chosen", "rejected") if k not in raw]
@@ -414,6 +436,15 @@ def preference(raw: dict, image_root: str = "") -> dict:
     _check_markers(check_text(prompt, "'prompt'"), images)
     if len(images) != 1:
         raise RecordError(f"{len(images)} images; a preference pair needs exactly one")
+    per_side = [
+        k for k in raw if k not in ("image", "images") and _SECOND_IMAGE.fullmatch(k) and raw[k] not in (None, "", [])
+    ]
+    if per_side or "system" in raw:
+        what = f"{per_side[0]!r} names another image" if per_side else "'system' would be dropped"
+        raise RecordError(
+            f"{what}: a pair is both answers to one prompt on one image ('image'), without a system prompt; drop it, "
+            "or write one pair per image"
+        )
     chosen, rejected = _side(raw["chosen"], "chosen", image_root), _side(raw["rejected"], "rejected", image_root)
     if visible_text(chosen) == visible_text(rejected):
         raise RecordError(
