@@ -797,3 +797,28 @@ def test_held_out_and_preference_records_that_would_lose_a_field_are_refused(dat
     assert message.startswith("2 bad preference record(s)")
     assert "'rejected_image' names another image: a pair is both answers to one prompt on one image" in message
     assert "'system' would be dropped" in _line(message, "preferences.jsonl:2")
+
+
+@pytest.mark.parametrize("text", ["# just comments\n", "0\n", "false\n", "[]\n", ""])
+def test_a_manifest_that_says_nothing_is_refused_not_read_as_none(data, text):
+    """A dataset.yaml of comments (or 0, false, []) was read as no manifest: the default files trained instead."""
+    (data / "dataset.yaml").write_text(text)
+    with pytest.raises(ValueError, match=r"dataset.yaml: expected a mapping of roles"):
+        datasets.manifest(data)
+
+
+def test_a_manifest_that_is_no_file_or_not_utf8_is_named(data):
+    (data / "dataset.yaml").mkdir()
+    with pytest.raises(ValueError, match=r"dataset.yaml is not a file \(a directory or a pipe\?\)"):
+        datasets.manifest(data)
+    (data / "dataset.yaml").rmdir()
+    (data / "dataset.yaml").write_bytes("sft: [caf\u00e9.jsonl]\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"dataset.yaml: not UTF-8 text \(byte b'\\xe9' at 9\); save it as UTF-8"):
+        datasets.manifest(data)
+
+
+def test_a_null_id_is_no_id(data):
+    """`"id": null` became the id 'None' (two of them: "id 'None' appears more than once")."""
+    row = {"id": None, "image": "a.png", "task": "color", "question": "Colour?", "answer": "red"}
+    _jsonl(data / "eval.jsonl", [row, row])
+    assert [r["id"] for r in datasets.load_questions(data)] == ["eval:0", "eval:1"]

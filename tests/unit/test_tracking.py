@@ -244,3 +244,11 @@ def test_server_outage_keeps_buffer_and_recovers(mlflow_server, tmp_path, monkey
         (2, 0.2),
         (3, 0.3),
     ]
+
+
+@pytest.mark.parametrize("uri", ["mlflow://", "s3://bucket/mlruns"])
+def test_a_tracking_uri_mlflow_cannot_open_is_named_not_a_traceback(uri):
+    from components._shared.platform.mlflow_tracking import _client
+
+    with pytest.raises(ValueError, match=rf"MLFLOW_TRACKING_URI='{uri}' is not a tracking store MLflow opens"):
+        _client(uri)

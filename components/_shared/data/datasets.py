@@ -129,6 +129,9 @@ def _default_name(spec: DataFile) -> str:
 
 def manifest(data_dir: Path) -> Manifest:
     """The data directory's dataset.yaml (or dataset.json), validated; an empty manifest when there is none."""
+    odd = [data_dir / n for n in (MANIFEST, "dataset.json") if (data_dir / n).exists() and not (data_dir / n).is_file()]
+    if odd:  # a directory or a pipe under the name: read as no manifest, the default files would be trained
+        raise ValueError(f"{odd[0]} is not a file (a directory or a pipe?); make it the manifest file, or remove it.")
     found = [data_dir / name for name in (MANIFEST, "dataset.json") if (data_dir / name).is_file()]
     if len(found) > 1:
         raise ValueError(f"{data_dir} holds both {MANIFEST} and dataset.json; keep the one that describes the data.")
@@ -136,7 +139,13 @@ def manifest(data_dir: Path) -> Manifest:
         misnamed = [f"dataset{s}" for s in (".yml", ".YAML", ".JSON") if (data_dir / f"dataset{s}").is_file()]
         if misnamed:
             raise ValueError(f"{data_dir} holds {misnamed[0]}, not {MANIFEST}: name it {MANIFEST} to be read.")
-    result = parse_manifest(found[0].read_text(), str(found[0])) if found else Manifest()
+    try:
+        result = parse_manifest(found[0].read_text(encoding="utf-8-sig"), str(found[0])) if found else Manifest()
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{found[0]}: not UTF-8 text (byte {error.object[error.start : error.start + 1]!r} at "
+            f"{error.start}); save it as UTF-8."
+        ) from None
     result._root = data_dir
     return result
 
@@ -147,7 +156,9 @@ def parse_manifest(text: str, where: str) -> Manifest:
 
     from components._shared.platform import strict_yaml
 
-    raw = strict_yaml.load(text, where) or {}
+    raw = strict_yaml.load(text, where)
+    if not isinstance(raw, dict):  # comments only, 0, false, []: read as no manifest, the default files trained
+        raise ValueError(f"{where}: expected a mapping of roles (sft:, eval:, ...), got {raw!r}; see docs/data.md.")
     try:
         result = Manifest.model_validate(raw)
     except ValidationError as error:
@@ -229,7 +240,8 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
             check_stray_images(raw, paths=False)  # before the shape's own errors ("0 images") hide the cause
             record = convert(raw, shape, spec)
             check_record_images(data_dir, raw, record, "" if spec.images else str(Path(spec.path).parent))
-            record_id = str(raw.get("id", raw.get("question_id", f"{_stem(spec.path)}:{n}")))
+            given = next((raw[k] for k in ("id", "question_id") if raw.get(k) is not None), None)  # null: no id
+            record_id = str(given if given is not None else f"{_stem(spec.path)}:{n}")
             first = seen.get((record.get("benchmark"), id_as_seen(record_id)))
             if first is not None:
                 raise F.RecordError(said_twice(record_id, first))

@@ -73,7 +73,14 @@ def _client(tracking_uri: str):
     if tracking_uri.startswith(("http://", "https://")):
         for name, value in _HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)
-    return MlflowClient(tracking_uri=tracking_uri)
+    try:
+        return MlflowClient(tracking_uri=tracking_uri)
+    except Exception as error:  # noqa: BLE001 - MLflow's errors for a scheme or path it does not open (no I/O yet)
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise ValueError(
+            f"MLFLOW_TRACKING_URI={tracking_uri!r} is not a tracking store MLflow opens ({reason}); give "
+            "http(s)://HOST:PORT or sqlite:////ABSOLUTE/PATH.db, or leave it unset for the run's own store"
+        ) from None
 
 
 class MlflowTracker(Tracker):
