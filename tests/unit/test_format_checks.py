@@ -822,3 +822,19 @@ def test_a_null_id_is_no_id(data):
     row = {"id": None, "image": "a.png", "task": "color", "question": "Colour?", "answer": "red"}
     _jsonl(data / "eval.jsonl", [row, row])
     assert [r["id"] for r in datasets.load_questions(data)] == ["eval:0", "eval:1"]
+
+
+def test_a_jpeg_with_data_after_its_end_is_whole_and_one_cut_short_is_not(data):
+    """A phone's motion photo (a JPEG with its video appended, over 64 KiB) was refused as "truncated"."""
+    import numpy as np
+
+    from components._shared.data.image_checks import probe_image
+
+    buffer = io.BytesIO()
+    noise = np.random.default_rng(0).integers(0, 255, (96, 128, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(buffer, format="JPEG")
+    jpeg = buffer.getvalue()
+    (data / "motion.jpg").write_bytes(jpeg + bytes(range(256)) * 400)  # 100 KiB after the end-of-image marker
+    (data / "cut.jpg").write_bytes(jpeg[: len(jpeg) // 2])
+    assert probe_image(data, "motion.jpg") is None
+    assert "is truncated" in probe_image(data, "cut.jpg")

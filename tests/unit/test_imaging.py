@@ -49,6 +49,15 @@ def test_transparent_png_becomes_white_rgb():
     assert decoded.image.getpixel((3, 3)) == (255, 255, 255)
 
 
+@pytest.mark.parametrize(("mode", "key"), [("RGB", (0, 0, 0)), ("L", 0)])
+def test_a_png_colour_key_is_transparent_too(mode, key):
+    """An RGB or grey PNG with a tRNS colour key decoded with its transparent pixels black, not white."""
+    keyed = Image.new(mode, (8, 8), key)
+    keyed.paste(128 if mode == "L" else (128, 128, 128), (0, 0, 4, 8))
+    decoded = decode_image(_encode(keyed, "PNG", transparency=key), max_image_pixels=LIMIT)
+    assert decoded.image.getpixel((6, 3)) == (255, 255, 255) and decoded.image.getpixel((1, 3)) == (128, 128, 128)
+
+
 def test_exif_orientation_is_applied():
     img = Image.new("RGB", (40, 20), (0, 0, 255))
     img.paste((255, 0, 0), (0, 0, 10, 20))  # left strip red

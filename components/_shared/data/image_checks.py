@@ -118,7 +118,7 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
             f"more than {MAX_ASPECT_RATIO}:1: crop or pad it, or drop the record"
         ), None
     head, tail, size = _ends(source)
-    if _cut_short(kind, head, tail, size):
+    if _cut_short(kind, head, tail, size) and not (kind == "JPEG" and _jpeg_ends_inside(source)):
         return (
             f"image {name} is truncated: its {kind} data ends before the format's end ({size} bytes; a download or "
             "copy cut short?); fetch it again or drop the record"
@@ -176,6 +176,15 @@ def _cut_short(kind: str | None, head: bytes, tail: bytes, size: int) -> bool:
     if kind == "WEBP" and len(head) >= 8:
         return struct.unpack("<I", head[4:8])[0] + 8 > size
     return False
+
+
+def _jpeg_ends_inside(source: Path | io.BytesIO) -> bool:
+    """Whether a JPEG whose last 64 KiB hold no end-of-image marker has one after its first scan anyway: data
+    appended after it (a phone's motion photo carries its video there). Scan data cannot hold the marker (an 0xFF
+    byte in it is stuffed), so a file cut short has none."""
+    data = source.getbuffer() if isinstance(source, io.BytesIO) else source.read_bytes()
+    scan = bytes(data).find(b"\xff\xda")
+    return scan >= 0 and bytes(data).find(b"\xff\xd9", scan) >= 0
 
 
 def _cell_name(ref: F.ParquetImage) -> str:

@@ -136,9 +136,10 @@ def _describe(exc: Exception) -> str:
 
 def _to_rgb(img: Image.Image) -> Image.Image:
     """RGB; transparent pixels become white (not black) so captions still describe what a viewer sees."""
-    if img.mode == "RGB":
+    keyed = img.mode in ("RGB", "L", "P") and "transparency" in img.info  # a PNG tRNS colour key, a GIF-style index
+    if img.mode == "RGB" and not keyed:
         return img
-    if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
+    if img.mode in ("RGBA", "LA", "PA") or keyed:
         rgba = img.convert("RGBA")
         background = Image.new("RGB", rgba.size, (255, 255, 255))
         background.paste(rgba, mask=rgba.getchannel("A"))
