@@ -4,6 +4,7 @@ data is read, with the file, line (or row), record and field named and the fix s
 import base64
 import io
 import json
+import re
 
 import pytest
 from PIL import Image
@@ -838,3 +839,27 @@ def test_a_jpeg_with_data_after_its_end_is_whole_and_one_cut_short_is_not(data):
     (data / "cut.jpg").write_bytes(jpeg[: len(jpeg) // 2])
     assert probe_image(data, "motion.jpg") is None
     assert "is truncated" in probe_image(data, "cut.jpg")
+
+
+def test_a_turn_weight_other_than_one_is_refused_not_trained(data):
+    """ShareGPT / axolotl's per-turn `"weight": 0` ("do not train on this turn") was ignored: the turn trained."""
+    conversations = [H("<image>\nColour?"), {**G("red"), "weight": 0}, H("Shape?"), {**G("square"), "weight": 1}]
+    _jsonl(data / "sft.jsonl", [{"id": "w", "image": "a.png", "conversations": conversations}])
+    assert "conversations[1]: 'weight' 0 is not read (every assistant turn trains)" in _error(
+        datasets.load_conversations, data
+    )
+
+
+@pytest.mark.parametrize(
+    ("manifest", "says"),
+    [
+        ("eval: [{path: pope.jsonl, format: pope, task: color}]", "has format: pope, scored by its own yes_no; drop"),
+        ("tasks: {pope: exact_match}", "task 'pope' is a benchmark format's name, scored otherwise"),
+        ("tasks: {yes_no: exact_match}", "task 'yes_no' is a scorer's name, scored otherwise"),
+    ],
+)
+def test_a_benchmarks_or_scorers_name_never_takes_another_scorer(data, manifest, says):
+    """Each replaced the release's own scorer quietly (POPE scored by exact match, counted in vqa_exact_match)."""
+    (data / "dataset.yaml").write_text(manifest + "\n")
+    with pytest.raises(ValueError, match=re.escape(says)):
+        datasets.manifest(data)

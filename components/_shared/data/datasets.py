@@ -179,9 +179,19 @@ def parse_manifest(text: str, where: str) -> Manifest:
             )
         if task in T.BUILTIN_TASKS:
             raise ValueError(f"{where}: task {task!r} is a builtin task; give your task another name.")
+        taken = "a benchmark format" if task in BENCHMARKS else "a scorer" if task in T.SCORERS else None
+        if taken and result.tasks[task] != (BENCHMARKS[task].scorer if task in BENCHMARKS else task):
+            raise ValueError(
+                f"{where}: task {task!r} is {taken}'s name, scored otherwise; give your task another name."
+            )
         T.resolve(task, result.tasks, where=f"{where} tasks")
     for role in ("sft", "eval", "rl", "preferences"):  # an entry's task, whether or not its records name their own
         for entry in result._entries(role):
+            if entry.task is not None and entry.format in BENCHMARKS:  # the release's own scorer, or a wrong one
+                raise ValueError(
+                    f"{where}: {role} entry {entry.path!r} has format: {entry.format}, scored by its own "
+                    f"{BENCHMARKS[entry.format].scorer}; drop task: {entry.task}."
+                )
             if entry.task is not None:
                 T.resolve(entry.task, result.tasks, where=f"{where} {role} entry {entry.path!r}")
             if entry.annotations and entry.format != "vqav2":

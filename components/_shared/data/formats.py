@@ -202,6 +202,11 @@ def conversation(raw: dict, image_root: str = "") -> tuple[list[ImageRef], list[
         if role is None:
             raise RecordError(f"{key}[{i}]: role {named!r}; use from=system|human|gpt or role=system|user|assistant")
         text = _text_of(one_of(turn, ("value", "content"), f"{key}[{i}]"), f"{key}[{i}]", carried, image_root)
+        if turn.get("weight", 1) != 1:  # axolotl's "do not train on this turn": not read here, so it would train
+            raise RecordError(
+                f"{key}[{i}]: 'weight' {turn['weight']!r} is not read (every assistant turn trains); drop the turns "
+                "not to learn, or split the conversation"
+            )
         if role == "system" and turns:
             raise RecordError(
                 f"{key}[{i}]: a system turn is only allowed first, and once (a top-level 'system' counts)"
