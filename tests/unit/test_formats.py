@@ -402,3 +402,24 @@ def test_options_are_shown_unless_the_question_lists_exactly_them():
         with_options("Which colour?\nA. dog\nB. cat", {"A": "red", "B": "blue", "C": "green"})
     with pytest.raises(RecordError, match=r"lists option\(s\) \['A. red'\]"):
         with_options("Which colour?\nA. red", {"A": "red", "B": "blue"})  # some of them
+
+
+@pytest.mark.parametrize(
+    ("reference", "says"),
+    [
+        ("images\\x.png", "has backslashes (a Windows path?)"),
+        ("file:///data/x.png", "file:// is not read (local paths and s3:// are); copy the image"),
+        ("gs://bucket/x.png", "gs:// is not read"),
+        ("S3://bucket/x.png", "write s3:// in lower case"),
+        ("data:application/octet-stream;base64,AAAA", "a data: URI is read only as data:image/<type>;base64"),
+        ("iVBORw0KGgo" + "A" * 300, "looks like base64 bytes; write it as data:image/<type>;base64"),
+    ],
+)
+def test_image_references_in_a_form_not_read_are_named_by_their_form(reference, says):
+    """Each was "does not exist under the data directory" (a base64 one echoed 400 characters of it)."""
+    from components._shared.data.formats import RecordError, image_ref
+
+    with pytest.raises(RecordError, match=re.escape(says)) as caught:
+        image_ref(reference, "root")
+    assert len(str(caught.value)) < 200
+    assert image_ref("s3://bucket/x.png", "root") == "s3://bucket/x.png" and image_ref("a:1.png", "r") == "r/a:1.png"

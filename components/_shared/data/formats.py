@@ -114,9 +114,30 @@ def image_ref(value: Any, image_root: str = "") -> ImageRef:
         raise RecordError(
             f"image {value[:80]!r} is a web URL; download it into the data directory (nothing is fetched)."
         )
+    _check_reference_form(value)
     if value.startswith("s3://") or not image_root:
         return value
     return f"{image_root.rstrip('/')}/{value}"
+
+
+def _check_reference_form(value: str) -> None:
+    """A reference in a form this reader does not take is named as that form (it would be "does not exist")."""
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", value)
+    if value[:5].lower() == "data:":
+        raise RecordError(f"image {value[:40]!r}...: a data: URI is read only as data:image/<type>;base64,<bytes>")
+    if scheme and not value.startswith("s3://"):
+        fix = (
+            "write s3:// in lower case" if scheme.group(1).lower() == "s3" else "copy the image into the data directory"
+        )
+        raise RecordError(f"image {value[:80]!r}: {scheme.group(0)} is not read (local paths and s3:// are); {fix}")
+    if "\\" in value:
+        raise RecordError(
+            f"image {value[:80]!r} has backslashes (a Windows path?); write it with / under the data directory"
+        )
+    if len(value) > 200 and re.fullmatch(r"[A-Za-z0-9+/=\s]+", value):
+        raise RecordError(
+            f"image {value[:40]!r}... looks like base64 bytes; write it as data:image/<type>;base64,<bytes>"
+        )
 
 
 def _data_bytes(text: str) -> bytes:
