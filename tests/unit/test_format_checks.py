@@ -863,3 +863,27 @@ def test_a_benchmarks_or_scorers_name_never_takes_another_scorer(data, manifest,
     (data / "dataset.yaml").write_text(manifest + "\n")
     with pytest.raises(ValueError, match=re.escape(says)):
         datasets.manifest(data)
+
+
+def test_files_an_image_reader_cannot_read_or_that_are_pipes_are_named_by_kind(data):
+    """SVG, HEIC and AVIF were "cannot identify image file", an empty file the same; a pipe "does not exist"."""
+    import os
+
+    from components._shared.data.image_checks import probe_image
+
+    (data / "e.png").write_bytes(b"")
+    (data / "s.png").write_text('<?xml version="1.0"?><svg xmlns="http://www.w3.org/2000/svg"/>')
+    (data / "h.heic").write_bytes(b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(64))
+    (data / "a.avif").write_bytes(b"\0\0\0\x1cftypavif\0\0\0\0avifmif1" + bytes(64))
+    kinds = {
+        "e.png": "an empty file (0 bytes)",
+        "s.png": "an SVG file",
+        "h.heic": "a HEIC file",
+        "a.avif": "an AVIF file",
+    }
+    for name, kind in kinds.items():
+        assert probe_image(data, name) == f"image {name!r} is {kind}; only JPEG, PNG, WEBP are read: convert it"
+    os.mkfifo(data / "pipe.png")
+    assert "is not a regular file (a directory or a pipe?)" in probe_image(data, "pipe.png")
+    os.mkfifo(data / "sft.jsonl")
+    assert "sft.jsonl is not a regular file (a pipe or a device?)" in _error(datasets.load_conversations, data)

@@ -84,7 +84,8 @@ def _check_file(path: Path) -> None:
     if path.is_dir():
         raise ValueError(f"{path} is a directory; name the benchmark's file in dataset.yaml.")
     if not path.is_file():
-        raise ValueError(f"{path} does not exist; name the benchmark's file in dataset.yaml.")
+        what = "is not a regular file (a pipe or a device?)" if path.exists() else "does not exist"
+        raise ValueError(f"{path} {what}; name the benchmark's file in dataset.yaml.")
 
 
 def _json(path: Path):

@@ -75,7 +75,8 @@ def iter_file(path: Path) -> Iterator[tuple[str, Any]]:
             f"{path} is a directory; name a data file (.jsonl, .json or .parquet) inside the data directory."
         )
     if not path.is_file():
-        raise ValueError(f"{path} does not exist; name a file inside the data directory.")
+        what = "is not a regular file (a pipe or a device?)" if path.exists() else "does not exist"
+        raise ValueError(f"{path} {what}; name a file inside the data directory.")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson", ".json"):
         yield from _iter_json_array(path) if _holds_an_array(path) else _iter_jsonl(path)

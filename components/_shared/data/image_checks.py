@@ -46,7 +46,7 @@ def local_image_path(root: Path, reference: str) -> Path:
             "file into the directory, or use an s3:// URI"
         )
     if path.exists() and not path.is_file():
-        raise ValueError(f"image {reference!r} under the data directory {root} is not a file (a directory?).")
+        raise ValueError(f"image {reference!r} under the data directory {root} is not a regular file (a directory or a pipe?).")
     if not path.is_file():
         raise ValueError(f"image {reference!r} does not exist under the data directory {root}{_other_form(path)}.")
     return path
@@ -107,7 +107,7 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
     except Exception as error:  # noqa: BLE001 - any failure to read an untrusted header is the record's problem
         other = _other_format(source) if isinstance(error, UnidentifiedImageError) else None
         if other:
-            return f"image {name} is a {other} file; only {', '.join(ALLOWED_FORMATS)} are read: convert it", None
+            return f"image {name} is {other}; only {', '.join(ALLOWED_FORMATS)} are read: convert it", None
         return f"image {name} is unreadable ({error})", None
     if width * height > MAX_IMAGE_PIXELS:
         return f"image {name} declares {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} limit", None
@@ -143,14 +143,29 @@ def _quarter_turned(image: Image.Image) -> bool | Exception:
 
 
 def _other_format(source: Any) -> str | None:
-    """The format Pillow finds in a file outside the allow-list (GIF, TIFF, BMP, ...), or None."""
+    """The format Pillow finds in a file outside the allow-list (GIF, TIFF, BMP, ...), one it cannot read named from
+    its first bytes (SVG, HEIC, AVIF), an empty file, or None."""
     try:
         if isinstance(source, io.BytesIO):
             source.seek(0)
         with Image.open(source) as image:
-            return image.format
+            return f"a {image.format} file"
     except Exception:  # noqa: BLE001 - not an image of any format Pillow knows
-        return None
+        pass
+    head = bytes(source.getbuffer()[:512]) if isinstance(source, io.BytesIO) else _head(source)
+    if not head:
+        return "an empty file (0 bytes)"
+    if b"<svg" in head.lower():
+        return "an SVG file"
+    brand = head[8:12] if head[4:8] == b"ftyp" else b""
+    if brand in (b"avif", b"avis"):
+        return "an AVIF file"
+    return "a HEIC file" if brand in (b"heic", b"heix", b"mif1", b"msf1") else None
+
+
+def _head(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(512)
 
 
 def _ends(source: Path | io.BytesIO) -> tuple[bytes, bytes, int]:
