@@ -887,3 +887,10 @@ def test_files_an_image_reader_cannot_read_or_that_are_pipes_are_named_by_kind(d
     assert "is not a regular file (a directory or a pipe?)" in probe_image(data, "pipe.png")
     os.mkfifo(data / "sft.jsonl")
     assert "sft.jsonl is not a regular file (a pipe or a device?)" in _error(datasets.load_conversations, data)
+
+
+def test_yaml_booleans_where_the_manifest_wants_names_are_explained(data):
+    """`tasks: {on: yes_no}` read the key as true: "tasks[1].[key]: Input should be a valid string"."""
+    (data / "dataset.yaml").write_text("tasks: {on: yes_no}\n")
+    with pytest.raises(ValueError, match=r"YAML reads on, off, yes, no as true / false: quote such a name"):
+        datasets.manifest(data)

@@ -360,7 +360,8 @@ def test_whole_file_mistakes_say_what_the_path_is(tmp_path):
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     with pytest.raises(ValueError) as caught:
         datasets.load_conversations(tmp_path)
-    assert "image 'dir.png' under the data directory" in str(caught.value) and "is not a file" in str(caught.value)
+    message = str(caught.value)
+    assert "image 'dir.png' under the data directory" in message and "is not a regular file" in message
     assert "image 'anim.gif' is a GIF file; only JPEG, PNG, WEBP are read: convert it" in str(caught.value)
     with pytest.raises(ValueError, match=r"--data '.*sft.jsonl' is a file; give the directory that holds it"):
         datasets.resolve_data_dir(tmp_path / "sft.jsonl", scratch=tmp_path)

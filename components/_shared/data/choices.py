@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 
-from components._shared.data.formats import _LETTERS, RecordError, check_text
+from components._shared.data.text_checks import RecordError, check_text
+
+_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def choices_of(raw: dict) -> dict[str, str] | None:

@@ -30,53 +30,23 @@ import re
 import unicodedata
 from typing import Any
 
+from components._shared.data.choices import choices_of, with_options
 from components._shared.data.containers import (  # noqa: F401 - the containers are read through this module
     ParquetImage,
     Unparsable,
     iter_file,
     read_parquet_image,
 )
+from components._shared.data.text_checks import CONTROL_TOKENS, RecordError, check_text  # noqa: F401 - F.RecordError
 
 ImageRef = str | bytes | ParquetImage
 
 RECORD_FORMATS = ("auto", "llava", "sharegpt", "messages", "flat", "preference")
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 IMAGE_MARKER = "<image>"
-_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 _DATA_URI = re.compile(r"^data:image/[\w.+-]+;base64,", re.I)
-_SURROGATE = re.compile("[\ud800-\udfff]")
 _MARKER_LOOKALIKE = re.compile(r"<\s*image\s*>", re.IGNORECASE)
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff")
-# The Qwen VL tokenizers' special tokens (Qwen2-VL's added tokens, shared by Qwen2.5-VL, Qwen3-VL and Qwen3.5; the
-# synthetic world's tokenizer has the same). model/encoder.py's ConversationEncoder refuses text holding any of them
-# (with the checkpoint's own special tokens) when it encodes; the readers refuse such records here, before training.
-CONTROL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>",
-)  # fmt: skip
-
-
-class RecordError(ValueError):
-    """A record that cannot be used; the message says why and how to fix it."""
-
-
-def check_text(text: str, where: str) -> str:
-    """`text` unchanged, or a RecordError naming `where` when the tokenizer would stop on it mid-run: a chat control
-    token (read as template structure) or a lone surrogate (not text; a broken \\u escape in the JSON)."""
-    found = [token for token in CONTROL_TOKENS if token in text]
-    if found:
-        raise RecordError(
-            f"{where}: the text holds the chat control token(s) {found}, which the chat template would read as "
-            "structure; remove them from the data"
-        )
-    surrogate = _SURROGATE.search(text)
-    if surrogate:
-        raise RecordError(
-            f"{where}: a lone surrogate {surrogate.group()!r} at character {surrogate.start()} (a broken \\u escape), "
-            "which no tokenizer can encode; fix the escape or re-export the file"
-        )
-    return text
 
 
 # ---------------------------------------------------------------------------------------------- fields ---
@@ -362,8 +332,6 @@ def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -
         )
     if not any(a.strip() for a in answers) and raw.get("box") is None:
         raise RecordError("the answer is empty; give the reference answer")
-    from components._shared.data.choices import choices_of, with_options  # choices.py reads this module's errors
-
     choices = choices_of(raw)
     out: dict[str, Any] = {
         "images": images,

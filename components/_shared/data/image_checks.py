@@ -46,7 +46,9 @@ def local_image_path(root: Path, reference: str) -> Path:
             "file into the directory, or use an s3:// URI"
         )
     if path.exists() and not path.is_file():
-        raise ValueError(f"image {reference!r} under the data directory {root} is not a regular file (a directory or a pipe?).")
+        raise ValueError(
+            f"image {reference!r} under the data directory {root} is not a regular file (a directory or a pipe?)."
+        )
     if not path.is_file():
         raise ValueError(f"image {reference!r} does not exist under the data directory {root}{_other_form(path)}.")
     return path

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import unicodedata
 
-from components._shared.data.formats import RecordError
+from components._shared.data.text_checks import RecordError
 
 CONFUSABLE_SCRIPTS = ("LATIN", "CYRILLIC", "GREEK")  # scripts whose letters stand in for each other
 ID_FIELDS = ("id", "question_id", "questionId", "image_id")

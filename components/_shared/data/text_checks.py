@@ -1,0 +1,37 @@
+"""What every record's text must be before a tokenizer sees it, and the error a bad record raises."""
+
+from __future__ import annotations
+
+import re
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# The Qwen VL tokenizers' special tokens (Qwen2-VL's added tokens, shared by Qwen2.5-VL, Qwen3-VL and Qwen3.5; the
+# synthetic world's tokenizer has the same). model/encoder.py's ConversationEncoder refuses text holding any of them
+# (with the checkpoint's own special tokens) when it encodes; the readers refuse such records here, before training.
+CONTROL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>",
+)  # fmt: skip
+
+
+class RecordError(ValueError):
+    """A record that cannot be used; the message says why and how to fix it."""
+
+
+def check_text(text: str, where: str) -> str:
+    """`text` unchanged, or a RecordError naming `where` when the tokenizer would stop on it mid-run: a chat control
+    token (read as template structure) or a lone surrogate (not text; a broken \\u escape in the JSON)."""
+    found = [token for token in CONTROL_TOKENS if token in text]
+    if found:
+        raise RecordError(
+            f"{where}: the text holds the chat control token(s) {found}, which the chat template would read as "
+            "structure; remove them from the data"
+        )
+    surrogate = _SURROGATE.search(text)
+    if surrogate:
+        raise RecordError(
+            f"{where}: a lone surrogate {surrogate.group()!r} at character {surrogate.start()} (a broken \\u escape), "
+            "which no tokenizer can encode; fix the escape or re-export the file"
+        )
+    return text
