@@ -894,3 +894,12 @@ def test_yaml_booleans_where_the_manifest_wants_names_are_explained(data):
     (data / "dataset.yaml").write_text("tasks: {on: yes_no}\n")
     with pytest.raises(ValueError, match=r"YAML reads on, off, yes, no as true / false: quote such a name"):
         datasets.manifest(data)
+
+
+def test_a_flat_records_hint_goes_before_its_question_as_mmbench_puts_it(data):
+    """A flat multiple-choice record's `hint` was kept only as an unused label."""
+    row = {"id": "h", "image": "a.png", "task": "multiple_choice", "question": "Which colour?", "answer": "A"}
+    _jsonl(data / "eval.jsonl", [{**row, "choices": ["red", "blue"], "hint": "Look at the square."}])
+    (record,) = datasets.load_questions(data)
+    assert record["question"].startswith("Look at the square.\nWhich colour?\nA. red\nB. blue\n")
+    assert "hint" not in record

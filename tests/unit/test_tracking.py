@@ -1,6 +1,7 @@
 """components._shared.platform.tracking against an embedded sqlite store and a real `mlflow server`."""
 
 import json
+import re
 import time
 
 import pytest
@@ -251,4 +252,18 @@ def test_a_tracking_uri_mlflow_cannot_open_is_named_not_a_traceback(uri):
     from components._shared.platform.mlflow_tracking import _client
 
     with pytest.raises(ValueError, match=rf"MLFLOW_TRACKING_URI='{uri}' is not a tracking store MLflow opens"):
+        _client(uri)
+
+
+@pytest.mark.parametrize(
+    ("uri", "says"),
+    [("sqlite:////nonexistent/dir/x.db", "is a database in /nonexistent/dir, which does not exist"),
+     ("http://", "names no host")],
+)  # fmt: skip
+def test_a_tracking_uri_that_cannot_work_is_named_before_any_run(uri, says):
+    """A sqlite store in a missing folder ran the stage with every metric in the fallback file ("relative path can't
+    be expressed as a file URI"); `http://` warned about a host 'api'."""
+    from components._shared.platform.mlflow_tracking import _client
+
+    with pytest.raises(ValueError, match=re.escape(f"MLFLOW_TRACKING_URI={uri!r} {says}")):
         _client(uri)

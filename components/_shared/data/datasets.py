@@ -58,7 +58,7 @@ def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
 
 
 CONSUMED = {"image", "images", "conversations", "messages", "task", "system", "question", "answer", "answers",
-            "choices", "options", "box", "prompt", "chosen", "rejected", "question_id"}  # fmt: skip
+            "choices", "options", "box", "prompt", "chosen", "rejected", "question_id", "hint"}  # fmt: skip
 
 
 def _raw_id(raw) -> str | None:

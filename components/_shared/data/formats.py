@@ -295,6 +295,9 @@ def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -
         images = record_images(raw, image_root)
         _check_markers(check_text(raw["question"], "'question'"), images)
         text = _strip_markers(raw["question"])
+        hint = raw.get("hint")
+        if isinstance(hint, str) and hint.strip() and hint.strip().lower() != "nan":  # MMBench's own prompt form
+            text = check_text(hint.strip(), "'hint'") + "\n" + text
         answers = _answers(raw.get("answers", raw.get("answer")))
         if "answers" in raw and "answer" in raw:
             _one_of_the_answers(_answers(raw["answer"])[0], answers, "'answer'")

@@ -68,7 +68,21 @@ def _is_permanent(error: Exception) -> bool:
 
 
 def _client(tracking_uri: str):
+    from urllib.parse import urlparse
+
     from mlflow import MlflowClient
+
+    parsed = urlparse(tracking_uri)
+    problem = None
+    if parsed.scheme in ("http", "https") and not parsed.hostname:
+        problem = "names no host"
+    elif parsed.scheme == "sqlite" and tracking_uri.startswith("sqlite:///"):
+        folder = Path(tracking_uri[len("sqlite:///") :]).parent
+        problem = None if folder.is_dir() else f"is a database in {folder}, which does not exist"
+    if problem:
+        raise ValueError(
+            f"MLFLOW_TRACKING_URI={tracking_uri!r} {problem}; fix it, or leave it unset for the run's own store"
+        )
 
     if tracking_uri.startswith(("http://", "https://")):
         for name, value in _HTTP_DEFAULTS.items():
