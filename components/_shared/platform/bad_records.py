@@ -27,7 +27,6 @@ _REASONS = (
     ("invalid_json", r"not valid JSON"),
     ("not_an_object", r"not a record object"),
     ("duplicate_id", r"more than once"),
-    ("mixed_script_id", r"mixes letters of"),
     ("identical_pair", r"chosen and rejected are the same text"),
     ("too_long", r"tokens \(text \+ visual\), more than"),
     ("box", r"^box "),
