@@ -895,3 +895,36 @@ def test_a_flat_records_hint_goes_before_its_question_as_mmbench_puts_it(data):
     (record,) = datasets.load_questions(data)
     assert record["question"].startswith("Look at the square.\nWhich colour?\nA. red\nB. blue\n")
     assert "hint" not in record
+
+
+def test_file_level_oddities_are_one_message_naming_the_file(data):
+    """A JSON5 trailing comma was read; CR-only line ends were one "Extra data" error for three records; UTF-16 JSON
+    Lines said "not UTF-8" on line 1 and "not valid JSON" after."""
+    row = {"id": "a", "image": "a.png", "conversations": [H("<image>\nColour?"), G("red")]}
+    (data / "sft.json").write_text(json.dumps([row]).rstrip("]") + ",]")
+    (data / "dataset.yaml").write_text("sft: [sft.json]\n")
+    assert "sft.json:1: a ',' before the array's ']'; drop it." in _error(datasets.load_conversations, data)
+    (data / "dataset.yaml").unlink()
+    lines = [json.dumps({**row, "id": str(i)}) for i in range(3)]
+    (data / "sft.jsonl").write_bytes("\r".join(lines).encode())
+    assert "sft.jsonl: its lines end in a bare CR" in _error(datasets.load_conversations, data)
+    (data / "sft.jsonl").write_bytes("\n".join(lines).encode("utf-16"))
+    assert "sft.jsonl: UTF-16 text (its byte-order mark says so); save it as UTF-8." in _error(
+        datasets.load_conversations, data
+    )
+
+
+def test_a_choice_answer_given_as_the_options_text_names_the_option(data):
+    row = {"id": "t", "image": "a.png", "task": "multiple_choice", "question": "Which?", "choices": ["red", "blue"]}
+    _jsonl(data / "eval.jsonl", [{**row, "answer": "Blue"}])
+    assert "('Blue' is option B's text); give the answer as one of the options' keys" in _error(
+        datasets.load_questions, data
+    )
+
+
+def test_a_records_own_shortened_label_is_not_read_as_the_readers_note(data):
+    """A raw `shortened: true` was carried as a label and then counted as a conversation cut to its first exchange."""
+    row = {"id": "s", "image": "a.png", "task": "color", "question": "Colour?", "answer": "red", "shortened": True}
+    _jsonl(data / "eval.jsonl", [row])
+    (record,) = datasets.load_questions(data)
+    assert "shortened" not in record

@@ -107,6 +107,7 @@ def _holds_an_array(path: Path) -> bool:
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     """(source, record) per non-blank line; a line that is not UTF-8 or not JSON comes as an `Unparsable`, so the
     reader reports it with every other bad record."""
+    _check_line_endings(path)
     decoder = _KeyedDecoder()
     with path.open("rb") as lines:
         for n, raw in enumerate(lines, 1):
@@ -129,6 +130,16 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
                 continue
             twice = decoder.take_duplicates()
             yield source, (Unparsable(twice) if twice else record)
+
+
+def _check_line_endings(path: Path) -> None:
+    """A UTF-16 file, or one whose lines end in a bare CR (classic Mac), is one error for the file, not one per line."""
+    with path.open("rb") as f:
+        head = f.read(1 << 16)
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ValueError(f"{path.name}: UTF-16 text (its byte-order mark says so); save it as UTF-8.")
+    if b"\r" in head and b"\n" not in head:
+        raise ValueError(f"{path.name}: its lines end in a bare CR (an old Mac export); convert them to LF line ends.")
 
 
 class Unparsable(str):
@@ -169,6 +180,10 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, Any]]:
         pos = _skip_space(text, end)
         if pos < len(text) and text[pos] == ",":
             pos = _skip_space(text, pos + 1)
+            if pos < len(text) and text[pos] == "]":  # JSON5's trailing comma: other readers refuse the file
+                raise ValueError(
+                    f"{path.name}:{text.count(chr(10), 0, pos) + 1}: a ',' before the array's ']'; drop it."
+                )
         elif pos < len(text) and text[pos] != "]":
             raise ValueError(
                 f"{path.name}:{text.count(chr(10), 0, pos) + 1}: expected ',' or ']' after record {index - 1}."

@@ -58,7 +58,8 @@ def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
 
 
 CONSUMED = {"image", "images", "conversations", "messages", "task", "system", "question", "answer", "answers",
-            "choices", "options", "box", "prompt", "chosen", "rejected", "question_id", "hint"}  # fmt: skip
+            "choices", "options", "box", "prompt", "chosen", "rejected", "question_id", "hint",
+            "shortened"}  # fmt: skip
 
 
 def _raw_id(raw) -> str | None:

@@ -191,9 +191,15 @@ def choice_golds(record: Record) -> set[str]:
         )
     golds = {a.strip().strip("()").upper() for a in answers_of(record)}
     if not golds <= set(choices):
+        texts = {text.strip().casefold(): key for key, text in choices.items()}
+        named = [
+            f"{a!r} is option {texts[a.strip().casefold()]}'s text"
+            for a in answers_of(record)
+            if a.strip().casefold() in texts
+        ]
         raise ValueError(
-            f"record {record.get('id')!r}: answer {sorted(golds)} is not one of the options {list(choices)}; "
-            "give the answer as one of the options' keys."
+            f"record {record.get('id')!r}: answer {sorted(golds)} is not one of the options {list(choices)}"
+            f"{' (' + '; '.join(named) + ')' if named else ''}; give the answer as one of the options' keys."
         )
     return golds
 
