@@ -60,13 +60,13 @@ def _check_key(key: str, pair: str) -> None:
     if not all(p.strip() for p in parts):
         raise ValueError(
             f"Override '{shown(pair, 200)}': the key {key!r} has an empty part (two dots, or one at an end); write "
-            "dotted setting names, e.g. train.steps=3."
+            "key=value with dotted setting names, e.g. train.steps=3."
         )
     odd = next((c for c in key if not c.isascii()), None)
     if odd is not None:
         raise ValueError(
             f"Override '{shown(pair, 200)}': the key holds {odd!r} ({unicodedata.name(odd, f'U+{ord(odd):04X}')}), "
-            "not an ASCII letter; setting names are ASCII: retype the key."
+            "not an ASCII letter; setting names are ASCII: retype the key (key=value, e.g. train.steps=3)."
         )
 
 
