@@ -18,10 +18,12 @@ import json
 from typing import Any, Literal
 
 from kfp import dsl, kubernetes
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from components._shared.launch.plan import LAUNCH_PLAN_ENV, MULTI_PROCESS_STAGES, POD_NAME_ENV, POD_UID_ENV, LaunchPlan
+from components._shared.platform.config import refuse_bool_for_number
 from components._shared.platform.mlflow_runs import KFP_RUN_ENV, KFP_TASK_ENV, SYSTEM_METRICS_ENV
+from pipelines import k8s_names as names
 
 PART_OF = "qwen-vl-pipeline"
 KFP_RUN_LABEL = "pipeline/runid"  # KFP's API server puts the run id on every pod of a run (Argo podMetadata)
@@ -31,6 +33,11 @@ GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSc
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:  # `gpus: true` is not one GPU
+        return refuse_bool_for_number(value, cls.model_fields[str(info.field_name)].annotation)
 
 
 class Toleration(_Strict):
@@ -65,6 +72,50 @@ class StageProfile(_Strict):
     caching: bool = True
     timeout_s: int = Field(0, ge=0, description="activeDeadlineSeconds of the pod; 0 = none.")
 
+    @field_validator("cpu", "cpu_limit")
+    @classmethod
+    def _cpu(cls, value: str | None) -> str | None:
+        return None if value is None else names.cpu(value)
+
+    @field_validator("memory", "memory_limit", "shm_size")
+    @classmethod
+    def _memory(cls, value: str | None) -> str | None:
+        return None if value is None else names.memory(value)
+
+    @field_validator("backoff", "backoff_max")
+    @classmethod
+    def _duration(cls, value: str) -> str:
+        return names.duration(value)
+
+    @field_validator("accelerator_label")
+    @classmethod
+    def _label_key(cls, value: str) -> str:
+        return names.label_key(value)
+
+    @field_validator("accelerator_type")
+    @classmethod
+    def _label_value(cls, value: str | None) -> str | None:
+        return None if value is None else names.label_value(value)
+
+    @field_validator("labels", "node_selector", "annotations")
+    @classmethod
+    def _labels(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        for key, item in value.items():
+            names.label_key(key)
+            if info.field_name != "annotations":
+                names.label_value(item)
+        return value
+
+    @model_validator(mode="after")
+    def _limits_cover_requests(self) -> "StageProfile":
+        if self.cpu_limit is not None and names.cpu_cores(self.cpu_limit) < names.cpu_cores(self.cpu):
+            raise ValueError(f"cpu_limit {self.cpu_limit} is below the request cpu {self.cpu}; Kubernetes refuses it")
+        if self.memory_limit is not None and names.memory_bytes(self.memory_limit) < names.memory_bytes(self.memory):
+            raise ValueError(
+                f"memory_limit {self.memory_limit} is below the request memory {self.memory}; Kubernetes refuses it"
+            )
+        return self
+
     def node_selectors(self) -> dict[str, str]:
         selectors = dict(self.node_selector)
         if self.accelerator_type:
@@ -84,6 +135,11 @@ class TrainJobSettings(_Strict):
         description="KFP's artifact store is the S3 the s3 secret reaches: pass input artifacts to the job "
         "by URI (/s3/B/K -> s3://B/K) instead of copying them to staging_uri.",
     )
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime_name(cls, value: str) -> str:
+        return names.object_name(value)
 
 
 class PipelineSettings(_Strict):
@@ -134,6 +190,23 @@ class ClusterProfile(_Strict):
     def pipeline_config(self):
         """The KFP PipelineConfig of these settings."""
         return dsl.PipelineConfig(**self.pipeline.model_dump())
+
+    @field_validator("s3_secret", "mlflow_secret", "scratch_pvc")
+    @classmethod
+    def _object_name(cls, value: str) -> str:
+        return names.object_name(value)
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _object_names(cls, value: list[str]) -> list[str]:
+        return [names.object_name(v) for v in value]
+
+    @field_validator("scratch_mount_path")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/") or ":" in value:
+            raise ValueError(f"{value!r} is not a mount path: give an absolute path without ':' (e.g. /scratch)")
+        return value
 
     @model_validator(mode="after")
     def _check_stages(self) -> "ClusterProfile":

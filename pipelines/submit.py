@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import tempfile
 import time
@@ -150,6 +151,9 @@ def prepare(
             f"lake_uri is required: add lake_uri=s3://BUCKET/PREFIX (preset '{resolved.name}' sets no default lake)."
         )
     params["lake_uri"] = lake_uri
+    for name in [k for k in PIPELINE_PARAMS if k.endswith("_uri")]:
+        if params.get(name):
+            check_cluster_location(name, str(params[name]), echo=echo)
     for stage in overrides:
         if stage in STAGES:  # the whole section: a dict parameter is replaced, not merged, by KFP
             params[f"{stage}_config"] = resolved.stages[stage]
@@ -165,6 +169,30 @@ def prepare(
         echo(f"warning: does not fit (--force): {line}")
     package = compile_pipeline(resolved, workdir / "vlm_training.yaml")  # the preset as read and checked above
     return Prepared(package=Path(package), params=params, preset_name=resolved.name)
+
+
+def check_cluster_location(name: str, value: str, *, echo: Callable[[str], None] = print) -> None:
+    """A run's data location must be one the cluster's pods can read: an s3:// URI with a valid bucket, an absolute
+    path on a volume they mount (said as a warning), or for base_model_uri also builtin:NAME or a hub id. A path
+    relative to this machine's working directory would name nothing on the cluster."""
+    from components._shared.platform.storage import check_location
+
+    try:
+        check_location(value, name, builtin=name == "base_model_uri")
+    except ValueError as err:
+        raise SubmitError(str(err)) from None
+    if value.startswith(("s3://", "builtin:")):
+        return
+    hub_id = name == "base_model_uri" and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not Path(value).exists()
+    if hub_id:
+        return
+    if not value.startswith("/"):
+        raise SubmitError(
+            f"{name}={value!r} is a path relative to this machine's working directory; the pipeline runs on the "
+            f"cluster, whose pods cannot read it. Upload it (aws s3 sync {value} s3://BUCKET/PREFIX) and pass the "
+            "s3:// URI, or give an absolute path on a volume the pods mount."
+        )
+    echo(f"warning: {name}={value} is a local path: the cluster's pods read it only if a volume they mount holds it.")
 
 
 def check_host(host: str) -> None:

@@ -216,6 +216,7 @@ def merge_shards(cfg: CleanDataConfig, *, shard_dirs: list[Path], output_dir: Pa
     manifest["files"] += write_report(output_dir, cfg, manifest, reports, info, tracker)
     (output_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
+    _refuse_empty_result(manifest, all_rejected, output_dir)
     metrics = {k: manifest[k] for k in ("records_in", "records_kept", "records_rejected", "rejected_by_reason")}
     metrics["kept_fraction"] = manifest["records_kept"] / max(1, manifest["records_in"])
     metrics["shard_errors"] = len(manifest["shard_errors"])
@@ -225,6 +226,29 @@ def merge_shards(cfg: CleanDataConfig, *, shard_dirs: list[Path], output_dir: Pa
         name: round(t["records"] / t["seconds"], 2) for name, t in manifest["timings"].items() if t["seconds"] > 0
     }
     return metrics
+
+
+def _refuse_empty_result(manifest: dict[str, Any], rejected: pa.Table, output_dir: Path) -> None:
+    """A lake with no record kept is a mistake (wrong columns, wrong lake, thresholds that reject all), not a clean
+    result: fail here, naming the counts per reason and one example of each, instead of in pretrain's data filter."""
+    if manifest["records_kept"] > 0:
+        return
+    examples: dict[str, str] = {}
+    for key, reason, detail in zip(*(rejected.column(c).to_pylist() for c in ("key", "reason", "detail")), strict=True):
+        examples.setdefault(reason, f"{key!r}: {detail}")
+    reasons = "; ".join(
+        f"{reason} {n} (e.g. {examples.get(reason, '')[:300]})"
+        for reason, n in manifest["rejected_by_reason"].items()
+        if n
+    )
+    errors = "; ".join(f"{e['shard']}: {e.get('error', '')[:200]}" for e in manifest["shard_errors"][:3])
+    raise ValueError(
+        f"clean_data kept no record of the lake's {manifest['records_in']} "
+        + (f"(rejected by reason: {reasons})" if reasons else "(no record could be read)")
+        + (f"; shard errors: {errors}" if errors else "")
+        + f". Nothing is left to train on; see {output_dir / 'report.md'} and {output_dir / 'rejected'}, then fix the "
+        "lake (columns, captions, images) or the clean_data thresholds that reject every record."
+    )
 
 
 def _manifest(reports: list[dict[str, Any]], kept: pa.Table, rejected: pa.Table) -> dict[str, Any]:

@@ -51,7 +51,15 @@ def build_student(cfg: DistillConfig, teacher, processor, calibration) -> tuple[
         student.generation_config = teacher.generation_config
         return student, None
     importance = measure_importance(teacher, calibration())
-    plan = plan_pruning(teacher, importance, **student_sizes(s))
+    try:
+        plan = plan_pruning(teacher, importance, **student_sizes(s))
+    except ValueError as err:
+        if s.init != "random":
+            raise
+        raise ValueError(
+            f"{err} (init: random builds the student in the teacher's layout cut to these sizes, as pruning would, "
+            "so the same rules hold; or give a student checkpoint with init: model)"
+        ) from None
     if s.init == "prune":
         return prune(teacher, plan), plan
     student = AutoModelForImageTextToText.from_config(plan.config, attn_implementation=PACKED_SDPA)  # random weights

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import shutil
 import tempfile
@@ -25,6 +26,8 @@ from components._shared.platform import storage
 from components._shared.platform.tracking import Tracker
 from components.promote import weights as W
 from components.promote.config import PromoteConfig
+
+logger = logging.getLogger(__name__)
 
 MODEL_DIR = "model"
 MANIFEST = "inferenceservice.yaml"
@@ -41,6 +44,10 @@ def run(
     """Check, convert, register and describe for serving the champion in `champion` (select_checkpoint's output);
     `artifact_uri` is where this stage's output will live (KFP's output artifact URI), for the storage URI."""
     output_dir = Path(output_dir)
+    if not cfg.enabled:
+        logger.warning(
+            "promote.enabled is false: the pipeline skips this stage; run by hand, it promotes the champion anyway."
+        )
     with tempfile.TemporaryDirectory(prefix="qvl-promote-") as scratch:
         source = _local_champion(champion, Path(scratch))
         selection = read_selection(source)
@@ -97,8 +104,16 @@ def read_selection(champion: Path) -> dict[str, Any]:
     """select_checkpoint's recorded choice (selected_candidate, registered_model, registered_version, score)."""
     path = champion / RESULT_FILE
     if not path.is_file():
-        return {}
+        raise ValueError(
+            f"--champion {champion}: no {RESULT_FILE}, so not select_checkpoint's output; pass the output directory of "
+            "select_checkpoint (its model/ is the champion, its result names it)."
+        )
     result = json.loads(path.read_text())
+    if result.get("stage") != "select_checkpoint":
+        raise ValueError(
+            f"--champion {champion} is {result.get('stage') or 'another stage'}'s output, not select_checkpoint's; "
+            "promote hands serving the champion select_checkpoint chose: pass its output directory."
+        )
     if result.get("status", "succeeded") != "succeeded":
         raise ValueError(f"{path}: select_checkpoint did not succeed ({result.get('error')}); nothing to promote.")
     metrics = result.get("metrics") or {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -208,6 +209,15 @@ class GateConfig(SubConfig):
     ] = 0.1
     patience: Annotated[int, Field(ge=1)] = 3
 
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.length_ratio_min and self.length_ratio_max and self.length_ratio_min > self.length_ratio_max:
+            raise ValueError(
+                f"gates.length_ratio_min={self.length_ratio_min} > gates.length_ratio_max={self.length_ratio_max}: "
+                "every step would trip one of them; swap them (or set one to 0 to turn that gate off)."
+            )
+        return self
+
 
 # The algorithms (components/rl/algorithms/, one module each) and their settings blocks, by name.
 ALGORITHM_SETTINGS: dict[str, type[SubConfig]] = {
@@ -232,6 +242,16 @@ class RlEvalConfig(SubConfig):
     per_type: Annotated[int | None, Field(ge=1)] = 50
     batch_size: Annotated[int, Field(ge=1)] = 64
     max_new_tokens: Annotated[int, Field(ge=1)] = 48
+
+    @field_validator("files")
+    @classmethod
+    def _named_files(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not all(isinstance(f, str) and f.strip() for f in value):
+            raise ValueError(
+                f"eval.files={value!r} holds an empty name; list file names in the data directory, or leave eval.files "
+                "unset (null) for dataset.yaml's eval files, else eval.jsonl."
+            )
+        return value
 
 
 class RlConfig(TrainedStageConfig):
@@ -295,8 +315,24 @@ class RlConfig(TrainedStageConfig):
         unknown = sorted(set(value) - set(REWARD_NAMES))
         if unknown:
             raise ValueError(f"unknown reward(s) {unknown}; choose from {list(REWARD_NAMES)}.")
+        odd = {name: w for name, w in value.items() if not math.isfinite(w) or w < 0}
+        if odd:
+            raise ValueError(
+                f"reward weight(s) {odd} are negative or not finite; every reward is higher-is-better, so a negative "
+                "weight trains the policy to fail it: give weights >= 0 (0 turns a reward off)."
+            )
         if not any(value.values()):
             raise ValueError("every reward weight is 0; give at least one a non-zero weight (e.g. efficacy: 1.0).")
+        return value
+
+    @field_validator("prompts_file")
+    @classmethod
+    def _named_prompts(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError(
+                "prompts_file is empty (an unset shell variable?); name a file in the data directory, or leave it "
+                "unset (null) for dataset.yaml's rl files, else sft.jsonl."
+            )
         return value
 
     @model_validator(mode="after")
@@ -345,6 +381,10 @@ class RlConfig(TrainedStageConfig):
                     f"{block}.{name}: a {block} setting; algorithm is {self.algorithm}"
                     for name in changed_fields(getattr(self, block), default)
                 ]
+        if not self.ptx.coef:
+            notes += [
+                f"ptx.{name}: ptx.coef is 0 (no SFT loss is mixed in)" for name in changed_fields(self.ptx, PtxConfig())
+            ]
         if self.algorithm == "ter":
             replaced = changed_fields(self.optim, type(self).model_fields["optim"].default)
             notes += [

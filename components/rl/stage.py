@@ -23,6 +23,7 @@ their rewards, for inspection), report.md.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections import defaultdict
 from collections.abc import Callable
@@ -60,6 +61,8 @@ from components.rl.rewards import EfficacyCache, build_rewards, efficacy
 from components.rl.rollout import Policy, RolloutEngine
 from components.rl.trainer import RlTrainer
 
+logger = logging.getLogger(__name__)
+
 
 def load_prompts(
     data_dir: Path, cfg: RlConfig, *, types: list[str] | None = None, setting: str = "prompt_types"
@@ -94,6 +97,14 @@ def load_prompts(
         )
     if not prompts:
         raise ValueError(f"no rl prompts in {data_dir} (tasks {types or 'all'}).")
+    if len(prompts) < cfg.train.samples_per_step:
+        logger.warning(
+            "rl: %d prompt(s)%s < train.samples_per_step=%d: every step repeats prompts; give more prompt records or "
+            "lower train.samples_per_step.",
+            len(prompts),
+            f" (max_records={cfg.max_records})" if cfg.max_records else "",
+            cfg.train.samples_per_step,
+        )
     return prompts
 
 
@@ -128,6 +139,13 @@ def run(
         raise ValueError(
             f"rl.rewards uses reward_model (weight {cfg.rewards['reward_model']}) but the stage got no reward model; "
             "give --reward-model (the reward_model stage's output) or set rl.rewards.reward_model to 0."
+        )
+    if reward_model and not cfg.rewards.get("reward_model", 0.0):
+        logger.warning(
+            "rl: --reward-model %s is not used: rl.rewards gives reward_model no weight (%s); set "
+            "rl.rewards.reward_model > 0 to use it.",
+            reward_model,
+            cfg.rewards,
         )
     output_dir = Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)

@@ -60,6 +60,11 @@ def find_candidates(stage_dirs: dict[str, str], per_stage: int) -> list[Candidat
                 f"select_checkpoint input {stage}={directory!r} has no model/config.json; pass the "
                 f"{stage} stage's output directory."
             )
+        if not (root / storage.COMMIT_MARKER).is_file():
+            raise ValueError(
+                f"select_checkpoint input {stage}={directory!r} has no {storage.COMMIT_MARKER}: the {stage} stage did "
+                "not finish there (it failed, was stopped, or is still running); pass the output of a finished run."
+            )
         found.append(Candidate(stage, stage, root / "model"))
         # (group, label, location): local ones under checkpoints/, or at the roots checkpoints.json names
         # (train.checkpoint_uri, e.g. s3://)

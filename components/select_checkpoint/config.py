@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from components._shared.platform.config import StageConfig, SubConfig
 
@@ -100,3 +100,11 @@ class SelectCheckpointConfig(StageConfig):
     def _gates(cls, value: dict[str, float], info) -> dict[str, float]:
         check_metric_names(value, info.field_name)
         return value
+
+    @model_validator(mode="after")
+    def _gates_can_pass(self):
+        crossed = {k: (low, self.max_gates[k]) for k, low in self.min_gates.items() if self.max_gates.get(k, low) < low}
+        if crossed:
+            shown = ", ".join(f"{k} >= {low:g} and <= {high:g}" for k, (low, high) in crossed.items())
+            raise ValueError(f"min_gates and max_gates ask {shown}: no candidate can pass; fix one bound.")
+        return self

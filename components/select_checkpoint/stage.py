@@ -16,6 +16,7 @@ passes every gate (ties: fewer parameters). Writes model/, candidates.json, mode
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import time
@@ -37,6 +38,8 @@ from components._shared.platform.tracking import Tracker
 from components.select_checkpoint.candidates import Candidate, find_candidates, load_candidate
 from components.select_checkpoint.card import model_card
 from components.select_checkpoint.config import SUITE_METRICS, SelectCheckpointConfig
+
+logger = logging.getLogger(__name__)
 
 
 class NoCandidatePasses(ValueError):
@@ -114,6 +117,15 @@ def run(
     """Evaluate, select, export, register; returns the selection and the winner's metrics."""
     output_dir = Path(output_dir)
     given = {"pretrain": pretrain, "sft": sft, "rl": rl, "distill": distill}
+    absent = [stage for stage in cfg.stages if not given[stage]]
+    if absent and len(absent) < len(cfg.stages):  # none at all is the error below
+        logger.warning(
+            "select_checkpoint.stages lists %s, but no output of %s was given: not candidates (the pipeline gives only "
+            "the stages it ran; by hand, pass --%s DIR).",
+            cfg.stages,
+            absent,
+            absent[0],
+        )
     candidates = find_candidates({s: given[s] for s in cfg.stages}, cfg.checkpoints_per_stage)
     if not candidates:
         raise ValueError(
@@ -286,5 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         run,
         section="select_checkpoint",
         inputs=("data", "pretrain", "sft", "rl", "distill", "reward_model", "clean_data"),
+        # the candidates are the stages of select_checkpoint.stages that are given (run() names a missing one)
+        optional_inputs=("pretrain", "sft", "rl", "distill", "reward_model", "clean_data"),
         argv=argv,
     )

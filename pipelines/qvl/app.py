@@ -113,8 +113,9 @@ def run(
     """Run the DAG and write OUT/run_summary.json; the console shows each stage's progress and result."""
     if not local:
         typer.echo(
-            "`qvl run` runs locally (--local); submit to a cluster with `qvl submit` or `kfp run create` "
-            "(docs/submitting.md)."
+            "error: `qvl run` runs locally (--local); submit to a cluster with `qvl submit` or `kfp run create` "
+            "(docs/submitting.md).",
+            err=True,
         )
         raise typer.Exit(2)
     from pipelines.presets import load_preset
@@ -127,6 +128,14 @@ def run(
         raise typer.Exit(2)
     if data is None and "://" not in lake_uri:
         data = str(Path(lake_uri).resolve().parent / "heldout")  # where `qvl lake synth` puts it
+        if not Path(data).is_dir():
+            typer.echo(
+                f"error: no --data given, and its default beside the lake ({data}, where `qvl lake synth` writes the "
+                "held-out and SFT data) does not exist; pass --data DIR (eval.jsonl, sft.jsonl, preferences.jsonl or "
+                "a dataset.yaml; docs/data.md).",
+                err=True,
+            )
+            raise typer.Exit(2)
     typer.echo(f"Running preset {preset} on {lake_uri} into {out}/ (task logs: {out}/logs/)")
     summary = run_local(
         lake_uri=lake_uri,

@@ -171,6 +171,13 @@ def run_local(
     from pipelines.vlm_training import build_pipeline
 
     out_dir = Path(out_dir).resolve()
+    for option, uri in (("--lake", lake_uri), ("--data", data_uri)):
+        if uri and "://" not in uri and out_dir.is_relative_to(Path(uri).resolve()):
+            raise ValueError(
+                f"--out {out_dir} is inside {option} {uri}: the run's own files (clean_data's Parquet parts, "
+                f"checkpoints) would become part of the {option[2:]} the next run reads; put the run directory "
+                "elsewhere (e.g. runs/NAME)."
+            )
     out_dir.mkdir(parents=True, exist_ok=True)
     p = as_preset(preset)  # read once: the caller's loaded preset, or its name read here
     # built first: it validates `until` before anything starts

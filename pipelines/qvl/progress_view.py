@@ -158,6 +158,10 @@ class ProgressView:
             if returncode != 0:
                 row.status, row.ended = "failed", time.time()
                 self._event(row, f"FAILED after {clock(row.elapsed(row.ended))} (exit {returncode})")
+                error = self._user_error(row.stage)
+                if error:  # a bad setting, record or path: its message is the whole story, the traceback is in the log
+                    self.print(f"        error: {error}\n        full log: {log}")
+                    return
                 if self.is_live:
                     self.print(f"{row.stage} failed (exit {returncode}); the last lines of its log:")
                 self._print_tail(log)
@@ -217,6 +221,16 @@ class ProgressView:
         """One line per event when not live (the live table shows the same)."""
         if not self.is_live:
             self.print(f"{clock(time.time() - self.started):>6}  {row.stage:18s} {text}")
+
+    def _user_error(self, stage: str) -> str:
+        """The recorded message of a stage that failed on a user error (runner.py's failure record), else ''."""
+        try:
+            result = json.loads((self.results_dir / f"{stage}.json").read_text())
+        except (OSError, ValueError):
+            return ""
+        if result.get("status") != "failed" or not result.get("user_error"):
+            return ""
+        return str(result.get("error", "")).partition(": ")[2] or str(result.get("error", ""))
 
     def _print_tail(self, log: Path) -> None:
         try:

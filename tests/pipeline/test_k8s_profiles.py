@@ -2,6 +2,7 @@
 plans for multi-GPU and multi-node stages, and profile mistakes rejected with the setting's name."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -146,6 +147,19 @@ def test_local_runs_get_no_pod_settings_but_keep_retries(tmp_path):
         ({"stages": {"sfx": {"gpus": 1}}}, r"unknown stage\(s\) \['sfx'\]"),
         ({"stages": {"sft": {"gpu": 1}}}, r"kubernetes.stages.sft.gpu: Extra inputs are not permitted"),
         ({"stages": {"sft": {"gpus": 8}}}, r"sft.train.backend: sft on several GPUs or nodes needs backend: deepspeed"),
+        # values Kubernetes (or kfp, in words naming no setting) would refuse after the preset compiled
+        ({"stages": {"sft": {"gpus": True}}}, r"kubernetes.stages.sft.gpus: .*true is a boolean where a number"),
+        ({"stages": {"sft": {"labels": {"team name": "a"}}}}, r"stages.sft.labels: .*'team name' is not a label"),
+        ({"stages": {"sft": {"node_selector": {"pool": "gpu pool"}}}}, r"node_selector: .*'gpu pool' is not a label v"),
+        ({"scratch_pvc": "QVL-Scratch"}, r"kubernetes.scratch_pvc: .*'QVL-Scratch' is not a Kubernetes object name"),
+        ({"s3_secret": ""}, r"kubernetes.s3_secret: .*'' is not a Kubernetes object name"),
+        ({"image_pull_secrets": ["regcred", "Reg Cred"]}, r"kubernetes.image_pull_secrets: .*'Reg Cred' is not a"),
+        ({"stages": {"sft": {"memory_limit": "32Gi"}}}, r"stages.sft: .*memory_limit 32Gi is below the request memory"),
+        ({"stages": {"sft": {"cpu": "4", "cpu_limit": "500m"}}}, r"stages.sft: .*cpu_limit 500m is below the request"),
+        ({"stages": {"sft": {"cpu": "two"}}}, r"kubernetes.stages.sft.cpu: .*'two' is not a CPU quantity"),
+        ({"stages": {"sft": {"memory": "1.5Gi"}}}, r"kubernetes.stages.sft.memory: .*'1.5Gi' is not a memory quantity"),
+        ({"stages": {"sft": {"backoff": "soon"}}}, r"kubernetes.stages.sft.backoff: .*'soon' is not a duration"),
+        ({"scratch_mount_path": "scratch"}, r"kubernetes.scratch_mount_path: .*not a mount path"),
     ],
 )
 def test_profile_mistakes_are_rejected_naming_the_setting(section, message):
@@ -157,3 +171,30 @@ def test_presets_without_a_kubernetes_section_get_one_gpu_per_model_stage():
     cluster = load_preset("demo").cluster_profile()
     assert cluster.stages["sft"].gpus == 1 and cluster.stages["clean_data"].gpus == 0
     assert cluster.stages["preflight"].caching is False
+
+
+def test_the_values_kubernetes_accepts_pass_and_compile(tmp_path):
+    """The other side of the checks above: prefixed keys, annotations with free text, millicores, power-of-two
+    units, minutes and hours."""
+    section = {
+        "image_pull_secrets": ["regcred"],
+        "stages": {
+            "sft": {
+                "labels": {"team.example.com/owner": "vision-lab", "cost_center": "r.d-42"},
+                "annotations": {"example.com/note": "retrained nightly; ask #vision"},
+                "node_selector": {"cloud.google.com/gke-nodepool": "a100-pool"},
+                "cpu": "7500m",
+                "cpu_limit": "8",
+                "memory": "60000Mi",
+                "memory_limit": "64Gi",
+                "backoff": "2m",
+                "backoff_max": "1h",
+            }
+        },
+    }
+    preset = load_preset("demo", overrides={"kubernetes": section})
+    out = compile_pipeline(preset, tmp_path / "p.yaml")
+    platform = list(yaml.safe_load_all(Path(out).read_text()))[1]
+    sft = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]["exec-sft-op"]
+    assert sft["podMetadata"]["labels"]["team.example.com/owner"] == "vision-lab"
+    assert sft["nodeSelector"]["labels"]["cloud.google.com/gke-nodepool"] == "a100-pool"

@@ -168,14 +168,17 @@ def test_wait_gives_up_after_the_timeout():
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["lake_uri=s3://x", "sft.train.stepz=1"], "sft.train.stepz"),
-        (["lake_uri=s3://x", "sft.lora.r=-4"], "sft.lora.r"),
+        (["lake_uri=s3://lake-x", "sft.train.stepz=1"], "sft.train.stepz"),
+        (["lake_uri=s3://lake-x", "sft.lora.r=-4"], "sft.lora.r"),
         (["lake=s3://x"], "Unknown pipeline parameter 'lake'. Parameters: lake_uri, eval_data_uri"),
-        (["lake_uri=s3://x", "sft_config={}"], "Stage settings are dotted: sft.SETTING=VALUE"),
+        (["lake_uri=s3://lake-x", "sft_config={}"], "Stage settings are dotted: sft.SETTING=VALUE"),
         (["sft.lora.r=16"], "lake_uri is required"),
         (["lake_uri"], "'lake_uri' is not key=value"),
-        (["lake_uri=s3://x", "experiment=ghp_" + "a1B2" * 9], "experiment: a GitHub token"),
+        (["lake_uri=s3://lake-x", "experiment=ghp_" + "a1B2" * 9], "experiment: a GitHub token"),
         (["lake_uri=s3://u:hunter2pass@host/x"], "lake_uri: a URL with a password"),
+        (["lake_uri=runs/world/lake"], "lake_uri='runs/world/lake' is a path relative to this machine's"),
+        (["lake_uri=s3://Lake_Data/x"], "lake_uri: 's3://Lake_Data/x' has an invalid bucket name"),
+        (["lake_uri=s3://lake-x", "eval_data_uri=gs://b/heldout"], "eval_data_uri='gs://b/heldout': only local"),
     ],
 )
 def test_bad_arguments_fail_before_any_request(args, says):
@@ -189,7 +192,7 @@ def test_bad_arguments_fail_before_any_request(args, says):
 
 def test_namespace_goes_to_the_experiment_lookup_and_creation():
     with FakeKfpApi() as api:
-        result = _submit(api, "--experiment", "e", "--namespace", "team-a", "--preset", "tiny", "lake_uri=s3://x")
+        result = _submit(api, "--experiment", "e", "--namespace", "team-a", "--preset", "tiny", "lake_uri=s3://lake-x")
         assert result.exit_code == 0, result.output
     (lookup,) = api.requests_to("GET", EXPERIMENTS)
     assert lookup.query["namespace"] == ["team-a"]
@@ -197,7 +200,7 @@ def test_namespace_goes_to_the_experiment_lookup_and_creation():
 
 
 def test_host_without_a_scheme_is_refused():
-    result = runner.invoke(app, ["submit", "--host", "kfp.example.com", "--experiment", "e", "lake_uri=s3://x"])
+    result = runner.invoke(app, ["submit", "--host", "kfp.example.com", "--experiment", "e", "lake_uri=s3://lake-x"])
     assert result.exit_code == 2 and "needs a scheme" in result.output
 
 
@@ -205,7 +208,7 @@ def test_an_api_refusal_is_one_line_and_exit_1(monkeypatch):
     monkeypatch.setenv("KFP_TOKEN", "wrong-token")
     with FakeKfpApi(token=TOKEN) as api:
         monkeypatch.setattr("kfp.client.client.time.sleep", lambda s: None)  # healthz retries 5 times, 5 s apart
-        result = _submit(api, "--experiment", "e", "--preset", "tiny", "lake_uri=s3://x")
+        result = _submit(api, "--experiment", "e", "--preset", "tiny", "lake_uri=s3://lake-x")
     assert result.exit_code == 1, result.output
     assert "submitting to" in result.output and "Traceback" not in result.output
     assert not api.requests_to("POST", RUNS)
@@ -272,7 +275,7 @@ def test_kfp_cli_run_create_submits_the_committed_yaml(tmp_path):
             "vlm-prod",
             "-f",
             str(COMPILED.relative_to(ROOT)),
-            "lake_uri=s3://x",
+            "lake_uri=s3://lake-x",
             "eval_data_uri=s3://data/heldout",
         ]
         proc = subprocess.run(
@@ -290,7 +293,7 @@ def test_kfp_cli_run_create_submits_the_committed_yaml(tmp_path):
     committed = list(yaml.safe_load_all(COMPILED.read_text()))
     assert body["pipeline_spec"]["pipeline_spec"] == committed[0]
     assert body["pipeline_spec"]["platform_spec"] == committed[1]
-    assert body["runtime_config"]["parameters"] == {"lake_uri": "s3://x", "eval_data_uri": "s3://data/heldout"}
+    assert body["runtime_config"]["parameters"] == {"lake_uri": "s3://lake-x", "eval_data_uri": "s3://data/heldout"}
     assert body["experiment_id"] in api.experiments
     assert api.experiments[body["experiment_id"]]["display_name"] == "vlm-prod"
     assert all(r.headers.get("authorization") == f"Bearer {TOKEN}" for r in api.requests)

@@ -93,12 +93,25 @@ def test_rl_runs_without_a_reward_model_flag_until_its_rewards_name_one(tmp_path
 
 
 def test_run_refuses_non_local_and_unknown_stage(tmp_path):
-    assert runner.invoke(app, ["run", "--lake", str(tmp_path)]).exit_code == 2
-    result = runner.invoke(
-        app, ["run", "--local", "--lake", str(tmp_path), "--until", "nope", "--out", str(tmp_path / "o")]
-    )
+    not_local = runner.invoke(app, ["run", "--lake", str(tmp_path)])
+    assert not_local.exit_code == 2 and not_local.stderr.startswith("error: `qvl run` runs locally (--local)")
+    lake = tmp_path / "lake"
+    args = ["run", "--local", "--lake", str(lake), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "o")]
+    result = runner.invoke(app, [*args, "--until", "nope"])
     assert result.exit_code != 0
     assert "until='nope'" in str(result.exception)
+
+
+def test_run_without_data_or_with_its_directory_inside_the_lake_is_refused_before_it_starts(tmp_path):
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    result = runner.invoke(app, ["run", "--local", "--lake", str(lake), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"error: no --data given, and its default beside the lake ({tmp_path / 'heldout'}" in result.stderr
+    (tmp_path / "heldout").mkdir()
+    inside = runner.invoke(app, ["run", "--local", "--lake", str(lake), "--out", str(lake / "run")])
+    assert f"--out {lake / 'run'} is inside --lake {lake}" in str(inside.exception)
+    assert not (lake / "run").exists() and not (tmp_path / "o").exists()  # refused before anything was made
 
 
 def test_stage_help_and_unknown_stage_print_usage_not_a_traceback():
@@ -108,3 +121,21 @@ def test_stage_help_and_unknown_stage_print_usage_not_a_traceback():
     unknown = runner.invoke(app, ["stage", "clean-data"])
     assert unknown.exit_code == 2 and isinstance(unknown.exception, SystemExit)
     assert "Unknown stage 'clean-data'" in unknown.output and "select_checkpoint" in unknown.output
+
+
+def test_overrides_may_sit_between_options_and_select_needs_only_the_stages_it_compares(tmp_path):
+    """`sft.x=1 --output-dir O rl.y=2` was "unrecognized arguments"; select_checkpoint asked for all six stage
+    inputs although it compares those given. Both now reach the stage's own checks."""
+    (tmp_path / "data").mkdir()
+    args = ["stage", "rl", "gates.length_ratio_min=3", "--base-model", "builtin:tiny-qwen2_5-vl"]
+    result = runner.invoke(app, [*args, "--data", str(tmp_path / "data"), "gates.length_ratio_max=2", "--output-dir"])
+    assert result.exit_code == 2 and "expected one argument" in result.stderr  # argparse still checks the options
+    result = runner.invoke(
+        app, [*args, "--data", str(tmp_path / "data"), "gates.length_ratio_max=2", "--output-dir", str(tmp_path / "o")]
+    )
+    assert result.exit_code == 2 and "Traceback" not in result.stderr, result.output
+    assert "gates.length_ratio_min=3.0 > gates.length_ratio_max=2.0" in result.stderr  # both overrides were read
+    select = ["stage", "select_checkpoint", "--data", str(tmp_path / "data"), "--output-dir", str(tmp_path / "s")]
+    result = runner.invoke(app, [*select, "--sft", str(tmp_path / "sft")])
+    assert result.exit_code == 2 and "the following arguments are required" not in result.stderr, result.output
+    assert f"select_checkpoint input sft='{tmp_path / 'sft'}' has no model/config.json" in result.stderr

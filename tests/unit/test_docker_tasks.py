@@ -73,7 +73,7 @@ def test_the_docker_runner_refuses_what_its_tasks_could_not_reach(tmp_path, monk
     from pipelines.qvl.local_run import run_local
 
     with pytest.raises(ValueError, match="runner 'podman': choose subprocess or docker"):
-        run_local(lake_uri=str(tmp_path), out_dir=tmp_path / "o", runner="podman")
+        run_local(lake_uri=str(tmp_path / "lake"), out_dir=tmp_path / "o", runner="podman")
     monkeypatch.setattr("pipelines.qvl.docker_tasks.check_images", lambda images: None)
     with pytest.raises(ValueError, match=r"runs each task without network: \['s3://bucket/lake'\]"):
         run_local(lake_uri="s3://bucket/lake", out_dir=tmp_path / "o", runner="docker")

@@ -259,12 +259,14 @@ def test_preference_prompts_and_answers_are_checked_like_conversations(data):
         {"id": "chosen-user", "image": "a.png", "prompt": "q", "rejected": "b",
          "chosen": [{"role": "user", "content": "a"}]},
         {"id": "loose", "image": "a.png", "prompt": ["hello", user], "chosen": "a", "rejected": "b"},
+        {"id": "kind", "image": "a.png", "prompt": "q", "chosen": "a", "rejected": "b", "kind": 3},
         {"id": "ok", "image": "a.png", "prompt": [user], "chosen": [{"role": "assistant", "content": "A red box."}],
          "rejected": "A blue box."},
     ]  # fmt: skip
     _jsonl(data / "preferences.jsonl", pairs)
     message = _error(datasets.load_preferences, data)
-    assert message.startswith("8 bad preference record(s) in preferences.jsonl")
+    assert message.startswith("9 bad preference record(s) in preferences.jsonl")
+    assert "'kind' 3: a pair's rejection kind names its pair-accuracy metric" in _line(message, "preferences.jsonl:9")
     line = _line(message, "preferences.jsonl:1 (id='multi')")
     assert "'prompt' messages ['system', 'user', 'assistant', 'user']: a preference prompt is one user message" in line
     assert "'prompt'[0]: role 'human_typo'; use role=system|user|assistant" in _line(message, "preferences.jsonl:2")
@@ -277,7 +279,7 @@ def test_preference_prompts_and_answers_are_checked_like_conversations(data):
     with bad_records.policy("skip") as ledger:
         (kept,) = datasets.load_preferences(data)
     assert kept["id"] == "ok" and kept["prompt"] == "Describe" and kept["chosen"] == "A red box."
-    assert ledger.metrics()["data/skipped_records"] == 8
+    assert ledger.metrics()["data/skipped_records"] == 9
 
 
 # ------------------------------------------------------------------------------------------ 7. small ones ---

@@ -254,6 +254,21 @@ def test_parquet_lake_and_merge_accounting(tmp_path):
     assert "kept/part-00000.parquet" in manifest["files"] and (tmp_path / "final/report.md").is_file()
 
 
+def test_a_lake_with_no_record_kept_fails_in_clean_data_naming_the_reasons_and_the_columns(tmp_path):
+    """A Parquet lake whose columns clean_data does not know: every record is rejected, and the stage fails there
+    (counts per reason, an example, the file's columns), not two stages later in pretrain's data filter."""
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    rows = [{"uid": f"r{i}", "image_bytes": _image(seed=300 + i), "text": _caption()} for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(rows), lake / "00000.parquet")
+    with pytest.raises(ValueError) as err:
+        run(CFG, lake_uri=str(lake), output_dir=tmp_path / "out", tracker=NullTracker())
+    message = str(err.value)
+    assert "kept no record of the lake's 4" in message and "missing_image 4" in message
+    assert "the file's columns are ['uid', 'image_bytes', 'text']" in message
+    assert str(tmp_path / "out" / "report.md") in message and (tmp_path / "out" / "report.md").is_file()
+
+
 def test_missing_lake_and_bad_shard_dirs_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         list_shards(str(tmp_path / "nope"))

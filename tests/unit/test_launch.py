@@ -60,7 +60,7 @@ def test_failure_is_recorded_then_raised(env):
         )
     result = json.loads((env / "results" / "toy.json").read_text())
     assert result["status"] == "failed"
-    assert "record 7" in result["error"]
+    assert "record 7" in result["error"] and result["user_error"] is True  # a ValueError: the console shows it alone
 
 
 def test_unrecorded_shard_run_writes_no_summary(env):

@@ -159,6 +159,20 @@ def test_s3_models_are_checked_where_they_lie_without_downloading_weights(tmp_pa
         check_model(f"{s3_env.uri}/models/nothing-here")
 
 
+def test_a_stage_output_given_where_its_model_belongs_names_the_model_folder(tmp_path):
+    """`--reward-model OUT/reward_model` (the stage's output, not its model/) says which directory to pass."""
+    from components._shared.model.sources import resolve_model
+
+    stage_output = tmp_path / "reward_model"
+    (stage_output / "model").mkdir(parents=True)
+    (stage_output / "model" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"that is a stage's output directory.*pass {stage_output / 'model'}\."):
+        resolve_model(str(stage_output))
+    (stage_output / "model" / "config.json").unlink()
+    with pytest.raises(ValueError, match="has no config.json; point at a from_pretrained"):
+        resolve_model(str(stage_output))
+
+
 def test_unknown_model_uri_is_refused(tmp_path, lake):
     with pytest.raises(ValueError, match="builtin"):
         _run(tmp_path, lake, model_uris=["builtin:no-such-model"])

@@ -112,6 +112,25 @@ def test_a_failed_task_shows_its_exit_the_last_lines_of_its_log_and_its_path(run
     assert view.rows["sft"].status == "failed"
 
 
+def test_a_task_that_failed_on_a_user_error_shows_the_message_not_the_traceback(run_dirs):
+    """A bad setting, record or path (recorded by the runner as a user error) is one `error:` line; the traceback
+    stays in the log, which the view names."""
+    log = run_dirs["logs"] / "sft_op.log"
+    log.write_text('Traceback (most recent call last):\n  File "x.py", line 1\nValueError: sft.jsonl:3: empty answer\n')
+    record = {"status": "failed", "error": "ValueError: sft.jsonl:3 (id=q3): empty answer", "user_error": True}
+    (run_dirs["stage_results"] / "sft.json").write_text(json.dumps(record))
+    out = io.StringIO()
+    view = _view(run_dirs, out)
+    view.task_started("sft_op", log)
+    view.task_finished("sft_op", 1, log)
+    text = out.getvalue()
+    assert "error: sft.jsonl:3 (id=q3): empty answer" in text and f"full log: {log}" in text
+    assert "Traceback" not in text and "ValueError" not in text
+    (run_dirs["stage_results"] / "sft.json").write_text(json.dumps({**record, "user_error": False}))  # a defect
+    view.task_finished("sft_op", 1, log)
+    assert "Traceback (most recent call last)" in out.getvalue()
+
+
 def test_live_mode_draws_one_table_with_every_stage(run_dirs):
     out = io.StringIO()
     with _view(run_dirs, out, live=True) as view:

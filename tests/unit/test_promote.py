@@ -186,6 +186,29 @@ def test_what_a_server_cannot_load_is_refused_naming_the_file(kind, champion, tm
     assert not (tmp_path / "out" / "model").exists()  # refused before anything was written
 
 
+def test_only_select_checkpoints_finished_output_is_promoted(champion, tmp_path, caplog):
+    """Another stage's output (rl's model/ with rl's result) or a bare model directory is not a champion: promote
+    would hand serving a model nothing selected, recorded as `champion: {}`."""
+    source = _copy(champion, tmp_path)
+    (source / RESULT_FILE).write_text(json.dumps({"stage": "rl", "status": "succeeded", "metrics": {"steps": 3}}))
+    with pytest.raises(ValueError, match=r"is rl's output, not select_checkpoint's.*pass its output directory"):
+        run(PromoteConfig(), champion=str(source), output_dir=tmp_path / "out", tracker=NullTracker())
+    (source / RESULT_FILE).unlink()
+    with pytest.raises(ValueError, match=r"no _stage_result\.json, so not select_checkpoint's output"):
+        run(PromoteConfig(), champion=str(source), output_dir=tmp_path / "out", tracker=NullTracker())
+    assert not (tmp_path / "out" / "model").exists()
+
+
+def test_promote_run_by_hand_with_enabled_false_says_the_pipeline_would_skip_it(champion, tmp_path, caplog):
+    caplog.set_level("WARNING", logger="components.promote.stage")
+    metrics = run(PromoteConfig(enabled=False), champion=str(champion), output_dir=tmp_path, tracker=NullTracker())
+    assert metrics["promoted_files"] >= 2
+    assert "promote.enabled is false: the pipeline skips this stage" in caplog.text
+    caplog.clear()
+    run(PromoteConfig(enabled=True), champion=str(champion), output_dir=tmp_path, tracker=NullTracker())
+    assert "promote.enabled" not in caplog.text
+
+
 class _RunsCode:
     """Unpickling this creates a directory: the proof that a pickle was (not) loaded."""
 

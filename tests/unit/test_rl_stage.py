@@ -398,3 +398,16 @@ def test_ptx_asking_for_more_records_than_its_pool_is_refused(tmp_path, capsys):
         ValueError, match=r"(?s)ptx record\(s\) too long to train on in sft.jsonl.*more than max_length=24"
     ):
         ptx_pool(data, _cfg("ppo", ptx={"coef": 1.0, "types": ["color"]}), short)  # answers past rl.max_length
+
+
+def test_prompts_from_a_missing_default_file_or_fewer_than_a_step_are_said(tmp_path, caplog):
+    """rl.prompts_file unset and no sft.jsonl: the error says the file was the default and how to name another;
+    fewer prompts than train.samples_per_step is said (every step repeats prompts)."""
+    write_splits(tmp_path / "data", seed=9, eval_per_type=2, sft_records=24, preference_pairs=4)
+    (tmp_path / "data" / "sft.jsonl").rename(tmp_path / "data" / "train.jsonl")
+    with pytest.raises(ValueError, match=r"rl.prompts_file is unset .* the default .*sft\.jsonl, which does not exist"):
+        load_prompts(tmp_path / "data", RlConfig())
+    caplog.set_level("WARNING", logger="components.rl.stage")
+    cfg = RlConfig.model_validate({"prompts_file": "train.jsonl", "max_records": 5})
+    assert len(load_prompts(tmp_path / "data", cfg)) == 5
+    assert "5 prompt(s) (max_records=5) < train.samples_per_step=16: every step repeats prompts" in caplog.text

@@ -11,6 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from components._shared.platform import storage
 from components._shared.platform.mlflow_runs import stage_tracker
 from components._shared.platform.tracking import NullTracker
 from components.select_checkpoint.config import SelectCheckpointConfig
@@ -120,6 +121,8 @@ def stage_outputs(tmp_path_factory):
     save_vlm(model, processor, root / "pretrain" / "model")
     train_tiny_sft(root / "data", root / "sft", steps=200, checkpoint_every=100, keep_checkpoints=3)
     (root / "sft" / "_stage_result.json").write_text(json.dumps({"metrics": {"steps": 200}, "seconds": 1.0}))
+    for stage in ("pretrain", "sft"):  # finished outputs, as the stage runner leaves them
+        storage.commit_dir(root / stage)
     return root
 
 
@@ -290,3 +293,17 @@ def test_stages_name_checkpoint_roots_outside_their_output(tmp_path):
     )
     (root,) = ckpt.read_pointer(tmp_path / "sft")
     assert root.startswith(str(tmp_path / "kept" / "sft-")) and (Path(root) / "step-0000001").is_dir()
+
+
+def test_a_stage_output_that_did_not_finish_is_no_candidate(tmp_path):
+    """A stage directory without its commit marker (the stage failed, was stopped, or still runs) is refused, naming
+    the input; committed, the same directory is a candidate."""
+    from components._shared.model.vlm import load_vlm, save_vlm
+    from components.select_checkpoint.candidates import find_candidates
+
+    model, processor, _ = load_vlm(BASE)
+    save_vlm(model, processor, tmp_path / "sft" / "model")
+    with pytest.raises(ValueError, match=r"input sft=.*has no _COMMITTED\.json: the sft stage did not finish"):
+        find_candidates({"sft": str(tmp_path / "sft")}, per_stage=0)
+    storage.commit_dir(tmp_path / "sft")
+    assert [c.name for c in find_candidates({"sft": str(tmp_path / "sft")}, per_stage=0)] == ["sft"]

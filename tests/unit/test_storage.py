@@ -159,6 +159,49 @@ def test_missing_bucket_is_file_not_found(s3_env):
         storage.read_bytes("s3://qvl-no-such-bucket/k")
 
 
+def test_a_missing_bucket_listed_is_a_missing_bucket_and_a_web_server_is_not_taken_for_s3(s3_env, monkeypatch):
+    """A real S3 answers a listing of a missing bucket NoSuchBucket; an endpoint that answers a bare 404 (another
+    web server on that host or port) is named as not an S3 API instead of "the prefix does not exist"."""
+    import http.server
+    import threading
+
+    with pytest.raises(FileNotFoundError, match="Bucket of s3://qvl-no-such-bucket/lake does not exist"):
+        storage.list_files("s3://qvl-no-such-bucket/lake")
+
+    class NotS3(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.end_headers()
+            self.wfile.write(b"<html>Not Found</html>")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotS3)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+            monkeypatch.setenv(name, f"http://127.0.0.1:{server.server_port}")
+        with pytest.raises(ConnectionError, match=r"bare HTTP 404 from http://127\.0\.0\.1:\d+.*not an S3 API"):
+            lake_listing.list_lake_shards(f"{s3_env.uri}/lake")
+    finally:
+        server.shutdown()
+
+
+def test_an_endpoint_that_does_not_answer_is_said_while_botocore_retries(capsys):
+    from botocore.exceptions import EndpointConnectionError
+
+    refused = EndpointConnectionError(endpoint_url="http://127.0.0.1:1/b")
+    for attempt in range(1, 11):
+        s3_client._say_connection_retries(attempts=attempt, caught_exception=refused)
+    s3_client._say_connection_retries(attempts=1, caught_exception=None)  # a retried 503: botocore's own business
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and all("did not answer (EndpointConnectionError" in line for line in lines)
+    assert "attempt 1)" in lines[0] and "attempt 5)" in lines[1] and "retrying for up to a minute" in lines[0]
+    handlers = s3_client.client().meta.events._emitter._handlers.prefix_search("needs-retry.s3.ListObjectsV2")
+    assert s3_client._say_connection_retries in handlers  # every request of the client says it
+
+
 # --- committed publication -------------------------------------------------------------------------
 
 

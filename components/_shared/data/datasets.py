@@ -283,6 +283,13 @@ def _repeated_id(record_id: str, benchmark: str | None, role: str, first: str, s
 
 def conversation_questions(data_dir: Path, file_name: str | None, *, label: str = "rl prompt") -> list[dict]:
     """RL prompts as question records: `file_name`, else dataset.yaml's rl files, else sft.jsonl."""
+    default = Path(data_dir) / ROLES_DEFAULT["rl"]
+    if not file_name and not manifest(data_dir).rl and not default.is_file():
+        raise ValueError(
+            f"{label}s: rl.prompts_file is unset and the data directory lists no rl files (dataset.yaml), so they are "
+            f"read from the default {default}, which does not exist; set rl.prompts_file to a question or "
+            "conversation file in the data directory, or list rl files in its dataset.yaml (docs/data.md)."
+        )
     return load_questions(data_dir, [file_name] if file_name else None, role="rl")
 
 

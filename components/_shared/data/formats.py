@@ -442,6 +442,12 @@ def preference(raw: dict, image_root: str = "") -> dict:
             f"{what}: a pair is both answers to one prompt on one image ('image'), without a system prompt; drop it, "
             "or write one pair per image"
         )
+    kind = raw.get("kind")
+    if kind is not None and not (isinstance(kind, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", kind)):
+        raise RecordError(
+            f"'kind' {kind!r}: a pair's rejection kind names its pair-accuracy metric (pair_accuracy/<kind>); use "
+            "letters, digits, '_', '.', '-' (e.g. wrong_attribute), or leave 'kind' out"
+        )
     chosen, rejected = _side(raw["chosen"], "chosen", image_root), _side(raw["rejected"], "rejected", image_root)
     if visible_text(chosen) == visible_text(rejected):
         raise RecordError(

@@ -377,7 +377,12 @@ def read_parquet(
                         "and datasets' Image(decode=False) with embedded files do)",
                     )
                 elif image is None:
-                    rec.reject = ("missing_image", f"no image value (columns tried: {list(PARQUET_IMAGE_COLUMNS)})")
+                    rec.reject = (
+                        "missing_image",
+                        f"no image value (columns tried: {list(PARQUET_IMAGE_COLUMNS)}"
+                        + ("" if image_col else f"; the file's columns are {names[:12]}")
+                        + ")",
+                    )
                 elif not isinstance(image, bytes):
                     rec.reject = (
                         "missing_image",
@@ -388,7 +393,9 @@ def read_parquet(
                 elif caption is None:
                     rec.reject = (
                         "missing_caption",
-                        f"no caption value (columns tried: {list(PARQUET_CAPTION_COLUMNS)})",
+                        f"no caption value (columns tried: {list(PARQUET_CAPTION_COLUMNS)}"
+                        + ("" if caption_col else f"; the file's columns are {names[:12]}")
+                        + ")",
                     )
                 elif not isinstance(caption, bytes):
                     rec.reject = (

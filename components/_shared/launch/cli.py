@@ -51,7 +51,7 @@ def stage_main(
         )
     parser.add_argument("overrides", nargs="*", help="Dotted key=value overrides of the config.")
     parser.add_argument("--debug", action="store_true", help="Show the traceback of any error (also QVL_DEBUG=1).")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before, between or after the options
     from components._shared.launch.result import RESULT_FILE
     from components._shared.platform.user_errors import reported
 

@@ -23,6 +23,7 @@ from components._shared.launch.torchrun import run_local_torchrun
 from components._shared.platform import bad_records, disk_space, launcher_env, locks, progress, storage
 from components._shared.platform.credential_shapes import shown
 from components._shared.platform.presets import validate
+from components._shared.platform.user_errors import USER_ERRORS
 
 
 def execute(
@@ -91,6 +92,8 @@ def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifac
             failure = {
                 "status": "failed",
                 "error": shown(f"{type(err).__name__}: {err if full is None else full}", RECORDED_ERROR),
+                # a bad setting, record or path (user_errors.USER_ERRORS): the run's console shows the message alone
+                "user_error": isinstance(full or err, USER_ERRORS),
                 "traceback": shown(traceback.format_exc(limit=8), RECORDED_ERROR),
                 "metrics": {},
                 "artifacts": artifacts,

@@ -53,6 +53,11 @@ def resolve_model(uri: str, *, cache_dir: Path | None = None) -> Path:
 def validate_model_dir(path: Path) -> Path:
     """Check that `path` is an HF directory whose weights are safetensors only; returns it."""
     path = Path(path)
+    if not (path / "config.json").is_file() and (path / "model" / "config.json").is_file():
+        raise ValueError(
+            f"Model directory {path} has no config.json, but {path / 'model'} has: that is a stage's output "
+            f"directory, which holds its model in model/; pass {path / 'model'}."
+        )
     if not (path / "config.json").is_file():
         raise ValueError(
             f"Model directory {path} has no config.json; point at a from_pretrained/save_pretrained directory."

@@ -113,6 +113,14 @@ class StageConfig(_Settings):
         ),
     )
 
+    @model_validator(mode="after")
+    def _pixel_range_can_be_met(self):
+        """Every stage that resizes images by a pixel range (min_pixels, max_pixels) needs min <= max."""
+        low, high = getattr(self, "min_pixels", None), getattr(self, "max_pixels", None)
+        if isinstance(low, int) and isinstance(high, int) and low > high:
+            raise ValueError(f"min_pixels={low} > max_pixels={high}; swap or fix them.")
+        return self
+
     def ignored_settings(self) -> list[str]:
         """Settings whose values have no effect in this configuration, each "setting: why" (the runner and preflight
         print them and record them with the run). Contradictions are validation errors instead; stages extend this."""

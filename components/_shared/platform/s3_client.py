@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from collections.abc import Iterator
 
 MULTIPART_THRESHOLD = int(float(os.environ.get("QVL_S3_MULTIPART_THRESHOLD_MB", "64")) * 1024**2)
@@ -57,7 +58,24 @@ def _client_for(env: tuple[str | None, ...]):
         from botocore.handlers import add_expect_header
 
         client.meta.events.unregister("before-call.s3", add_expect_header)
+    client.meta.events.register("needs-retry.s3", _say_connection_retries)
     return client
+
+
+def _say_connection_retries(attempts: int = 0, caught_exception: BaseException | None = None, **_) -> None:
+    """A warning when a request could not connect (botocore retries it up to 10 times over about a minute), at the
+    first failure and the fifth, instead of a silent minute before the error; returns None, so botocore's own retry
+    decision stands."""
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
+    if isinstance(caught_exception, BotoConnectionError) and attempts in (1, 5):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+        print(
+            f"warning: S3 endpoint {endpoint} did not answer ({type(caught_exception).__name__}, attempt {attempts}); "
+            "retrying for up to a minute. Check AWS_ENDPOINT_URL and that the S3 service is up.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def transfer_config(multipart_threshold: int | None):
@@ -83,6 +101,15 @@ def errors(uri: str) -> Iterator[None]:
         ) from error
     except ClientError as error:
         code = str(error.response.get("Error", {}).get("Code", ""))
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        listing = error.operation_name in ("ListObjectsV2", "ListObjects")
+        if listing and status == 404 and code != "NoSuchBucket":  # S3 answers a listing's 404 with NoSuchBucket
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+            raise ConnectionError(
+                f"Listing {uri} got a bare HTTP 404 from {endpoint}, which an S3 service never answers to a listing "
+                "(a missing bucket is NoSuchBucket): the endpoint is not an S3 API; check AWS_ENDPOINT_URL (host, "
+                "port, path)."
+            ) from error
         if code in ("404", "NoSuchKey", "NotFound"):
             raise FileNotFoundError(f"{uri} does not exist.") from error
         if code == "NoSuchBucket":
