@@ -327,6 +327,15 @@ def _fallback_key(index: int, taken: set[str]) -> str:
     return key
 
 
+def _no_value(what: str, tried: tuple[str, ...], column: str | None, names: list[str]) -> str:
+    """Why a row has no image / caption: the columns tried, and the file's own when none of them is there."""
+    return (
+        f"no {what} value (columns tried: {list(tried)}"
+        + ("" if column else f"; the file's columns are {names[:12]}")
+        + ")"
+    )
+
+
 def read_parquet(
     source: BinaryIO, shard: str, *, max_member_bytes: int, errors: list[ShardError], batch_rows: int = 256
 ) -> Iterator[Record]:
@@ -377,12 +386,7 @@ def read_parquet(
                         "and datasets' Image(decode=False) with embedded files do)",
                     )
                 elif image is None:
-                    rec.reject = (
-                        "missing_image",
-                        f"no image value (columns tried: {list(PARQUET_IMAGE_COLUMNS)}"
-                        + ("" if image_col else f"; the file's columns are {names[:12]}")
-                        + ")",
-                    )
+                    rec.reject = ("missing_image", _no_value("image", PARQUET_IMAGE_COLUMNS, image_col, names))
                 elif not isinstance(image, bytes):
                     rec.reject = (
                         "missing_image",
@@ -391,12 +395,7 @@ def read_parquet(
                 elif len(image) > max_member_bytes:
                     rec.reject = ("file_too_large", f"image has {len(image)} bytes > max_file_bytes={max_member_bytes}")
                 elif caption is None:
-                    rec.reject = (
-                        "missing_caption",
-                        f"no caption value (columns tried: {list(PARQUET_CAPTION_COLUMNS)}"
-                        + ("" if caption_col else f"; the file's columns are {names[:12]}")
-                        + ")",
-                    )
+                    rec.reject = ("missing_caption", _no_value("caption", PARQUET_CAPTION_COLUMNS, caption_col, names))
                 elif not isinstance(caption, bytes):
                     rec.reject = (
                         "missing_caption",
