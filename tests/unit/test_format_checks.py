@@ -452,10 +452,14 @@ def test_boxes_without_area_and_choices_that_collide_are_refused(data):
         {"id": "collide", "image": "a.png", "task": "multiple_choice", "question": "Pick",
          "choices": {"a": "cat", "A": "dog"}, "answer": "A"},
         {"id": "ok", "image": "a.png", "task": "grounding", "question": "where", "answer": "", "box": [1, 2, 10, 12]},
+        {"id": "unread", "image": "a.png", "task": "color", "question": "Colour?", "answer": "red", "box": [1, 2, 9, 9]},
     ]  # fmt: skip
     _jsonl(data / "eval.jsonl", records)
     message = _error(datasets.load_questions, data)
-    assert message.startswith("3 bad question record(s) in eval.jsonl")
+    assert message.startswith("4 bad question record(s) in eval.jsonl")
+    assert "'box' given, but task 'color' is scored by exact_match, which does not read a box" in _line(
+        message, "eval.jsonl:5"
+    )
     assert "'box' must be [x1, y1, x2, y2] in image pixels, got [True, 0, False, 1]" in _line(message, "eval.jsonl:1")
     assert "(x2 must exceed x1 and y2 exceed y1: a box with area), got [50, 40, 10, 5]" in _line(
         message, "eval.jsonl:2"

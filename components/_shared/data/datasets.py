@@ -230,6 +230,11 @@ def _question(tasks: dict[str, str], *, first_exchange: bool = False):
                 f"'choices' given, but task {task.name!r} is scored by {task.scorer}, which compares the answer text "
                 "(the prompt would ask for an option's letter); use a multiple_choice task or drop the choices"
             )
+        if task.scorer != "grounding" and record.get("box") is not None:  # nothing would read it
+            raise F.RecordError(
+                f"'box' given, but task {task.name!r} is scored by {task.scorer}, which does not read a box; use a "
+                "grounding task or drop the box"
+            )
         check = T.SCORERS[task.scorer].check
         try:  # an answer its scorer cannot use fails here, not after generation or in RL's rewards
             check and check(record)
