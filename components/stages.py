@@ -46,7 +46,12 @@ def dag_stages(stage_configs: dict[str, dict], until: str | None = None) -> list
     """The stages a DAG runs, in order: DAG_ORDER up to and including `until` (all when None), without the optional
     stages whose config leaves them off."""
     if until is not None and until not in DAG_ORDER:
-        raise ValueError(f"until='{until}' is not a stage; choose one of: {', '.join(DAG_ORDER)}.")
+        first = (
+            " (preflight runs first in every DAG: --until names the last stage after it)"
+            if until == "preflight"
+            else ""
+        )
+        raise ValueError(f"until='{until}' is not a stage to stop at{first}; choose one of: {', '.join(DAG_ORDER)}.")
     last = DAG_ORDER.index(until) if until else len(DAG_ORDER) - 1
     return [s for s in DAG_ORDER[: last + 1] if s not in OPTIONAL or (stage_configs.get(s) or {}).get("enabled", False)]
 

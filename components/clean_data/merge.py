@@ -4,6 +4,7 @@ self-judge; writes kept/ and rejected/ Parquet parts, manifest.json and report.m
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from components.clean_data.records import (
     sample_values,
 )
 from components.clean_data.report import write_report
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -216,7 +219,7 @@ def merge_shards(cfg: CleanDataConfig, *, shard_dirs: list[Path], output_dir: Pa
     manifest["files"] += write_report(output_dir, cfg, manifest, reports, info, tracker)
     (output_dir / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
-    _refuse_empty_result(manifest, all_rejected, output_dir)
+    _check_result(manifest, all_rejected, output_dir)
     metrics = {k: manifest[k] for k in ("records_in", "records_kept", "records_rejected", "rejected_by_reason")}
     metrics["kept_fraction"] = manifest["records_kept"] / max(1, manifest["records_in"])
     metrics["shard_errors"] = len(manifest["shard_errors"])
@@ -228,9 +231,18 @@ def merge_shards(cfg: CleanDataConfig, *, shard_dirs: list[Path], output_dir: Pa
     return metrics
 
 
-def _refuse_empty_result(manifest: dict[str, Any], rejected: pa.Table, output_dir: Path) -> None:
-    """A lake with no record kept is a mistake (wrong columns, wrong lake, thresholds that reject all), not a clean
-    result: fail here, naming the counts per reason and one example of each, instead of in pretrain's data filter."""
+def _check_result(manifest: dict[str, Any], rejected: pa.Table, output_dir: Path) -> None:
+    """Say each shard that could not be read whole (report.md counts it; the console should say it). A lake with no
+    record kept is a mistake (wrong columns, wrong lake, thresholds that reject all), not a clean result: fail here,
+    naming the counts per reason and one example of each, instead of in pretrain's data filter."""
+    for error in manifest["shard_errors"]:
+        logger.warning(
+            "clean_data: shard %s could not be read whole (%s); %d record(s) read before it, the rest are lost: "
+            "re-upload or drop the shard.",
+            error["shard"],
+            error.get("error", ""),
+            error.get("records_read", 0),
+        )
     if manifest["records_kept"] > 0:
         return
     examples: dict[str, str] = {}

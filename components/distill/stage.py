@@ -31,6 +31,7 @@ import torch
 from components._shared.data import datasets
 from components._shared.data import tasks as T
 from components._shared.data.image_cache import DecodedImages
+from components._shared.data.overlap import held_out_overlap
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.attention import PACKED_SDPA, enable_vision_varlen
@@ -39,6 +40,7 @@ from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder
 from components._shared.model.head_loss import output_head
 from components._shared.model.length_check import conversation_tokens, keep_trainable
 from components._shared.model.packing import forward_outputs, pack, plan_micro_batches, to_device
+from components._shared.model.sources import check_not_reward_model
 from components._shared.model.stage_steps import (
     SCRATCH,
     Figure,
@@ -103,10 +105,12 @@ def run(
     cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | Path, tracker: Tracker
 ) -> dict[str, Any]:
     """Distill the teacher into the configured student; returns teacher vs student scores, sizes and speed."""
+    check_not_reward_model(teacher_model, "--teacher-model")
     output_dir = Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     records = datasets.load_conversations(data_dir, cfg.max_records)
     eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type)
+    overlap = held_out_overlap(records, eval_records, what="distill")
     store = checkpoint_store(
         "distill",
         cfg.train,
@@ -170,6 +174,7 @@ def run(
         **loop_metrics(result),
         **comparison(teacher, student, teacher_summary, loop.evals),
         "student_speedup": round(teacher_seconds / max(eval_seconds[-1], 1e-9), 3),
+        **({"data/held_out_overlap": overlap} if overlap else {}),
     }
     export = export_dtype(cfg.train.export_dtype, student_stored_dtype(cfg, teacher_stored))
     write_outputs(cfg, student, processor, plan, pairs, metrics, final_rows, output_dir, teacher_model, export)

@@ -11,7 +11,7 @@ from components._shared.model.attention import PACKED_SDPA, enable_vision_varlen
 from components._shared.model.families import family_for
 from components._shared.model.sources import resolve_model
 from components._shared.model.vlm import build_student as random_student
-from components._shared.model.vlm import checkpoint_dtype, load_vlm, qwen_model
+from components._shared.model.vlm import checkpoint_dtype, count_parameters, load_vlm, qwen_model
 from components.distill.config import STUDENT_SIZES, DistillConfig, StudentConfig
 from components.distill.prune import PrunePlan, measure_importance, plan_pruning, prune
 
@@ -37,6 +37,13 @@ def build_student(cfg: DistillConfig, teacher, processor, calibration) -> tuple[
     if s.init == "model":
         student, student_processor, _ = load_vlm(s.model_uri)
         _check_compatible(student, student_processor, teacher, processor, s.model_uri)
+        counts = count_parameters(student), count_parameters(teacher)
+        if counts[0] >= counts[1]:
+            raise ValueError(
+                f"distill.student.model_uri={s.model_uri!r} has {counts[0]:,} parameters, not fewer than the teacher's "
+                f"{counts[1]:,} (the teacher itself?): distillation makes a smaller model; give a smaller checkpoint, "
+                "or init: prune / random with the student sizes."
+            )
         return student, None
     family = family_for(teacher)
     if not family.prunable:

@@ -390,7 +390,10 @@ def cache_batch(records: list[Record], images: list[torch.Tensor], tower, spec, 
             raise ValueError(
                 f"image_hash {record.image_hash}: clean_data counted {record.visual_tokens} visual "
                 f"tokens, the model gives {tokens} at min_pixels={cfg.min_pixels}, "
-                f"max_pixels={cfg.max_pixels}; set both stages' min_pixels/max_pixels to the same values."
+                f"max_pixels={cfg.max_pixels}: the two stages differ in min_pixels/max_pixels, or in the model "
+                f"(this one resizes to multiples of {spec.factor} pixels; a model of another "
+                "family, e.g. Qwen3-VL's 16-pixel patches against Qwen2.5-VL's 14, counts other tokens): give both "
+                "stages the same pixel bounds and the same base model."
             )
         writer.add(record.image_hash, feats.to("cpu", copy=True), grid, tokens)  # copy: split views share storage
         written += tokens

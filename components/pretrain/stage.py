@@ -30,6 +30,7 @@ from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder
 from components._shared.model.families import VisualTokens, family_for
 from components._shared.model.head_loss import per_sample_sequence_loss, sequence_loss
 from components._shared.model.packing import image_embeddings, pack, plan_micro_batches, to_device
+from components._shared.model.sources import check_not_reward_model
 from components._shared.model.stage_steps import SCRATCH, Figure, finish_report, run_key
 from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop, TrainResult, is_main_process
 from components._shared.model.vlm import export_dtype, freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
@@ -280,6 +281,7 @@ def run(
     tracker: Tracker,
 ) -> dict[str, Any]:
     """Stage 1 (+ optional stage 2); returns held-out caption loss before/after, retrieval R@1 and throughput."""
+    check_not_reward_model(base_model, "--base-model")
     output_dir = Path(output_dir)
     records = load_kept(Path(clean_data), cfg.max_records, with_images=cfg.stage2.enabled)
     store = _feature_store(Path(features), records)

@@ -28,6 +28,7 @@ from components._shared.model.encoder import ConversationEncoder, Sample
 from components._shared.model.length_check import keep_trainable
 from components._shared.model.packing import pack, plan_micro_batches, to_device
 from components._shared.model.reward_models import RewardModel, reward_index, save_reward_model
+from components._shared.model.sources import check_not_reward_model
 from components._shared.model.stage_steps import (
     SCRATCH,
     Figure,
@@ -86,6 +87,7 @@ def run(
     cfg: RewardModelConfig, *, base_model: str, data: str, output_dir: str | Path, tracker: Tracker
 ) -> dict[str, Any]:
     """Train the reward model; returns held-out pair accuracy (overall and per rejection kind) and reward stats."""
+    check_not_reward_model(base_model, "--base-model")
     output_dir = Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     loaded = load_pairs(data_dir, cfg.max_records)

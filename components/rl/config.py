@@ -76,6 +76,20 @@ class PpoConfig(SubConfig):
         ),
     )
 
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.clip_end > self.clip_start:
+            raise ValueError(
+                f"ppo.clip_end={self.clip_end} > ppo.clip_start={self.clip_start}: the clip range decays from start to "
+                "end over training; swap them (or give both the same value for a constant clip)."
+            )
+        if self.adaptive_kl and self.kl_stop <= self.kl_target:
+            raise ValueError(
+                f"ppo.kl_stop={self.kl_stop} <= ppo.kl_target={self.kl_target}: the adaptive controller would steer "
+                "the KL to where the hard stop ends training; keep kl_stop above kl_target (e.g. 5x it)."
+            )
+        return self
+
 
 class TerConfig(SubConfig):
     """Task-efficacy REINFORCE (TER; docs/references.md)."""

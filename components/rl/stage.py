@@ -38,12 +38,13 @@ from components._shared.data import metrics as M
 from components._shared.data import tasks as T
 from components._shared.data.file_checks import check_distinct_contents, same_file
 from components._shared.data.image_cache import DecodedImages
+from components._shared.data.overlap import held_out_overlap
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.device import resolve_device
 from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.length_check import keep_trainable
-from components._shared.model.sources import resolve_model
+from components._shared.model.sources import check_not_reward_model, resolve_model
 from components._shared.model.stage_steps import (
     SCRATCH,
     Figure,
@@ -147,10 +148,12 @@ def run(
             reward_model,
             cfg.rewards,
         )
+    check_not_reward_model(base_model, "--base-model")
     output_dir = Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     prompts = load_prompts(data_dir, cfg)
     eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type, files=cfg.eval.files)
+    overlap = held_out_overlap(prompts, eval_records, what="rl prompt")
     key = run_key(cfg, {"base_model": base_model, "reward_model": reward_model, "data": data})
     trainer, encoder, processor, rewards = build_trainer(
         cfg, base_model, reward_model, data_dir, prompts, key, output_dir, tracker
@@ -183,6 +186,7 @@ def run(
         "efficacy_cache_hit_rate": cache.hit_rate if isinstance(cache, EfficacyCache) else 0.0,
         **{f"seconds_{k}": round(v, 3) for k, v in trainer.timing.items()},
         "rollout_tokens_per_second": round(trainer.generated_tokens / max(trainer.timing["generation"], 1e-9), 1),
+        **({"data/held_out_overlap": overlap} if overlap else {}),
     }
     export_policy(exported, processor, output_dir, cfg, base_model, checkpoint_dtype(resolve_model(base_model)))
     ckpt.write_pointer(output_dir, [loop.store.root])

@@ -15,6 +15,7 @@ checkpoints/ (resume), eval_predictions.jsonl, calibration.json and report.md.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -28,11 +29,13 @@ from components._shared.data import tasks as T
 from components._shared.data.curriculum import curriculum_problem
 from components._shared.data.datasets import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
 from components._shared.data.image_cache import DecodedImages
+from components._shared.data.overlap import held_out_overlap
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.families import family_for
 from components._shared.model.length_check import conversation_tokens, keep_trainable
+from components._shared.model.sources import check_not_reward_model
 from components._shared.model.stage_steps import (
     SCRATCH,
     Figure,
@@ -57,6 +60,8 @@ from components._shared.model.vlm import (
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.sft.config import SftConfig
+
+logger = logging.getLogger(__name__)
 
 
 def build_model(cfg: SftConfig, base_model: str) -> LoadedVlm:
@@ -218,10 +223,12 @@ def phases_for(cfg: SftConfig, records: list[dict]) -> list[Phase]:
 
 def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, tracker: Tracker) -> dict[str, Any]:
     """Fine-tune, evaluate against the majority baseline, calibrate, save; returns the stage metrics."""
+    check_not_reward_model(base_model, "--base-model")
     output_dir = Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     records = load_sft_records(data_dir, cfg.max_records)
     eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type)
+    overlap = held_out_overlap(records, eval_records, what="sft")
     store = checkpoint_store("sft", cfg.train, run_key(cfg, {"base_model": base_model, "data": data}), output_dir)
     model, processor, stored_dtype = build_model(cfg, base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
@@ -261,6 +268,7 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
         **T.majority_baseline(train_answers(records), rows),
         **calibration,
         **saved,
+        **({"data/held_out_overlap": overlap} if overlap else {}),
     }
     figures = [
         Figure("train_loss", "training loss", history_series(result.history, ["loss"]), log_y=True),
@@ -306,6 +314,12 @@ def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: li
     """Temperature scaling on short answers: fit on one part of the held-out answers, ECE on the rest."""
     picked = [(r, row) for r, row in zip(eval_records, rows, strict=True) if r["type"] != "caption"]
     if len(picked) < 4:
+        logger.warning(
+            "sft: calibration skipped: %d short held-out answer(s), it needs 4 (one part to fit the temperature, the "
+            "rest to measure ECE); calibration.json is empty. Give more held-out questions or calibration.enabled: "
+            "false.",
+            len(picked),
+        )
         return {}
     pairs = E.answer_logits(
         model, E.answer_samples(encoder, [r for r, _ in picked], [w["prediction"] for _, w in picked])

@@ -193,7 +193,19 @@ def rehearse(
     processor and template; depth cut; random init), or with --preset the whole DAG at a preset's settings:
     pass/fail, seconds and peak memory per stage."""
     if bool(config) == bool(preset):
-        typer.echo("give --config CHECKPOINT (every model stage) or --preset PRESET (the whole DAG).", err=True)
+        both = "--config and --preset exclude each other: " if config else ""
+        typer.echo(
+            f"error: {both}give --config CHECKPOINT (every model stage) or --preset PRESET (the whole DAG).", err=True
+        )
+        raise typer.Exit(2)
+    given = [flag for flag, value in (("--data", data), ("--lake", lake), ("--real-widths", real_widths)) if value]
+    ignored = given if config else (["--stages"] if stages else [])
+    if ignored:
+        typer.echo(
+            f"error: {', '.join(ignored)} belong to {'--preset' if config else '--config'}; "
+            f"with {'--config' if config else '--preset'} they would be ignored.",
+            err=True,
+        )
         raise typer.Exit(2)
     if preset:
         import sys
@@ -259,17 +271,31 @@ def runs(
 @app.command("compile")
 def compile_(
     preset: str = typer.Option("prod-7b", help="Preset whose configs become the parameter defaults."),
-    out: Path = typer.Option(None, help="Output YAML (default pipelines/compiled/vlm_training.yaml)."),
+    out: Path = typer.Option(
+        None,
+        help="Output YAML (default pipelines/compiled/vlm_training.yaml for prod-7b, vlm_training-PRESET.yaml beside "
+        "it for another preset).",
+    ),
     force: bool = typer.Option(False, "--force", help="Compile a preset whose training stage does not fit its GPUs."),
 ):
     """Compile the pipeline YAML (the committed one is checked by a test); refuses a preset with a training stage
     that cannot fit its cluster profile (`qvl plan`) unless --force."""
+    import re
+
     from pipelines.compile import COMPILED, compile_pipeline
     from pipelines.presets import load_preset
 
+    if out is not None and out.suffix not in (".yaml", ".yml"):
+        typer.echo(
+            f"error: --out {out}: a pipeline with Kubernetes settings compiles to YAML; end it in .yaml.", err=True
+        )
+        raise typer.Exit(2)
     loaded = load_preset(preset)
     _refuse_unfit(loaded, force)
-    typer.echo(compile_pipeline(loaded, out or COMPILED))
+    if out is None:  # another preset never overwrites the committed prod-7b pipeline
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", loaded.name)
+        out = COMPILED if loaded.name == "prod-7b" else COMPILED.with_name(f"vlm_training-{name}.yaml")
+    typer.echo(compile_pipeline(loaded, out))
 
 
 def _refuse_unfit(preset, force: bool) -> None:
@@ -320,6 +346,9 @@ def submit(
     def echo_err(line: str) -> None:
         typer.echo(line, err=True)
 
+    if timeout is not None and not wait:
+        typer.echo("Error: --timeout applies only with --wait (it bounds the wait); add --wait or drop it.", err=True)
+        raise typer.Exit(2)
     try:
         client, run_id = sub.compile_and_submit(
             host=host,

@@ -178,12 +178,12 @@ def run_local(
                 f"checkpoints) would become part of the {option[2:]} the next run reads; put the run directory "
                 "elsewhere (e.g. runs/NAME)."
             )
-    out_dir.mkdir(parents=True, exist_ok=True)
     p = as_preset(preset)  # read once: the caller's loaded preset, or its name read here
     # built first: it validates `until` before anything starts
     pipeline = build_pipeline(p, until, for_cluster=False, local_processes=processes)
     if runner not in ("subprocess", "docker"):
         raise ValueError(f"runner {runner!r}: choose subprocess or docker.")
+    out_dir.mkdir(parents=True, exist_ok=True)  # after the checks: a refused run leaves no empty run directory
     if runner == "docker":
         from components._shared.platform.container_images import image_for
         from pipelines.qvl.docker_tasks import check_images

@@ -139,3 +139,103 @@ def test_overrides_may_sit_between_options_and_select_needs_only_the_stages_it_c
     result = runner.invoke(app, [*select, "--sft", str(tmp_path / "sft")])
     assert result.exit_code == 2 and "the following arguments are required" not in result.stderr, result.output
     assert f"select_checkpoint input sft='{tmp_path / 'sft'}' has no model/config.json" in result.stderr
+
+
+def test_a_reward_model_given_as_the_model_to_train_from_is_refused(tmp_path):
+    """rl from the reward model's model/ trained a policy from the Bradley-Terry backbone, its head ignored, exit 0."""
+    reward_model = tmp_path / "reward_model" / "model"
+    reward_model.mkdir(parents=True)
+    (reward_model / "config.json").write_text("{}")
+    (reward_model / "reward_head.safetensors").write_bytes(b"")
+    (tmp_path / "data").mkdir()
+    args = ["stage", "rl", "--base-model", str(reward_model), "--data", str(tmp_path / "data")]
+    result = runner.invoke(app, [*args, "--output-dir", str(tmp_path / "o")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert (
+        f"--base-model {reward_model} is a reward model (reward_head.safetensors beside its backbone)" in result.stderr
+    )
+    assert not (tmp_path / "o" / "model").exists()  # refused before any data was read or model loaded
+
+
+def test_an_output_directory_of_another_stage_or_of_other_files_is_refused(tmp_path):
+    """A folder of one's own files (listed in the commit marker, a text file shipped in model/) or a finished sft
+    output given to reward_model (sft's adapter/ and calibration listed as the reward model's) were taken, exit 0;
+    this stage's own earlier output, or a killed run's checkpoints, are still resumed into."""
+    (tmp_path / "data").mkdir()
+    args = ["stage", "reward_model", "--base-model", "builtin:tiny-qwen2_5-vl", "--data", str(tmp_path / "data")]
+    mine = tmp_path / "mine"
+    (mine / "notes").mkdir(parents=True)
+    (mine / "thesis.txt").write_text("mine")
+    result = runner.invoke(app, [*args, "--output-dir", str(mine)])
+    assert (
+        result.exit_code == 2 and "already holds files no reward_model run wrote (notes, thesis.txt)" in result.stderr
+    )
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    (sft / "_stage_result.json").write_text(json.dumps({"stage": "sft", "status": "succeeded"}))
+    result = runner.invoke(app, [*args, "--output-dir", str(sft)])
+    assert (
+        result.exit_code == 2
+        and f"--output-dir '{sft}' holds a sft output (_stage_result.json says so)" in result.stderr
+    )
+    killed = tmp_path / "killed"
+    (killed / "checkpoints").mkdir(parents=True)
+    (killed / "report.md").write_text("half written")
+    result = runner.invoke(app, [*args, "--output-dir", str(killed)])
+    assert "already holds files" not in result.stderr and "holds a" not in result.stderr  # went on to the data
+    assert f"{tmp_path / 'data'}" in result.stderr and result.exit_code == 2, result.output
+    assert sorted(p.name for p in mine.iterdir()) == ["notes", "thesis.txt"]  # nothing written into the refused ones
+
+
+def test_the_lake_given_as_training_data_is_named_as_a_lake(tmp_path):
+    (tmp_path / "lake").mkdir()
+    (tmp_path / "lake" / "00000.tar").write_bytes(b"")
+    args = ["stage", "sft", "--base-model", "builtin:tiny-qwen2_5-vl", "--data", str(tmp_path / "lake")]
+    result = runner.invoke(app, [*args, "--output-dir", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "holds lake shards (00000.tar), not training data" in result.stderr and "--lake-uri" in result.stderr
+
+
+def test_command_line_mistakes_the_fifth_pass_found_are_named(tmp_path, monkeypatch):
+    """Each was taken silently or answered with a message naming nothing: a compile target that is not YAML (kfp's
+    words after 7 s), another preset compiled over the committed prod-7b pipeline, --timeout without --wait,
+    rehearse flags of the other mode, --until preflight, an overlong experiment name (MLflow refused it and the stage
+    ran on as in an outage), a stage override written with its section's prefix."""
+    result = runner.invoke(app, ["compile", "--preset", "tiny", "--out", str(tmp_path / "p.json")])
+    assert (
+        result.exit_code == 2
+        and "a pipeline with Kubernetes settings compiles to YAML; end it in .yaml" in result.stderr
+    )
+    monkeypatch.setattr("pipelines.compile.COMPILED", tmp_path / "compiled" / "vlm_training.yaml")
+    (tmp_path / "compiled").mkdir()
+    result = runner.invoke(app, ["compile", "--preset", "tiny"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "compiled").iterdir()) == ["vlm_training-tiny.yaml"]
+    result = runner.invoke(app, ["submit", "--host", "http://127.0.0.1:9", "--experiment", "e", "--timeout", "5"])
+    assert result.exit_code == 2 and "--timeout applies only with --wait" in result.stderr
+    both = runner.invoke(app, ["rehearse", "--config", "qwen3.5-0.8b", "--preset", "tiny"])
+    assert both.exit_code == 2 and "error: --config and --preset exclude each other" in both.stderr
+    other = runner.invoke(app, ["rehearse", "--config", "qwen3.5-0.8b", "--data", str(tmp_path)])
+    assert (
+        other.exit_code == 2 and "error: --data belong to --preset; with --config they would be ignored" in other.stderr
+    )
+    (tmp_path / "data").mkdir()
+    until = [
+        "run",
+        "--local",
+        "--lake",
+        str(tmp_path / "lake"),
+        "--data",
+        str(tmp_path / "data"),
+        "--until",
+        "preflight",
+    ]
+    assert "preflight runs first in every DAG" in str(
+        runner.invoke(app, [*until, "--out", str(tmp_path / "o")]).exception
+    )
+    stage = ["stage", "reward_model", "--base-model", "builtin:tiny-qwen2_5-vl", "--data", str(tmp_path / "data")]
+    long = runner.invoke(app, [*stage, "--output-dir", str(tmp_path / "r"), "--experiment", "e" * 501])
+    assert long.exit_code == 2 and "--experiment is 501 characters; MLflow holds names of at most 500" in long.stderr
+    prefixed = runner.invoke(app, [*stage, "--output-dir", str(tmp_path / "r"), "reward_model.train.steps=1"])
+    assert prefixed.exit_code == 2
+    assert "override reward_model.train.steps=1: a stage's overrides are relative to its section" in prefixed.stderr

@@ -201,3 +201,22 @@ def test_extends_naming_a_directory_says_so(tmp_path):
     (tmp_path / "mine.yaml").write_text("extends: sub\nsft: {}\n")
     with pytest.raises(ValueError, match=r"mine.yaml: extends 'sub', which names .*sub.yaml': a directory, not a file"):
         read_preset_yaml(tmp_path / "mine.yaml")
+
+
+def test_an_empty_config_a_section_emptied_under_extends_and_a_list_index_are_named(tmp_path):
+    """An empty --config ran on the stage defaults, and `sft:` with its lines commented out under `extends: tiny`
+    replaced tiny's whole sft section with the defaults (LoRA r=16, not tiny's 8), both exit 0; `curriculum.0.steps=1`
+    was "Input should be a valid list"."""
+    from components._shared.platform.presets import read_preset_yaml, read_section
+
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    with pytest.raises(ValueError, match=r"empty\.yaml holds no settings \(it is empty or only comments\)"):
+        read_section(tmp_path / "empty.yaml", "sft")
+    (tmp_path / "mine.yaml").write_text("extends: tiny\nsft:\n#  train: {steps: 3}\nrl: {seed: 3}\n")
+    emptied = r"\['sft'\] empty \(null: its lines commented out\?\).*whole section of 'tiny'"
+    with pytest.raises(ValueError, match=emptied):
+        read_preset_yaml(tmp_path / "mine.yaml")
+    (tmp_path / "mine.yaml").write_text("extends: tiny\nrl: {seed: 3}\n")
+    assert read_preset_yaml(tmp_path / "mine.yaml")["sft"]["lora"]["r"] == 8
+    with pytest.raises(ValueError, match=r"'0' indexes the list 'curriculum'; a list setting is given whole as key="):
+        parse_overrides(["curriculum.0.steps=1"])

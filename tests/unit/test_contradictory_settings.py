@@ -30,6 +30,8 @@ def test_every_stage_with_a_pixel_range_refuses_one_that_cannot_be_met():
         ({"prompts_file": ""}, r"rl\.prompts_file: .*empty \(an unset shell variable\?\)"),
         ({"prompts_file": "  "}, r"rl\.prompts_file: .*empty"),
         ({"eval": {"files": [""]}}, r"rl\.eval\.files: .*holds an empty name"),
+        ({"ppo": {"clip_start": 0.05, "clip_end": 0.3}}, r"rl\.ppo: .*clip_end=0\.3 > ppo\.clip_start=0\.05"),
+        ({"ppo": {"kl_target": 0.5, "kl_stop": 0.1}}, r"rl\.ppo: .*kl_stop=0\.1 <= ppo\.kl_target=0\.5"),
     ],
 )
 def test_rl_settings_that_cannot_mean_what_they_say_are_refused(settings, says):
@@ -59,3 +61,17 @@ def test_ptx_settings_without_a_ptx_weight_are_said_to_have_no_effect():
         "ptx.loss: ptx.coef is 0 (no SFT loss is mixed in)",
     ]
     assert validate(load_config_class("rl"), "rl", {"ptx": {"types": ["color"], "coef": 0.1}}).ignored_settings() == []
+
+
+def test_evaluation_and_checkpoint_intervals_past_the_last_step_are_said():
+    cfg = validate(load_config_class("sft"), "sft", {"train": {"steps": 2, "eval_every": 50, "checkpoint_every": 10}})
+    notes = [n for n in cfg.ignored_settings() if not n.startswith("schedule.")]
+    assert notes == [
+        "train.eval_every=50 > train.steps=2: never reached (as eval_every: 0, held-out evaluation at the start and at "
+        "the end only)",
+        "train.checkpoint_every=10 > train.steps=2: never reached (as checkpoint_every: 0, a checkpoint at the end "
+        "only)",
+    ]
+    assert (
+        validate(load_config_class("sft"), "sft", {"train": {"steps": 100, "eval_every": 50}}).ignored_settings() == []
+    )

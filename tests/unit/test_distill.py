@@ -220,6 +220,9 @@ def test_student_checkpoint_init_and_config_errors(data_dir, tmp_path):
     )
     metrics = run(cfg, teacher_model=BASE, data=str(data_dir), output_dir=tmp_path / "out", tracker=NullTracker())
     assert metrics["student_init"] == "model" and metrics["student_parameters"] == count_parameters(small)
+    itself = cfg.model_copy(update={"student": cfg.student.model_copy(update={"model_uri": BASE})})
+    with pytest.raises(ValueError, match=r"not fewer than the teacher's .* \(the teacher itself\?\)"):
+        run(itself, teacher_model=BASE, data=str(data_dir), output_dir=tmp_path / "self", tracker=NullTracker())
 
     with pytest.raises(ValueError, match="student.init=model needs student.model_uri"):
         DistillConfig.model_validate({"student": {"init": "model"}})

@@ -452,7 +452,8 @@ def test_boxes_without_area_and_choices_that_collide_are_refused(data):
         {"id": "collide", "image": "a.png", "task": "multiple_choice", "question": "Pick",
          "choices": {"a": "cat", "A": "dog"}, "answer": "A"},
         {"id": "ok", "image": "a.png", "task": "grounding", "question": "where", "answer": "", "box": [1, 2, 10, 12]},
-        {"id": "unread", "image": "a.png", "task": "color", "question": "Colour?", "answer": "red", "box": [1, 2, 9, 9]},
+        {"id": "unread", "image": "a.png", "task": "color", "question": "Colour?", "answer": "red",
+         "box": [1, 2, 9, 9]},
     ]  # fmt: skip
     _jsonl(data / "eval.jsonl", records)
     message = _error(datasets.load_questions, data)

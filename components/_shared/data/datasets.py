@@ -54,6 +54,13 @@ def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
             f"data directory {uri!r} does not exist; pass the held-out directory `qvl lake synth` "
             "wrote (DIR/heldout) or an s3:// prefix with eval.jsonl / sft.jsonl and images."
         )
+    data_files = [p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet", ".tsv", ".yaml")]
+    shards = [p.name for p in path.iterdir() if p.name.endswith((".tar", ".tar.gz", ".tgz"))]
+    if shards and not data_files:
+        raise ValueError(
+            f"--data {str(uri)!r} holds lake shards ({', '.join(sorted(shards)[:3])}), not training data: --data takes "
+            "the directory of eval.jsonl / sft.jsonl (or a dataset.yaml); the lake goes to clean_data's --lake-uri."
+        )
     return path
 
 

@@ -297,8 +297,10 @@ def read_tar(stream: BinaryIO, shard: str, *, max_member_bytes: int, errors: lis
     yield from records.end()
 
 
-def _first_column(names: list[str], candidates: tuple[str, ...]) -> str | None:
-    return next((c for c in candidates if c in names), None)
+def _filled(row: dict[str, Any], columns: list[str]) -> str | None:
+    """The first of `columns` that holds a value in this row (else the first column): img2dataset writes one of
+    jpg / png / webp per row. Another filled one stays in the record's metadata."""
+    return next((c for c in columns if row.get(c) is not None), columns[0] if columns else None)
 
 
 def _json_safe(value: Any) -> Any:
@@ -351,8 +353,8 @@ def read_parquet(
     try:
         parquet = pq.ParquetFile(source)
         names = parquet.schema_arrow.names
-        image_col = _first_column(names, PARQUET_IMAGE_COLUMNS)
-        caption_col = _first_column(names, PARQUET_CAPTION_COLUMNS)
+        image_cols = [c for c in PARQUET_IMAGE_COLUMNS if c in names]  # a row may fill any one (jpg or png)
+        caption_cols = [c for c in PARQUET_CAPTION_COLUMNS if c in names]
         real_keys = (
             {str(k) for k in parquet.read(columns=["key"]).column("key").to_pylist() if k is not None}
             if "key" in names
@@ -363,6 +365,7 @@ def read_parquet(
             for row in batch.to_pylist():
                 key = str(row["key"]) if row.get("key") is not None else _fallback_key(count, real_keys)
                 rec = Record(key=key, shard=shard)
+                image_col, caption_col = _filled(row, image_cols), _filled(row, caption_cols)
                 cell = row.get(image_col) if image_col else None
                 image, path_only = cell, None
                 if isinstance(cell, dict):  # Hugging Face datasets' {"bytes", "path"} struct

@@ -37,7 +37,9 @@ def stage_main(
     parser.add_argument(
         "--output-dir", action=_Once, required=True, help="Output directory or s3:// prefix (published atomically)."
     )
-    parser.add_argument("--experiment", action=_Once, default="vlm", help="MLflow experiment name.")
+    parser.add_argument(
+        "--experiment", action=_Once, default=None, help="MLflow experiment name (default: the preset's, else vlm)."
+    )
     for name in inputs:
         optional = name in optional_inputs
         parser.add_argument(
@@ -67,6 +69,7 @@ def _run_section(
 
     check_location(args.output_dir, "--output-dir")
     _check_directory(args.output_dir)
+    _check_owner(args.output_dir, section)
     for name in inputs:
         if name in optional_inputs and not getattr(args, name).strip():
             continue  # absent: the stage says so if its config needs it
@@ -77,10 +80,14 @@ def _run_section(
             f"--config={args.config!r} is empty (an unset shell variable gives one); "
             "give the YAML file, or leave --config out."
         )
-    if not args.experiment.strip():
+    if args.experiment is not None and not args.experiment.strip():
         raise ValueError(
             f"--experiment={args.experiment!r} is empty (an unset shell variable gives one); give the MLflow "
-            "experiment's name, or leave --experiment out (default 'vlm')."
+            "experiment's name, or leave --experiment out (the preset's, else 'vlm')."
+        )
+    if args.experiment is not None and len(args.experiment) > MAX_EXPERIMENT_NAME:
+        raise ValueError(
+            f"--experiment is {len(args.experiment)} characters; MLflow holds names of at most {MAX_EXPERIMENT_NAME}."
         )
     from components.stages import STAGES
 
@@ -97,8 +104,16 @@ def _run_section(
         if not isinstance(given, dict):
             parser.error(f"--config-json must be a JSON object (the '{section}' section), got {type(given).__name__}.")
         data = deep_merge(data, given)
-    data = deep_merge(data, parse_overrides(args.overrides))
+    overrides = parse_overrides(args.overrides)
+    if section in overrides and section not in config_cls.model_fields:
+        raise ValueError(
+            f"override {section}.{next(iter(_dotted(overrides[section])), '...')}: a stage's overrides are relative to "
+            f"its section ({section}); leave out the '{section}.' prefix (that form is qvl submit's and qvl plan's)."
+        )
+    data = deep_merge(data, overrides)
     cfg = validate(config_cls, section, data)
+    if args.experiment is None:
+        args.experiment = _preset_experiment(args.config)
 
     import tempfile
 
@@ -126,6 +141,24 @@ def _run_section(
     return metrics
 
 
+MAX_EXPERIMENT_NAME = 500  # MLflow's limit on an experiment's name
+
+
+def _dotted(tree: Any, prefix: str = "") -> list[str]:
+    """`key=value` forms of a parsed override tree ({"train": {"steps": 1}} -> ["train.steps=1"])."""
+    if not isinstance(tree, dict):
+        return [f"{prefix}={tree}"]
+    return [line for key, value in tree.items() for line in _dotted(value, f"{prefix}.{key}" if prefix else key)]
+
+
+def _preset_experiment(config: str | None) -> str:
+    """The `experiment` a preset given as --config names (what the DAG logs to), else "vlm"."""
+    from components._shared.platform.presets import read_preset_yaml
+
+    name = read_preset_yaml(Path(config)).get("experiment") if config else None
+    return name if isinstance(name, str) and name.strip() else "vlm"
+
+
 class _Once(argparse.Action):
     """A flag given twice is an error (argparse keeps the last quietly: `--data A --data B` trained on B)."""
 
@@ -146,6 +179,42 @@ def _check_directory(output: str) -> None:
         where = "is" if found == path else f"is under {str(found)!r}, which is"
         raise ValueError(
             f"--output-dir {output!r} {where} a file, not a directory; give a directory (made if missing)."
+        )
+
+
+# What a run of a stage leaves in its output directory before its result is written (a run killed mid-way, to be
+# resumed): its checkpoints (or the pointer to them), its scratch folder and its lock.
+_LEFT_BY_A_RUN = ("checkpoints", "checkpoints.json", ".scratch", ".qvl-lock", ".qvl-lock.json")
+
+
+def _check_owner(output: str, section: str) -> None:
+    """A local output directory is empty, or holds this stage's own earlier output (a retry resumes from its
+    checkpoints). Another stage's output, or files no run wrote, would be listed in the commit marker as this
+    stage's output (a text file shipped inside model/)."""
+    from components._shared.launch.result import RESULT_FILE
+
+    path = Path(output)
+    if output.startswith("s3://") or not path.is_dir():
+        return
+    result = path / RESULT_FILE
+    if result.is_file():
+        try:
+            stage = json.loads(result.read_text()).get("stage")
+        except (ValueError, AttributeError):
+            stage = None
+        if stage and stage != section:
+            raise ValueError(
+                f"--output-dir {output!r} holds a {stage} output ({RESULT_FILE} says so); a {section} run there would "
+                f"list {stage}'s files as its own. Give {section} its own directory."
+            )
+        return
+    names = sorted(p.name for p in path.iterdir())
+    foreign = [name for name in names if not name.startswith(_LEFT_BY_A_RUN)]
+    if foreign and len(foreign) == len(names):  # no trace of a run (a killed one keeps its checkpoints: resumed)
+        shown = ", ".join(foreign[:5]) + (f", ... ({len(foreign)} in all)" if len(foreign) > 5 else "")
+        raise ValueError(
+            f"--output-dir {output!r} already holds files no {section} run wrote ({shown}); they would become part of "
+            "the stage's committed output. Give an empty or new directory."
         )
 
 

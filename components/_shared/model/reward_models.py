@@ -17,9 +17,10 @@ import torch
 
 from components._shared.model.encoder import IGNORE_INDEX, Sample
 from components._shared.model.packing import forward_hidden
+from components._shared.model.sources import REWARD_HEAD_FILE
 from components._shared.model.vlm import load_vlm, qwen_model, save_vlm
 
-HEAD_FILE = "reward_head.safetensors"
+HEAD_FILE = REWARD_HEAD_FILE
 META_FILE = "reward_model.json"
 LIKELIHOOD_KEY = "likelihood_weight"  # in HEAD_FILE when the score has the likelihood term
 

@@ -24,6 +24,20 @@ from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
 UNSAFE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+REWARD_HEAD_FILE = "reward_head.safetensors"  # beside a reward model's backbone (reward_models.py)
+
+
+def check_not_reward_model(uri: str, setting: str) -> None:
+    """A local reward model (its backbone with the Bradley-Terry head beside it) given where a stage starts its policy
+    or model from: it would train from the reward model's backbone with the head ignored."""
+    path = Path(uri)
+    if "://" not in uri and not uri.startswith(BUILTIN_PREFIX) and (path / REWARD_HEAD_FILE).is_file():
+        raise ValueError(
+            f"{setting} {uri} is a reward model ({REWARD_HEAD_FILE} beside its backbone), not a model to train from; "
+            "give the SFT stage's model/ (or the model the stage should start from)."
+        )
+
+
 LOCK_TIMEOUT_S = 3600  # a demo build takes minutes; waiting longer means the holder is stuck
 
 

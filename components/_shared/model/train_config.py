@@ -222,6 +222,15 @@ class TrainedStageConfig(StageConfig):
                 notes += [
                     f"{prefix}train.{name}: a DeepSpeed setting; train.backend is torch" for name in deepspeed_only
                 ]
+            notes += [
+                f"{prefix}train.{name}={getattr(train, name)} > {prefix}train.steps={train.steps}: never reached "
+                f"(as {name}: 0, {what} at the end only)"
+                for name, what in (
+                    ("eval_every", "held-out evaluation at the start and"),
+                    ("checkpoint_every", "a checkpoint"),
+                )
+                if getattr(train, name) > train.steps
+            ]
             if schedule.warmup_steps >= train.steps:
                 reached = lr_factor(train.steps - 1, train.steps, schedule)
                 notes.append(

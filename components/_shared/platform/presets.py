@@ -68,6 +68,13 @@ def _check_key(key: str, pair: str) -> None:
             f"Override '{shown(pair, 200)}': the key holds {odd!r} ({unicodedata.name(odd, f'U+{ord(odd):04X}')}), "
             "not an ASCII letter; setting names are ASCII: retype the key (key=value, e.g. train.steps=3)."
         )
+    index = next((p for p in parts[1:] if p.strip().isdigit()), None)
+    if index is not None:
+        whole = key.split(f".{index}")[0]
+        raise ValueError(
+            f"Override '{shown(pair, 200)}': {index!r} indexes the list {whole!r}; a list setting is given whole as "
+            f"key=value (e.g. {whole}=[...], the full list in YAML flow style)."
+        )
 
 
 def _scalar(raw: str) -> Any:
@@ -146,7 +153,12 @@ def read_preset_yaml(
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8.") from None
-    data = strict_yaml.load(text, str(path)) or {}
+    data = strict_yaml.load(text, str(path))
+    if data is None:
+        raise ValueError(
+            f"{path} holds no settings (it is empty or only comments); give the settings, or leave the file out "
+            "(the defaults)."
+        )
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level.")
     parent = data.pop("extends", None)
@@ -162,7 +174,15 @@ def read_preset_yaml(
         raise ValueError(f"{path}: extends '{parent}', which names {str(parent_path)!r}: a directory, not a file.")
     if parent_path is None:
         raise ValueError(f"{path}: extends '{parent}', but none of {[str(c) for c in candidates]} exists.")
-    return deep_merge(read_preset_yaml(parent_path, (*seen, path.resolve()), search), data)
+    base = read_preset_yaml(parent_path, (*seen, path.resolve()), search)
+    emptied = sorted(key for key, value in data.items() if value is None and isinstance(base.get(key), dict))
+    if emptied:
+        raise ValueError(
+            f"{path}: {emptied} empty (null: its lines commented out?), which would replace the whole section of "
+            f"{parent!r} with the defaults; remove the line to keep the section as it is, or give the settings to "
+            "change."
+        )
+    return deep_merge(base, data)
 
 
 def validate(config_cls, section: str, data: dict[str, Any]):
