@@ -935,3 +935,14 @@ def test_a_records_own_shortened_label_is_not_read_as_the_readers_note(data):
     _jsonl(data / "eval.jsonl", [row])
     (record,) = datasets.load_questions(data)
     assert "shortened" not in record
+
+
+def test_a_numeric_answer_names_its_own_field_and_says_to_quote_it(data):
+    _jsonl(data / "eval.jsonl", [
+        {"id": "n", "image": "a.png", "task": "count", "question": "How many?", "answer": 2},
+        {"id": "l", "image": "a.png", "task": "count", "question": "How many?", "answers": [1]},
+    ])  # fmt: skip
+    message = _error(datasets.load_questions, data)
+    line = _line(message, "eval.jsonl:1")
+    assert "'answer' must be a string or a list of strings, got 2 (a number: write it as a string, e.g. \"2\")" in line
+    assert "'answers' must be a string or a list of strings, got [1]" in _line(message, "eval.jsonl:2")

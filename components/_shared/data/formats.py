@@ -267,7 +267,7 @@ def _strip_markers(text: str) -> str:
     return "\n".join(line for line in text.replace(IMAGE_MARKER, "").splitlines() if line.strip()).strip()
 
 
-def _answers(value: Any) -> list[str]:
+def _answers(value: Any, field: str = "answers") -> list[str]:
     """Reference answers: a string, a list of strings, or VQAv2's [{"answer": ...}, ...]."""
     if isinstance(value, str):
         return [check_text(value, "the answer")]
@@ -276,7 +276,8 @@ def _answers(value: Any) -> list[str]:
         texts = [v for v in out if isinstance(v, str)]
         if len(texts) == len(out):
             return [check_text(v, f"answer {k}") for k, v in enumerate(texts)]
-    raise RecordError(f"answers must be a string or a list of strings, got {value!r}")
+    number = " (a number: write it as a string, e.g. \"2\")" if isinstance(value, int | float) else ""
+    raise RecordError(f"'{field}' must be a string or a list of strings, got {value!r}{number}")
 
 
 def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -> dict:
@@ -298,7 +299,7 @@ def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -
         hint = raw.get("hint")
         if isinstance(hint, str) and hint.strip() and hint.strip().lower() != "nan":  # MMBench's own prompt form
             text = check_text(hint.strip(), "'hint'") + "\n" + text
-        answers = _answers(raw.get("answers", raw.get("answer")))
+        answers = _answers(raw.get("answers", raw.get("answer")), "answers" if "answers" in raw else "answer")
         if "answers" in raw and "answer" in raw:
             _one_of_the_answers(_answers(raw["answer"])[0], answers, "'answer'")
     else:
