@@ -239,3 +239,5 @@ def test_command_line_mistakes_the_fifth_pass_found_are_named(tmp_path, monkeypa
     prefixed = runner.invoke(app, [*stage, "--output-dir", str(tmp_path / "r"), "reward_model.train.steps=1"])
     assert prefixed.exit_code == 2
     assert "override reward_model.train.steps=1: a stage's overrides are relative to its section" in prefixed.stderr
+    wrapped = runner.invoke(app, [*stage, "--output-dir", str(tmp_path / "r"), "--config-json", '{"reward_model": {}}'])
+    assert wrapped.exit_code == 2 and "--config-json is the 'reward_model' section itself" in wrapped.stderr

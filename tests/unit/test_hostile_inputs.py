@@ -269,6 +269,23 @@ def test_a_lake_with_no_record_kept_fails_in_clean_data_naming_the_reasons_and_t
     assert str(tmp_path / "out" / "report.md") in message and (tmp_path / "out" / "report.md").is_file()
 
 
+def test_parquet_rows_are_read_from_whichever_image_column_they_fill(tmp_path):
+    """img2dataset-like files with `jpg` and `png` columns, each row filling one: the png rows were rejected as having
+    no image. A second caption column is not dropped: it stays in the record's metadata."""
+    rows = [
+        {"key": f"r{i}", "jpg": None if i % 2 else _image(seed=400 + i), "png": _image(seed=400 + i, fmt="PNG") if i % 2
+         else None, "caption": f"Noise picture number {i} in parquet.", "txt": f"other text {i}"}
+        for i in range(4)
+    ]  # fmt: skip
+    (tmp_path / "lake").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "lake" / "00000.parquet")
+    metrics = clean_shard(CFG, shard_uri=str(tmp_path / "lake" / "00000.parquet"), output_dir=tmp_path / "s",
+                          tracker=NullTracker())  # fmt: skip
+    kept = pq.read_table(tmp_path / "s" / "kept.parquet").to_pylist()
+    assert metrics["records_kept"] == 4 and sorted(r["key"] for r in kept) == ["r0", "r1", "r2", "r3"]
+    assert {json.loads(r["metadata"])["txt"] for r in kept} == {f"other text {i}" for i in range(4)}
+
+
 def test_missing_lake_and_bad_shard_dirs_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         list_shards(str(tmp_path / "nope"))

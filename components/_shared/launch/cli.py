@@ -103,6 +103,11 @@ def _run_section(
             parser.error("--config-json is nested too deeply to be a stage's settings.")
         if not isinstance(given, dict):
             parser.error(f"--config-json must be a JSON object (the '{section}' section), got {type(given).__name__}.")
+        if section in given and section not in config_cls.model_fields:
+            parser.error(
+                f"--config-json is the '{section}' section itself: give its settings without the outer "
+                f'{{"{section}": ...}}.'
+            )
         data = deep_merge(data, given)
     overrides = parse_overrides(args.overrides)
     if section in overrides and section not in config_cls.model_fields:
