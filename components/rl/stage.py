@@ -143,7 +143,7 @@ def run(
         )
     if reward_model and not cfg.rewards.get("reward_model", 0.0):
         logger.warning(
-            "rl: --reward-model %s is not used: rl.rewards gives reward_model no weight (%s); set "
+            "rl: the reward model given (%s) is not used: rl.rewards gives reward_model no weight (%s); set "
             "rl.rewards.reward_model > 0 to use it.",
             reward_model,
             cfg.rewards,

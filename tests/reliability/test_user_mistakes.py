@@ -104,7 +104,7 @@ CASES = {
                 (d / "eval.jsonl").read_text().replace('"answer": "', '"answer": null, "x": "', 1)
             )
         ),
-        r"eval.jsonl:1 \(id='eval-\w+-00000'\): answers must be a string",
+        r"eval.jsonl:1 \(id='eval-\w+-00000'\): 'answer' must be a string",
     ),
     "config-json not an object": (dict(extra=["--config-json", "[1]"]), r"--config-json must be a JSON object"),
     "extends too long": (dict(config_text="extends: " + "a" * 5000 + "\n"), r"is not a preset name"),

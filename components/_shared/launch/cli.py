@@ -93,22 +93,7 @@ def _run_section(
 
     data = read_section(Path(args.config) if args.config is not None else None, section, sections=tuple(STAGES))
     if args.config_json:
-        try:
-            given = json.loads(args.config_json, object_pairs_hook=json_object)
-        except json.JSONDecodeError as err:
-            parser.error(f"--config-json is not valid JSON: {err}")
-        except KeyGivenTwice as err:
-            parser.error(f"--config-json: {err}; give each setting once.")
-        except RecursionError:
-            parser.error("--config-json is nested too deeply to be a stage's settings.")
-        if not isinstance(given, dict):
-            parser.error(f"--config-json must be a JSON object (the '{section}' section), got {type(given).__name__}.")
-        if section in given and section not in config_cls.model_fields:
-            parser.error(
-                f"--config-json is the '{section}' section itself: give its settings without the outer "
-                f'{{"{section}": ...}}.'
-            )
-        data = deep_merge(data, given)
+        data = deep_merge(data, _config_json(parser, args.config_json, section, config_cls))
     overrides = parse_overrides(args.overrides)
     if section in overrides and section not in config_cls.model_fields:
         raise ValueError(
@@ -147,6 +132,26 @@ def _run_section(
 
 
 MAX_EXPERIMENT_NAME = 500  # MLflow's limit on an experiment's name
+
+
+def _config_json(parser, text: str, section: str, config_cls) -> dict[str, Any]:
+    """The section given as --config-json (what launchers pass), or a usage error saying what is wrong with it."""
+    try:
+        given = json.loads(text, object_pairs_hook=json_object)
+    except json.JSONDecodeError as err:
+        parser.error(f"--config-json is not valid JSON: {err}")
+    except KeyGivenTwice as err:
+        parser.error(f"--config-json: {err}; give each setting once.")
+    except RecursionError:
+        parser.error("--config-json is nested too deeply to be a stage's settings.")
+    if not isinstance(given, dict):
+        parser.error(f"--config-json must be a JSON object (the '{section}' section), got {type(given).__name__}.")
+    if section in given and section not in config_cls.model_fields:
+        parser.error(
+            f"--config-json is the '{section}' section itself: give its settings without the outer "
+            f'{{"{section}": ...}}.'
+        )
+    return given
 
 
 def _dotted(tree: Any, prefix: str = "") -> list[str]:
