@@ -227,12 +227,19 @@ def test_server_outage_keeps_buffer_and_recovers(mlflow_server, tmp_path, monkey
         for step in range(1, 4):
             resilient.log_metrics({"loss": float(step)}, step=step)
             spilling.log_metrics({"acc": step / 10}, step=step)
+        (tmp_path / "figure.png").write_bytes(b"not really a png")
+        resilient.log_artifact(tmp_path / "figure.png", "figures")  # queued, like the metrics (it was spilled)
+        spilling.log_artifact(tmp_path / "figure.png", "figures")
         resilient.flush()  # server down: warns, keeps the buffer, does not raise
         spilling.close()  # server down at close: everything goes to the fallback file
     finally:
         mlflow_server.start()
     assert spilling.fallback_path.exists()
+    spilled = [json.loads(line) for line in spilling.fallback_path.read_text().splitlines()]
+    assert [r["local_path"] for r in spilled if r["type"] == "artifact"] == [str(tmp_path / "figure.png")]
+    assert resilient.fallback_path is None  # nothing of the outage was spilled
     resilient.close()
+    assert [a.path for a in client.list_artifacts(resilient.run_id, "figures")] == ["figures/figure.png"]
     history = client.get_metric_history(resilient.run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]
     assert client.get_run(resilient.run_id).info.status == "FINISHED"

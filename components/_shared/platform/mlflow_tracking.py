@@ -127,6 +127,7 @@ class MlflowTracker(Tracker):
         self._fallback_dir = Path(fallback_dir or os.environ.get(FALLBACK_DIR_ENV) or tempfile.gettempdir())
         self.fallback_path: Path | None = None
         self._metrics: list = []
+        self._artifacts: list[tuple[str, str | None]] = []  # (local path, artifact path) queued during an outage
         self._params: dict[str, str] = {}
         self._tags: dict[str, str] = {}
         self._lock, self._send_lock = threading.Lock(), threading.Lock()
@@ -169,19 +170,40 @@ class MlflowTracker(Tracker):
             self._tags.update({str(k)[:MAX_KEY_LENGTH]: str(v)[:MAX_TAG_VALUE_LENGTH] for k, v in tags.items()})
 
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload now; during an outage the file is kept in the queue and retried with the metrics (at each flush
+        and at close), like them; only what is still unsent at close goes to the fallback file."""
+        if not self._upload(str(local_path), artifact_path):
+            with self._lock:
+                self._artifacts.append((str(local_path), artifact_path))
+
+    def _upload(self, local_path: str, artifact_path: str | None) -> bool:
+        """True when uploaded (or refused for good, then spilled); False during an outage."""
         try:
             self._require_run()
             if Path(local_path).is_dir():
-                self._client.log_artifacts(self.run_id, str(local_path), artifact_path)
+                self._client.log_artifacts(self.run_id, local_path, artifact_path)
             else:
-                self._client.log_artifact(self.run_id, str(local_path), artifact_path)
+                self._client.log_artifact(self.run_id, local_path, artifact_path)
         except Exception as error:  # noqa: BLE001 - tracking must never stop a stage
-            logger.warning(
-                "MLflow artifact %s not logged (%s); recorded in %s",
-                local_path,
-                error,
-                self._spill(artifacts=[(str(local_path), artifact_path)]),
-            )
+            if self.run_id is None or not _is_permanent(error):
+                self._note_outage(error)
+                return False
+            where = self._spill(artifacts=[(local_path, artifact_path)])
+            logger.warning("MLflow refused artifact %s (%s); recorded in %s", local_path, error, where)
+        return True
+
+    def _send_artifacts(self) -> bool:
+        """Upload the artifacts queued during an outage; True when none is left."""
+        while True:
+            with self._lock:
+                if not self._artifacts:
+                    return True
+                local_path, artifact_path = self._artifacts[0]
+            if not self._upload(local_path, artifact_path):
+                return False
+            self._note_recovery()
+            with self._lock:
+                self._artifacts.pop(0)
 
     def register_model(
         self,
@@ -237,7 +259,8 @@ class MlflowTracker(Tracker):
             logger.warning("MLflow text artifact %s not logged (%s); kept at %s", artifact_file, error, kept)
 
     def flush(self) -> None:
-        self._send()
+        if self._send():
+            self._send_artifacts()
 
     def close(self, status: str = "FINISHED") -> None:
         if self._closed:
@@ -247,22 +270,23 @@ class MlflowTracker(Tracker):
         self._stopping.set()
         self._wake.set()
         self._thread.join()
-        if self._send() and self.run_id is not None and self._end_run:
+        if self._send() and self._send_artifacts() and self.run_id is not None and self._end_run:
             try:
                 self._client.set_terminated(self.run_id, status)
             except Exception as error:  # noqa: BLE001
                 logger.warning("MLflow run %s not marked %s: %s", self.run_id, status, error)
         with self._lock:
-            metrics, params, tags = self._metrics, self._params, self._tags
-            self._metrics, self._params, self._tags = [], {}, {}
-        if metrics or params or tags:
-            path = self._spill(metrics=metrics, params=params, tags=tags, status=status)
+            metrics, params, tags, artifacts = self._metrics, self._params, self._tags, self._artifacts
+            self._metrics, self._params, self._tags, self._artifacts = [], {}, {}, []
+        if metrics or params or tags or artifacts:
+            path = self._spill(metrics=metrics, params=params, tags=tags, artifacts=artifacts, status=status)
             logger.warning(
-                "MLflow unreachable at close: %d metrics, %d params, %d tags written to %s "
+                "MLflow unreachable at close: %d metrics, %d params, %d tags, %d artifacts written to %s "
                 "(send them later with components._shared.platform.tracking.replay_fallback)",
                 len(metrics),
                 len(params),
                 len(tags),
+                len(artifacts),
                 path,
             )
 
@@ -271,8 +295,8 @@ class MlflowTracker(Tracker):
         while not self._stopping.is_set():
             self._wake.wait(self.flush_interval_s)
             self._wake.clear()
-            if not self._stopping.is_set():
-                self._send()
+            if not self._stopping.is_set() and self._send():
+                self._send_artifacts()
 
     def _require_run(self) -> None:
         if self.run_id is None:
