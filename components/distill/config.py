@@ -95,8 +95,6 @@ class DistillConfig(TrainedStageConfig):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.min_pixels > self.max_pixels:
-            raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}; swap or fix them.")
         if self.student.init == "model" and not self.student.model_uri:
             raise ValueError("student.init=model needs student.model_uri (a smaller Qwen2-VL / Qwen2.5-VL checkpoint).")
         if self.student.init != "model" and self.student.model_uri:

@@ -87,8 +87,6 @@ class PretrainConfig(TrainedStageConfig):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.min_pixels > self.max_pixels:
-            raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}; swap or fix them.")
         last = self.stage2.train if self.stage2.enabled else self.stage1.train
         if self.keep_best_of_last > last.keep_checkpoints:
             raise ValueError(

@@ -123,8 +123,6 @@ class SftConfig(TrainedStageConfig):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.min_pixels > self.max_pixels:
-            raise ValueError(f"min_pixels={self.min_pixels} > max_pixels={self.max_pixels}; swap or fix them.")
         if self.curriculum and sum(p.steps for p in self.curriculum) != self.train.steps:
             raise ValueError(
                 f"curriculum steps sum to {sum(p.steps for p in self.curriculum)} but train.steps="

@@ -62,6 +62,11 @@ def _client_for(env: tuple[str | None, ...]):
     return client
 
 
+def _endpoint() -> str:
+    """The S3 endpoint requests go to, for messages."""
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+
+
 def _say_connection_retries(attempts: int = 0, caught_exception: BaseException | None = None, **_) -> None:
     """A warning when a request could not connect (botocore retries it up to 10 times over about a minute), at the
     first failure and the fifth, instead of a silent minute before the error; returns None, so botocore's own retry
@@ -69,7 +74,7 @@ def _say_connection_retries(attempts: int = 0, caught_exception: BaseException |
     from botocore.exceptions import ConnectionError as BotoConnectionError
 
     if isinstance(caught_exception, BotoConnectionError) and attempts in (1, 5):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+        endpoint = _endpoint()
         print(
             f"warning: S3 endpoint {endpoint} did not answer ({type(caught_exception).__name__}, attempt {attempts}); "
             "retrying for up to a minute. Check AWS_ENDPOINT_URL and that the S3 service is up.",
@@ -104,7 +109,7 @@ def errors(uri: str) -> Iterator[None]:
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         listing = error.operation_name in ("ListObjectsV2", "ListObjects")
         if listing and status == 404 and code != "NoSuchBucket":  # S3 answers a listing's 404 with NoSuchBucket
-            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+            endpoint = _endpoint()
             raise ConnectionError(
                 f"Listing {uri} got a bare HTTP 404 from {endpoint}, which an S3 service never answers to a listing "
                 "(a missing bucket is NoSuchBucket): the endpoint is not an S3 API; check AWS_ENDPOINT_URL (host, "
