@@ -32,6 +32,7 @@ from components._shared.data import datasets
 from components._shared.data import tasks as T
 from components._shared.data.image_cache import DecodedImages
 from components._shared.data.overlap import held_out_overlap
+from components._shared.data.record_images import say_small_images
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.attention import PACKED_SDPA, enable_vision_varlen
@@ -111,6 +112,7 @@ def run(
     records = datasets.load_conversations(data_dir, cfg.max_records)
     eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     overlap = held_out_overlap(records, eval_records, what="distill")
+    say_small_images(records, cfg.min_pixels, "distill")
     store = checkpoint_store(
         "distill",
         cfg.train,

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from components._shared.data import datasets
+from components._shared.data.record_images import say_small_images
 from components._shared.model.encoder import ConversationEncoder, Sample
 from components._shared.model.length_check import keep_trainable
 from components._shared.model.packing import pack, plan_micro_batches, to_device
@@ -91,6 +92,7 @@ def run(
     output_dir = Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     loaded = load_pairs(data_dir, cfg.max_records)
+    say_small_images(loaded, cfg.min_pixels, "reward_model")
     store = checkpoint_store(
         "reward_model", cfg.train, run_key(cfg, {"base_model": base_model, "data": data}), output_dir
     )

@@ -39,6 +39,7 @@ from components._shared.data import tasks as T
 from components._shared.data.file_checks import check_distinct_contents, same_file
 from components._shared.data.image_cache import DecodedImages
 from components._shared.data.overlap import held_out_overlap
+from components._shared.data.record_images import say_small_images
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.device import resolve_device
@@ -154,6 +155,7 @@ def run(
     prompts = load_prompts(data_dir, cfg)
     eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type, files=cfg.eval.files)
     overlap = held_out_overlap(prompts, eval_records, what="rl prompt")
+    say_small_images(prompts, cfg.min_pixels, "rl")
     key = run_key(cfg, {"base_model": base_model, "reward_model": reward_model, "data": data})
     trainer, encoder, processor, rewards = build_trainer(
         cfg, base_model, reward_model, data_dir, prompts, key, output_dir, tracker

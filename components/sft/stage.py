@@ -30,6 +30,7 @@ from components._shared.data.curriculum import curriculum_problem
 from components._shared.data.datasets import load_conversations as load_sft_records  # sft.jsonl reader (shared with rl)
 from components._shared.data.image_cache import DecodedImages
 from components._shared.data.overlap import held_out_overlap
+from components._shared.data.record_images import say_small_images
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.encoder import ConversationEncoder
@@ -229,6 +230,7 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
     records = load_sft_records(data_dir, cfg.max_records)
     eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     overlap = held_out_overlap(records, eval_records, what="sft")
+    say_small_images(records, cfg.min_pixels, "sft")
     store = checkpoint_store("sft", cfg.train, run_key(cfg, {"base_model": base_model, "data": data}), output_dir)
     model, processor, stored_dtype = build_model(cfg, base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)

@@ -120,9 +120,11 @@ def rehearse(
         raise ValueError(f"unknown rehearsal stage(s) {unknown}; choose from {', '.join(RUN_NAMES)}.")
     hub_config(name)  # an unknown name fails here, before anything is built
     out.mkdir(parents=True, exist_ok=True)
+    _say(f"rehearse {name}: building the checkpoint ({layers} LM layers, {vision_depth} ViT blocks) in {out}")
     base = build_checkpoint(name, out / "checkpoint", layers=layers, vision_depth=vision_depth)
     world = out / "world"
     if not (world / "lake").exists():
+        _say(f"rehearse {name}: writing a synthetic world of {records} records")
         write_world(world, records=records, seed=5)
     configs = stage_configs(base)
     values = {"world": str(world), "base": str(base), "data": str(world / "heldout")}
@@ -137,14 +139,21 @@ def rehearse(
             continue
         flags = {k: v.format(**values) for k, v in inputs.items()}
         config = _merge(configs[stage], {**overrides, **_checkpoints_outside(stage, out / "_checkpoints" / run)})
+        _say(f"rehearse {name}: {run} ... (log: {out / f'{run}.log'})")
         result = run_one(stage, config, out / run, flags, out / f"{run}.log")
         result.planned_gb = round(_planned(stage, config, base), 2)
+        _say(f"rehearse {name}: {run} {result.status} in {result.seconds:.0f} s {result.detail}".rstrip())
         results.append(result)
         if result.status == "passed":
             values[run] = str(out / run)
             shutil.rmtree(out / "_checkpoints" / run, ignore_errors=True)  # fp32 weights + optimizer: GBs per step
     (out / "rehearsal.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     return results
+
+
+def _say(line: str) -> None:
+    """A progress line on stderr (a rehearsal runs for minutes; the table comes at the end on stdout)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _planned(stage: str, config: dict, base: Path) -> float:

@@ -7,6 +7,7 @@ processors and patch sizes in clean_data, the DeepStack levels of Qwen3-VL's fea
 in pretrain) within CI's budget. Every stage of each, promote included, is the full table in docs/benchmarks.md."""
 
 import json
+import re
 
 import pytest
 
@@ -36,10 +37,14 @@ def test_rehearsal_of_qwen3_5_runs_the_stages_up_to_rl_at_real_shapes(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen2-vl-2b", "qwen2.5-vl-3b", "qwen3-vl-2b"])
-def test_rehearsal_of_each_other_familys_smallest_checkpoint_runs_up_to_pretrain(name, tmp_path):
+def test_rehearsal_of_each_other_familys_smallest_checkpoint_runs_up_to_pretrain(name, tmp_path, capsys):
     from transformers import AutoConfig
 
     results = rehearse(name, tmp_path, runs=["pretrain"], layers=2, vision_depth=4)
+    progress = capsys.readouterr().err  # minutes of work: each run said as it starts and ends
+    assert f"rehearse {name}: building the checkpoint" in progress
+    assert f"rehearse {name}: pretrain ... (log: {tmp_path / 'pretrain.log'})" in progress
+    assert re.search(rf"rehearse {re.escape(name)}: pretrain passed in \d+ s", progress)
     assert [r.run for r in results] == ["clean_data", "extract_features", "pretrain"]
     assert all(r.status == "passed" for r in results), [(r.run, r.detail) for r in results]
     (pretrain,) = [r for r in results if r.planned_gb]

@@ -403,3 +403,19 @@ def test_an_output_directory_that_is_a_file_is_named(world, tmp_path, capsys):
             sft_main(["--output-dir", str(output), "--base-model", BASE, "--data", str(world)])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and f"--output-dir '{output}' {said}" in err and "Errno" not in err
+
+
+def test_a_thumbnail_image_and_a_training_set_smaller_than_a_step_are_warned_about(world, tmp_path, caplog):
+    from PIL import Image
+
+    data = _data(world, tmp_path, lambda d: Image.new("RGB", (1, 1), "red").save(d / "images" / "sft-00002.png"))
+    cfg = tmp_path / "small.yaml"
+    cfg.write_text(json.dumps({"sft": {**SFT, "train": {**SFT["train"], "samples_per_step": 16}}}))
+    with caplog.at_level("INFO"):
+        sft_main(["--config", str(cfg), "--output-dir", str(tmp_path / "o"), "--base-model", BASE, "--data", str(data)])
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    small = next(m for m in warned if "min_pixels" in m)
+    assert "sft: 1 image(s) have fewer than 1/16 of min_pixels=3136" in small
+    assert "(id='sft-00002'): 1x1" in small
+    repeats = next(m for m in warned if "passes" in m)
+    assert "1 steps x 16 samples over 8 records = 2.0 passes" in repeats and "every step repeats them" in repeats

@@ -289,3 +289,24 @@ def test_unsafe_marker_path_is_rejected(tmp_path):
     with pytest.raises(IntegrityError, match="unsafe path '../escape.txt'"):
         storage.fetch_dir(dest, tmp_path / "fetched")
     assert not (tmp_path / "escape.txt").exists()
+
+
+def test_a_committed_directory_is_readable_as_the_umask_allows(tmp_path):
+    """safetensors writes weights owner-only (0600): committing gives them the umask's modes (0644 under 022), so
+    another user (a serving pod, the next stage's container) reads the model; a file made private on purpose by a
+    group bit stays as it is."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o600
+    (tmp_path / "shared.txt").write_text("x")
+    (tmp_path / "shared.txt").chmod(0o640)
+    old = os.umask(0o022)
+    try:
+        storage.commit_dir(tmp_path)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "shared.txt").stat().st_mode & 0o777 == 0o640
+    storage.verify_dir(tmp_path)

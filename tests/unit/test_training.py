@@ -182,3 +182,19 @@ def test_a_non_finite_loss_or_gradient_norm_stops_the_run():
         check_finite({"loss": float("nan"), "lr": 0.1}, 4)
     with pytest.raises(NonFiniteTraining, match="grad_norm/merger"):
         check_finite({"loss": 1.0, "grad_norm/merger": float("inf")}, 2)
+
+
+def test_the_data_order_says_how_often_it_repeats_its_records(caplog):
+    from components._shared.model.data_order import DataOrder, Phase
+
+    with caplog.at_level("INFO", logger="components._shared.model.data_order"):
+        DataOrder([Phase("all", 30, range(10))], seed=0, samples_per_step=16, steps=30)
+        DataOrder([Phase("basic", 10, range(400)), Phase("all", 20, range(800))], seed=0, samples_per_step=16, steps=30)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    said = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(warned) == 1 and "over 10 records = 48.0 passes" in warned[0]
+    assert "fewer than train.samples_per_step=16" in warned[0]
+    assert said == [
+        "phase 'basic': 10 steps x 16 samples over 400 records = 0.4 passes over its data",
+        "phase 'all': 20 steps x 16 samples over 800 records = 0.4 passes over its data",
+    ]

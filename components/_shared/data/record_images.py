@@ -4,11 +4,15 @@ image under another field (a misspelled key would train text only)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from components._shared.data import formats as F
 from components._shared.data.image_checks import inspect_image
+
+logger = logging.getLogger(__name__)
+SMALL_IMAGE_SHARE = 1 / 16  # an image under this share of min_pixels is upscaled more than 4x a side
 
 
 def check_record_images(data_dir: Path, raw: dict, record: dict, data_file_folder: str = "") -> None:
@@ -79,3 +83,30 @@ def _image_like(value: Any, *, paths: bool) -> str | None:
         found = next((w for w in (_image_like(v, paths=paths) for v in value) if w), None)
         return found and f"a list of images ({found})"
     return None
+
+
+def say_small_images(records: list[dict], min_pixels: int, what: str) -> int:
+    """Warn (once, with a count and an example) about images far under `min_pixels`: the image processor upscales
+    them to it, more than 4x a side, so the model trains on a blur of a few pixels (a thumbnail or an icon saved in
+    place of the picture?). Returns how many there are; sizes come from the records' `image_sizes`."""
+    limit = min_pixels * SMALL_IMAGE_SHARE
+    small = [
+        (r, size)
+        for r in records
+        for size in r.get("image_sizes") or []
+        if size is not None and size[0] * size[1] < limit
+    ]
+    if small:
+        record, (width, height) = small[0]
+        logger.warning(
+            "%s: %d image(s) have fewer than 1/16 of min_pixels=%d pixels (e.g. %s (id=%r): %dx%d) and are "
+            "upscaled more than 4x a side; check that they are the pictures you mean, or lower min_pixels",
+            what,
+            len(small),
+            min_pixels,
+            record.get("source", "?"),
+            record.get("id"),
+            width,
+            height,
+        )
+    return len(small)

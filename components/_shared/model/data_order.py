@@ -9,10 +9,13 @@ eval-driven `weights` draws each step's samples with replacement from a generato
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,31 @@ class DataCursor:
     offset: int = 0
 
 
+def passes(phase: Phase, samples_per_step: int) -> float:
+    """How many times a phase draws each of its records on average (its epochs)."""
+    return phase.steps * samples_per_step / max(len(phase.pool), 1)
+
+
+def say_passes(phase: Phase, samples_per_step: int) -> None:
+    """Log how often the phase repeats its records; a warning where one step already holds a record twice (a
+    training set smaller than train.samples_per_step: the model sees the same few records every step)."""
+    times = passes(phase, samples_per_step)
+    line = (
+        f"phase '{phase.name}': {phase.steps} steps x {samples_per_step} samples over {len(phase.pool)} records "
+        f"= {times:.1f} passes over its data"
+    )
+    if phase.steps and len(phase.pool) < samples_per_step:
+        logger.warning(
+            "%s; its %d records are fewer than train.samples_per_step=%d, so every step repeats them: give more "
+            "records, or lower train.samples_per_step and train.steps",
+            line,
+            len(phase.pool),
+            samples_per_step,
+        )
+    elif phase.steps:
+        logger.info(line)
+
+
 class DataOrder:
     """The sample indices of each step over `phases` (`samples_per_step` a step, `steps` in all)."""
 
@@ -50,6 +78,8 @@ class DataOrder:
             if len(p.pool) == 0 and p.steps:
                 raise ValueError(f"phase '{p.name}' has no samples; check its data filter.")
         self.phases, self.seed, self.samples_per_step, self.steps = phases, seed, samples_per_step, steps
+        for p in phases:
+            say_passes(p, samples_per_step)
         self.cursor = DataCursor()
         self._order_cache: dict[tuple[int, int], np.ndarray] = {}
 

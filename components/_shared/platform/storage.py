@@ -362,10 +362,24 @@ def _marker_for(source: Path) -> tuple[list[Path], dict[str, Any]]:
 
 
 def commit_dir(local_dir: str | Path) -> dict:
-    """Mark a finished local output directory as committed, in place: `_COMMITTED.json` written last, atomically."""
-    _, marker = _marker_for(Path(local_dir))
+    """Mark a finished local output directory as committed, in place: `_COMMITTED.json` written last, atomically.
+    Files written owner-only (safetensors saves weights 0600) get the modes the process's umask gives any other
+    file, so the next stage's pod or a server running as another user can read the model."""
+    files, marker = _marker_for(Path(local_dir))
+    _modes_by_umask(files)
     write_bytes(Path(local_dir) / COMMIT_MARKER, json.dumps(marker, indent=1, sort_keys=True).encode())
     return marker
+
+
+def _modes_by_umask(files: list[Path]) -> None:
+    """Give owner-only files (no group or other bits) the read/write modes the umask allows new files."""
+    mask = os.umask(0)
+    os.umask(mask)
+    wanted = 0o666 & ~mask
+    for path in files:
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077 == 0 and wanted & 0o077:
+            path.chmod(mode | (wanted & 0o066))
 
 
 def verify_dir(local_dir: str | Path) -> int:
