@@ -25,47 +25,51 @@ from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.head_loss import sequence_loss
 from components._shared.model.packing import pack
 from components._shared.model.vlm import load_vlm, qwen_model
+from tests.varlen_signatures import SIGNATURES
 
 FAMILIES = ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2_5-vl", "builtin:tiny-qwen3-vl", "builtin:tiny-qwen3_5"]
 
 
 class ReferenceVarlen:
-    """torch.nn.attention.varlen.varlen_attn's contract on the CPU (per-segment SDPA), counting its calls."""
+    """torch.nn.attention.varlen.varlen_attn's contract on the CPU (per-segment SDPA), counting its calls; called
+    with the parameter list of torch release `version` (varlen_signatures.py), nothing more."""
 
-    def __init__(self, api: str = "window_size"):
-        self.api = api
+    def __init__(self, version: str = max(SIGNATURES)):
+        self.version = version
         self.calls: list[dict] = []
+        namespace = {"torch": torch, "AuxRequest": object, "kernel": self}
+        exec(f"def varlen_attn({SIGNATURES[version]}):\n    return kernel._call(locals())", namespace)  # noqa: S102
+        self.function = namespace["varlen_attn"]
 
-    def _run(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, gqa):
+    def _call(self, a: dict) -> torch.Tensor:
+        assert a["return_aux"] is None
+        causal = a["is_causal"] if "is_causal" in a else a["window_size"] == (-1, 0)
+        assert "window_size" not in a or a["window_size"] in ((-1, -1), (-1, 0))
+        q, k, v, cu_q, cu_k = a["query"], a["key"], a["value"], a["cu_seq_q"], a["cu_seq_k"]
         assert q.dim() == k.dim() == v.dim() == 3 and q.is_contiguous() and k.is_contiguous()
-        assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and max_q == max_k
+        assert q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
+        assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and a["max_q"] == a["max_k"]
         lengths = (cu_q[1:] - cu_q[:-1]).tolist()
-        assert int(cu_q[-1]) == q.shape[0] and max(lengths) == max_q
+        assert int(cu_q[-1]) == q.shape[0] and max(lengths) == a["max_q"]
+        gqa = a.get("enable_gqa", False)
         if k.shape[1] != q.shape[1]:
             assert gqa, "fewer KV heads without enable_gqa"
-        self.calls.append({"causal": causal, "segments": len(lengths), "tokens": q.shape[0]})
+        self.calls.append({"causal": causal, "segments": len(lengths), "tokens": q.shape[0], "dtype": q.dtype})
         out = [
             F.scaled_dot_product_attention(
                 qs.transpose(0, 1),
                 ks.transpose(0, 1),
                 vs.transpose(0, 1),
                 is_causal=causal,
-                scale=scale,
+                scale=a.get("scale"),
                 enable_gqa=gqa,
             ).transpose(0, 1)
             for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)
         ]
         return torch.cat(out)
 
-    def modern(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-        assert window_size in ((-1, -1), (-1, 0))
-        return self._run(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size == (-1, 0), enable_gqa)
-
-    def torch_2_10(self, q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None, scale=None):
-        return self._run(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, False)
-
     def __call__(self):
-        return self.modern if self.api == "window_size" else self.torch_2_10
+        return self.function
 
 
 @pytest.fixture
@@ -154,30 +158,81 @@ def test_vision_varlen_keeps_every_family_s_cpu_numbers(uri):
     type(model)(model.config)  # a model built from the config never meets the flash-named implementation
 
 
-def test_varlen_attention_speaks_both_kernel_apis_and_gqa():
-    torch.manual_seed(0)
-    q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
-    cu = torch.tensor([0, 4, 9])
-    expected = torch.cat(
+def _segments_sdpa(q, k, v, lengths, scale):
+    return torch.cat(
         [
             F.scaled_dot_product_attention(
-                a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1), is_causal=True, enable_gqa=True
+                a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1), is_causal=True, enable_gqa=True, scale=scale
             ).transpose(0, 1)
-            for a, b, c in zip(q.split([4, 5]), k.split([4, 5]), v.split([4, 5]), strict=True)
+            for a, b, c in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)
         ]
     )
-    for api in ("window_size", "is_causal"):
-        kernel = ReferenceVarlen(api)
-        original = attention._torch_varlen
-        attention._torch_varlen = kernel
+
+
+def _with_kernel(kernel, fn):
+    original = attention._torch_varlen
+    attention._torch_varlen = kernel
+    attention._varlen_parameters.cache_clear()
+    try:
+        return fn()
+    finally:
+        attention._torch_varlen = original
         attention._varlen_parameters.cache_clear()
-        try:
-            out = attention.varlen_attention(q, k, v, cu, 5, causal=True, scale=None)
-        finally:
-            attention._torch_varlen = original
-            attention._varlen_parameters.cache_clear()
-        assert kernel.calls == [{"causal": True, "segments": 2, "tokens": 9}]
-        assert torch.allclose(out, expected, atol=1e-6), api  # torch 2.10's API has no GQA: KV heads repeated
+
+
+@pytest.mark.parametrize("version", sorted(SIGNATURES))
+@pytest.mark.parametrize("scale", [None, 0.125, 0.3])
+def test_varlen_attention_speaks_each_torch_releases_signature(version, scale):
+    """torch 2.10 takes no `scale` and no `enable_gqa` (the query is scaled and KV heads repeated instead), 2.11 no
+    `enable_gqa`; the kernel is called with its release's exact parameters, so an extra keyword is a TypeError."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    kernel = ReferenceVarlen(version)
+    out = _with_kernel(
+        kernel, lambda: attention.varlen_attention(q, k, v, torch.tensor([0, 4, 9]), 5, causal=True, scale=scale)
+    )
+    assert [(c["causal"], c["segments"], c["tokens"]) for c in kernel.calls] == [(True, 2, 9)]
+    assert torch.allclose(out, _segments_sdpa(q, k, v, [4, 5], scale), atol=1e-5), (version, scale)
+
+
+def test_fp32_queries_under_autocast_run_in_the_autocast_dtype():
+    """fp32 weights under bf16 autocast leave the queries fp32 after the rotary embedding: the kernel gets them in
+    bf16 (it was skipped for the SDPA loops without a word) and answers in bf16, as SDPA does under autocast."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(9, 4, 8), torch.randn(9, 4, 8), torch.randn(9, 4, 8)
+    kernel = ReferenceVarlen()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert attention.kernel_dtype(q) == torch.bfloat16
+        out = _with_kernel(
+            kernel, lambda: attention.varlen_attention(q, k, v, torch.tensor([0, 4, 9]), 5, causal=True, scale=None)
+        )
+    assert kernel.calls[0]["dtype"] == torch.bfloat16 and out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), _segments_sdpa(q, k, v, [4, 5], None), atol=3e-2)
+    assert attention.kernel_dtype(q) is None  # outside autocast: fp32 is not the kernel's
+
+
+@pytest.mark.parametrize(
+    ("cuda", "flash_gpu", "weights", "autocast", "path"),
+    [
+        (True, True, torch.bfloat16, None, "flash varlen kernel, one call per layer, in bfloat16"),  # DeepSpeed bf16
+        (True, True, torch.float32, torch.bfloat16, "flash varlen kernel, one call per layer, in bfloat16"),  # torch
+        (True, True, torch.float16, None, "flash varlen kernel, one call per layer, in float16"),
+        (True, True, torch.float32, None, "SDPA loops (fp32 without autocast: the kernel takes bf16 or fp16"),
+        (True, False, torch.bfloat16, None, "SDPA loops (the GPU is older than Ampere"),
+        (False, False, torch.float32, torch.bfloat16, "SDPA loops (the flash varlen kernel needs CUDA)"),
+        (False, False, torch.float32, None, "SDPA loops (the flash varlen kernel needs CUDA)"),
+    ],
+)
+def test_the_attention_path_per_device_and_precision(monkeypatch, cuda, flash_gpu, weights, autocast, path):
+    monkeypatch.setattr(attention, "_flash_capable", lambda index: flash_gpu)
+    monkeypatch.setattr(attention, "_torch_varlen", ReferenceVarlen())
+    device = torch.device("cuda:0" if cuda else "cpu")
+    assert path in attention.attention_path(device, weights, autocast)
+    attention.use_varlen(False)
+    try:
+        assert "switched off (QVL_ATTN_VARLEN=0)" in attention.attention_path(device, weights, autocast)
+    finally:
+        attention.use_varlen(True)
 
 
 def test_varlen_stays_off_where_the_kernel_cannot_run():

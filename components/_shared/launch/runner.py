@@ -9,6 +9,7 @@ the stage runs on several processes instead.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -44,6 +45,7 @@ def execute(
     (platform/locks.py): a second run into it fails at once, naming this one.
     """
     launcher_env.check()  # RANK / WORLD_SIZE read as numbers below and in the stage: named here when they are not
+    show_stage_logs()
     if os.environ.get("RANK", "0").strip() not in ("", "0"):
         # torchrun: every rank trains; only rank 0 writes the record and the commit marker (and logs).
         record_as = None
@@ -53,6 +55,24 @@ def execute(
         # first: a second run into this output fails here, before any work, and writes nothing into it
         locks.hold(output_dir, purpose=f"{stage} output")
         return _execute_held(stage, cfg, run, inputs, output_dir, experiment, artifacts, record_as)
+
+
+class _StageLogFormat(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        kind = "note" if record.levelno < logging.WARNING else record.levelname.lower()
+        return f"{kind}: {record.getMessage()}"
+
+
+def show_stage_logs() -> None:
+    """The project's log lines on stderr, notes (INFO) included: `note: ...` / `warning: ...` (once a process).
+    Without it Python shows warnings only, and a stage's notes (how often it repeats its data, which attention
+    kernel it runs) would go nowhere."""
+    project = logging.getLogger("components")
+    if not any(isinstance(h.formatter, _StageLogFormat) for h in project.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_StageLogFormat())
+        project.addHandler(handler)
+        project.setLevel(logging.INFO)
 
 
 RECORDED_ERROR = 20_000  # characters: a record's value in an error must not make a 30 MB result file

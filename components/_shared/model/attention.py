@@ -9,8 +9,10 @@ call (padded batches, generation with the KV cache, the ViT's per-image calls) g
 unchanged. Registered under its own name in transformers' `AttentionInterface` and `AttentionMaskInterface`, so
 nothing global is overridden; checkpoints still save and load as ordinary `sdpa` models.
 
-On CUDA in bf16/fp16 both loops become one kernel per layer: torch's own flash-attention varlen kernel
-(`torch.nn.attention.varlen.varlen_attn`, no `flash-attn` build needed). A packed LM row's sample bounds are
+On CUDA in bf16/fp16, or with fp32 weights under bf16/fp16 autocast (queries cast down, as SDPA would), both loops
+become one kernel per layer: torch's own flash-attention varlen kernel (`torch.nn.attention.varlen.varlen_attn`, no
+`flash-attn` build needed), called with the parameters each torch release takes (2.10: no `scale`, no GQA). The
+training loop says at its start which path its packed rows take and why (`attention_path`). A packed LM row's sample bounds are
 found once per forward (cached on the position tensor every layer receives), not once per layer. The ViT's
 per-image / per-window loop is transformers' own, taken whenever the vision config's implementation is not a
 "flash" one; `enable_vision_varlen(model)` gives the ViT's modules a config named `VISION_VARLEN`, which makes
@@ -66,18 +68,54 @@ def _flash_capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)  # flash attention: Ampere and later
 
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+def kernel_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The half precision the flash kernel would run `query` in: its own, or under autocast on its device the
+    autocast dtype (fp32 weights under bf16 autocast: rotary embeddings leave queries in fp32, and SDPA would cast
+    them down too); None where neither is half."""
+    if query.dtype in HALF:
+        return query.dtype
+    kind = query.device.type
+    if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) in HALF:
+        return torch.get_autocast_dtype(kind)
+    return None
+
+
+def why_not_varlen(*, cuda: bool, flash_gpu: bool, dtype: torch.dtype | None) -> str | None:
+    """Why packed rows cannot take the flash varlen kernel on this device and precision (None: they take it)."""
+    if not _VARLEN["enabled"]:
+        return "switched off (QVL_ATTN_VARLEN=0)"
+    if _torch_varlen() is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (2.10 or later has)"
+    if not cuda:
+        return "the flash varlen kernel needs CUDA"
+    if not flash_gpu:
+        return "the GPU is older than Ampere (compute capability 8.0)"
+    if dtype is None:
+        return "fp32 without autocast: the kernel takes bf16 or fp16 (train.precision: bf16)"
+    return None
+
+
+def attention_path(device: torch.device, weights: torch.dtype, autocast: torch.dtype | None) -> str:
+    """Which kernel packed LM rows and the ViT's images run through on `device` with weights of `weights` and
+    `autocast` (None: off), and why; the training loop says it once at its start."""
+    cuda = device.type == "cuda"
+    dtype = weights if weights in HALF else (autocast if autocast in HALF else None)
+    reason = why_not_varlen(cuda=cuda, flash_gpu=cuda and _flash_capable(device.index or 0), dtype=dtype)
+    if reason is None:
+        return f"attention: torch's flash varlen kernel, one call per layer, in {str(dtype).removeprefix('torch.')}"
+    return f"attention: per-sample SDPA loops ({reason})"
+
+
 def varlen_applies(query: torch.Tensor, dropout: float) -> bool:
-    """True where the flash varlen kernel runs: CUDA (Ampere or later), bf16/fp16, head dim <= 256, no dropout,
-    torch >= 2.10, not switched off (`QVL_ATTN_VARLEN=0` or `use_varlen(False)`)."""
-    return (
-        _VARLEN["enabled"]
-        and query.is_cuda
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and query.shape[-1] <= 256
-        and not dropout
-        and _torch_varlen() is not None
-        and _flash_capable(query.device.index or 0)
-    )
+    """True where the flash varlen kernel runs (`why_not_varlen` says why not), the head dim is at most 256 and
+    there is no dropout."""
+    cuda = query.is_cuda
+    flash_gpu = cuda and _flash_capable(query.device.index or 0)
+    reason = why_not_varlen(cuda=cuda, flash_gpu=flash_gpu, dtype=kernel_dtype(query))
+    return reason is None and query.shape[-1] <= 256 and not dropout
 
 
 def varlen_attention(
@@ -91,10 +129,17 @@ def varlen_attention(
     scale: float | None,
 ) -> torch.Tensor:
     """Attention within each segment of (tokens, heads, head_dim) tensors, segments given by `cu_seqlens`, by torch's
-    flash varlen kernel. Handles its two APIs (torch 2.10: `is_causal`; later: `window_size`) and GQA."""
+    flash varlen kernel, in `kernel_dtype` (the output too, as SDPA's under autocast). Speaks each release's
+    signature: torch 2.10 (`is_causal`, no `scale`, no GQA), 2.11 (`window_size`, `scale`), 2.12+ (`enable_gqa`)."""
     fn = _torch_varlen()
     params = _varlen_parameters()
     extra: dict[str, object] = {}
+    dtype = kernel_dtype(query) or query.dtype
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if "scale" in params:
+        extra["scale"] = scale
+    elif scale is not None and scale != query.shape[-1] ** -0.5:
+        query = query * (scale * query.shape[-1] ** 0.5)  # the kernel scales by 1/sqrt(dim)
     if key.shape[1] != query.shape[1]:
         if "enable_gqa" in params:
             extra["enable_gqa"] = True
@@ -107,7 +152,7 @@ def varlen_attention(
         extra["is_causal"] = causal
     cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-    return fn(query, key, value, cu, cu, max_len, max_len, scale=scale, **extra)
+    return fn(query, key, value, cu, cu, max_len, max_len, **extra)
 
 
 def _varlen_row(query, key, value, cu_seqlens, max_len: int, *, causal: bool, scale: float | None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import signal
@@ -32,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from components._shared.model import checkpoint as ckpt
+from components._shared.model.attention import attention_path
 from components._shared.model.backends import Backend, TorchBackend
 from components._shared.model.data_order import DataCursor, DataOrder, Phase
 from components._shared.model.device import resolve_device
@@ -43,6 +45,8 @@ from components._shared.model.step_inputs import PreparedStep, prepare_step, ste
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig, lr_factor
 from components._shared.platform import disk_space, progress
 from components._shared.platform.tracking import NullTracker, Tracker
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DataCursor", "LoopData", "LoopSettings", "LoopState", "Phase", "TrainLoop", "TrainResult"]
 Model = Any  # the module being trained (the backend's: a DeepSpeed engine's module under DeepSpeed)
@@ -160,6 +164,8 @@ class TrainLoop:
             )
         else:
             self.backend = TorchBackend(model, optim=settings.optim, lr_lambda=self._lr_lambda)
+        weights = next(self.backend.module.parameters()).dtype
+        logger.info(attention_path(self.device, weights, torch.bfloat16 if self.autocast else None))
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []
