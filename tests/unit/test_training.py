@@ -198,3 +198,24 @@ def test_the_data_order_says_how_often_it_repeats_its_records(caplog):
         "phase 'basic': 10 steps x 16 samples over 400 records = 0.4 passes over its data",
         "phase 'all': 20 steps x 16 samples over 800 records = 0.4 passes over its data",
     ]
+
+
+def test_fused_adamw_where_asked_and_equal_to_the_foreach_update():
+    """auto fuses only where every parameter is on a GPU (never on this CPU, nor offloaded); `on` fuses on the CPU
+    too, and its update equals the multi-tensor one to float rounding."""
+    from components._shared.model.backends import adamw
+    from components._shared.model.train_config import OptimConfig
+
+    def trained(setting: str):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+        optimizer = adamw([{"params": params, "lr": 1e-2}], OptimConfig(fused=setting, weight_decay=0.1))
+        for step in range(4):
+            for p in params:
+                p.grad = torch.sin(p.detach() * (step + 1))
+            optimizer.step()
+        return optimizer, torch.cat([p.detach().flatten() for p in params])
+
+    (auto, a), (on, b), (off, c) = trained("auto"), trained("on"), trained("off")
+    assert not auto.defaults["fused"] and on.defaults["fused"] is True and not off.defaults["fused"]
+    assert torch.equal(a, c) and torch.allclose(a, b, atol=1e-6) and not torch.equal(a, torch.zeros_like(a))

@@ -32,8 +32,17 @@ def build_optimizer(model, optim: OptimConfig) -> tuple[torch.optim.Optimizer, l
         raise ValueError("no trainable parameters: check the freeze / LoRA settings of this stage.")
     for g in groups:
         g["initial_lr"] = g["lr"]
-    optimizer = torch.optim.AdamW(groups, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
-    return optimizer, names
+    return adamw(groups, optim), names
+
+
+def adamw(groups: list[dict], optim: OptimConfig, *, offloaded: bool = False) -> torch.optim.AdamW:
+    """torch's AdamW over `groups`, fused where `optim.fused` asks for it (auto: every parameter on a GPU and the
+    optimizer not `offloaded` to the CPU), else multi-tensor (foreach)."""
+    on_gpu = all(p.is_cuda for g in groups for p in g["params"])
+    fused = optim.fused == "on" or (optim.fused == "auto" and on_gpu and not offloaded)
+    return torch.optim.AdamW(
+        groups, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay, fused=True if fused else None
+    )
 
 
 def clip_per_group(optimizer: torch.optim.Optimizer) -> dict[str, float]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from components._shared.model.backends import adamw
 from components._shared.model.train_config import OptimConfig, TrainConfig
 from components._shared.model.vlm import named_groups, qwen_model
 
@@ -89,7 +90,7 @@ class DeepSpeedBackend:
         if not groups:
             raise ValueError("no trainable parameters: check the freeze / LoRA settings of this stage.")
         self.groups: list[str] = [str(g["name"]) for g in groups]
-        optimizer = torch.optim.AdamW(groups, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+        optimizer = adamw(groups, optim, offloaded=train.offload_optimizer)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,

@@ -45,6 +45,12 @@ class OptimConfig(SubConfig):
     group_max_grad_norm: dict[str, Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict, description="Gradient clip per module group (clipped on that group's own norm)."
     )
+    fused: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="torch's fused AdamW kernel (one kernel launch for the whole update): auto = where the trained "
+        "parameters are on a GPU and the optimizer is not offloaded, on = everywhere (the CPU too), off = the "
+        "multi-tensor (foreach) AdamW everywhere.",
+    )
 
     @field_validator("group_lr", "group_max_grad_norm")
     @classmethod
