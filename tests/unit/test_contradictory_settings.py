@@ -75,3 +75,11 @@ def test_evaluation_and_checkpoint_intervals_past_the_last_step_are_said():
     assert (
         validate(load_config_class("sft"), "sft", {"train": {"steps": 100, "eval_every": 50}}).ignored_settings() == []
     )
+
+
+def test_selective_checkpointing_without_checkpointing_is_said():
+    sft = load_config_class("sft")
+    off = validate(sft, "sft", {"train": {"steps": 100, "checkpoint_every_n_layers": 2}})
+    assert off.ignored_settings() == ["train.checkpoint_every_n_layers=2: train.gradient_checkpointing is off"]
+    on = {"train": {"steps": 100, "checkpoint_every_n_layers": 2, "gradient_checkpointing": True}}
+    assert validate(sft, "sft", on).ignored_settings() == []

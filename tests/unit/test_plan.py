@@ -90,3 +90,14 @@ def test_a_training_stage_without_gpus_is_not_planned_and_a_student_larger_than_
     larger = "distill: {student: {model_uri: s3://qvl-models/Qwen3-VL-8B-Instruct}}\n"  # 8.8B under a 8.3B teacher
     with pytest.raises(ValueError, match=r"distill.student: the student has 8.\d\dB parameters, more than its teacher"):
         plan(_extending_prod_7b(tmp_path, larger))
+
+
+def test_checkpointing_every_second_block_is_planned_between_all_and_none(tmp_path):
+    """train.checkpoint_every_n_layers: 2 keeps half the blocks' activations: the planned activation memory lies half
+    way between full checkpointing and none, and the plan says so."""
+    _, plans = plan(_extending_prod_7b(tmp_path, "sft: {train: {checkpoint_every_n_layers: 2}}\n"))
+    (sft,) = [p for p in plans if p.stage == "sft"]
+    (full,) = [p for p in plan("prod-7b")[1] if p.stage == "sft"]
+    half_way = (sft.activations_gb + sft.activations_checkpointed_gb) / 2
+    assert sft.total_gb - full.total_gb == pytest.approx(half_way - full.activations_checkpointed_gb)
+    assert "gradient checkpointing (every 2 blocks)" in sft.notes and full.total_gb < sft.total_gb

@@ -143,7 +143,7 @@ def test_checkpoints_on_s3_resume_bit_identical(tmp_path, s3_env):
     assert [u.rsplit("/", 1)[1] for u in storage.list_committed(root)] == ["step-0000006", "step-0000008"]
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+def test_gradient_checkpointing_of_every_block_or_every_second_gives_the_same_gradients():
     import numpy as np
     from PIL import Image
 
@@ -151,13 +151,19 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     from components._shared.model.packing import forward_logits, pack, token_loss
     from components._shared.model.vlm import load_vlm
 
-    grads = []
-    for checkpointing in (False, True):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    grads, checkpointed = [], []
+    for every in (0, 1, 2):  # off, every block, every second block (train.checkpoint_every_n_layers)
         torch.manual_seed(0)
         model, processor, _ = load_vlm("builtin:tiny-qwen2_5-vl")
         model.train()
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if every:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every
+            )
+        blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        checkpointed.append(sum(m.gradient_checkpointing for m in blocks))
         encoder = ConversationEncoder(processor, model, min_pixels=3136, max_pixels=12544)
         image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (84, 112, 3), dtype=np.uint8))
         batch = pack(
@@ -171,7 +177,9 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         loss, _ = token_loss(forward_logits(model, batch), batch)
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6) for n in grads[0])
+    assert checkpointed == [0, len(blocks), (len(blocks) + 1) // 2] and len(blocks) >= 4
+    for other in grads[1:]:
+        assert all(torch.allclose(grads[0][n], other[n], atol=1e-6) for n in grads[0])
 
 
 def test_a_non_finite_loss_or_gradient_norm_stops_the_run():

@@ -247,7 +247,8 @@ def plan_stage(
     saved = activation_bytes(config, tokens, checkpointed=True, bytes_per_value=width)
     vocab = config.text_config.vocab_size
     logits = logits_bytes(tokens, vocab, int(train.get("loss_chunk_tokens", 1024)), width)
-    activations = saved if train["gradient_checkpointing"] else plain
+    every = int(train.get("checkpoint_every_n_layers", 1))  # every n-th block recomputed, the rest keep theirs
+    activations = saved + (plain - saved) * (1 - 1 / every) if train["gradient_checkpointing"] else plain
     total = weights + grads + optimizer + frozen + activations + logits
     if device == "cpu":  # the process also exports: a cast copy of the weights and its serialization buffer
         total = max(total, weights + frozen + 4 * params) + BASELINE_GB * GB
@@ -276,9 +277,13 @@ def plan_stage(
         frozen_models_gb=frozen / GB,
         total_gb=total / GB,
         gpu_gb=gpu,
-        notes=notes + (["gradient checkpointing"] if train["gradient_checkpointing"] else []),
+        notes=notes + ([_checkpointing_note(every)] if train["gradient_checkpointing"] else []),
         fix=fix,
     )
+
+
+def _checkpointing_note(every: int) -> str:
+    return "gradient checkpointing" + (f" (every {every} blocks)" if every > 1 else "")
 
 
 def suggest(stage: str, cfg: dict, profile, model, config, resolve: ConfigOf | None = None) -> str:

@@ -101,6 +101,17 @@ class TrainConfig(SubConfig):
         "checkpoint", description="dtype of the exported model/: checkpoint = the base checkpoint's (bf16 for Qwen's)."
     )
     gradient_checkpointing: bool = False
+    checkpoint_every_n_layers: Annotated[
+        int,
+        Field(
+            ge=1,
+            description=(
+                "With gradient_checkpointing: recompute only every n-th repeated block (ViT blocks and LM layers, "
+                "in model order; transformers' every_n_layers); the others keep their activations. 1 = every block "
+                "(one extra forward per step); 2 = half of them (about half the recompute for more memory)."
+            ),
+        ),
+    ] = 1
     data_workers: Annotated[
         int | None,
         Field(
@@ -248,6 +259,11 @@ class TrainedStageConfig(StageConfig):
                 )
                 if getattr(train, name) > train.steps
             ]
+            if train.checkpoint_every_n_layers != 1 and not train.gradient_checkpointing:
+                notes.append(
+                    f"{prefix}train.checkpoint_every_n_layers={train.checkpoint_every_n_layers}: "
+                    f"{prefix}train.gradient_checkpointing is off"
+                )
             if schedule.warmup_steps >= train.steps:
                 reached = lr_factor(train.steps - 1, train.steps, schedule)
                 notes.append(

@@ -155,7 +155,9 @@ class TrainLoop:
         self.device = resolve_device(train.device)
         self.autocast = train.precision == "bf16" or (train.precision == "auto" and self.device.type == "cuda")
         if train.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=train.checkpoint_every_n_layers
+            )
             model.enable_input_require_grads()
         model.to(self.device)
         if train.backend == "deepspeed":
