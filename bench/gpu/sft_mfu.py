@@ -171,6 +171,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (recompute not counted)")
     parser.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=1,
+        help="with --grad-ckpt: recompute only every n-th block (train.checkpoint_every_n_layers; 1 = every block)",
+    )
+    parser.add_argument(
         "--varlen",
         choices=("on", "off"),
         default="on",
@@ -235,10 +241,9 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(args, device, dtype)
     model.config.use_cache = False
     if args.grad_ckpt:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=args.ckpt_every
+        )
     if args.freeze_vision:
         qwen_model(model).visual.requires_grad_(False)
     if args.compile:
@@ -349,6 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
         "varlen_agreement": agreement,
         "optim": args.optim,
         "grad_ckpt": args.grad_ckpt,
+        "ckpt_every": args.ckpt_every if args.grad_ckpt else None,
         "compile": args.compile,
         "compiled_frames": compiled_frames(),
         "warmup_step_s": warmup_times,

@@ -126,7 +126,7 @@ def test_rl_step_tiny_reports_the_time_split_and_the_kv_cache_baseline():
     assert report["rollout_tokens_per_s"] > 0 and report["kv_cache_speedup"] > 0
 
 
-def test_gpu_run_all_tiny_writes_one_json_per_check(tmp_path):
+def test_gpu_run_all_tiny_writes_one_json_per_arm(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     done = subprocess.run(
         ["bash", "bench/gpu/run_all.sh", str(tmp_path), "--tiny"],
@@ -138,22 +138,43 @@ def test_gpu_run_all_tiny_writes_one_json_per_check(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    reports = {
-        name: json.loads((tmp_path / f"{name}.json").read_text())
-        for name in ("sft_mfu", "sft_mfu_loops", "rl_step", "dali_decode")
-    }
-    assert reports["sft_mfu"]["loss_chunk"] == 1024 and reports["sft_mfu"]["tokens_per_s"] > 0
-    assert reports["sft_mfu_loops"]["tokens_per_s"] > 0
-    # the CPU runs the SDPA loops either way, and rows packed by a data worker are the same rows: equal losses
-    assert reports["sft_mfu"]["data_workers"] == 1 and reports["sft_mfu_loops"]["data_workers"] == 0
-    assert reports["sft_mfu_loops"]["loss_first_last"] == reports["sft_mfu"]["loss_first_last"]
-    assert 0 <= reports["sft_mfu"]["data_wait_share"] < 1
+    arms = ("probe", "sft_varlen_4k", "sft_selckpt_8k", "sft_ckpt_16k", "rl_step", "dali_decode")
+    reports = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in arms}
+    probe = reports["probe"]
+    assert probe["cuda"] is False and probe["fused_adamw"] is True and "scale" in probe["varlen_attn_parameters"]
+    assert probe["attention_fp32_autocast"] == "attention: per-sample SDPA loops (the flash varlen kernel needs CUDA)"
+    sft = {name: reports[name] for name in arms if name.startswith("sft_")}
+    assert all(r["optim"] == "adamw-fused" and r["tokens_per_s"] > 0 for r in sft.values())
+    assert (sft["sft_selckpt_8k"]["ckpt_every"], sft["sft_ckpt_16k"]["ckpt_every"]) == (2, 1)
+    assert sft["sft_varlen_4k"]["grad_ckpt"] is False and sft["sft_varlen_4k"]["data_workers"] == 1
+    # the same rows and the same fused update: checkpointing every block, half of them or none gives the same losses
+    losses = [r["loss_first_last"] for r in sft.values()]
+    assert all(pair == pytest.approx(losses[0], rel=1e-5) for pair in losses)
     assert set(reports["rl_step"]["split_seconds"]) == {"generation", "scoring", "update"}
     dali = reports["dali_decode"]
     assert dali["meaningful"] is False and dali["dali_images_per_s"] > 0 and dali["images"] == 16
     assert dali["dali_error"] is None and dali["torchvision_nvjpeg_images_per_s"] is None  # nvJPEG arm: GPU only
-    assert dali["resolutions"] == ["448x448", "640x480", "1024x768", "1280x720"]
     assert all("ok in" in line for line in done.stdout.splitlines() if line.startswith("   "))
+    expected = json.loads((ROOT / "bench/gpu/expected_mfu.json").read_text())["arms"]
+    assert set(expected) == {"sft_varlen_4k", "sft_selckpt_8k", "sft_ckpt_16k", "sft_compiled_4k"}
+    assert all(0 < e["mfu_low"] < e["mfu_high"] < 1 for e in expected.values())
+
+
+def test_gpu_run_all_skips_an_arm_past_its_budget_and_names_an_unknown_one(tmp_path):
+    env = {**os.environ, "RUN_BUDGET_S": "30", "MIN_ARM_S": "60", "ARMS": "probe sft_varlen_4k bogus"}
+    done = subprocess.run(
+        ["bash", "bench/gpu/run_all.sh", str(tmp_path), "--tiny"],
+        check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout  # the unknown arm counts as failed
+    assert "== probe: SKIPPED, 30 s of the 30 s budget left" in done.stdout
+    assert "== sft_varlen_4k: SKIPPED" in done.stdout and "== bogus: unknown arm" in done.stdout
+    assert not list(tmp_path.glob("*.json"))
 
 
 def test_logits_memory_bench_reports_the_chunked_head_lower():
