@@ -14,13 +14,19 @@ COMPILED = Path(__file__).parent / "compiled" / "vlm_training.yaml"
 
 def compile_pipeline(preset: Preset | str = "prod-7b", out: Path = COMPILED) -> Path:
     """Write the full DAG with `preset`'s configs as parameter defaults; returns the file written."""
+    import tempfile
+
     from kfp import compiler
 
+    from components._shared.platform.storage import write_bytes
     from pipelines.vlm_training import build_pipeline
 
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(build_pipeline(preset), str(out))
+    pipeline = build_pipeline(preset)
+    with tempfile.TemporaryDirectory() as work:  # compiled aside, then renamed into place: a symlink at `out` is
+        compiled = Path(work) / "pipeline.yaml"  # replaced, never written through, and a failed compile leaves
+        compiler.Compiler().compile(pipeline, str(compiled))  # the old file whole
+        write_bytes(out, compiled.read_bytes())
     return out
 
 

@@ -27,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from components._shared.platform.credential_shapes import shown
 from pipelines import credentials
 
 # Pipeline parameters settable as `key=value` (the stage configs are set through dotted preset settings).
@@ -70,7 +71,7 @@ class Prepared:
     preset_name: str
 
 
-def split_pairs(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_pairs(pairs: list[str], *, later_wins: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """`key=value` pairs -> (pipeline parameters, nested preset overrides); unknown keys fail listing the valid ones.
 
     Parameter values stay strings (they are all string parameters); dotted settings are parsed as YAML scalars.
@@ -80,10 +81,14 @@ def split_pairs(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
 
     params: dict[str, Any] = {}
     overrides: dict[str, Any] = {}
+    seen: dict[str, str] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise SubmitError(f"'{pair}' is not key=value (examples: lake_uri=s3://bucket/lake, sft.optim.lr=1e-5).")
+        if key in seen and not later_wins:
+            raise SubmitError(f"{key} is given twice ({shown(seen[key], 80)!r} and {shown(raw, 80)!r}); give it once.")
+        seen[key] = raw
         if "." in key:
             overrides = deep_merge(overrides, parse_overrides([pair]))
         elif key in PIPELINE_PARAMS:
@@ -106,6 +111,10 @@ def read_params_file(path: Path) -> list[str]:
     """
     from components._shared.platform import strict_yaml
 
+    if Path(path).exists() and not Path(path).is_file():
+        raise SubmitError(
+            f"--params-file {path} is not a regular file (a directory or a pipe?); give the JSON/YAML file."
+        )
     try:
         data = strict_yaml.load(Path(path).read_text(), f"--params-file {path}")  # JSON is YAML
     except OSError as err:
@@ -138,7 +147,7 @@ def prepare(
     from pipelines.compile import compile_pipeline
     from pipelines.presets import load_preset
 
-    params, overrides = split_pairs(pairs)
+    params, overrides = split_pairs(pairs, later_wins=True)  # --params-file's first, the command line's after
     try:
         credentials.check(params, "the run's parameters")  # stored on the server and shown in the UI
         credentials.check(overrides, "the settings given on the command line")
@@ -185,7 +194,11 @@ def check_cluster_location(name: str, value: str, *, echo: Callable[[str], None]
         return
     hub_id = name == "base_model_uri" and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not Path(value).exists()
     if hub_id:
-        return
+        raise SubmitError(
+            f"{name}={value!r} looks like a hub id; the stages read models from s3://, a mounted path or builtin:NAME "
+            "only (no hub download on the cluster). Download it once (huggingface-cli download "
+            f"{value} --local-dir DIR), upload DIR (aws s3 sync DIR s3://BUCKET/models/NAME) and pass that URI."
+        )
     if not value.startswith("/"):
         raise SubmitError(
             f"{name}={value!r} is a path relative to this machine's working directory; the pipeline runs on the "
@@ -196,8 +209,42 @@ def check_cluster_location(name: str, value: str, *, echo: Callable[[str], None]
 
 
 def check_host(host: str) -> None:
+    if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]*@", host):
+        raise SubmitError(
+            f"--host {shown(host, 200)!r} carries a user or password; give the endpoint alone and the token in the "
+            f"environment ({TOKEN_ENV}): a credential in --host would be printed in messages and the run's URL."
+        )
     if not host.startswith(("http://", "https://")):
-        raise SubmitError(f"--host '{host}' needs a scheme: https://HOST[/PATH] (or http://127.0.0.1:PORT).")
+        raise SubmitError(
+            f"--host '{shown(host, 200)}' needs a scheme: https://HOST[/PATH] (or http://127.0.0.1:PORT)."
+        )
+
+
+NAMESPACE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")  # a Kubernetes namespace: a DNS-1123 label
+
+
+def check_submission(experiment: str, run_name: str | None, namespace: str | None) -> None:
+    """The names a run is filed under and the token, checked before any request: not empty, no credential shapes
+    (they are stored on the server and shown in the UI), a namespace Kubernetes accepts, a token without control
+    characters (a token file with Windows line endings; the token itself is never shown)."""
+    for flag, value in (("--experiment", experiment), ("--run-name", run_name)):
+        if value is not None and not value.strip():
+            raise SubmitError(f"{flag}={value!r} is empty (an unset shell variable?); give a name, or leave it out.")
+    try:
+        credentials.check({"--experiment": experiment, "--run-name": run_name or ""}, "the run's names")
+    except ValueError as err:
+        raise SubmitError(str(err)) from None
+    if namespace is not None and not NAMESPACE.fullmatch(namespace):
+        raise SubmitError(
+            f"--namespace {shown(namespace, 80)!r} is not a Kubernetes namespace: lowercase letters, digits and '-', "
+            "starting and ending with a letter or digit, at most 63 characters."
+        )
+    token = os.environ.get(TOKEN_ENV, "")
+    if token and (token != token.strip() or any(ord(c) < 32 or ord(c) == 127 for c in token)):
+        raise SubmitError(
+            f"{TOKEN_ENV} holds a line break, a space at an end or a control character (a token file saved with "
+            f"Windows line endings?); strip it: export {TOKEN_ENV}=$(tr -d '\\r\\n ' < FILE). It is not shown."
+        )
 
 
 def make_client(host: str, namespace: str | None = None):
@@ -296,6 +343,8 @@ def compile_and_submit(
     """Validate, plan (a training stage that cannot fit its GPUs stops here unless `force`), compile into a temporary
     directory, submit; returns (client, run_id)."""
     check_host(host)
+    check_submission(experiment, run_name, namespace)
+    split_pairs(pairs)  # the command line's own pairs: a key given twice there is refused
     if params_file is not None:
         pairs = read_params_file(params_file) + list(pairs)
     with tempfile.TemporaryDirectory(prefix="qvl-submit-") as tmp:
@@ -321,5 +370,8 @@ def describe_api_error(err: BaseException) -> str:
     status, reason, body = getattr(err, "status", None), getattr(err, "reason", None), getattr(err, "body", None)
     if status:
         text = f"HTTP {status} {reason or ''}".strip()
-        return f"{text}: {body.decode() if isinstance(body, bytes) else body}" if body else text
-    return f"{type(err).__name__}: {err}"
+        text = f"{text}: {body.decode() if isinstance(body, bytes) else body}" if body else text
+    else:
+        text = f"{type(err).__name__}: {err}"
+    token = os.environ.get(TOKEN_ENV, "")
+    return shown(text.replace(token, "<KFP_TOKEN>") if len(token) >= 8 else text, 2000)

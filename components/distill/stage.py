@@ -113,12 +113,8 @@ def run(
     eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     overlap = held_out_overlap(records, eval_records, what="distill")
     say_small_images(records, cfg.min_pixels, "distill")
-    store = checkpoint_store(
-        "distill",
-        cfg.train,
-        run_key(cfg, {"teacher_model": teacher_model, "data": data, "student_model": cfg.student.model_uri}),
-        output_dir,
-    )
+    key = run_key(cfg, {"teacher_model": teacher_model, "data": data, "student_model": cfg.student.model_uri})
+    store = checkpoint_store("distill", cfg.train, key, output_dir)
     teacher, processor, teacher_stored = load_vlm(teacher_model)
     teacher.requires_grad_(False).eval()
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)

@@ -423,15 +423,17 @@ def run(
                 data_files, stage_configs, download_mb=cfg.records_download_mb, scratch=output_dir, kept=records
             )
         )
-        if "select_checkpoint" in stage_configs and ("eval_data_uri", "eval") in records:
+        # only for the stages this DAG runs (`qvl run --until` stops before some): their data is "required"
+        runs = {name for name, need in data_files.items() if need.get("required")}
+        if "select_checkpoint" in stage_configs and "eval_data_uri" in runs and ("eval_data_uri", "eval") in records:
             check_selection(
                 stage_configs["select_checkpoint"],
                 records["eval_data_uri", "eval"],
                 reward_model="reward_model" in stage_configs,
             )
-        if "sft" in stage_configs and ("sft_data_uri", "sft") in records:
+        if "sft" in stage_configs and "sft_data_uri" in runs and ("sft_data_uri", "sft") in records:
             check_curriculum(stage_configs["sft"], records["sft_data_uri", "sft"])
-        if "pretrain" in stage_configs and ("eval_data_uri", "eval") in records:
+        if "pretrain" in stage_configs and "eval_data_uri" in runs and ("eval_data_uri", "eval") in records:
             metrics["heldout_captions"] = check_pretrain_captions(records["eval_data_uri", "eval"])
     if cfg.check_tracking:
         metrics["tracking"] = check_tracking_server(cfg.timeout_s)

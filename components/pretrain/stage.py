@@ -33,6 +33,7 @@ from components._shared.model.packing import image_embeddings, pack, plan_micro_
 from components._shared.model.sources import check_not_reward_model
 from components._shared.model.stage_steps import SCRATCH, Figure, finish_report, run_key
 from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop, TrainResult, is_main_process
+from components._shared.model.vision_digest import vision_digest
 from components._shared.model.vlm import export_dtype, freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
 from components._shared.platform import storage
 from components._shared.platform.image_decode import decode_image
@@ -83,6 +84,13 @@ class FeatureStore:
                 f"{self.index.get('cached_levels', [])} from {self.index.get('model')!r}, but this model's vision "
                 f"tower is {hidden} wide with levels {levels}; run extract_features with the same base model as "
                 "pretrain."
+            )
+        recorded = self.index.get("vision_digest")
+        if recorded and recorded != vision_digest(qwen_model(model).visual):
+            raise ValueError(
+                f"{self.dir}/index.json: features from the vision tower of {self.index.get('model')!r}, whose weights "
+                "differ from this base model's (same width, another checkpoint or a retrained tower); run "
+                "extract_features with the same base model as pretrain."
             )
         for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
             if name in self.index and self.index[name] != value:

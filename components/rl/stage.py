@@ -107,6 +107,8 @@ def load_prompts(
             f" (max_records={cfg.max_records})" if cfg.max_records else "",
             cfg.train.samples_per_step,
         )
+    if setting == "prompt_types":  # the training prompts (ptx's pool is read by this too)
+        say_small_images(prompts, cfg.min_pixels, "rl")
     return prompts
 
 
@@ -155,7 +157,6 @@ def run(
     prompts = load_prompts(data_dir, cfg)
     eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type, files=cfg.eval.files)
     overlap = held_out_overlap(prompts, eval_records, what="rl prompt")
-    say_small_images(prompts, cfg.min_pixels, "rl")
     key = run_key(cfg, {"base_model": base_model, "reward_model": reward_model, "data": data})
     trainer, encoder, processor, rewards = build_trainer(
         cfg, base_model, reward_model, data_dir, prompts, key, output_dir, tracker

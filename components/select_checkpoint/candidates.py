@@ -3,6 +3,7 @@ trainable weights of checkpoints/step-N/ loaded over the stage's model), found i
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from components._shared.launch.result import RESULT_FILE
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.vlm import LoadedVlm, load_vlm
 from components._shared.platform import storage
@@ -48,6 +50,14 @@ def _step(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
+def _recorded_stage(root: Path) -> str | None:
+    """The stage a stage output directory's result file names (None without one)."""
+    try:
+        return str(json.loads((root / RESULT_FILE).read_text()).get("stage") or "") or None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def find_candidates(stage_dirs: dict[str, str], per_stage: int) -> list[Candidate]:
     """The stage outputs and their newest `per_stage` committed intermediate checkpoints, in stage order."""
     found = []
@@ -64,6 +74,20 @@ def find_candidates(stage_dirs: dict[str, str], per_stage: int) -> list[Candidat
             raise ValueError(
                 f"select_checkpoint input {stage}={directory!r} has no {storage.COMMIT_MARKER}: the {stage} stage did "
                 "not finish there (it failed, was stopped, or is still running); pass the output of a finished run."
+            )
+        recorded = _recorded_stage(root)
+        if recorded is not None and recorded != stage:
+            raise ValueError(
+                f"select_checkpoint input --{stage.replace('_', '-')} {directory!r} is the output of the {recorded} "
+                f"stage ({RESULT_FILE} says so); pass the {stage} stage's output there."
+            )
+        same = next(
+            (s for s, d in stage_dirs.items() if s != stage and d and Path(d).resolve() == root.resolve()), None
+        )
+        if same is not None and list(stage_dirs).index(same) < list(stage_dirs).index(stage):
+            raise ValueError(
+                f"select_checkpoint inputs {same} and {stage} name the same directory {directory!r}; each stage's "
+                "output is one candidate: give each its own."
             )
         found.append(Candidate(stage, stage, root / "model"))
         # (group, label, location): local ones under checkpoints/, or at the roots checkpoints.json names

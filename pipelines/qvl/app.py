@@ -30,7 +30,7 @@ app.add_typer(models_app, name="models")
 
 @lake_app.command("synth")
 def lake_synth(
-    out: Path = typer.Option(..., help="Output directory: DIR/lake, DIR/heldout, DIR/ground_truth.jsonl."),
+    out: str = typer.Option(..., help="Output directory: DIR/lake, DIR/heldout, DIR/ground_truth.jsonl."),
     records: int = typer.Option(2000, min=1, help="Lake records (defects included)."),
     seed: int = typer.Option(0, min=0, help="Seed: the same seed writes the same bytes."),
     sft_records: int = typer.Option(
@@ -49,14 +49,15 @@ def lake_synth(
 
     from components.synth_world.lake import write_world
 
+    directory = _local_dir(out, "--out")
     if real:
         from components.synth_world.real_set import write_real_set
 
-        typer.echo(json.dumps(write_real_set(out), indent=2))
+        typer.echo(json.dumps(write_real_set(directory), indent=2))
         return
 
-    with Console(stderr=True).status(f"Writing {records} records to {out} ..."):
-        counts = write_world(out, records=records, seed=seed, sft_records=sft_records)
+    with Console(stderr=True).status(f"Writing {records} records to {directory} ..."):
+        counts = write_world(directory, records=records, seed=seed, sft_records=sft_records)
     typer.echo(json.dumps(counts, indent=2, default=str))
 
 
@@ -68,9 +69,14 @@ def models_build(
 ):
     """Build builtin models into the cache now (otherwise they are built on first use)."""
     from components._shared.model.sources import resolve_model
+    from components.synth_world.builtin_models import BUILTIN_NAMES
 
-    for name in names or ["tiny-qwen2_5-vl", "demo-qwen2_5-vl", "tiny-clip"]:
-        uri = name if name.startswith("builtin:") else f"builtin:{name}"
+    wanted = [name.removeprefix("builtin:") for name in names or ["tiny-qwen2_5-vl", "demo-qwen2_5-vl", "tiny-clip"]]
+    unknown = [name for name in wanted if name not in BUILTIN_NAMES]
+    if unknown:
+        raise ValueError(f"unknown builtin model(s) {unknown}; this command builds: {', '.join(BUILTIN_NAMES)}.")
+    for name in wanted:
+        uri = f"builtin:{name}"
         typer.echo(f"{uri} -> {resolve_model(uri)}")
 
 
@@ -91,6 +97,17 @@ def models_ship(name: str = typer.Argument("tiny-clip", help="A builtin that shi
     typer.echo(f"{name} -> {target} (recipe key {builtin_models.recipe_version(name)}); commit it.")
 
 
+def _local_dir(value: str, flag: str) -> Path:
+    """A local path option: not empty (an unset shell variable would mean the working directory), no unexpanded
+    '~', no URI scheme (these commands write local files); a ValueError naming the flag otherwise."""
+    from components._shared.platform.storage import check_location
+
+    check_location(value, flag)
+    if "://" in value:
+        raise ValueError(f"{flag}={value!r}: this command writes a local directory; give a local path.")
+    return Path(value)
+
+
 @app.command("run")
 def run(
     local: bool = typer.Option(False, "--local", help="Run with kfp.local on this machine (the only mode here)."),
@@ -100,7 +117,7 @@ def run(
         None,
         help="Training data dir or s3:// prefix (eval.jsonl, sft.jsonl, preferences.jsonl; default: LAKE/../heldout).",
     ),
-    out: Path = typer.Option(Path("runs/local"), help="Run directory (run_summary.json, mlflow.db, artifacts)."),
+    out: str = typer.Option("runs/local", help="Run directory (run_summary.json, mlflow.db, artifacts)."),
     until: str | None = typer.Option(None, help="Last stage to run (default: all)."),
     cache: bool = typer.Option(False, help="Reuse outputs of tasks whose inputs did not change (kfp.local cache)."),
     verbose: bool = typer.Option(False, "--verbose", help="Stream every task's output too (it is in OUT/logs/)."),
@@ -121,6 +138,7 @@ def run(
     from pipelines.presets import load_preset
     from pipelines.qvl.local_run import SUMMARY_FILE, run_local
 
+    run_dir = _local_dir(out, "--out")
     loaded = load_preset(preset)  # read and validated once; the runner and the DAG get this object
     lake_uri = lake or loaded.lake_uri
     if not lake_uri:
@@ -136,11 +154,11 @@ def run(
                 err=True,
             )
             raise typer.Exit(2)
-    typer.echo(f"Running preset {preset} on {lake_uri} into {out}/ (task logs: {out}/logs/)")
+    typer.echo(f"Running preset {preset} on {lake_uri} into {run_dir}/ (task logs: {run_dir}/logs/)")
     summary = run_local(
         lake_uri=lake_uri,
         data_uri=data or "",
-        out_dir=out,
+        out_dir=run_dir,
         preset=loaded,
         until=until,
         enable_caching=cache,
@@ -151,8 +169,8 @@ def run(
     minutes, seconds = divmod(int(summary["seconds"]), 60)
     typer.echo(f"Run {summary['status']} in {minutes}:{seconds:02d}.")
     typer.echo(f"  report:  {summary.get('report') or 'not written: ' + summary.get('report_error', '?')}")
-    typer.echo(f"  summary: {out / SUMMARY_FILE}")
-    typer.echo(f"  logs:    {out}/logs/")
+    typer.echo(f"  summary: {run_dir / SUMMARY_FILE}")
+    typer.echo(f"  logs:    {run_dir}/logs/")
     typer.echo(f"  MLflow:  {summary['mlflow_tracking_uri']} (run {summary['mlflow_run_id']})")
     raise typer.Exit(0 if summary["status"] == "succeeded" else 1)
 
@@ -181,13 +199,15 @@ def rehearse(
     preset: str = typer.Option(
         "", "--preset", help="Instead: the whole DAG at this preset's settings, sizes and widths cut (prod-7b, ...)."
     ),
-    stages: str = typer.Option("", help="Comma-separated runs (default: all, and what they need): " + REHEARSAL_RUNS),
+    stages: str | None = typer.Option(
+        None, help="Comma-separated runs (default: all, and what they need): " + REHEARSAL_RUNS
+    ),
     layers: int = typer.Option(2, min=1, help="LM layers kept (Qwen3.5 keeps its linear/full pattern)."),
     vision_depth: int = typer.Option(4, min=1, help="ViT blocks kept (full-attention / DeepStack indexes mapped)."),
     data: str | None = typer.Option(None, help="--preset: your data directory (default: `qvl lake synth --real`)."),
     lake: str | None = typer.Option(None, help="--preset: your lake (with --data)."),
     real_widths: bool = typer.Option(False, "--real-widths", help="--preset: keep the checkpoint's widths."),
-    out: Path = typer.Option(Path("runs/rehearsal"), help="Working directory (checkpoint, world, stage outputs)."),
+    out: str = typer.Option("runs/rehearsal", help="Working directory (checkpoint, world, stage outputs)."),
 ):
     """Every model stage for a step or two on a real checkpoint's config (real widths, vocabulary, tokenizer,
     processor and template; depth cut; random init), or with --preset the whole DAG at a preset's settings:
@@ -198,8 +218,14 @@ def rehearse(
             f"error: {both}give --config CHECKPOINT (every model stage) or --preset PRESET (the whole DAG).", err=True
         )
         raise typer.Exit(2)
+    root = _local_dir(out, "--out")
+    if stages is not None and not [s for s in stages.split(",") if s.strip()]:
+        raise ValueError(
+            f"--stages={stages!r} names no run (an unset shell variable?); give some of {REHEARSAL_RUNS}, or leave "
+            "--stages out for all of them."
+        )
     given = [flag for flag, value in (("--data", data), ("--lake", lake), ("--real-widths", real_widths)) if value]
-    ignored = given if config else (["--stages"] if stages else [])
+    ignored = given if config else (["--stages"] if stages is not None else [])
     if ignored:
         typer.echo(
             f"error: {', '.join(ignored)} belong to {'--preset' if config else '--config'}; "
@@ -212,7 +238,7 @@ def rehearse(
 
         from pipelines.qvl import rehearse_dag
 
-        where = out / Path(preset).name.removesuffix(".yaml")  # prod-qwen3.5-9b: a name, not a file suffix
+        where = root / Path(preset).name.removesuffix(".yaml")  # prod-qwen3.5-9b: a name, not a file suffix
         summary, rows, cuts = rehearse_dag.rehearse_preset(
             preset, where, data=data, lake=lake, real_widths=real_widths, console=sys.stderr
         )
@@ -223,8 +249,8 @@ def rehearse(
     from pipelines.qvl.rehearse import rehearse as run_rehearsal
     from pipelines.qvl.rehearse import table
 
-    chosen = [s for s in stages.split(",") if s]
-    results = run_rehearsal(config, out / config, runs=chosen or None, layers=layers, vision_depth=vision_depth)
+    chosen = [s.strip() for s in (stages or "").split(",") if s.strip()]
+    results = run_rehearsal(config, root / config, runs=chosen or None, layers=layers, vision_depth=vision_depth)
     typer.echo(table(config, results))
     if any(r.status != "passed" for r in results):
         raise typer.Exit(1)
@@ -271,7 +297,7 @@ def runs(
 @app.command("compile")
 def compile_(
     preset: str = typer.Option("prod-7b", help="Preset whose configs become the parameter defaults."),
-    out: Path = typer.Option(
+    out: str | None = typer.Option(
         None,
         help="Output YAML (default pipelines/compiled/vlm_training.yaml for prod-7b, vlm_training-PRESET.yaml beside "
         "it for another preset).",
@@ -285,17 +311,18 @@ def compile_(
     from pipelines.compile import COMPILED, compile_pipeline
     from pipelines.presets import load_preset
 
-    if out is not None and out.suffix not in (".yaml", ".yml"):
+    target = None if out is None else _local_dir(out, "--out")
+    if target is not None and target.suffix not in (".yaml", ".yml"):
         typer.echo(
             f"error: --out {out}: a pipeline with Kubernetes settings compiles to YAML; end it in .yaml.", err=True
         )
         raise typer.Exit(2)
     loaded = load_preset(preset)
     _refuse_unfit(loaded, force)
-    if out is None:  # another preset never overwrites the committed prod-7b pipeline
+    if target is None:  # another preset never overwrites the committed prod-7b pipeline
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", loaded.name)
-        out = COMPILED if loaded.name == "prod-7b" else COMPILED.with_name(f"vlm_training-{name}.yaml")
-    typer.echo(compile_pipeline(loaded, out))
+        target = COMPILED if loaded.name == "prod-7b" else COMPILED.with_name(f"vlm_training-{name}.yaml")
+    typer.echo(compile_pipeline(loaded, target))
 
 
 def _refuse_unfit(preset, force: bool) -> None:
@@ -365,7 +392,7 @@ def submit(
         typer.echo(f"Error: {err}", err=True)
         raise typer.Exit(2) from None
     except sub.api_errors() as err:  # API refusals, unreachable host: one line, not a traceback
-        typer.echo(f"Error: submitting to {host} failed: {sub.describe_api_error(err)}", err=True)
+        typer.echo(f"Error: submitting to {sub.shown(host, 200)} failed: {sub.describe_api_error(err)}", err=True)
         raise typer.Exit(1) from None
     if not wait:
         return

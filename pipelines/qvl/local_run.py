@@ -146,6 +146,37 @@ def _environment_restored(*names: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
+RUN_FILES = {
+    "logs",
+    "stage_results",
+    "progress",
+    "pipeline_root",
+    "mlflow.db",
+    "mlartifacts",
+    "report.html",
+    SUMMARY_FILE,
+}  # what a run writes into its directory (with its lock files)
+
+
+def _check_run_dir(out_dir: Path) -> None:
+    """The run directory is new, empty, or a run's own: a run clears its logs/, stage_results/ and progress/ and
+    overwrites report.html, so a directory of other files (a project folder given as --out) is refused, naming
+    them, before anything in it is touched."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file, not a directory; give a new or empty directory.")
+    entries = sorted(p.name for p in out_dir.iterdir())
+    if not entries or (out_dir / SUMMARY_FILE).exists() or any(n.startswith(".qvl-lock") for n in entries):
+        return  # new, or an earlier run's (finished, or stopped before its summary: its lock file stays)
+    foreign = [n for n in entries if n not in RUN_FILES]
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    raise ValueError(
+        f"--out {out_dir} holds files no qvl run wrote ({shown or ', '.join(entries[:5])}); a run clears its logs/ "
+        "and overwrites report.html there. Give a new or empty directory (e.g. runs/NAME)."
+    )
+
+
 def run_local(
     *,
     lake_uri: str,
@@ -178,6 +209,7 @@ def run_local(
                 f"checkpoints) would become part of the {option[2:]} the next run reads; put the run directory "
                 "elsewhere (e.g. runs/NAME)."
             )
+    _check_run_dir(out_dir)
     p = as_preset(preset)  # read once: the caller's loaded preset, or its name read here
     # built first: it validates `until` before anything starts
     pipeline = build_pipeline(p, until, for_cluster=False, local_processes=processes)

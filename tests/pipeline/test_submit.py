@@ -179,6 +179,9 @@ def test_wait_gives_up_after_the_timeout():
         (["lake_uri=runs/world/lake"], "lake_uri='runs/world/lake' is a path relative to this machine's"),
         (["lake_uri=s3://Lake_Data/x"], "lake_uri: 's3://Lake_Data/x' has an invalid bucket name"),
         (["lake_uri=s3://lake-x", "eval_data_uri=gs://b/heldout"], "eval_data_uri='gs://b/heldout': only local"),
+        (["lake_uri=s3://lake-x", "lake_uri=s3://lake-y"], "lake_uri is given twice ('s3://lake-x' and 's3://lake-y')"),
+        (["lake_uri=s3://lake-x", "sft.optim.lr=1e-5", "sft.optim.lr=2e-5"], "sft.optim.lr is given twice"),
+        (["lake_uri=s3://lake-x", "base_model_uri=Qwen/Qwen2.5-VL-7B-Instruct"], "looks like a hub id"),
     ],
 )
 def test_bad_arguments_fail_before_any_request(args, says):
@@ -188,6 +191,35 @@ def test_bad_arguments_fail_before_any_request(args, says):
     assert says in result.output
     assert "a1B2a1B2" not in result.output and "hunter2pass" not in result.output  # a credential is never echoed
     assert api.requests == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "token", "says"),
+    [
+        (["--experiment", ""], None, "--experiment='' is empty"),
+        (["--experiment", "e", "--run-name", " "], None, "--run-name=' ' is empty"),
+        (["--experiment", "ghp_" + "a1B2" * 9], None, "--experiment: a GitHub token"),
+        (["--experiment", "e", "--run-name", "hf_" + "a1B2" * 9], None, "--run-name: a Hugging Face token"),
+        (["--experiment", "e", "--namespace", "My NS!"], None, "--namespace 'My NS!' is not a Kubernetes namespace"),
+        (["--experiment", "e"], "TokSecretVal123\r\nX-Evil: 1", "KFP_TOKEN holds a line break"),
+    ],
+)
+def test_names_and_the_token_are_checked_before_any_request(monkeypatch, flags, token, says):
+    if token is not None:
+        monkeypatch.setenv("KFP_TOKEN", token)
+    with FakeKfpApi() as api:
+        result = _submit(api, *flags, "--preset", "tiny", "lake_uri=s3://lake-x")
+    assert result.exit_code == 2, result.output
+    assert says in result.output and "a1B2a1B2" not in result.output and "TokSecretVal" not in result.output
+    assert api.requests == []
+
+
+def test_a_host_with_a_password_is_refused_without_showing_it():
+    result = runner.invoke(
+        app, ["submit", "--host", "http://u:SubPw999x@127.0.0.1:9", "--experiment", "e", "lake_uri=s3://lake-x"]
+    )
+    assert result.exit_code == 2 and "carries a user or password" in result.output
+    assert "SubPw999x" not in result.output
 
 
 def test_namespace_goes_to_the_experiment_lookup_and_creation():

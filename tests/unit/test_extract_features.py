@@ -241,6 +241,7 @@ def test_index_and_shards(world, fp32_run):
         "dtype",
         "hidden_size",
         "cached_levels",
+        "vision_digest",
         "merge_size",
         "min_pixels",
         "max_pixels",

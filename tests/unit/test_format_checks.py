@@ -299,18 +299,20 @@ def test_task_names_must_be_usable_as_metric_names(data):
     with pytest.raises(ValueError) as caught:
         datasets.manifest(data)
     message = str(caught.value)
-    assert "dataset.yaml: task name 'q&a (v2)': use letters, digits, '_', '.', '-'" in message
+    assert "dataset.yaml: task name 'q&a (v2)': use at most 64 letters, digits, '_', '.', '-'" in message
     assert "task/<name>" in message and "e.g. 'q_a__v2_'" in message
     (data / "dataset.yaml").write_text("tasks: {qa.v2: exact_match, chart-value_1: relaxed_accuracy}\n")
     assert set(datasets.manifest(data).tasks) == {"qa.v2", "chart-value_1"}
     # a name ending in a newline passed (`$` matches before it) and MLflow then refused every metric of the stage
     (data / "dataset.yaml").write_text('tasks: {"foo\\n": exact_match}\n')
-    with pytest.raises(ValueError, match=r"task name 'foo\\n': use letters"):
+    with pytest.raises(ValueError, match=r"task name 'foo\\n': use at most 64 letters"):
         datasets.manifest(data)
     (data / "dataset.yaml").unlink()
     _jsonl(data / "eval.jsonl", [{"id": "q", "image": "a.png", "task": "color", "question": "Colour?", "answer": "red",
                                   "benchmark": "heldout\n"}])  # fmt: skip
-    assert "eval.jsonl:1 (id='q'): benchmark 'heldout\\n': use letters" in _error(datasets.load_questions, data)
+    assert "eval.jsonl:1 (id='q'): benchmark 'heldout\\n': use at most 64 letters" in _error(
+        datasets.load_questions, data
+    )
 
 
 def test_a_system_prompt_that_is_not_text_or_blank_is_refused(data):

@@ -251,7 +251,7 @@ BAD_RECORDS = [  # (record, the reason its line must be reported with; None: a g
     ({"id": "web", "image": "https://example.com/a.png", "conversations": [HUMAN, GPT]}, "web URL"),
     ({"id": "tool", "conversations": [{"from": "tool", "value": "x"}, GPT]}, "role 'tool'"),
     ({"id": "missing", "image": "gone.png", "conversations": [HUMAN, GPT]}, "image 'gone.png' does not exist"),
-    ({"id": "not-an-image", "image": "notes.png", "conversations": [HUMAN, GPT]}, "'notes.png' is unreadable"),
+    ({"id": "not-an-image", "image": "notes.png", "conversations": [HUMAN, GPT]}, "'notes.png' is text, not an image"),
     (
         {"id": "typo", "imgae": "a.png", "conversations": [{"from": "human", "value": "hi"}, GPT]},
         "field 'imgae' holds an image path",
@@ -370,7 +370,8 @@ def test_whole_file_mistakes_say_what_the_path_is(tmp_path):
         ("sft: [empty.jsonl]", r"^empty.jsonl holds no records; fill it or leave it out of dataset.yaml"),
         ("sft: [dir.png]", r"dir.png is a directory; name a data file"),
         ("sft: ['']", r"dataset.yaml: sft lists an empty file name"),
-        ("sft: ['https://user:pw0rd@host/x.jsonl']", r"path is a URL; nothing is fetched"),
+        ("sft: ['https://user:pw0rd@host/x.jsonl']", r"sft\[0\] carries a credential \(hidden\)"),
+        ("sft: ['https://host/x.jsonl']", r"path is a URL; nothing is fetched"),
     ]:
         _manifest(tmp_path, entry + "\n")
         with pytest.raises(ValueError, match=says):

@@ -304,3 +304,20 @@ def test_content_keys_follow_what_each_stage_reads_by_uri(tmp_path):
     (eval_data / "a.json").write_text("[]")
     after_eval = content_keys(uris, configs)
     assert {s for s in before if after_student[s] != after_eval[s]} == {"pretrain", "select_checkpoint"}
+
+
+def test_pretrains_caption_check_waits_for_a_dag_that_runs_pretrain(tmp_path, lake):
+    """`qvl run --until clean_data` with held-out data of no captions: preflight refused it for pretrain's sake
+    (sixth hostile pass); the check belongs to a DAG that runs pretrain, whose eval data is then required."""
+    from PIL import Image
+
+    data = tmp_path / "heldout"
+    data.mkdir()
+    Image.new("RGB", (32, 32)).save(data / "e1.png")
+    question = {"id": "e1", "image": "e1.png", "question": "Hi?", "answer": "yes", "task": "yes_no"}
+    (data / "eval.jsonl").write_text(json.dumps(question) + "\n")
+    stages = {"clean_data": {}, "extract_features": {}, "pretrain": {}}
+    files = lambda required: {"eval_data_uri": {"uri": str(data), "roles": ["eval"], "required": required}}  # noqa: E731
+    assert "heldout_captions" not in _run(tmp_path, lake, data_files=files(False), stage_configs=stages)
+    with pytest.raises(ValueError, match="held-out data has 0 caption records; pretrain needs >= 2"):
+        _run(tmp_path, lake, data_files=files(True), stage_configs=stages)

@@ -146,12 +146,11 @@ def test_checkpoints_on_s3_resume_bit_identical(tmp_path, s3_env):
 def test_gradient_checkpointing_of_every_block_or_every_second_gives_the_same_gradients():
     import numpy as np
     from PIL import Image
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
     from components._shared.model.encoder import ConversationEncoder
     from components._shared.model.packing import forward_logits, pack, token_loss
     from components._shared.model.vlm import load_vlm
-
-    from transformers.modeling_layers import GradientCheckpointingLayer
 
     grads, checkpointed = [], []
     for every in (0, 1, 2):  # off, every block, every second block (train.checkpoint_every_n_layers)

@@ -377,6 +377,14 @@ def _tsv(path: Path, _: Path | None = None) -> Rows:
     _check_file(path)
     csv.field_size_limit(sys.maxsize)  # MMBench's images are base64 cells
     with path.open(encoding="utf-8-sig", newline="") as f:  # a byte-order mark may start the file
+        header = f.readline()
+        if header.strip() and "\t" not in header:
+            comma = " (it looks comma-separated: a spreadsheet saved as CSV?)" if "," in header else ""
+            raise ValueError(
+                f"{path.name}: its header line has no tab{comma}; MMBench files are tab-separated (.tsv): save it "
+                "with tabs between the columns."
+            )
+        f.seek(0)
         for n, row in enumerate(csv.DictReader(f, delimiter="\t"), 2):
             yield f"{path.name}:{n}", row
 

@@ -9,6 +9,7 @@ Every error names the file, line or record id and how to fix it.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections import defaultdict
@@ -63,6 +64,8 @@ def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
         )
     return path
 
+
+logger = logging.getLogger(__name__)
 
 CONSUMED = {"image", "images", "conversations", "messages", "task", "system", "question", "answer", "answers",
             "choices", "options", "box", "prompt", "chosen", "rejected", "question_id", "hint",
@@ -124,6 +127,14 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
         out.append(record)
     if not out and not bad:
         raise ValueError(f"{spec.path} holds no records; fill it or leave it out of dataset.yaml.")
+    if spec.task and out and not any(r.get("type") == spec.task for r in out):
+        logger.warning(
+            "%s: dataset.yaml gives it task %r, but each of its %d record(s) names its own ('task' / 'type'), so the "
+            "entry's task applies to none of them; drop it from the entry, or from the records",
+            spec.path,
+            spec.task,
+            len(out),
+        )
     bad_records.settle(spec.path, bad, kept=len(out), what=f"bad {what} record(s)")
     return out
 
@@ -201,7 +212,7 @@ def load_conversations(
         records += _read(data_dir, spec, _conversation, "conversation")
     records = records[:max_records] if max_records else records
     text_only = [r["id"] for r in records if not r["images"]]
-    if text_only and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if text_only and int(os.environ.get("WORLD_SIZE", "").strip() or 1) > 1:
         raise ValueError(
             f"sft records {text_only[:3]} have no image; with several processes a text-only "
             "micro-batch leaves the vision tower out of the gradient reduction. Drop them or train them "
@@ -226,7 +237,10 @@ def _question(tasks: dict[str, str], *, first_exchange: bool = False):
         images = q.pop("images")
         benchmark = raw.get("benchmark") or spec.benchmark
         if benchmark is not None and not (isinstance(benchmark, str) and BENCHMARK_NAME.fullmatch(benchmark)):
-            raise F.RecordError(f"benchmark {benchmark!r}: use letters, digits, '_', '.', '-' (a metric name part)")
+            raise F.RecordError(
+                f"benchmark {shown(str(benchmark), 80)!r}: use at most 64 letters, digits, '_', '.', '-' (a metric "
+                "name part)"
+            )
         record = {"image": images[0], **q, "answer": q["answers"][0], "type": task.name, "benchmark": benchmark}
         if not task.builtin:
             record["scorer"] = task.scorer
@@ -263,8 +277,13 @@ def load_questions(
     info = manifest(data_dir)
     records: list[dict] = []
     seen: dict[tuple[str | None, str], str] = {}  # (benchmark, id) -> file
+    problems: list[str] = []  # every file's bad records in one error: one pass over the messages fixes them all
     for spec in info.files(role, files):
-        read = _read(data_dir, spec, _question(info.tasks, first_exchange=role == "rl"), "question")
+        try:
+            read = _read(data_dir, spec, _question(info.tasks, first_exchange=role == "rl"), "question")
+        except ValueError as error:
+            problems.append(str(error))
+            continue
         shortened = sum(bool(r.pop("shortened", False)) for r in read)
         if shortened:
             print(
@@ -279,6 +298,8 @@ def load_questions(
                 raise ValueError(_repeated_id(record["id"], key[0], role, seen[key], spec.path))
             seen[key] = spec.path
             records.append(record)
+    if problems:
+        raise ValueError(problems[0] if len(problems) == 1 else f"{len(problems)} files: " + "\n".join(problems))
     return records
 
 

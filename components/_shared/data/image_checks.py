@@ -74,8 +74,15 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
     """(why the image cannot be used or None, its (width, height) as decoded, EXIF rotation applied, or None
     where not read: an s3:// reference, or an unusable image)."""
     from components._shared.platform import storage
+    from components._shared.platform.credential_shapes import redact
     from components._shared.platform.image_decode import ALLOWED_FORMATS
 
+    if isinstance(reference, str) and redact(reference) != reference:
+        return (
+            f"image {redact(reference)!r} carries a credential in its URI (hidden here); S3 credentials come from the "
+            "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a Kubernetes secret on the cluster): give "
+            "s3://BUCKET/KEY alone"
+        ), None
     if isinstance(reference, str) and storage.is_s3(reference):
         return None, None
     name = repr(reference) if isinstance(reference, str) else type(reference).__name__
@@ -108,9 +115,12 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
             frames = getattr(image, "n_frames", 1)
     except Exception as error:  # noqa: BLE001 - any failure to read an untrusted header is the record's problem
         other = _other_format(source) if isinstance(error, UnidentifiedImageError) else None
+        label = name if name.startswith("image cell") else f"image {name}"
         if other:
-            return f"image {name} is {other}; only {', '.join(ALLOWED_FORMATS)} are read: convert it", None
-        return f"image {name} is unreadable ({error})", None
+            return f"{label} is {other}; only {', '.join(ALLOWED_FORMATS)} are read: convert it", None
+        if isinstance(error, UnidentifiedImageError):
+            return f"{label} is not an image Pillow can identify (its first bytes {_head_of(source)!r})", None
+        return f"{label} is unreadable ({error})", None
     if width * height > MAX_IMAGE_PIXELS:
         return f"image {name} declares {width}x{height} pixels, over the {MAX_IMAGE_PIXELS} limit", None
     ratio = max(width, height) / max(min(width, height), 1)
@@ -159,10 +169,20 @@ def _other_format(source: Any) -> str | None:
         return "an empty file (0 bytes)"
     if b"<svg" in head.lower():
         return "an SVG file"
+    lowered = head.lstrip().lower()
+    if lowered.startswith((b"<!doctype html", b"<html", b"<head", b"<body", b"<?xml")) or b"<html" in lowered:
+        return "an HTML or XML page, not an image (a failed download: the server's error page?)"
+    if head.isascii() and all(32 <= b < 127 or b in (9, 10, 13) for b in head):
+        return f"text, not an image (it starts {head[:40].decode()!r})"
     brand = head[8:12] if head[4:8] == b"ftyp" else b""
     if brand in (b"avif", b"avis"):
         return "an AVIF file"
     return "a HEIC file" if brand in (b"heic", b"heix", b"mif1", b"msf1") else None
+
+
+def _head_of(source: Any) -> bytes:
+    """The first 16 bytes of a file or buffer, for a message."""
+    return bytes(source.getbuffer()[:16]) if isinstance(source, io.BytesIO) else _head(source)[:16]
 
 
 def _head(path: Path) -> bytes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import posixpath
 import tarfile
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from components._shared.platform import storage
+
+logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "image", "img", "gif", "bmp", "tif", "tiff", "avif", "heic", "jxl")
 CAPTION_EXTENSIONS = ("txt", "caption")
@@ -447,6 +450,20 @@ def list_lake_files(lake_uri: str) -> tuple[list[str], list[str]]:
     if not storage.is_s3(lake_uri) and not storage.exists(lake_uri):
         raise ValueError(f"lake_uri={lake_uri!r} does not exist; pass img2dataset's output folder or an s3:// prefix.")
     files = storage.list_files(lake_uri)
+    if not storage.is_s3(lake_uri) and Path(lake_uri).is_dir():
+        odd = sorted(
+            str(p)
+            for p in Path(lake_uri).rglob("*")
+            if p.name.endswith(LAKE_SHARD_SUFFIXES) and not p.is_file() and not p.is_dir()
+        )
+        if odd:  # a pipe, socket or device under a shard's name: opening it could block for ever, so it is not read
+            logger.warning(
+                "lake %s: %d shard-named entr%s not a regular file (a pipe, socket or device?) and not read: %s",
+                lake_uri,
+                len(odd),
+                "y is" if len(odd) == 1 else "ies are",
+                ", ".join(odd[:5]),
+            )
     tars = {uri.removesuffix(suffix) for uri in files for suffix in (".tar", ".tar.gz", ".tgz") if uri.endswith(suffix)}
     # img2dataset's WebDataset output puts a metadata NNNNN.parquet (no images) beside each NNNNN.tar: not a shard
     metadata = {uri for uri in files if uri.endswith(".parquet") and uri.removesuffix(".parquet") in tars}

@@ -15,7 +15,7 @@ from components._shared.data.benchmarks import BENCHMARKS
 from components._shared.data.file_checks import TRAINING_ROLES, check_distinct_contents, check_training_files
 
 MANIFEST = "dataset.yaml"
-BENCHMARK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+BENCHMARK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # 64 at most: metric keys stay under MLflow's 250
 ROLES_DEFAULT = {"sft": "sft.jsonl", "eval": "eval.jsonl", "rl": "sft.jsonl", "preferences": "preferences.jsonl"}
 
 
@@ -92,6 +92,11 @@ def manifest(data_dir: Path) -> Manifest:
     found = [data_dir / name for name in (MANIFEST, "dataset.json") if (data_dir / name).is_file()]
     if len(found) > 1:
         raise ValueError(f"{data_dir} holds both {MANIFEST} and dataset.json; keep the one that describes the data.")
+    if found and data_dir.resolve() not in found[0].resolve().parents:
+        raise ValueError(
+            f"{found[0]} is a symlink leading outside the data directory (to {found[0].resolve()}); the data's "
+            "description belongs with the data, as its files and images do: copy it into the directory."
+        )
     if not found:  # a manifest under another name would be ignored: the default files read instead
         misnamed = [f"dataset{s}" for s in (".yml", ".YAML", ".JSON") if (data_dir / f"dataset{s}").is_file()]
         if misnamed:
@@ -105,6 +110,21 @@ def manifest(data_dir: Path) -> Manifest:
         ) from None
     result._root = data_dir
     return result
+
+
+def _credentials_in(value, path: str = "") -> str | None:
+    """The setting path (sft[0].images) of the first string in a manifest that holds a credential's shape."""
+    from components._shared.platform.credential_shapes import redact
+
+    if isinstance(value, str):
+        return path or "a value" if redact(value) != value else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = _credentials_in(item, where)
+        if found:
+            return found
+    return None
 
 
 def parse_manifest(text: str, where: str) -> Manifest:
@@ -121,6 +141,12 @@ def parse_manifest(text: str, where: str) -> Manifest:
     except ValidationError as error:
         hint = " (YAML reads on, off, yes, no as true / false: quote such a name)" if _booleans(raw) else ""
         raise ValueError(f"{where}: {_describe(error)}{hint}; see docs/data.md for the fields.") from error
+    carrying = _credentials_in(raw)
+    if carrying:
+        raise ValueError(
+            f"{where}: {carrying} carries a credential (hidden); S3 credentials come from the environment "
+            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a Kubernetes secret on the cluster): give the location alone."
+        )
     for role in ("sft", "eval", "rl", "preferences"):
         if role in result.model_fields_set and not getattr(result, role):
             raise ValueError(
@@ -129,11 +155,19 @@ def parse_manifest(text: str, where: str) -> Manifest:
             )
         if any(isinstance(f, str) and not f.strip() for f in getattr(result, role)):
             raise ValueError(f"{where}: {role} lists an empty file name; name each file (or leave the list out).")
+    folded: dict[str, str] = {}
     for task in result.tasks:
+        if task.lower() in folded:
+            raise ValueError(
+                f"{where}: tasks {folded[task.lower()]!r} and {task!r} differ only by case; their metrics would be "
+                "confused in dashboards that fold case: give them distinct names."
+            )
+        folded[task.lower()] = task
         if not BENCHMARK_NAME.fullmatch(task):
             raise ValueError(
-                f"{where}: task name {task!r}: use letters, digits, '_', '.', '-' and start with a letter or digit "
-                f"(it names the metrics task/<name> and count/<name>), e.g. {re.sub(r'[^A-Za-z0-9_.-]', '_', task)!r}."
+                f"{where}: task name {task!r}: use at most 64 letters, digits, '_', '.', '-' and start with a letter "
+                f"or digit (it names the metrics task/<name> and count/<name>), e.g. "
+                f"{re.sub(r'[^A-Za-z0-9_.-]', '_', task)[:64]!r}."
             )
         if task in T.BUILTIN_TASKS:
             raise ValueError(f"{where}: task {task!r} is a builtin task; give your task another name.")

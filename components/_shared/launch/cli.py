@@ -65,6 +65,7 @@ def stage_main(
 def _run_section(
     parser, args, config_cls, run, section: str, inputs: tuple[str, ...], optional_inputs: tuple[str, ...]
 ) -> dict[str, Any]:
+    from components._shared.platform.credential_shapes import redact
     from components._shared.platform.storage import check_location
 
     check_location(args.output_dir, "--output-dir")
@@ -80,10 +81,20 @@ def _run_section(
             f"--config={args.config!r} is empty (an unset shell variable gives one); "
             "give the YAML file, or leave --config out."
         )
+    if args.config_json is not None and not args.config_json.strip():
+        raise ValueError(
+            f"--config-json={args.config_json!r} is empty (an unset shell variable gives one); give the section as "
+            "JSON, or leave --config-json out."
+        )
     if args.experiment is not None and not args.experiment.strip():
         raise ValueError(
             f"--experiment={args.experiment!r} is empty (an unset shell variable gives one); give the MLflow "
             "experiment's name, or leave --experiment out (the preset's, else 'vlm')."
+        )
+    if args.experiment is not None and redact(args.experiment) != args.experiment:
+        raise ValueError(
+            "--experiment looks like a credential (not shown); an experiment's name is stored on the tracking server "
+            "and shown to everyone who can read it: give a plain name."
         )
     if args.experiment is not None and len(args.experiment) > MAX_EXPERIMENT_NAME:
         raise ValueError(

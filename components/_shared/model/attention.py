@@ -12,10 +12,10 @@ nothing global is overridden; checkpoints still save and load as ordinary `sdpa`
 On CUDA in bf16/fp16, or with fp32 weights under bf16/fp16 autocast (queries cast down, as SDPA would), both loops
 become one kernel per layer: torch's own flash-attention varlen kernel (`torch.nn.attention.varlen.varlen_attn`, no
 `flash-attn` build needed), called with the parameters each torch release takes (2.10: no `scale`, no GQA). The
-training loop says at its start which path its packed rows take and why (`attention_path`). A packed LM row's sample bounds are
-found once per forward (cached on the position tensor every layer receives), not once per layer. The ViT's
-per-image / per-window loop is transformers' own, taken whenever the vision config's implementation is not a
-"flash" one; `enable_vision_varlen(model)` gives the ViT's modules a config named `VISION_VARLEN`, which makes
+training loop says at its start which path its packed rows take and why (`attention_path`). A packed LM row's
+sample bounds are found once per forward (cached on the position tensor every layer receives), not once per layer.
+The ViT's per-image / per-window loop is transformers' own, taken whenever the vision config's implementation is not
+a "flash" one; `enable_vision_varlen(model)` gives the ViT's modules a config named `VISION_VARLEN`, which makes
 transformers pass the ViT's `cu_seqlens` in one call, which runs the varlen kernel on CUDA and transformers'
 per-segment SDPA loop elsewhere (the same numbers as before on the CPU). Why: on an H200 the loops left SFT at 5-9%
 MFU (docs/benchmarks.md, GPU checks); the varlen path has not run on a GPU yet (its plumbing is tested against a

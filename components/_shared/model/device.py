@@ -14,5 +14,5 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "").strip() or 0))
     return torch.device(name)

@@ -35,7 +35,9 @@ def init_distributed() -> tuple[int, int]:
     if not torch.distributed.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per rank, before any CUDA work
+            torch.cuda.set_device(
+                int(os.environ.get("LOCAL_RANK", "").strip() or 0)
+            )  # one GPU per rank, before any CUDA work
         if "RANK" not in os.environ:
             # One process outside torchrun: a private group on a free port. Only LOCAL_RANK (which DeepSpeed's
             # engine insists on) is set, so child processes never inherit a RANK / MASTER_PORT that is not theirs.

@@ -140,7 +140,7 @@ class TrainLoop:
         self.order = DataOrder(
             data.phases, seed=settings.seed, samples_per_step=train.samples_per_step, steps=train.steps
         )
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and train.backend != "deepspeed":
+        if int(os.environ.get("WORLD_SIZE", "").strip() or 1) > 1 and train.backend != "deepspeed":
             raise ValueError(
                 "this run has several processes (WORLD_SIZE > 1) but train.backend is 'torch', which "
                 "trains one process; set train.backend: deepspeed for data-parallel training."

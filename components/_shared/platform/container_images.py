@@ -11,19 +11,46 @@ QVL_IMAGE_REGISTRY at compile time (e.g. your own mirror) and build with the sam
 """
 
 import os
+import re
 
 from components import __version__
 
 DEFAULT_REGISTRY = "ghcr.io/qwen-vl-pipeline"
-REGISTRY = (os.environ.get("QVL_IMAGE_REGISTRY") or DEFAULT_REGISTRY).rstrip("/")
 KINDS = ("train", "data")
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]+)?")  # registry host[:port]
+_PATH = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")  # a repository path component (lowercase)
+
+
+def check_registry(value: str, setting: str = "QVL_IMAGE_REGISTRY") -> str:
+    """`value` without a trailing slash if it is a registry / repository prefix Kubernetes can pull from
+    (host[:port]/path, lowercase path, no scheme); a ValueError naming `setting` otherwise. A `user:password@`
+    is refused without being shown: it would be written into every task of the compiled YAML."""
+    text = value.strip().rstrip("/")
+    if "@" in text:
+        raise ValueError(
+            f"{setting} holds an '@' (a user:password@ or a digest); the registry is written into every task of the "
+            "compiled YAML, so credentials go into an image pull secret, never the image name: give host/path only."
+        )
+    if "://" in text:
+        raise ValueError(f"{setting}={text!r}: an image registry takes no scheme; write host/path (ghcr.io/org).")
+    host, _, path = text.partition("/")
+    parts = path.split("/") if path else []
+    if not _HOST.fullmatch(host) or not all(_PATH.fullmatch(part) for part in parts):
+        raise ValueError(
+            f"{setting}={text!r} is not a registry prefix Kubernetes can pull from: host[:port]/path with lowercase "
+            "letters, digits and . _ - in the path, no spaces (e.g. ghcr.io/my-org)."
+        )
+    return text
+
+
+REGISTRY = check_registry(os.environ.get("QVL_IMAGE_REGISTRY") or DEFAULT_REGISTRY)
 
 
 def image_for(kind: str, registry: str | None = None) -> str:
     """The image of one kind ("train" or "data") in `registry` (default: REGISTRY), tagged with the version."""
     if kind not in KINDS:
         raise ValueError(f"unknown image kind {kind!r}; use one of {', '.join(KINDS)}")
-    return f"{(registry or REGISTRY).rstrip('/')}/{kind}:{__version__}"
+    return f"{check_registry(registry, 'registry') if registry else REGISTRY}/{kind}:{__version__}"
 
 
 TRAIN_IMAGE = image_for("train")  # CUDA, torch, deepspeed, DALI: GPU stages

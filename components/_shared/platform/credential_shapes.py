@@ -1,7 +1,8 @@
 """The shapes of values that are credentials, and `redact`, which hides them in a text a person or a log will read.
 
 Detected by their published shapes: AWS access key ids, GitHub, Hugging Face, OpenAI, Slack, Google API keys,
-Databricks tokens, JWTs, PEM private keys, AWS session tokens; URLs carrying a password (`scheme://user:pw@`) or a
+Databricks tokens, JWTs, PEM private keys, AWS session tokens, bearer tokens and `--*token=` / `--*auth=` style
+flags; URLs carrying a password (`scheme://user:pw@`) or a
 credential in their query. pipelines/credentials.py refuses them in presets and parameters; every `error:` message
 and every failure a stage records passes through `shown` (redacted and capped: platform/user_errors.py,
 launch/runner.py), so a token typed in the wrong place is named as a credential and never printed back.
@@ -22,6 +23,11 @@ SHAPES = (
     ("a JSON web token", re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}")),
     ("a private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")),
     ("a URL with a password", re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:[^/\s@]+@")),
+    ("a bearer token", re.compile(r"\bBearer\s+[A-Za-z0-9._~+/=-]{16,}")),
+    (
+        "a credential given as a command-line flag",
+        re.compile(r"--[\w-]*(?:token|secret|password|passwd|api-?key|auth)[\w-]*=\S{8,}", re.IGNORECASE),
+    ),
     # AWS session tokens are base64 of a protobuf whose first bytes are fixed: "IQoJb3JpZ2lu..." today, "FwoG..." before
     ("an AWS session token", re.compile(r"\b(?:IQoJb3JpZ2lu|FwoGZXIvYXdz|FQoGZXIvYXdz)[A-Za-z0-9/+=]{16,}")),
     (

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from components._shared.platform.credential_shapes import redact
 from components._shared.platform.mlflow_tracking import (
     MAX_TAG_VALUE_LENGTH,
     MlflowTracker,
@@ -271,7 +272,12 @@ def stage_tracker(
     try:
         run_id: str | None = start_run()
     except Exception as error:  # noqa: BLE001 - the stage runs anyway; the tracker retries creation
-        logger.warning("MLflow run for stage %r not resolved at %s (%s); will retry at each flush", stage, uri, error)
+        logger.warning(
+            "MLflow run for stage %r not resolved at %s (%s); will retry at each flush",
+            stage,
+            redact(uri),
+            redact(str(error)),
+        )
         run_id = None
     tracker = MlflowTracker(
         client, run_id, start_run=start_run, fallback_dir=fallback_dir, end_run=owned["value"], **tracker_options

@@ -124,7 +124,8 @@ class MlflowTracker(Tracker):
         self._Metric, self._Param, self._RunTag = Metric, Param, RunTag
         self._client, self.run_id, self._start_run = client, run_id, start_run
         self.flush_every, self.flush_interval_s, self.max_buffer = flush_every, flush_interval_s, max_buffer
-        self._fallback_dir = Path(fallback_dir or os.environ.get(FALLBACK_DIR_ENV) or tempfile.gettempdir())
+        given = fallback_dir or os.environ.get(FALLBACK_DIR_ENV)
+        self._given_fallback_dir = Path(given) if given else None
         self.fallback_path: Path | None = None
         self._metrics: list = []
         self._artifacts: list[tuple[str, str | None]] = []  # (local path, artifact path) queued during an outage
@@ -253,10 +254,10 @@ class MlflowTracker(Tracker):
             self._require_run()
             self._client.log_text(self.run_id, text, artifact_file)
         except Exception as error:  # noqa: BLE001
-            kept = self._fallback_dir / "artifacts" / (self.run_id or "no-run") / artifact_file
+            kept = self._fallback_root() / "artifacts" / (self.run_id or "no-run") / artifact_file
             kept.parent.mkdir(parents=True, exist_ok=True)
             kept.write_text(text)
-            logger.warning("MLflow text artifact %s not logged (%s); kept at %s", artifact_file, error, kept)
+            logger.warning("MLflow text artifact %s not logged (%s); kept at %s", artifact_file, _said(error), kept)
 
     def flush(self) -> None:
         if self._send():
@@ -346,7 +347,7 @@ class MlflowTracker(Tracker):
             self._down_since = time.monotonic()
             logger.warning(
                 "MLflow tracking unavailable (%s); keeping %d metrics buffered, retrying every %.0f s",
-                str(error).splitlines()[0][:300],
+                _said(error).splitlines()[0][:300],
                 len(self._metrics),
                 self.flush_interval_s,
             )
@@ -359,8 +360,8 @@ class MlflowTracker(Tracker):
     def _spill(self, *, metrics=(), params=None, tags=None, artifacts=(), status: str | None = None) -> Path:
         """Append records to the fallback JSONL file (one object per line, each naming its run)."""
         if self.fallback_path is None:
-            self._fallback_dir.mkdir(parents=True, exist_ok=True)
-            self.fallback_path = self._fallback_dir / f"mlflow-unsent-{self.run_id or 'no-run'}-{os.getpid()}.jsonl"
+            root = self._fallback_root()
+            self.fallback_path = root / f"mlflow-unsent-{self.run_id or 'no-run'}-{os.getpid()}.jsonl"
         run = self.run_id
         lines = [
             {"type": "metric", "run_id": run, "key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step}
@@ -371,9 +372,26 @@ class MlflowTracker(Tracker):
         lines += [{"type": "artifact", "run_id": run, "local_path": p, "artifact_path": a} for p, a in artifacts]
         if status is not None:
             lines.append({"type": "status", "run_id": run, "status": status})
-        with open(self.fallback_path, "a") as handle:
+        # appended, never through a symlink planted at the name, readable by its owner only
+        descriptor = os.open(self.fallback_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(descriptor, "a") as handle:
             handle.writelines(json.dumps(line) + "\n" for line in lines)
         return self.fallback_path
+
+    def _fallback_root(self) -> Path:
+        """The fallback directory: the one given (fallback_dir or QVL_MLFLOW_FALLBACK_DIR), else a new private one
+        under the temp directory (made at the first spill; a predictable name in a shared /tmp could be planted)."""
+        if self._given_fallback_dir is None:
+            self._given_fallback_dir = Path(tempfile.mkdtemp(prefix="qvl-mlflow-unsent-"))
+        self._given_fallback_dir.mkdir(parents=True, exist_ok=True)
+        return self._given_fallback_dir
+
+
+def _said(error: BaseException) -> str:
+    """An error as a warning shows it: a password in the tracking URI (http://user:pw@host) hidden."""
+    from components._shared.platform.credential_shapes import redact
+
+    return redact(str(error))
 
 
 def replay_fallback(path: str | Path, *, tracking_uri: str | None = None) -> int:

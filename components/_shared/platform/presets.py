@@ -126,8 +126,13 @@ def read_section(config_file: Path | None, section: str, sections: Collection[st
         found = data[section] or {}
     elif isinstance(data.get("stages"), dict) and section in data["stages"]:
         found = data["stages"][section] or {}
-    elif sections and set(data) & known:
+    elif sections and set(data) & PRESET_TOP_LEVEL:
         found = {}  # a preset without this stage's section: the stage's defaults, as the DAG runs it
+    elif sections and set(data) & known:  # only other stages' sections: the wrong file, or a misnamed section
+        raise ValueError(
+            f"{config_file} has no '{section}' section (it has: {', '.join(sorted(set(data) & known))}); give a "
+            f"file with a {section}: section (a preset), or the {section} settings alone."
+        )
     if not isinstance(found, dict):
         raise ValueError(f"{config_file}: the '{section}' section must be a mapping of settings, got {found!r:.80}.")
     return found
@@ -149,6 +154,8 @@ def read_preset_yaml(
         raise ValueError(
             f"presets extend each other in a cycle: {chain} ({path.resolve()}); remove one of these `extends:`."
         )
+    if path.exists() and not path.is_file():  # a pipe would block the read for ever; a directory is an IsADirectory
+        raise ValueError(f"{path} is not a regular file (a directory or a pipe?); give the YAML file.")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

@@ -63,8 +63,10 @@ def _client_for(env: tuple[str | None, ...]):
 
 
 def _endpoint() -> str:
-    """The S3 endpoint requests go to, for messages."""
-    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+    """The S3 endpoint requests go to, for messages (a password in it hidden)."""
+    from components._shared.platform.credential_shapes import redact
+
+    return redact(os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3")
 
 
 def _say_connection_retries(attempts: int = 0, caught_exception: BaseException | None = None, **_) -> None:

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import re
 import shutil
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -27,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from components._shared.platform import s3_client
+from components._shared.platform.s3_body import ResumableBody
 
 COMMIT_MARKER = "_COMMITTED.json"
 LOCK_FILES = (".qvl-lock", ".qvl-lock.json")  # platform/locks.py: the OS lock and its holder; never committed
@@ -53,6 +52,11 @@ def check_location(value: str, setting: str, *, builtin: bool = False) -> str:
         raise ValueError(
             f"{setting}={text!r} is empty (an unset shell variable gives one), which would mean the working "
             "directory; give a local path or an s3:// URI."
+        )
+    if text.startswith("~"):
+        raise ValueError(
+            f"{setting}={shown(text)!r} starts with '~', which no shell expanded (it was quoted, or read from a file): "
+            "write the full path ($HOME/...)."
         )
     found = _SCHEME.match(text)
     if builtin and text.startswith("builtin:"):
@@ -212,85 +216,17 @@ def write_bytes(uri: str | Path, data: bytes) -> None:
 
 
 @contextlib.contextmanager
-def open_read(uri: str | Path) -> Iterator[IO[bytes] | _ResumableBody]:
+def open_read(uri: str | Path) -> Iterator[IO[bytes] | ResumableBody]:
     """A binary stream: the S3 object's body (resumed across broken connections), or the local file."""
     if not is_s3(uri):
         with open(_local(uri), "rb") as handle:
             yield handle
         return
-    body = _ResumableBody(str(uri))
+    body = ResumableBody(str(uri), *split_s3(str(uri)))
     try:
         yield body
     finally:
         body.close()
-
-
-STREAM_ATTEMPTS = 6
-
-
-class _ResumableBody(io.RawIOBase):
-    """An S3 object's body that survives a connection broken mid-read (a reset, a truncated answer, a read
-    timeout): the read is retried with a GET of the rest of the object (`Range` from the bytes already returned,
-    `If-Match` the first answer's ETag, so a replaced object is an error, never a splice). boto3 retries
-    failed *requests* itself; nothing retries a body that breaks after the answer started. The first GET asks
-    for the object's checksum (validated when the whole body is read in one go)."""
-
-    def __init__(self, uri: str) -> None:
-        super().__init__()
-        self.uri = uri
-        self.bucket, self.key = split_s3(uri)
-        self.offset, self.etag = 0, None
-        self.body = self._get()
-
-    def _get(self):
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key}
-        if self.offset:
-            kwargs["Range"] = f"bytes={self.offset}-"
-        else:
-            kwargs["ChecksumMode"] = "ENABLED"
-        if self.etag:
-            kwargs["IfMatch"] = self.etag
-        with s3_client.errors(self.uri):
-            response = s3_client.client().get_object(**kwargs)
-        self.etag = self.etag or response.get("ETag")
-        return response["Body"]
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int | None = -1) -> bytes:
-        from botocore.exceptions import (
-            FlexibleChecksumError,
-            IncompleteReadError,
-            ReadTimeoutError,
-            ResponseStreamingError,
-        )
-
-        for attempt in range(STREAM_ATTEMPTS):
-            try:
-                data = self.body.read(None if size is None or size < 0 else size)
-                self.offset += len(data)
-                return data
-            except (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, FlexibleChecksumError) as error:
-                if attempt == STREAM_ATTEMPTS - 1:
-                    raise OSError(
-                        f"reading {self.uri} broke off {STREAM_ATTEMPTS} times at byte {self.offset}: {error}"
-                    ) from error
-                # a checksum mismatch of a whole-object read means nothing was kept: start that read again
-                self.body.close()
-                time.sleep(min(2.0, 0.05 * 2**attempt))
-                self.body = self._get()
-        raise AssertionError("unreachable")
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.body.close()
-        super().close()
 
 
 def download_file(uri: str | Path, local_path: str | Path, *, multipart_threshold: int | None = None) -> Path:
