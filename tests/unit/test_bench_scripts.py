@@ -267,12 +267,3 @@ def test_length_check_reports_the_length_pass_against_reading():
     rows = {line[:16].strip(): line[16:].split() for line in out.splitlines()[2:]}
     assert set(rows) == {"read (baseline)", "length pass", "exact counts"}
     assert float(rows["read (baseline)"][1]) == 1.0 and all(float(r[1]) > 0 for r in rows.values())
-
-
-def test_sample_cache_bench_reuses_samples_and_changes_no_number():
-    out = _run("bench/sample_cache.py", "--records", "32", "--passes", "2", "--threads", "1", "--json")
-    summary = json.loads(out[out.index("{") :])
-    built, cached = summary["arms"]
-    assert summary["steps"] == 2 and summary["same_loss"]
-    assert (built["samples_built"], built["cache_hits"]) == (64, 0)
-    assert (cached["samples_built"], cached["cache_hits"]) == (32, 32) and cached["cache_mb_used"] > 0

@@ -124,17 +124,6 @@ class TrainConfig(SubConfig):
         ),
     ] = None
     prefetch_steps: Annotated[int, Field(ge=1, description="Steps queued ahead per data worker.")] = 2
-    sample_cache_mb: Annotated[
-        int,
-        Field(
-            ge=0,
-            description=(
-                "Encoded samples (pixel rows, tokens, positions) kept per process for reuse when a record is drawn "
-                "again in a later pass, least recently used out (0 = build every draw anew). Same samples, same "
-                "numbers; a set larger than this keeps what fits."
-            ),
-        ),
-    ] = 1024
     loss_chunk_tokens: Annotated[
         int,
         Field(

@@ -41,7 +41,6 @@ from components._shared.model.encoder import Sample
 from components._shared.model.head_loss import sequence_loss
 from components._shared.model.manifest import check_frozen, frozen_fingerprints, parameter_manifest
 from components._shared.model.packing import batch_tokens, to_device
-from components._shared.model.sample_cache import SampleCache
 from components._shared.model.step_inputs import PreparedStep, prepare_step, step_inputs
 from components._shared.model.train_config import OptimConfig, ScheduleConfig, TrainConfig, lr_factor
 from components._shared.platform import disk_space, progress
@@ -149,7 +148,6 @@ class TrainLoop:
             torch.set_num_threads(train.threads)
         self.model, self.settings, self.train, self.schedule = model, settings, train, settings.schedule
         self.data, self.store, self.extra = data, checkpoints, extra
-        self.samples = SampleCache(data.sample, train.sample_cache_mb << 20) if data.sample is not None else None
         self.tracker = tracker or NullTracker()
         self.loss_fn = loss_fn or functools.partial(default_loss, chunk_rows=train.loss_chunk_tokens)
         self.device = resolve_device(train.device)
@@ -208,9 +206,9 @@ class TrainLoop:
         """A step's items: built together with the current model (`sample_batch`), else one by one (`sample`)."""
         if self.data.sample_batch is not None:
             return self.data.sample_batch(indices, self.backend.module)
-        if self.samples is None:
+        if self.data.sample is None:
             raise TypeError("this TrainLoop was built without `sample`; pass it, or drive the loop with drive().")
-        return [self.samples(i) for i in indices]
+        return [self.data.sample(i) for i in indices]
 
     def _lr_lambda(self, update: int) -> float:
         """Optimizer update -> learning-rate factor: the schedule at its loop step times the phase's scale."""
