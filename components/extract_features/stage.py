@@ -33,7 +33,7 @@ import torch
 from components._shared.model.device import resolve_device
 from components._shared.model.families import family_for
 from components._shared.model.sources import resolve_model
-from components._shared.model.vision_digest import vision_digest
+from components._shared.model.vision_digest import weights_digest
 from components._shared.platform import progress
 from components._shared.platform.tracking import Tracker
 from components.extract_features.config import ExtractFeaturesConfig
@@ -324,7 +324,7 @@ def run(
     backend = choose_backend(cfg.decode_backend, device)
     model_dir = resolve_model(str(base_model))
     tower, spec = load_vision_tower(model_dir, dtype=_DTYPES[cfg.dtype], device=device)
-    digest = vision_digest(tower)  # pretrain compares it with its own base model's tower
+    digest = weights_digest(_vision_weights(model_dir))  # as stored, whatever dtype the tower runs in here
     tracker.set_tags({"decode_backend": backend})
 
     preparer = BatchPreparer(cfg, backend, device, spec)

@@ -190,6 +190,7 @@ def run_local(
     verbose: bool = False,
     processes: dict[str, int] | None = None,
     runner: str = "subprocess",
+    prepared_dir: bool = False,
 ) -> dict[str, Any]:
     """Run the DAG (up to `until`) on `lake_uri` with held-out / SFT data at `data_uri`; returns the run summary,
     also written to out_dir/run_summary.json. `processes`: stages run under torchrun with that many processes.
@@ -197,7 +198,8 @@ def run_local(
     With `console`, the progress view goes there (redrawn in place when `live`, by default when it is a terminal;
     otherwise one line per event); `verbose` streams every task's output to stdout as well as to its log file.
     `runner`: "subprocess" (every task a process of this Python) or "docker" (every task in its component's image,
-    pipelines/qvl/docker_tasks.py).
+    pipelines/qvl/docker_tasks.py). A run directory holding files no run wrote is refused (a run clears its logs/)
+    unless `prepared_dir`: the caller made it and wrote the run's inputs there.
     """
     from pipelines.vlm_training import build_pipeline
 
@@ -209,7 +211,8 @@ def run_local(
                 f"checkpoints) would become part of the {option[2:]} the next run reads; put the run directory "
                 "elsewhere (e.g. runs/NAME)."
             )
-    _check_run_dir(out_dir)
+    if not prepared_dir:  # a caller that made out_dir and put the run's inputs there itself (qvl rehearse --preset)
+        _check_run_dir(out_dir)
     p = as_preset(preset)  # read once: the caller's loaded preset, or its name read here
     # built first: it validates `until` before anything starts
     pipeline = build_pipeline(p, until, for_cluster=False, local_processes=processes)

@@ -265,7 +265,13 @@ def rehearse_preset(
     launched = processes(preset)
     config = AutoConfig.from_pretrained(preset.base_model_uri)  # the built base model's, read once for the planner
     summary = run_local(
-        lake_uri=str(lake), out_dir=out, data_uri=str(data), preset=preset, console=console, processes=launched
+        lake_uri=str(lake),
+        out_dir=out,
+        data_uri=str(data),
+        preset=preset,
+        console=console,
+        processes=launched,
+        prepared_dir=True,  # its own directory: the real set, the built checkpoint and the cuts are written there
     )
     peaks = summary.get("task_peak_rss_gb", {})
     rows = []
