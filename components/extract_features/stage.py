@@ -108,9 +108,10 @@ def _model_config(model_dir: Path):
 
 
 def load_vision_tower(
-    model_dir: Path, *, dtype: torch.dtype, device: torch.device
+    model_dir: Path, *, dtype: torch.dtype, device: torch.device, weights: dict[str, torch.Tensor] | None = None
 ) -> tuple[torch.nn.Module, PatchSpec]:
-    """The frozen vision tower of a Qwen VL checkpoint, its mergers replaced (_MergeGroupsAsRows)."""
+    """The frozen vision tower of a Qwen VL checkpoint, its mergers replaced (_MergeGroupsAsRows); `weights`: its
+    vision weights when the caller has read them already (`_vision_weights`)."""
     config = _model_config(model_dir)
     try:
         family = family_for(config)
@@ -121,7 +122,7 @@ def load_vision_tower(
     tower = tower_cls._from_config(
         config.vision_config, attn_implementation="flash_attention_2" if flash else "sdpa", dtype=dtype
     )
-    missing, unexpected = tower.load_state_dict(_vision_weights(model_dir), strict=True)
+    missing, unexpected = tower.load_state_dict(_vision_weights(model_dir) if weights is None else weights, strict=True)
     missing = [key for key in missing if not key.startswith("merger.")]
     if missing or unexpected:
         raise ValueError(
@@ -323,8 +324,10 @@ def run(
     device = resolve_device(cfg.device)
     backend = choose_backend(cfg.decode_backend, device)
     model_dir = resolve_model(str(base_model))
-    tower, spec = load_vision_tower(model_dir, dtype=_DTYPES[cfg.dtype], device=device)
-    digest = weights_digest(_vision_weights(model_dir))  # as stored, whatever dtype the tower runs in here
+    stored = _vision_weights(model_dir)  # read once: the digest is of the weights as stored, whatever dtype runs
+    digest = weights_digest(stored)
+    tower, spec = load_vision_tower(model_dir, dtype=_DTYPES[cfg.dtype], device=device, weights=stored)
+    del stored
     tracker.set_tags({"decode_backend": backend})
 
     preparer = BatchPreparer(cfg, backend, device, spec)

@@ -122,11 +122,9 @@ def test_bearer_tokens_and_credential_flags_are_credentials(extra_args):
     assert credentials.findings({"serving": {"extra_args": ["--max-model-len=4096", "--api-server-count=2"]}}) == []
 
 
-def test_a_stage_experiment_that_looks_like_a_credential_is_refused(tmp_path, capsys):
-    from components.sft.stage import main as sft_main
-
-    token = "ghp_" + "AbCd" * 9
-    argv = [
+def _sft_argv(tmp_path: Path) -> list[str]:
+    """An sft command line that fails on its own flags before reading anything."""
+    return [
         "--output-dir",
         str(tmp_path / "o"),
         "--base-model",
@@ -134,6 +132,13 @@ def test_a_stage_experiment_that_looks_like_a_credential_is_refused(tmp_path, ca
         "--data",
         str(tmp_path / "d"),
     ]
+
+
+def test_a_stage_experiment_that_looks_like_a_credential_is_refused(tmp_path, capsys):
+    from components.sft.stage import main as sft_main
+
+    token = "ghp_" + "AbCd" * 9
+    argv = _sft_argv(tmp_path)
     with pytest.raises(SystemExit):
         sft_main([*argv, "--experiment", token])
     err = capsys.readouterr().err
@@ -195,14 +200,7 @@ def test_a_config_file_of_other_stages_only_an_empty_config_json_and_a_pipe_are_
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="is not a regular file"):  # it blocked for ever
         read_preset_yaml(fifo)
-    argv = [
-        "--output-dir",
-        str(tmp_path / "o"),
-        "--base-model",
-        "builtin:tiny-qwen2_5-vl",
-        "--data",
-        str(tmp_path / "d"),
-    ]
+    argv = _sft_argv(tmp_path)
     with pytest.raises(SystemExit):
         sft_main([*argv, "--config-json", ""])
     assert "--config-json='' is empty" in capsys.readouterr().err

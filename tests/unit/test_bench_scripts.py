@@ -126,17 +126,21 @@ def test_rl_step_tiny_reports_the_time_split_and_the_kv_cache_baseline():
     assert report["rollout_tokens_per_s"] > 0 and report["kv_cache_speedup"] > 0
 
 
-def test_gpu_run_all_tiny_writes_one_json_per_arm(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run(
-        ["bash", "bench/gpu/run_all.sh", str(tmp_path), "--tiny"],
+def _run_all_tiny(out: Path, timeout: int, **env: str) -> subprocess.CompletedProcess:
+    """bench/gpu/run_all.sh in CPU smoke mode into `out`, with `env` added to this environment."""
+    return subprocess.run(
+        ["bash", "bench/gpu/run_all.sh", str(out), "--tiny"],
         check=False,
         cwd=ROOT,
-        env=env,
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
+
+
+def test_gpu_run_all_tiny_writes_one_json_per_arm(tmp_path):
+    done = _run_all_tiny(tmp_path, 600, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     assert done.returncode == 0, done.stdout + done.stderr
     arms = ("probe", "sft_varlen_4k", "sft_selckpt_8k", "sft_ckpt_16k", "rl_step", "dali_decode")
     reports = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in arms}
@@ -161,16 +165,7 @@ def test_gpu_run_all_tiny_writes_one_json_per_arm(tmp_path):
 
 
 def test_gpu_run_all_skips_an_arm_past_its_budget_and_names_an_unknown_one(tmp_path):
-    env = {**os.environ, "RUN_BUDGET_S": "30", "MIN_ARM_S": "60", "ARMS": "probe sft_varlen_4k bogus"}
-    done = subprocess.run(
-        ["bash", "bench/gpu/run_all.sh", str(tmp_path), "--tiny"],
-        check=False,
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _run_all_tiny(tmp_path, 120, RUN_BUDGET_S="30", MIN_ARM_S="60", ARMS="probe sft_varlen_4k bogus")
     assert done.returncode == 1, done.stdout  # the unknown arm counts as failed
     assert "== probe: SKIPPED, 30 s of the 30 s budget left" in done.stdout
     assert "== sft_varlen_4k: SKIPPED" in done.stdout and "== bogus: unknown arm" in done.stdout
