@@ -169,12 +169,10 @@ def test_chartqa_labels_are_one_answer_and_bad_ones_are_rejected_per_record(tmp_
         datasets.load_questions(tmp_path)
     message = str(caught.value)
     assert message.startswith("4 bad question record(s) in test_human.json")
-    assert (
-        "test_human.json[3] (id=None): label must be the answer (a non-empty string or a number), got None" in message
-    )
-    assert "test_human.json[4] (id=None): label [] holds 0 answers; ChartQA has one per query" in message
-    assert "test_human.json[5] (id=None): label ['1', '2'] holds 2 answers" in message
-    assert "test_human.json[6] (id=None): label must be the answer" in message
+    assert "test_human.json[3]: label must be the answer (a non-empty string or a number), got None" in message
+    assert "test_human.json[4]: label [] holds 0 answers; ChartQA has one per query" in message
+    assert "test_human.json[5]: label ['1', '2'] holds 2 answers" in message
+    assert "test_human.json[6]: label must be the answer" in message
     from components._shared.platform import bad_records
 
     with bad_records.policy("skip") as ledger:

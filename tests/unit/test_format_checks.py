@@ -63,7 +63,7 @@ def test_null_parquet_image_cells_are_refused_naming_row_column_and_element(data
     message = _error(datasets.load_conversations, data, file_name="one.parquet")
     assert message.startswith("3 bad conversation record(s) in one.parquet")
     assert "one.parquet row 0" not in message
-    line = _line(message, "one.parquet row 1 (id=None)")
+    line = _line(message, "one.parquet row 1")
     assert "image cell one.parquet row 1 column 'image' holds no image (bytes null, no path)" in line
     assert "give it or drop the row" in line
     assert "column 'image' holds no image (bytes null" in _line(message, "one.parquet row 2")
@@ -156,15 +156,15 @@ def test_every_bad_record_of_a_one_line_json_array_is_named_and_counted(data):
     message = _error(datasets.load_conversations, data, file_name="sft.json")
     assert message.startswith("3 bad conversation record(s) in sft.json")
     for index in (0, 1, 3):
-        assert "conversations[1] (assistant) is empty" in _line(message, f"sft.json:1 [{index}] (id=None)")
+        assert "conversations[1] (assistant) is empty" in _line(message, f"sft.json:1 [{index}]")
     with bad_records.policy("skip") as ledger:
         kept = datasets.load_conversations(data, file_name="sft.json")
     assert len(kept) == 1 and kept[0]["source"] == "sft.json:1 [2]"
     assert ledger.metrics() == {"data/skipped_records": 3, "data/skipped/empty": 3}
     assert sorted(ledger.skipped) == [
-        "sft.json:1 [0] (id=None)",
-        "sft.json:1 [1] (id=None)",
-        "sft.json:1 [3] (id=None)",
+        "sft.json:1 [0]",
+        "sft.json:1 [1]",
+        "sft.json:1 [3]",
     ]
 
 

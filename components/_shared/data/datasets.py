@@ -117,7 +117,8 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
             continue
         except F.RecordError as error:
             reason = shown(str(error), 400)  # a record's value of any size
-            bad.append((f"{source} (id={_raw_id(raw)!r})" if isinstance(raw, dict) else source, reason))
+            raw_id = _raw_id(raw)
+            bad.append((f"{source} (id={raw_id!r})" if raw_id is not None else source, reason))
             continue
         seen[record.get("benchmark"), id_as_seen(record_id)] = record_id
         for key, value in raw.items():  # the record's own labels (a preference pair's kind, a benchmark category)
