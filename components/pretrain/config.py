@@ -45,6 +45,38 @@ class InfoNceConfig(SubConfig):
     hard_negatives: Annotated[int, Field(ge=0, description="0 = all in-batch negatives.")] = 0
 
 
+class RegionStep(SubConfig):
+    fraction: Annotated[float, Field(gt=0, le=1, description="Share of all pretraining steps (stage 1 + stage 2).")]
+    weight: Annotated[float, Field(ge=0, le=10, description="The region loss's weight against the caption loss.")]
+
+
+class RegionConfig(SubConfig):
+    """Region-phrase alignment (seed 000 2.2 / 3.1, seed 001 2.1; docs/stages/pretrain.md): the merged visual
+    tokens under a caption phrase's box, averaged, are matched to that phrase's token embeddings against the other
+    phrases of the micro-batch (InfoNCE). Boxes come from the kept records' GRIT-style `noun_chunks`
+    ([start, end, x1, y1, x2, y2, score], the box relative to the image)."""
+
+    enabled: bool = False
+    schedule: list[RegionStep] = Field(
+        default_factory=lambda: [
+            RegionStep(fraction=0.3, weight=0.1),
+            RegionStep(fraction=0.4, weight=0.3),
+            RegionStep(fraction=0.3, weight=0.05),
+        ],
+        min_length=1,
+        description="The weight over pretraining, piecewise constant (seed 000: 0.1 -> 0.3 -> 0.05 over 30/40/30%).",
+    )
+    temperature: Annotated[float, Field(gt=0, le=10)] = 0.07
+    min_score: Annotated[float, Field(ge=0, le=1, description="Chunks scored lower are not used (counted).")] = 0.0
+
+    @model_validator(mode="after")
+    def _whole(self):
+        total = sum(step.fraction for step in self.schedule)
+        if abs(total - 1.0) > 1e-6:
+            raise ValueError(f"region.schedule fractions sum to {total:g}; they must cover all steps (sum to 1).")
+        return self
+
+
 class PretrainEvalConfig(SubConfig):
     heldout_captions: Annotated[int, Field(ge=2, description="Held-out caption records for the caption loss.")] = 64
     retrieval_candidates: Annotated[
@@ -72,6 +104,7 @@ class PretrainConfig(TrainedStageConfig):
     stage1: Stage1Config = Stage1Config()
     stage2: Stage2Config = Stage2Config()
     infonce: InfoNceConfig = InfoNceConfig()
+    region: RegionConfig = RegionConfig()
     eval: PretrainEvalConfig = PretrainEvalConfig()
     keep_best_of_last: Annotated[
         int,

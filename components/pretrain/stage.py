@@ -40,18 +40,21 @@ from components._shared.platform.image_decode import decode_image
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.pretrain.config import InfoNceConfig, PretrainConfig, Stage1Config, Stage2Config
+from components.pretrain.regions import Region, RegionTerm, collect_regions
 
 MAX_IMAGE_PIXELS = 89_478_485
 
 
-def load_kept(clean_data: Path, max_records: int | None, *, with_images: bool = True) -> list[dict]:
-    """clean_data's kept records: image_hash, caption and (only when pixels are needed) the image bytes."""
+def load_kept(
+    clean_data: Path, max_records: int | None, *, with_images: bool = True, with_metadata: bool = False
+) -> list[dict]:
+    """clean_data's kept records: image_hash, caption and, only when needed, the image bytes and the metadata."""
     import pyarrow.parquet as pq
 
     parts = sorted((clean_data / "kept").glob("part-*.parquet"))
     if not parts:
         raise ValueError(f"{clean_data}/kept has no part-*.parquet files; point --clean-data at clean_data's output.")
-    columns = ["image_hash", "caption"] + (["image"] if with_images else [])
+    columns = ["image_hash", "caption"] + (["image"] if with_images else []) + (["metadata"] if with_metadata else [])
     rows: list[dict] = []
     for part in parts:
         table = pq.read_table(part, columns=columns).to_pylist()
@@ -144,24 +147,31 @@ def _hardest(scores: torch.Tensor, k: int) -> torch.Tensor:
     return scores.masked_fill(~keep, float("-inf"))
 
 
-def make_loss(cfg: PretrainConfig, chunk_rows: int):
-    """Caption cross-entropy (+ weighted InfoNCE when enabled) for the TrainLoop; the LM head in `chunk_rows` rows."""
+def make_loss(cfg: PretrainConfig, chunk_rows: int, region: RegionTerm | None = None):
+    """Caption cross-entropy (+ the region term and weighted InfoNCE when enabled) for the TrainLoop; the LM head in
+    `chunk_rows` rows."""
 
     def loss(model, batch: dict, samples) -> tuple[torch.Tensor, int, dict[str, float]]:
         embeds = image_embeddings(model, batch)
         loss_sum, targets = sequence_loss(model, batch, chunk_rows=chunk_rows, image_embeds=embeds)
+        extra: dict[str, float] = {}
+        if region is not None:
+            if embeds is None:
+                raise ValueError("pretrain's region term needs an image in every caption sample; the batch has none.")
+            term = region(model, embeds.embeds, samples)
+            loss_sum, extra["region"] = loss_sum + region.weight() * term * targets, float(term.detach())
         if cfg.infonce.weight <= 0:
-            return loss_sum, targets, {}
+            return loss_sum, targets, extra
         # Same calls and the same metric keys on every micro-batch and rank (ZeRO-3 gathers, all-reduces).
         text_embeds = model.get_input_embeddings()(batch["input_ids"])
         if batch["num_samples"] < 2:  # no negatives in this micro-batch
-            return loss_sum + 0.0 * text_embeds.sum(), targets, {"infonce": 0.0}
+            return loss_sum + 0.0 * text_embeds.sum(), targets, {**extra, "infonce": 0.0}
         if embeds is None:
             raise ValueError("pretrain's InfoNCE needs an image in every caption sample; the batch has none.")
         image_token = qwen_model(model).config.image_token_id
         batch = {**batch, "image_mask": batch["input_ids"] == image_token}
         nce = infonce_loss(cfg.infonce, embeds.embeds, batch, text_embeds)
-        return loss_sum + cfg.infonce.weight * nce * targets, targets, {"infonce": float(nce.detach())}
+        return loss_sum + cfg.infonce.weight * nce * targets, targets, {**extra, "infonce": float(nce.detach())}
 
     return loss
 
@@ -232,7 +242,17 @@ def checkpoint_root(name: str, block, key: str, output_dir: Path) -> str:
 
 
 def train_phase(
-    name: str, model, block, sample, evaluate, cfg: PretrainConfig, n: int, output_dir: Path, tracker: Tracker, key: str
+    name: str,
+    model,
+    block,
+    sample,
+    evaluate,
+    cfg: PretrainConfig,
+    n: int,
+    output_dir: Path,
+    tracker: Tracker,
+    key: str,
+    region: RegionTerm | None,
 ) -> tuple[TrainLoop, TrainResult]:
     """Train one phase (stage1 / stage2) on its own keyed checkpoints; returns the loop and its result."""
     store = CheckpointStore(
@@ -247,8 +267,10 @@ def train_phase(
         LoopData(phases=[Phase(name, block.train.steps, list(range(n)))], sample=sample),
         store,
         tracker=_Prefixed(tracker, name),
-        loss_fn=make_loss(cfg, block.train.loss_chunk_tokens),
+        loss_fn=make_loss(cfg, block.train.loss_chunk_tokens, region),
     )
+    if region is not None:
+        region.loop, region.offset = loop, 0 if name == "stage1" else cfg.stage1.train.steps
     return loop, loop.run(evaluate=evaluate)
 
 
@@ -291,7 +313,10 @@ def run(
     """Stage 1 (+ optional stage 2); returns held-out caption loss before/after, retrieval R@1 and throughput."""
     check_not_reward_model(base_model, "--base-model")
     output_dir = Path(output_dir)
-    records = load_kept(Path(clean_data), cfg.max_records, with_images=cfg.stage2.enabled)
+    records = load_kept(
+        Path(clean_data), cfg.max_records, with_images=cfg.stage2.enabled, with_metadata=cfg.region.enabled
+    )
+    regions, region_metrics = collect_regions(records, cfg.region) if cfg.region.enabled else ([], {})
     store = _feature_store(Path(features), records)
     key = run_key(cfg, {"clean_data": clean_data, "features": features, "base_model": base_model, "data": data})
     torch.manual_seed(cfg.seed)
@@ -302,10 +327,11 @@ def run(
         processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
     heldout = HeldoutCaptions(cfg, encoder, datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH))
-    from_features, from_pixels = caption_samples(cfg, encoder, records, store)
+    from_features, from_pixels = caption_samples(cfg, encoder, records, store, regions)
+    region = region_term(cfg, encoder, model) if cfg.region.enabled else None
     frozen = ["vision_lower", "vision_upper"] + ([] if cfg.stage1.train_lm else ["lm_lower", "lm_upper"])
     freeze(model, tuple(frozen))
-    phase_args = (cfg, len(records), output_dir, tracker, key)
+    phase_args = (cfg, len(records), output_dir, tracker, key, region)
 
     def phase(name: str, block, samples):  # its held-out evals chunk the LM head by the phase's loss_chunk_tokens
         chunk = block.train.loss_chunk_tokens
@@ -339,6 +365,7 @@ def run(
             "retrieval_chance": 1.0 / heldout.pool,
             "selected_step": best["step"],
             "selected_from": candidates,
+            **region_metrics,
         }
     )
     for param in model.parameters():
@@ -360,21 +387,38 @@ def run(
     return metrics
 
 
-def caption_samples(cfg: PretrainConfig, encoder: ConversationEncoder, records: list[dict], store):
-    """(index -> sample from cached features, index -> sample from pixels): a kept record as a caption turn."""
+def region_term(cfg: PretrainConfig, encoder: ConversationEncoder, model) -> RegionTerm:
+    """The region loss over all pretraining steps (stage 1, then stage 2 when it runs)."""
+    total = cfg.stage1.train.steps + (cfg.stage2.train.steps if cfg.stage2.enabled else 0)
+    merge = int(qwen_model(model).config.vision_config.spatial_merge_size)
+    return RegionTerm(cfg.region, encoder.tokenizer, merge, offset=0, total=total)
+
+
+def caption_samples(
+    cfg: PretrainConfig, encoder: ConversationEncoder, records: list[dict], store, regions: list[list[Region]]
+):
+    """(index -> sample from cached features, index -> sample from pixels): a kept record as a caption turn (its
+    regions in the sample's meta when region supervision is on)."""
 
     def turns(caption: str) -> list[dict]:
         return [{"role": "user", "text": f"<image>\n{cfg.prompt}"}, {"role": "assistant", "text": caption}]
 
+    def with_regions(i: int, sample):
+        if regions and regions[i]:
+            sample.meta["regions"] = regions[i]
+        return sample
+
     def from_features(i: int):
         rows, grid = store.get(records[i]["image_hash"])
-        return encoder.encode(
+        sample = encoder.encode(
             turns(records[i]["caption"]), grids=[grid], features=[rows], sample_id=records[i]["image_hash"]
         )
+        return with_regions(i, sample)
 
     def from_pixels(i: int):
         image = decode_image(records[i]["image"], max_image_pixels=MAX_IMAGE_PIXELS).image
-        return encoder.encode(turns(records[i]["caption"]), images=[image], sample_id=records[i]["image_hash"])
+        sample = encoder.encode(turns(records[i]["caption"]), images=[image], sample_id=records[i]["image_hash"])
+        return with_regions(i, sample)
 
     return from_features, from_pixels
 

@@ -30,6 +30,7 @@ from components.synth_world.world import (
     Scene,
     altered_scene,
     caption,
+    noun_chunks,
     random_scene,
     render,
     scale_scene,
@@ -290,6 +291,7 @@ def write_lake(
                 "width": record.scene.width,
                 "height": record.scene.height,
                 "sha256": hashlib.sha256(record.data).hexdigest(),
+                "noun_chunks": noun_chunks(record.scene, record.caption),  # GRIT's boxes of the caption's phrases
             }
             assert tar is not None  # opened at index 0 (records_per_shard >= 1)
             _add_member(tar, f"{key}.{record.ext}", record.data)

@@ -306,6 +306,29 @@ def mentioned_words(text: str) -> set[str]:
     return set(_QUOTED_RE.findall(text))
 
 
+def noun_chunks(scene: Scene, text: str) -> list[list[float]]:
+    """GRIT's region annotation of a caption: [start, end, x1, y1, x2, y2, score] per phrase of `text` that names
+    something drawn (a "colour shape" naming the object in that reading-order place, the quoted word), the span in
+    characters and the box relative to the image (0-1). Phrases naming nothing drawn there get no chunk."""
+    chunks: list[list[float]] = []
+
+    def add(start: int, end: int, box: Box) -> None:
+        x1, y1, x2, y2 = box
+        w, h = scene.width, scene.height
+        chunks.append([start, end, round(x1 / w, 4), round(y1 / h, 4), round(x2 / w, 4), round(y2 / h, 4), 1.0])
+
+    ordered = scene.ordered()
+    for k, match in enumerate(_OBJECT_RE.finditer(text.lower())):
+        if k < len(ordered) and ordered[k].name == match.group(0):
+            add(match.start(), match.end(), ordered[k].box)
+    if scene.word and scene.word_box:
+        quoted = f'"{scene.word}"'
+        at = text.find(quoted)
+        if at >= 0:
+            add(at + 1, at + 1 + len(scene.word), scene.word_box)
+    return chunks
+
+
 def format_box(box: Box) -> str:
     """A box as Qwen2.5-VL writes it: ``(x1,y1),(x2,y2)`` in absolute pixels."""
     x1, y1, x2, y2 = box
