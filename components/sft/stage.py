@@ -253,7 +253,10 @@ def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, t
         )
         calibration = calibrate(cfg, trained, encoder, eval_records, rows) if cfg.calibration.enabled else {}
         export = export_dtype(cfg.train.export_dtype, stored_dtype)
-        saved = save_outputs(cfg, trained, processor, base_model, output_dir, encoder, eval_records[:4], export)
+        fitted = {"confidence_temperature": calibration["temperature"]} if "temperature" in calibration else {}
+        saved = save_outputs(
+            cfg, trained, processor, base_model, output_dir, encoder, eval_records[:4], export, meta_extra=fitted
+        )
     ckpt.write_pointer(output_dir, [store.root])
     with (output_dir / "eval_predictions.jsonl").open("w") as f:
         for row in rows:
@@ -313,26 +316,33 @@ def train_answers(records: list[dict]) -> dict[str, list[str]]:
 
 
 def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: list[dict]) -> dict[str, float]:
-    """Temperature scaling on short answers: fit on one part of the held-out answers, ECE on the rest."""
+    """ECE of the short answers' confidences (sequence probabilities) on the held-out questions; with
+    `calibration.fit_temperature`, a temperature fitted on one part of them and ECE before/after on the rest."""
     picked = [(r, row) for r, row in zip(eval_records, rows, strict=True) if r["type"] != "caption"]
-    if len(picked) < 4:
+    needed = 4 if cfg.calibration.fit_temperature else 1
+    if len(picked) < needed:
         logger.warning(
-            "sft: calibration skipped: %d short held-out answer(s), it needs 4 (one part to fit the temperature, the "
-            "rest to measure ECE); calibration.json is empty. Give more held-out questions or calibration.enabled: "
-            "false.",
+            "sft: calibration skipped: %d short held-out answer(s), it needs %d%s; calibration.json is empty. Give "
+            "more held-out questions or calibration.enabled: false.",
             len(picked),
+            needed,
+            " (one part to fit the temperature, the rest to measure ECE)" if needed > 1 else "",
         )
         return {}
     pairs = E.answer_logits(
         model, E.answer_samples(encoder, [r for r, _ in picked], [w["prediction"] for _, w in picked])
     )
     correct = [w["score"] for _, w in picked]
+    measured = {"ece": round(E.expected_calibration_error(E.confidences(pairs, 1.0), correct), 4)}
+    if not cfg.calibration.fit_temperature:
+        return {**measured, "calibration_answers": len(picked)}
     cut = max(1, int(len(picked) * cfg.calibration.fraction))
     fit_idx = [i for i in range(len(picked)) if (i * 7919) % len(picked) < cut]  # spread over question types
     test_idx = [i for i in range(len(picked)) if i not in set(fit_idx)]
     temperature, _ = E.fit_temperature([pairs[i] for i in fit_idx], [correct[i] for i in fit_idx])
     test_pairs, test_correct = [pairs[i] for i in test_idx], [correct[i] for i in test_idx]
     return {
+        **measured,
         "temperature": temperature,
         "ece_before": round(E.expected_calibration_error(E.confidences(test_pairs, 1.0), test_correct), 4),
         "ece_after": round(E.expected_calibration_error(E.confidences(test_pairs, temperature), test_correct), 4),
@@ -342,11 +352,19 @@ def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: li
 
 
 def save_outputs(
-    cfg: SftConfig, model, processor, base_model: str, output_dir: Path, encoder, probe: list[dict], export
+    cfg: SftConfig,
+    model,
+    processor,
+    base_model: str,
+    output_dir: Path,
+    encoder,
+    probe: list[dict],
+    export,
+    meta_extra: dict[str, Any],
 ) -> dict[str, float]:
-    """adapter/ (LoRA modes) and model/ (merged, HF format, weights in `export`); checks that merging kept the
-    logits."""
-    meta = {"stage": "sft", "mode": cfg.mode, "base_model": str(base_model)}
+    """adapter/ (LoRA modes) and model/ (merged, HF format, weights in `export`, `meta_extra` in its
+    qvl_model.json: a fitted confidence temperature travels with the model); checks that merging kept the logits."""
+    meta = {"stage": "sft", "mode": cfg.mode, "base_model": str(base_model), **meta_extra}
     if cfg.mode == "full":
         if is_main_process():
             save_vlm(model, processor, output_dir / "model", metadata=meta, dtype=export)
@@ -415,6 +433,8 @@ def report(metrics: dict[str, Any]) -> str:
     ]
     if "ece_before" in metrics:
         lines.append(f"Calibration: T={metrics['temperature']}, ECE {metrics['ece_before']} -> {metrics['ece_after']}.")
+    elif "ece" in metrics:
+        lines.append(f"Calibration: ECE {metrics['ece']} on {metrics['calibration_answers']} short answers.")
     return "\n".join(lines) + "\n"
 
 

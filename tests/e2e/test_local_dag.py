@@ -115,7 +115,7 @@ def test_pretrain_and_sft_report_the_issue_metrics_and_load(summary):
     for key in ("heldout_caption_loss_initial", "heldout_caption_loss_final", "retrieval_r1"):
         assert isinstance(pretrain[key], float), key
     assert pretrain["heldout_caption_loss_final"] < pretrain["heldout_caption_loss_initial"]
-    for key in ("vqa_exact_match", "vqa_majority_baseline", "padding_efficiency", "ece_before", "ece_after"):
+    for key in ("vqa_exact_match", "vqa_majority_baseline", "padding_efficiency", "ece"):
         assert isinstance(sft[key], float), key
     # the training effects themselves are asserted on the demo preset (tests/e2e/test_demo.py): 8 steps here
     assert stages["reward_model"]["metrics"]["heldout_pairs"] > 0

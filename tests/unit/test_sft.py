@@ -70,13 +70,20 @@ def test_lora_trains_vision_qkv_and_merger_adapters_and_merges_exactly(data_dir,
     inputs = processor(text=[text], images=[Image.open(data_dir / record["image"]).convert("RGB")], return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > inputs["input_ids"].shape[1]
-    for key in ("vqa_exact_match", "vqa_majority_baseline", "padding_efficiency", "ece_before", "ece_after"):
+    for key in ("vqa_exact_match", "vqa_majority_baseline", "padding_efficiency", "ece"):
         assert key in metrics
+    assert 0 <= metrics["ece"] <= 1 and "temperature" not in metrics  # no temperature fitted unless asked
+    assert "confidence_temperature" not in json.loads((tmp_path / "model/qvl_model.json").read_text())
     assert (tmp_path / "report.md").read_text().count("| color |") == 1
 
 
 def test_full_sft_with_frozen_vision_changes_only_unfrozen_weights(data_dir, tmp_path):
-    _run(_cfg("full", freeze=["vision_lower", "vision_upper"], calibration={"enabled": False}), data_dir, tmp_path)
+    calibration = {"fit_temperature": True}
+    metrics = _run(_cfg("full", freeze=["vision_lower", "vision_upper"], calibration=calibration), data_dir, tmp_path)
+    # a fitted temperature is reported with ECE before / after it and travels with the exported model
+    assert {"ece", "ece_before", "ece_after"} <= set(metrics) and metrics["temperature"] > 0
+    meta = json.loads((tmp_path / "model/qvl_model.json").read_text())
+    assert meta["confidence_temperature"] == metrics["temperature"]
     from components._shared.model.sources import resolve_model
 
     before = load_file(str(resolve_model(BASE) / "model.safetensors"))
