@@ -7,6 +7,12 @@ committed under `components/synth_world/shipped_models/<name>/` with `SHIPPED.js
 every checksum; a shipped copy built for another recipe key is never used (the builtin is then built by its
 recipe, and tests/unit/test_builtin_models.py fails until the copy is refreshed with
 `qvl models ship NAME`). The fast builtins (the tiny Qwen models: a seeded init, seconds) are built, not shipped.
+
+The key hashes the code of world.py, lake.py and tokenizer.py, so an edit there that leaves every builtin's inputs as
+they were (2026-12-06: the lake's JSON gained `noun_chunks`) changes the key and not what a build would make. Then
+the shipped copy is re-keyed (SHIPPED.json's `recipe_key`) once the inputs are shown unchanged: the CLIP's train,
+calibration and test pairs (pixels and captions) and the world tokenizer's vocabulary hashed the same under the old
+and the new code (sha256 f1a68286...).
 """
 
 from __future__ import annotations
