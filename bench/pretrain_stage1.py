@@ -33,7 +33,7 @@ from components._shared.platform.image_decode import decode_image
 from components._shared.platform.tracking import NullTracker
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.stage import run as extract
-from components.pretrain.stage import FeatureStore
+from components.pretrain.feature_store import FeatureStore
 from components.synth_world.world import sample_clean_pairs
 
 SIZES = ((112, 112), (224, 224), (168, 112), (112, 196))  # 16..64 visual tokens, lake-like aspect ratios

@@ -15,6 +15,7 @@ in the Authorization header and nowhere else.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -247,16 +248,49 @@ def check_submission(experiment: str, run_name: str | None, namespace: str | Non
         )
 
 
+class _QuietKfp(logging.Filter):
+    """Drops the root-logger records kfp's client writes (a traceback per health-check attempt, with the server's
+    response body, which may repeat the token it was sent)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"{os.sep}kfp{os.sep}" not in record.pathname
+
+
+def check_token_accepted(host: str) -> None:
+    """One health-check request with $KFP_TOKEN: a server that refuses it (HTTP 401 / 403) is said so at once;
+    anything else is left to kfp.Client, which retries for ~25 s before reporting a timeout."""
+    import urllib.error
+    import urllib.request
+
+    token = os.environ.get(TOKEN_ENV)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(f"{host.rstrip('/')}/apis/v2beta1/healthz", headers=headers)
+    try:
+        urllib.request.urlopen(request, timeout=10).close()
+    except urllib.error.HTTPError as error:
+        if error.code in (401, 403):
+            said = "refused $KFP_TOKEN" if token else "needs a token: set $KFP_TOKEN (docs/submitting.md)"
+            raise ValueError(f"{shown(host, 200)} {said} (HTTP {error.code} on its health check).") from None
+    except (urllib.error.URLError, OSError, ValueError):
+        pass
+
+
 def make_client(host: str, namespace: str | None = None):
     """A kfp.Client for `host`, authenticated with $KFP_TOKEN when it is set (never from an argument)."""
     check_host(host)
+    check_token_accepted(host)
     import kfp
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # "This client only works with KFP v2.0.0-beta.2 and later"
-        return kfp.Client(
-            host=host, existing_token=os.environ.get(TOKEN_ENV) or None, namespace=namespace or "kubeflow"
-        )
+    quiet, root = _QuietKfp(), logging.getLogger()
+    root.addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # "This client only works with KFP v2.0.0-beta.2 and later"
+            return kfp.Client(
+                host=host, existing_token=os.environ.get(TOKEN_ENV) or None, namespace=namespace or "kubeflow"
+            )
+    finally:
+        root.removeFilter(quiet)
 
 
 def run_url(host: str, run_id: str) -> str:
@@ -374,4 +408,4 @@ def describe_api_error(err: BaseException) -> str:
     else:
         text = f"{type(err).__name__}: {err}"
     token = os.environ.get(TOKEN_ENV, "")
-    return shown(text.replace(token, "<KFP_TOKEN>") if len(token) >= 8 else text, 2000)
+    return shown(text.replace(token, "<KFP_TOKEN>") if token.strip() else text, 2000)

@@ -67,13 +67,24 @@ def _to_rgb_uint8(image: torch.Tensor) -> torch.Tensor:
     return image.contiguous()
 
 
+def _png_pil_only(data: bytes) -> bool:
+    """A palette PNG or one under 8 bits a sample (IHDR's colour type 3 or bit depth < 8): torchvision 0.29's
+    `decode_image` returns other colours for these than Pillow (and than clean_data, which scored the Pillow ones),
+    so they go to Pillow."""
+    is_png = data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) >= 26
+    return is_png and (data[25] == 3 or data[24] < 8)
+
+
 def decode_torchvision(data: bytes) -> torch.Tensor:
-    """libjpeg-turbo for JPEG (`decode_jpeg`), `decode_image` for PNG/WebP; RGB uint8 [3, H, W]."""
+    """libjpeg-turbo for JPEG (`decode_jpeg`), `decode_image` for PNG/WebP (Pillow for palette and low-bit PNGs);
+    RGB uint8 [3, H, W]."""
     from torchvision import io as tvio
 
     buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     if data[:3] == JPEG_MAGIC:
         return tvio.decode_jpeg(buffer, mode=tvio.ImageReadMode.RGB, apply_exif_orientation=True)
+    if _png_pil_only(data):
+        return decode_pil(data)
     # RGB_ALPHA, not UNCHANGED: palette PNGs would otherwise come back as palette indices.
     image = tvio.decode_image(buffer, mode=tvio.ImageReadMode.RGB_ALPHA, apply_exif_orientation=True)
     return _to_rgb_uint8(image)

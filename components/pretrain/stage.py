@@ -15,7 +15,6 @@ model/ is the best of the last N evaluated checkpoints. Writes model/, checkpoin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +26,19 @@ from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder
-from components._shared.model.families import VisualTokens, family_for
+from components._shared.model.families import VisualTokens
 from components._shared.model.head_loss import per_sample_sequence_loss, sequence_loss
 from components._shared.model.packing import image_embeddings, pack, plan_micro_batches, to_device
 from components._shared.model.sources import check_not_reward_model
 from components._shared.model.stage_steps import SCRATCH, Figure, finish_report, run_key
 from components._shared.model.training import LoopData, LoopSettings, Phase, TrainLoop, TrainResult, is_main_process
-from components._shared.model.vision_digest import vision_digest
 from components._shared.model.vlm import export_dtype, freeze, load_vlm, qwen_model, save_vlm, set_pixel_bounds
 from components._shared.platform import storage
 from components._shared.platform.image_decode import decode_image
 from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.pretrain.config import InfoNceConfig, PretrainConfig, Stage1Config, Stage2Config
+from components.pretrain.feature_store import FeatureStore
 from components.pretrain.regions import Region, RegionTerm, collect_regions
 
 MAX_IMAGE_PIXELS = 89_478_485
@@ -62,58 +61,6 @@ def load_kept(
         if max_records and len(rows) >= max_records:
             return rows[:max_records]
     return rows
-
-
-class FeatureStore:
-    """Lazy access to extract_features' safetensors shards: pre-merger rows and grid of an image hash."""
-
-    def __init__(self, features_dir: Path) -> None:
-        index_file = features_dir / "index.json"
-        if not index_file.is_file():
-            raise ValueError(f"{features_dir} has no index.json; point --features at extract_features' output.")
-        self.dir = features_dir
-        self.index = json.loads(index_file.read_text())
-        self._handles: dict[str, Any] = {}
-
-    def check(self, model, *, min_pixels: int, max_pixels: int) -> None:
-        """The cache must come from this model's ViT at this resolution, or stage 1 trains on the wrong rows."""
-        config = qwen_model(model).config
-        family = family_for(config)
-        hidden = family.vision_width(config.vision_config)
-        levels = family.cached_levels(config.vision_config)
-        if self.index.get("hidden_size") != hidden or self.index.get("cached_levels", []) != levels:
-            raise ValueError(
-                f"{self.dir}/index.json: features of width {self.index.get('hidden_size')} with DeepStack levels "
-                f"{self.index.get('cached_levels', [])} from {self.index.get('model')!r}, but this model's vision "
-                f"tower is {hidden} wide with levels {levels}; run extract_features with the same base model as "
-                "pretrain."
-            )
-        recorded = self.index.get("vision_digest")
-        if recorded and recorded != vision_digest(qwen_model(model).visual):
-            raise ValueError(
-                f"{self.dir}/index.json: features from the vision tower of {self.index.get('model')!r}, whose weights "
-                "differ from this base model's (same width, another checkpoint or a retrained tower); run "
-                "extract_features with the same base model as pretrain."
-            )
-        for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
-            if name in self.index and self.index[name] != value:
-                raise ValueError(
-                    f"{self.dir}/index.json: features extracted with {name}={self.index[name]} but "
-                    f"pretrain.{name}={value}; set extract_features and pretrain to the same "
-                    "min_pixels / max_pixels."
-                )
-
-    def __contains__(self, image_hash: str) -> bool:
-        return image_hash in self.index["images"]
-
-    def get(self, image_hash: str) -> tuple[torch.Tensor, list[int]]:
-        from safetensors import safe_open
-
-        entry = self.index["images"][image_hash]
-        handle = self._handles.get(entry["file"])
-        if handle is None:
-            handle = self._handles[entry["file"]] = safe_open(str(self.dir / entry["file"]), framework="pt")
-        return handle.get_tensor(image_hash).float(), entry["grid_thw"]
 
 
 def infonce_loss(cfg: InfoNceConfig, embeds: torch.Tensor, batch: dict, text_embeds: torch.Tensor) -> torch.Tensor:
@@ -288,9 +235,17 @@ def select_best(loop: TrainLoop, cfg: PretrainConfig) -> tuple[dict[str, float],
     return best, len(candidates)
 
 
-def _feature_store(features: Path, records: list[dict]) -> FeatureStore:
-    """The feature cache, checked to hold every kept image."""
+def kept_records(cfg: PretrainConfig, clean_data: Path) -> tuple[list[dict], list[list[Region]], dict[str, int]]:
+    """clean_data's kept records, with their regions and the regions' accounting when region supervision is on."""
+    records = load_kept(clean_data, cfg.max_records, with_images=cfg.stage2.enabled, with_metadata=cfg.region.enabled)
+    regions, metrics = collect_regions(records, cfg.region) if cfg.region.enabled else ([], {})
+    return records, regions, metrics
+
+
+def _feature_store(cfg: PretrainConfig, features: Path, records: list[dict], model) -> FeatureStore:
+    """The feature cache, checked against the model and to hold every kept image."""
     store = FeatureStore(features)
+    store.check(model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     missing = [r["image_hash"] for r in records if r["image_hash"] not in store]
     if missing:
         raise ValueError(
@@ -313,24 +268,19 @@ def run(
     """Stage 1 (+ optional stage 2); returns held-out caption loss before/after, retrieval R@1 and throughput."""
     check_not_reward_model(base_model, "--base-model")
     output_dir = Path(output_dir)
-    records = load_kept(
-        Path(clean_data), cfg.max_records, with_images=cfg.stage2.enabled, with_metadata=cfg.region.enabled
-    )
-    regions, region_metrics = collect_regions(records, cfg.region) if cfg.region.enabled else ([], {})
-    store = _feature_store(Path(features), records)
+    records, regions, region_metrics = kept_records(cfg, Path(clean_data))
     key = run_key(cfg, {"clean_data": clean_data, "features": features, "base_model": base_model, "data": data})
     torch.manual_seed(cfg.seed)
     model, processor, stored_dtype = load_vlm(base_model)
-    store.check(model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+    store = _feature_store(cfg, Path(features), records, model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     encoder = ConversationEncoder(
         processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
     heldout = HeldoutCaptions(cfg, encoder, datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH))
     from_features, from_pixels = caption_samples(cfg, encoder, records, store, regions)
+    freeze(model, ("vision_lower", "vision_upper") + (() if cfg.stage1.train_lm else ("lm_lower", "lm_upper")))
     region = region_term(cfg, encoder, model) if cfg.region.enabled else None
-    frozen = ["vision_lower", "vision_upper"] + ([] if cfg.stage1.train_lm else ["lm_lower", "lm_upper"])
-    freeze(model, tuple(frozen))
     phase_args = (cfg, len(records), output_dir, tracker, key, region)
 
     def phase(name: str, block, samples):  # its held-out evals chunk the LM head by the phase's loss_chunk_tokens

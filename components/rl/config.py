@@ -20,10 +20,15 @@ from components._shared.platform.config import SubConfig
 REWARD_NAMES = ("efficacy", "format", "reward_model", "ocr_consistency")  # rewards.REWARD_BUILDERS builds each
 
 
+MAX_REWARD_WEIGHT = 1000.0  # weights are relative; a huge one overflows the reward statistics
+
+
 class RolloutConfig(SubConfig):
     """Sampling from the current policy (KV cache on, batched)."""
 
-    samples_per_prompt: Annotated[int, Field(ge=1, description="Completions per prompt (GRPO's group size).")] = 1
+    samples_per_prompt: Annotated[
+        int, Field(ge=1, le=1024, description="Completions per prompt (GRPO's group size; at most 1024).")
+    ] = 1
     max_new_tokens: Annotated[int, Field(ge=1, le=4096)] = 48
     temperature: Annotated[
         float,
@@ -329,11 +334,12 @@ class RlConfig(TrainedStageConfig):
         unknown = sorted(set(value) - set(REWARD_NAMES))
         if unknown:
             raise ValueError(f"unknown reward(s) {unknown}; choose from {list(REWARD_NAMES)}.")
-        odd = {name: w for name, w in value.items() if not math.isfinite(w) or w < 0}
+        odd = {name: w for name, w in value.items() if not math.isfinite(w) or w < 0 or w > MAX_REWARD_WEIGHT}
         if odd:
             raise ValueError(
-                f"reward weight(s) {odd} are negative or not finite; every reward is higher-is-better, so a negative "
-                "weight trains the policy to fail it: give weights >= 0 (0 turns a reward off)."
+                f"reward weight(s) {odd} are negative, not finite or over {MAX_REWARD_WEIGHT:g}; every reward is "
+                "higher-is-better, so a negative weight trains the policy to fail it, and only the weights' ratios "
+                "matter: give weights in [0, 1000] (0 turns a reward off)."
             )
         if not any(value.values()):
             raise ValueError("every reward weight is 0; give at least one a non-zero weight (e.g. efficacy: 1.0).")

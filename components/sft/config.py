@@ -107,6 +107,12 @@ class CalibrationConfig(SubConfig):
         ),
     ] = 0.5
 
+    @model_validator(mode="after")
+    def _effective(self):
+        if self.fit_temperature and not self.enabled:
+            raise ValueError("calibration.fit_temperature needs calibration.enabled: true (it fits on the ECE pass).")
+        return self
+
 
 class SftConfig(TrainedStageConfig):
     """Supervised fine-tuning of a Qwen2(.5)-VL on image conversations (ShareGPT / LLaVA style)."""

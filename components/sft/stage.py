@@ -315,18 +315,17 @@ def train_answers(records: list[dict]) -> dict[str, list[str]]:
     return answers
 
 
+MIN_CALIBRATION_SIDE = 20  # answers to fit a temperature on, and to measure it on
+
+
 def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: list[dict]) -> dict[str, float]:
     """ECE of the short answers' confidences (sequence probabilities) on the held-out questions; with
     `calibration.fit_temperature`, a temperature fitted on one part of them and ECE before/after on the rest."""
     picked = [(r, row) for r, row in zip(eval_records, rows, strict=True) if r["type"] != "caption"]
-    needed = 4 if cfg.calibration.fit_temperature else 1
-    if len(picked) < needed:
+    if not picked:
         logger.warning(
-            "sft: calibration skipped: %d short held-out answer(s), it needs %d%s; calibration.json is empty. Give "
-            "more held-out questions or calibration.enabled: false.",
-            len(picked),
-            needed,
-            " (one part to fit the temperature, the rest to measure ECE)" if needed > 1 else "",
+            "sft: calibration skipped: the held-out questions have no short answer to measure; calibration.json is "
+            "empty. Give held-out questions other than captions, or calibration.enabled: false."
         )
         return {}
     pairs = E.answer_logits(
@@ -339,6 +338,17 @@ def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: li
     cut = max(1, int(len(picked) * cfg.calibration.fraction))
     fit_idx = [i for i in range(len(picked)) if (i * 7919) % len(picked) < cut]  # spread over question types
     test_idx = [i for i in range(len(picked)) if i not in set(fit_idx)]
+    if min(len(fit_idx), len(test_idx)) < MIN_CALIBRATION_SIDE:
+        logger.warning(
+            "sft: no temperature fitted: calibration.fraction=%g splits %d short answers into %d to fit and %d to "
+            "measure; each side needs %d. Give a fraction nearer 0.5 or more held-out questions.",
+            cfg.calibration.fraction,
+            len(picked),
+            len(fit_idx),
+            len(test_idx),
+            MIN_CALIBRATION_SIDE,
+        )
+        return {**measured, "calibration_answers": len(picked)}
     temperature, _ = E.fit_temperature([pairs[i] for i in fit_idx], [correct[i] for i in fit_idx])
     test_pairs, test_correct = [pairs[i] for i in test_idx], [correct[i] for i in test_idx]
     return {

@@ -48,8 +48,10 @@ def lake_synth(
     from rich.console import Console
 
     from components.synth_world.lake import write_world
+    from pipelines.qvl.out_targets import check_world_dir
 
     directory = _local_dir(out, "--out")
+    check_world_dir(directory)
     if real:
         from components.synth_world.real_set import write_real_set
 
@@ -309,7 +311,8 @@ def compile_(
     import re
 
     from pipelines.compile import COMPILED, compile_pipeline
-    from pipelines.presets import load_preset
+    from pipelines.presets import load_preset, preset_path
+    from pipelines.qvl.out_targets import check_compile_target
 
     target = None if out is None else _local_dir(out, "--out")
     if target is not None and target.suffix not in (".yaml", ".yml"):
@@ -317,6 +320,8 @@ def compile_(
             f"error: --out {out}: a pipeline with Kubernetes settings compiles to YAML; end it in .yaml.", err=True
         )
         raise typer.Exit(2)
+    if target is not None:
+        check_compile_target(target, preset_path(preset))
     loaded = load_preset(preset)
     _refuse_unfit(loaded, force)
     if target is None:  # another preset never overwrites the committed prod-7b pipeline

@@ -25,6 +25,7 @@ from typing import IO, Any
 from components._shared.launch.result import RESULT_FILE, SUMMARY_DIR_ENV, SUMMARY_FILE
 from components._shared.platform.cpu_numerics import PINS, cpu_vendor, pinned_environment
 from components._shared.platform.progress import PROGRESS_DIR_ENV
+from components._shared.platform.storage import COMMIT_MARKER
 from components.stages import dag_stages
 from pipelines.presets import Preset, as_preset
 from pipelines.qvl.progress_view import ProgressView
@@ -166,6 +167,11 @@ def _check_run_dir(out_dir: Path) -> None:
         return
     if not out_dir.is_dir():
         raise ValueError(f"--out {out_dir} is a file, not a directory; give a new or empty directory.")
+    if (out_dir / COMMIT_MARKER).exists():
+        raise ValueError(
+            f"--out {out_dir} is a stage's committed output (it holds {COMMIT_MARKER}); a run would write its logs, "
+            "MLflow store and pipeline_root into it. Give a new or empty directory (e.g. runs/NAME)."
+        )
     entries = sorted(p.name for p in out_dir.iterdir())
     if not entries or (out_dir / SUMMARY_FILE).exists() or any(n.startswith(".qvl-lock") for n in entries):
         return  # new, or an earlier run's (finished, or stopped before its summary: its lock file stays)

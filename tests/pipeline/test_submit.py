@@ -243,7 +243,25 @@ def test_an_api_refusal_is_one_line_and_exit_1(monkeypatch):
         result = _submit(api, "--experiment", "e", "--preset", "tiny", "lake_uri=s3://lake-x")
     assert result.exit_code == 1, result.output
     assert "submitting to" in result.output and "Traceback" not in result.output
+    assert "refused $KFP_TOKEN (HTTP 401 on its health check)" in result.output  # not "timeout" after 5 tries
+    assert "wrong-token" not in result.output
     assert not api.requests_to("POST", RUNS)
+
+
+def test_kfp_client_logs_nothing_of_its_own(monkeypatch, caplog):
+    """kfp's client logs a traceback per failed health check, with the server's answer (which may repeat the token
+    it was sent); none of that reaches the console (seventh hostile pass)."""
+    import logging
+
+    from pipelines.submit import make_client
+
+    monkeypatch.setattr("kfp.client.client.time.sleep", lambda s: None)
+    monkeypatch.setattr("pipelines.submit.check_token_accepted", lambda host: None)  # reach kfp's own retries
+    monkeypatch.setenv("KFP_TOKEN", "abc123")  # short: under any length rule
+    with FakeKfpApi(token=TOKEN) as api, caplog.at_level(logging.DEBUG):
+        with pytest.raises(TimeoutError):
+            make_client(api.url)
+    assert not [r for r in caplog.records if "kfp" in r.pathname], [r.getMessage()[:80] for r in caplog.records]
 
 
 def test_params_file_supplies_parameters_and_pairs_override_it(tmp_path):

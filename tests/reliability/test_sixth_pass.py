@@ -174,7 +174,7 @@ def test_features_of_another_vision_tower_of_the_same_width_are_refused(tmp_path
 
     from components._shared.model.vision_digest import vision_digest
     from components._shared.model.vlm import load_vlm, qwen_model
-    from components.pretrain.stage import FeatureStore
+    from components.pretrain.feature_store import FeatureStore
 
     model = load_vlm("builtin:tiny-qwen2_5-vl").model
     own = vision_digest(qwen_model(model).visual)

@@ -16,7 +16,8 @@ from components._shared.platform.tracking import NullTracker
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.stage import run as extract
 from components.pretrain.config import InfoNceConfig, PretrainConfig
-from components.pretrain.stage import FeatureStore, infonce_loss, run
+from components.pretrain.feature_store import FeatureStore
+from components.pretrain.stage import infonce_loss, run
 from components.synth_world.splits import write_splits
 from components.synth_world.world import sample_clean_pairs
 from tests.prefetch import assert_same_with_and_without_workers

@@ -20,7 +20,7 @@ BASE = "builtin:tiny-qwen2_5-vl"
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("heldout")
-    write_splits(out, seed=5, eval_per_type=4, sft_records=48, preference_pairs=2)
+    write_splits(out, seed=5, eval_per_type=6, sft_records=48, preference_pairs=2)
     return out
 
 
@@ -78,8 +78,9 @@ def test_lora_trains_vision_qkv_and_merger_adapters_and_merges_exactly(data_dir,
 
 
 def test_full_sft_with_frozen_vision_changes_only_unfrozen_weights(data_dir, tmp_path):
-    calibration = {"fit_temperature": True}
-    metrics = _run(_cfg("full", freeze=["vision_lower", "vision_upper"], calibration=calibration), data_dir, tmp_path)
+    calibration, evaluation = {"fit_temperature": True}, {"per_type": 6, "batch_size": 48, "max_new_tokens": 8}
+    cfg = _cfg("full", freeze=["vision_lower", "vision_upper"], calibration=calibration, eval=evaluation)
+    metrics = _run(cfg, data_dir, tmp_path)  # 42 short answers: 21 to fit the temperature, 21 to measure it
     # a fitted temperature is reported with ECE before / after it and travels with the exported model
     assert {"ece", "ece_before", "ece_after"} <= set(metrics) and metrics["temperature"] > 0
     meta = json.loads((tmp_path / "model/qvl_model.json").read_text())
@@ -92,6 +93,12 @@ def test_full_sft_with_frozen_vision_changes_only_unfrozen_weights(data_dir, tmp
     assert set(before) == set(after) and any("visual.blocks." in k for k in before)
     assert not any("visual.blocks." in k or "patch_embed" in k for k in changed)
     assert any("merger" in k for k in changed) and any(k.startswith("model.layers.") for k in changed)
+
+
+def test_a_temperature_without_the_ece_pass_is_refused():
+    with pytest.raises(ValueError, match="fit_temperature needs calibration.enabled: true"):
+        _cfg("lora", calibration={"enabled": False, "fit_temperature": True})
+    assert _cfg("lora", calibration={"fit_temperature": True, "fraction": 0.3}).calibration.fraction == 0.3
 
 
 def test_qlora_quantises_the_lm_but_not_vision_or_lm_head(data_dir, tmp_path):

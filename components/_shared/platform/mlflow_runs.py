@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from components._shared.platform.credential_shapes import redact
+from components._shared.platform.credential_shapes import redact, shown
 from components._shared.platform.mlflow_tracking import (
     MAX_TAG_VALUE_LENGTH,
     MlflowTracker,
@@ -97,11 +97,20 @@ def kfp_run_id() -> str | None:
 def start_pipeline_run(
     experiment: str, *, run_name: str | None = None, tags: dict[str, str] | None = None, tracking_uri: str | None = None
 ) -> str:
-    """Create the parent run of one pipeline run; returns its id (export it as QVL_MLFLOW_PARENT_RUN_ID)."""
-    client = _client(tracking_uri or default_tracking_uri(Path.cwd()))
-    run = client.create_run(
-        _experiment_id(client, experiment), run_name=run_name, tags=_tags({ROLE_TAG: "pipeline", **(tags or {})})
-    )
+    """Create the parent run of one pipeline run; returns its id (export it as QVL_MLFLOW_PARENT_RUN_ID). A tracking
+    server that cannot be reached stops here, before any stage, named without its credentials."""
+    uri = tracking_uri or default_tracking_uri(Path.cwd())
+    try:
+        client = _client(uri)
+        run = client.create_run(
+            _experiment_id(client, experiment), run_name=run_name, tags=_tags({ROLE_TAG: "pipeline", **(tags or {})})
+        )
+    except Exception as error:  # MlflowException, connection errors: each may repeat the URI with its password
+        raise ValueError(
+            f"the MLflow tracking server {shown(uri, 200)} (MLFLOW_TRACKING_URI) could not open this pipeline's run: "
+            f"{type(error).__name__}: {shown(str(error), 300)}; start the server, fix the URI, or unset "
+            "MLFLOW_TRACKING_URI to track into the run directory."
+        ) from None
     return run.info.run_id
 
 
