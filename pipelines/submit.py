@@ -231,6 +231,8 @@ def check_submission(experiment: str, run_name: str | None, namespace: str | Non
     for flag, value in (("--experiment", experiment), ("--run-name", run_name)):
         if value is not None and not value.strip():
             raise SubmitError(f"{flag}={value!r} is empty (an unset shell variable?); give a name, or leave it out.")
+        if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise SubmitError(f"{flag} holds a line break or a control character; give a name on one line.")
     try:
         credentials.check({"--experiment": experiment, "--run-name": run_name or ""}, "the run's names")
     except ValueError as err:

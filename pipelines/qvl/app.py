@@ -429,11 +429,28 @@ def _global_options(
         os.environ["QVL_DEBUG"] = "1"
 
 
+def refuse_repeated_options(argv: list[str]) -> None:
+    """An option given twice is refused: click keeps the last one without a word (`--out a ... --out b`). `qvl stage`
+    hands its arguments to the stage's own command line, which checks them itself."""
+    if argv[:1] == ["stage"]:
+        return
+    seen: set[str] = set()
+    for arg in argv:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        if name.startswith("--") and len(name) > 2:
+            if name in seen:
+                raise ValueError(f"{name} is given twice; give it once (the last one would win without a word).")
+            seen.add(name)
+
+
 def main() -> None:
     """The `qvl` console script: a user mistake prints one `error: ...` line and exits 2 (user_errors.py)."""
     from components._shared.platform.user_errors import reported
 
     with reported():
+        refuse_repeated_options(sys.argv[1:])
         app(sys.argv[1:])
 
 

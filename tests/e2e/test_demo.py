@@ -63,11 +63,19 @@ def test_the_student_keeps_nine_tenths_of_the_teacher_at_half_its_size(demo):
     assert distill["student_score_ratio"] >= 0.9
 
 
-def test_rl_stays_near_the_sft_model_and_does_not_lose_efficacy(demo):
+def test_rl_stays_near_the_sft_model_and_gains_beyond_noise(demo):
+    """The gain's 95% paired interval lies above zero on each of three worlds (docs/stages/rl.md), boxes gaining most.
+    Asserted with a margin where this CPU vendor's published rl numbers are current; another vendor's float bits
+    give another SFT model, not measured since the demo's rl changed: there the gain must be positive."""
+    from components._shared.platform.cpu_numerics import cpu_vendor
+    from pipelines.qvl.published import published_for, stale_stages
+
     rl = demo["rl"]
     assert rl["kl_final"] < 1.0 and 0.5 < rl["mean_length_ratio"] < 2.0
-    assert rl["efficacy_gain_ci_high"] > 0.0  # the paired interval reaches above zero: no significant loss
-    assert rl["efficacy_gain"] > 0.0  # a gain on every world and CPU measured (docs/stages/rl.md)
+    assert rl["efficacy_gain"] > 0.0 and rl["efficacy_gain_ci_high"] > 0.0
+    if "rl" not in stale_stages(json.loads(published_for(cpu_vendor()).read_text())):
+        assert rl["efficacy_gain_ci_low"] > 0.001  # world 0: +0.0015, worlds 1 / 2: +0.0079 / +0.0004
+        assert rl["efficacy_gain/grounding"] > 0.02 and rl["efficacy_gain/grounding_ci_low"] > 0.0
 
 
 def test_ppo_takes_several_steps_per_rollout_so_its_clip_binds(demo):

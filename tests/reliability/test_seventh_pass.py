@@ -138,3 +138,71 @@ def test_features_without_a_vision_digest_are_refused(tmp_path):
     store = _features(tmp_path / "f", rows=torch.ones(4, width), index_over={"hidden_size": width, "vision_digest": ""})
     with pytest.raises(ValueError, match="records no vision_digest"):
         FeatureStore(store).check(model, min_pixels=1, max_pixels=1)
+
+
+# -- YAML 1.1's readings of numbers ------------------------------------------------------------------------------
+def test_numbers_yaml_would_read_as_octal_or_base_60_are_refused(tmp_path):
+    from components._shared.platform.presets import parse_overrides, read_preset_yaml
+
+    with pytest.raises(ValueError, match=r"'010' reads as 8 in YAML 1.1"):
+        parse_overrides(["train.steps=010"])
+    with pytest.raises(ValueError, match=r"'1:30' reads as 90 in YAML 1.1"):
+        parse_overrides(["train.steps=1:30"])
+    assert parse_overrides(["train.steps=10", "optim.lr=2e-5", "name=007x"]) == {
+        "train": {"steps": 10},
+        "optim": {"lr": 2e-5},
+        "name": "007x",
+    }
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("extends: tiny\nsft:\n  train: {steps: 010}\n")
+    with pytest.raises(ValueError, match=r"mine.yaml: not a valid config \('010' reads as 8"):
+        read_preset_yaml(preset)
+
+
+def test_an_option_given_twice_is_refused(monkeypatch, capsys):
+    from pipelines.qvl.app import main
+
+    monkeypatch.setattr("sys.argv", ["qvl", "run", "--local", "--out", "runs/a", "--lake", "l", "--out=runs/b"])
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    assert stopped.value.code == 2
+    assert "--out is given twice; give it once" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "registry",
+    [
+        "MyOrg",
+        "registry.local:99999/org",
+        "registry.local:0/org",
+        "ghcr.io/" + "a" * 400,
+        "a" * 70 + ".io/org",
+        "ghcr..io",
+        "ghcr-.io/org",
+    ],
+)
+def test_registries_kubernetes_cannot_pull_from_are_refused(registry):
+    from components._shared.platform.container_images import check_registry
+
+    with pytest.raises(ValueError, match="is not a registry prefix Kubernetes can pull from"):
+        check_registry(registry)
+
+
+def test_registries_kubernetes_pulls_from_pass():
+    from components._shared.platform.container_images import check_registry
+
+    for registry in ("ghcr.io/my-org", "localhost:5000/qvl", "localhost/qvl-test", "myorg", "127.0.0.1:5000/x/y"):
+        assert check_registry(registry + "/") == registry
+
+
+def test_a_control_character_in_a_record_is_refused_naming_where(tmp_path):
+    from components._shared.data.datasets import load_conversations
+
+    record = {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nWhat?"}]}
+    record["conversations"].append({"from": "gpt", "value": "red\u0000square"})
+    (tmp_path / "sft.jsonl").write_text(json.dumps(record) + "\n")
+    from PIL import Image
+
+    Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
+    with pytest.raises(ValueError, match=r"sft.jsonl:1.*a control character U\+0000 at character 3"):
+        load_conversations(tmp_path)

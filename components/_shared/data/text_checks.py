@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls and DEL; tab and line breaks are text
 # The Qwen VL tokenizers' special tokens (Qwen2-VL's added tokens, shared by Qwen2.5-VL, Qwen3-VL and Qwen3.5; the
 # synthetic world's tokenizer has the same). model/encoder.py's ConversationEncoder refuses text holding any of them
 # (with the checkpoint's own special tokens) when it encodes; the readers refuse such records here, before training.
@@ -33,5 +34,11 @@ def check_text(text: str, where: str) -> str:
         raise RecordError(
             f"{where}: a lone surrogate {surrogate.group()!r} at character {surrogate.start()} (a broken \\u escape), "
             "which no tokenizer can encode; fix the escape or re-export the file"
+        )
+    control = _CONTROL.search(text)
+    if control:
+        raise RecordError(
+            f"{where}: a control character U+{ord(control.group()):04X} at character {control.start()} (binary data or "
+            "a broken export; a tokenizer would train on it as text); remove it or re-export the file"
         )
     return text

@@ -14,10 +14,13 @@ import os
 import re
 
 from components import __version__
+from components._shared.platform.credential_shapes import shown
 
 DEFAULT_REGISTRY = "ghcr.io/qwen-vl-pipeline"
 KINDS = ("train", "data")
-_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]+)?")  # registry host[:port]
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # one DNS label: 1-63 characters, no '-' at an end
+_HOST = re.compile(rf"{_LABEL}(?:\.{_LABEL})*(?::(?P<port>[0-9]{{1,5}}))?")  # registry host[:port]
+MAX_REFERENCE = 255  # a reference name's length limit (distribution's reference grammar)
 _PATH = re.compile(r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*")  # a repository path component (lowercase)
 
 
@@ -35,10 +38,21 @@ def check_registry(value: str, setting: str = "QVL_IMAGE_REGISTRY") -> str:
         raise ValueError(f"{setting}={text!r}: an image registry takes no scheme; write host/path (ghcr.io/org).")
     host, _, path = text.partition("/")
     parts = path.split("/") if path else []
-    if not _HOST.fullmatch(host) or not all(_PATH.fullmatch(part) for part in parts):
+    matched = _HOST.fullmatch(host)
+    port = int(matched["port"]) if matched and matched["port"] else None
+    # A first component without '.' or ':' (and not localhost) is a Docker Hub namespace: lowercase like a path.
+    hub = "." not in host and ":" not in host and host != "localhost"
+    if (
+        not matched
+        or (port is not None and not 1 <= port <= 65535)
+        or (hub and not _PATH.fullmatch(host))
+        or not all(_PATH.fullmatch(part) for part in parts)
+        or len(text) + len("/train:") + 32 > MAX_REFERENCE
+    ):
         raise ValueError(
-            f"{setting}={text!r} is not a registry prefix Kubernetes can pull from: host[:port]/path with lowercase "
-            "letters, digits and . _ - in the path, no spaces (e.g. ghcr.io/my-org)."
+            f"{setting}={shown(text, 120)!r} is not a registry prefix Kubernetes can pull from: host[:port]/path (DNS "
+            "labels of at most 63 characters, a port 1-65535; a Docker Hub namespace and every path part in lowercase "
+            "letters, digits and . _ -; no spaces; at most ~200 characters), e.g. ghcr.io/my-org."
         )
     return text
 

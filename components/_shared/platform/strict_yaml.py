@@ -35,6 +35,30 @@ class StrictLoader(yaml.SafeLoader):
             )
         return node
 
+    def construct_yaml_int(self, node):
+        """YAML 1.1's readings of numbers that do not look like them are refused: `010` (octal 8) and `1:30`
+        (base 60, 90); decimal, `0x` hex and `0b` binary read as they do."""
+        text = str(node.value).replace("_", "").lstrip("+-")
+        if ":" in text or (len(text) > 1 and text.startswith("0") and text.isdigit()):
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"{node.value!r} reads as {super().construct_yaml_int(node)} in YAML 1.1 (octal or base 60); write the "
+                "number without a leading zero or colon, or quote it as text",
+                node.start_mark,
+            )
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node):
+        if ":" in str(node.value):
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"{node.value!r} reads as a base-60 number in YAML 1.1; write it in decimal",
+                node.start_mark,
+            )
+        return super().construct_yaml_float(node)
+
     def construct_mapping(self, node, deep=False):
         seen: set[Any] = set()
         for key_node, _ in node.value:
@@ -47,6 +71,10 @@ class StrictLoader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
+StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
 
 
 def load(text: str, where: str) -> Any:
