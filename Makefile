@@ -9,6 +9,7 @@
 #   make print-tags                   the tags, exactly as components/_shared/platform/container_images.py spells them
 #   make local-base                   debootstrap a bookworm + python3.11 base image (no registry needed)
 #   make images-cpu                   both images on that base, the train image for the CPU (runs here)
+#   make prune-builders               remove the train image's untagged builder stages (~8.4 GB each)
 #   make compile | make test          qvl compile / the default test run
 #   make lint                         ruff check, ruff format --check, mypy (what CI and pre-commit run)
 #   make format                       ruff format + the import order fixed in place
@@ -80,7 +81,7 @@ PRESET ?= prod-7b
 PIPELINE_YAML ?= pipelines/compiled/vlm_training.yaml
 
 .PHONY: help images images-cpu image-data image-train push lint-docker print-tags local-base buildah-base compile \
-	test lint format check-engine
+	prune-builders test lint format check-engine
 
 help:
 	@sed -n 's/^#   make/  make/p' $(MAKEFILE_LIST)
@@ -103,6 +104,13 @@ image-train: check-engine
 push: check-engine
 	$(ENGINE) push $(DATA_IMAGE)
 	$(ENGINE) push $(TRAIN_IMAGE)
+
+prune-builders: check-engine
+	if [[ "$(ENGINE)" == docker ]]; then \
+		docker image prune --force --filter label=org.qwen-vl-pipeline.stage=builder; \
+	else \
+		buildah rmi --prune; \
+	fi
 
 lint-docker:
 	hadolint --config .hadolint.yaml docker/Dockerfile.train docker/Dockerfile.data

@@ -310,6 +310,17 @@ def _docker(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 REGISTRY = "localhost/qvl-test"  # never the default tags: a developer's own images stay as they are
+BUILDER_LABEL = "label=org.qwen-vl-pipeline.stage=builder"  # the train image's untagged builder stage
+DISK_NEEDED_GB = 40  # the build peaked at 34 GB over what was used before (docs/images.md)
+
+
+def _builder_images() -> set[str]:
+    return set(_docker("images", "--quiet", "--no-trunc", "--filter", BUILDER_LABEL).stdout.split())
+
+
+def _disk_free_gb() -> float:
+    root = _docker("info", "--format", "{{.DockerRootDir}}").stdout.strip() or "/var/lib/docker"
+    return shutil.disk_usage(root).free / 1e9
 
 
 @pytest.fixture(scope="module")
@@ -319,16 +330,23 @@ def built(tmp_path_factory):
     reason = _docker_skip_reason()
     if reason:
         pytest.skip(reason)
+    free = _disk_free_gb()
+    assert free >= DISK_NEEDED_GB, (
+        f"{free:.1f} GB free where docker keeps its images; the build and its tests need about {DISK_NEEDED_GB} GB: "
+        "free some (`make prune-builders` removes earlier builds' untagged builder stages, ~8.4 GB each)"
+    )
     base = "localhost/qvl-test-base:bookworm-py3.11"
     tags = {kind: images.image_for(kind, REGISTRY) for kind in ("data", "train")}
     rootfs = tmp_path_factory.mktemp("base") / "rootfs"
+    builders_before = _builder_images()
     try:
         make("local-base", "ENGINE=docker", f"LOCAL_BASE={base}", f"BASE_ROOTFS={rootfs}", timeout=900)
         make("images-cpu", "ENGINE=docker", f"LOCAL_BASE={base}", f"IMAGE_REGISTRY={REGISTRY}", timeout=3600)
         yield tags
-    finally:
-        for image in (*tags.values(), base):
+    finally:  # the images, and the builder stage this build left untagged (each run would leave another 8.4 GB)
+        for image in (*tags.values(), base, *(_builder_images() - builders_before)):
             _docker("rmi", "--force", image, timeout=300)
+        shutil.rmtree(rootfs.parent, ignore_errors=True)
 
 
 @pytest.mark.images
