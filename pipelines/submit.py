@@ -215,6 +215,9 @@ def check_host(host: str) -> None:
             f"--host {shown(host, 200)!r} carries a user or password; give the endpoint alone and the token in the "
             f"environment ({TOKEN_ENV}): a credential in --host would be printed in messages and the run's URL."
         )
+    scheme, sep, _ = host.partition("://")
+    if sep and scheme.lower() in ("http", "https") and scheme not in ("http", "https"):
+        raise SubmitError(f"--host '{shown(host, 200)}': write the scheme in lowercase ({scheme.lower()}://).")
     if not host.startswith(("http://", "https://")):
         raise SubmitError(
             f"--host '{shown(host, 200)}' needs a scheme: https://HOST[/PATH] (or http://127.0.0.1:PORT)."
@@ -248,6 +251,8 @@ def check_submission(experiment: str, run_name: str | None, namespace: str | Non
             f"{TOKEN_ENV} holds a line break, a space at an end or a control character (a token file saved with "
             f"Windows line endings?); strip it: export {TOKEN_ENV}=$(tr -d '\\r\\n ' < FILE). It is not shown."
         )
+    if not token.isascii():  # an HTTP header is Latin-1 at most, and tokens are ASCII: a pasted wrong value
+        raise SubmitError(f"{TOKEN_ENV} holds characters that are not ASCII; a bearer token is ASCII. It is not shown.")
 
 
 class _QuietKfp(logging.Filter):

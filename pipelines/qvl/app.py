@@ -99,14 +99,17 @@ def models_ship(name: str = typer.Argument("tiny-clip", help="A builtin that shi
     typer.echo(f"{name} -> {target} (recipe key {builtin_models.recipe_version(name)}); commit it.")
 
 
-def _local_dir(value: str, flag: str) -> Path:
+def _local_dir(value: str, flag: str, kind: str = "dir") -> Path:
     """A local path option: not empty (an unset shell variable would mean the working directory), no unexpanded
-    '~', no URI scheme (these commands write local files); a ValueError naming the flag otherwise."""
+    '~', no URI scheme (these commands write local files), a `kind` ("dir" or "file") that can be made and written
+    there; a ValueError naming the flag otherwise."""
     from components._shared.platform.storage import check_location
+    from pipelines.qvl.out_targets import check_writable
 
     check_location(value, flag)
     if "://" in value:
         raise ValueError(f"{flag}={value!r}: this command writes a local directory; give a local path.")
+    check_writable(Path(value), flag, kind)
     return Path(value)
 
 
@@ -138,7 +141,7 @@ def run(
         )
         raise typer.Exit(2)
     from pipelines.presets import load_preset
-    from pipelines.qvl.local_run import SUMMARY_FILE, run_local
+    from pipelines.qvl.local_run import SUMMARY_FILE, check_run_dir, run_local
 
     run_dir = _local_dir(out, "--out")
     loaded = load_preset(preset)  # read and validated once; the runner and the DAG get this object
@@ -156,6 +159,7 @@ def run(
                 err=True,
             )
             raise typer.Exit(2)
+    check_run_dir(run_dir)  # before the line below, which would say it runs into a directory it refuses
     typer.echo(f"Running preset {preset} on {lake_uri} into {run_dir}/ (task logs: {run_dir}/logs/)")
     summary = run_local(
         lake_uri=lake_uri,
@@ -240,7 +244,7 @@ def rehearse(
 
         from pipelines.qvl import rehearse_dag
 
-        where = root / Path(preset).name.removesuffix(".yaml")  # prod-qwen3.5-9b: a name, not a file suffix
+        where = rehearse_dag.rehearsal_dir(root, preset)  # checked before the real set is written there
         summary, rows, cuts = rehearse_dag.rehearse_preset(
             preset, where, data=data, lake=lake, real_widths=real_widths, console=sys.stderr
         )
@@ -314,7 +318,7 @@ def compile_(
     from pipelines.presets import load_preset, preset_path
     from pipelines.qvl.out_targets import check_compile_target
 
-    target = None if out is None else _local_dir(out, "--out")
+    target = None if out is None else _local_dir(out, "--out", "file")
     if target is not None and target.suffix not in (".yaml", ".yml"):
         typer.echo(
             f"error: --out {out}: a pipeline with Kubernetes settings compiles to YAML; end it in .yaml.", err=True

@@ -159,7 +159,7 @@ RUN_FILES = {
 }  # what a run writes into its directory (with its lock files)
 
 
-def _check_run_dir(out_dir: Path) -> None:
+def check_run_dir(out_dir: Path) -> None:
     """The run directory is new, empty, or a run's own: a run clears its logs/, stage_results/ and progress/ and
     overwrites report.html, so a directory of other files (a project folder given as --out) is refused, naming
     them, before anything in it is touched."""
@@ -218,7 +218,7 @@ def run_local(
                 "elsewhere (e.g. runs/NAME)."
             )
     if not prepared_dir:  # a caller that made out_dir and put the run's inputs there itself (qvl rehearse --preset)
-        _check_run_dir(out_dir)
+        check_run_dir(out_dir)
     p = as_preset(preset)  # read once: the caller's loaded preset, or its name read here
     # built first: it validates `until` before anything starts
     pipeline = build_pipeline(p, until, for_cluster=False, local_processes=processes)

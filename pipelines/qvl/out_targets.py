@@ -7,7 +7,10 @@ is written (seventh hostile pass: a data directory, a lake and a preset file wer
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import tempfile
 from pathlib import Path
 
 WORLD_GENERATOR = "components.synth_world"  # world.json's "generator"
@@ -55,3 +58,29 @@ def check_compile_target(target: Path, preset_file: Path | None) -> None:
             f"--out {target} exists and is not a compiled pipeline (no top-level {', '.join(COMPILED_KEYS)}); compile "
             "replaces its target, so give a new file or an earlier compiled one."
         )
+
+
+def check_writable(path: Path, flag: str, kind: str = "dir") -> None:
+    """Before any work: `path` can be made as a `kind` ("dir" or "file") and written, or a ValueError naming `flag`
+    and what to give instead (the OS's own words came late and named no option: seventh hostile pass)."""
+    if path.exists() and kind == "dir" and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file; give a new or empty directory (e.g. runs/NAME).")
+    if path.exists() and kind == "file" and path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file path ending in .yaml.")
+    ancestor = path if path.is_dir() else path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(
+            f"{flag} {path}: {ancestor} is a file, so nothing can be made under it; give a path in a directory."
+        )
+    try:  # the only sure test of writability (permissions, read-only mounts, immutable files, /proc)
+        handle, probe = tempfile.mkstemp(prefix=".qvl-write-check-", dir=ancestor)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        reason = os.strerror(err.errno) if err.errno else str(err)
+        hint = " (read-only file system)" if err.errno == errno.EROFS else ""
+        raise ValueError(
+            f"{flag} {path}: cannot write in {ancestor}: {reason}{hint}; give a directory you can write to."
+        ) from None

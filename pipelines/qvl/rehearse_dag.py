@@ -152,6 +152,33 @@ def checkpoint_name(uri: str) -> str:
     return name
 
 
+def rehearsal_dir(root: Path, name: str) -> Path:
+    """ROOT/PRESET for `qvl rehearse --preset NAME --out ROOT`, checked before anything is written: the preset loads
+    and names a checkpoint the rehearsal builds, the subfolder is the preset's own name made safe (never `..`), ROOT
+    is no lake or data directory (the real set's shards would join it), and the subfolder is new or a run's own."""
+    import re
+
+    from pipelines.presets import load_preset
+    from pipelines.qvl.local_run import check_run_dir
+
+    preset = load_preset(name)
+    checkpoint_name(preset.base_model_uri)
+    student = preset.stages["distill"].get("student", {}).get("model_uri")
+    if student:
+        checkpoint_name(student)
+    slug = re.sub(r"[^A-Za-z0-9_.-]", "_", preset.name).strip(".") or "preset"
+    if root.is_dir():
+        found = sorted(p.name for p in root.iterdir() if p.suffix in (".tar", ".jsonl", ".parquet"))
+        found += [n for n in ("dataset.yaml", "_COMMITTED.json", "world.json") if (root / n).exists()]
+        if found:
+            raise ValueError(
+                f"--out {root} holds data ({', '.join(found[:5])}): the rehearsal writes its real set and every "
+                "stage's output under it. Give a new directory or an earlier rehearsal's (e.g. runs/rehearsal)."
+            )
+    check_run_dir(root / slug)
+    return root / slug
+
+
 def rehearsal_preset(name: str, out: Path, *, real_widths: bool = False, layers: int = 2, vision_depth: int = 4):
     """(the preset with its sizes cut and the models built, the declared cuts)."""
     from pipelines.presets import load_preset

@@ -206,3 +206,103 @@ def test_a_control_character_in_a_record_is_refused_naming_where(tmp_path):
     Image.new("RGB", (32, 32)).save(tmp_path / "a.png")
     with pytest.raises(ValueError, match=r"sft.jsonl:1.*a control character U\+0000 at character 3"):
         load_conversations(tmp_path)
+
+
+# -- the pass's leftovers, fixed the round after ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        (["run", "--local", "--lake", "l", "--data", "d", "--out", "{file}/sub"], "{file} is a file, so nothing can"),
+        (["run", "--local", "--lake", "l", "--data", "d", "--out", "/proc/self/x"], "cannot write in /proc/self"),
+        (["lake", "synth", "--records", "5", "--out", "{file}"], "--out {file} is a file; give a new or empty dir"),
+        (["compile", "--preset", "tiny", "--out", "{file}/x.yaml"], "{file} is a file, so nothing can be made"),
+        (["compile", "--preset", "tiny", "--out", "{dir}"], "--out {dir} is a directory; give a file path"),
+        (["rehearse", "--config", "qwen3.5-0.8b", "--out", "{file}"], "--out {file} is a file; give a new or"),
+    ],
+)
+def test_an_output_path_that_cannot_be_written_is_named_by_its_option_before_any_work(tmp_path, command, said):
+    """These failed in the OS's words (`[Errno 20] Not a directory`), compile after 9 s of work, naming no option."""
+    (tmp_path / "f").write_text("mine\n")
+    (tmp_path / "d.yaml").mkdir()
+    paths = {"file": str(tmp_path / "f"), "dir": str(tmp_path / "d.yaml")}
+    result = runner.invoke(app, [part.format(**paths) for part in command])
+    assert result.exit_code != 0 and said.format(**paths) in str(result.exception), result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.yaml", "f"] and not any((tmp_path / "d.yaml").iterdir())
+
+
+def test_rehearse_preset_checks_the_preset_and_the_directory_before_writing_its_real_set(tmp_path):
+    for preset, said in (("nosuch", "Unknown preset 'nosuch'"), ("tiny", "names no checkpoint `qvl rehearse` can")):
+        result = runner.invoke(app, ["rehearse", "--preset", preset, "--out", str(tmp_path / "out")])
+        assert said in str(result.exception) and not (tmp_path / "out").exists()
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    (lake / "00000.tar").write_bytes(b"")
+    result = runner.invoke(app, ["rehearse", "--preset", "prod-7b", "--out", str(lake)])
+    assert f"--out {lake} holds data (00000.tar)" in str(result.exception)
+    assert [p.name for p in lake.iterdir()] == ["00000.tar"]  # no real set's shards joined the lake
+
+
+def test_a_stage_output_without_its_commit_marker_is_refused_as_an_input(tmp_path):
+    from components._shared.launch.runner import verify_inputs
+
+    unfinished = tmp_path / "features"
+    unfinished.mkdir()
+    (unfinished / "_stage_result.json").write_text("{}")
+    (unfinished / "index.json").write_text("{}")
+    mine = tmp_path / "data"  # a user's directory is no stage output: read as it is
+    mine.mkdir()
+    assert verify_inputs({"data": str(mine)}) == 0
+    with pytest.raises(ValueError, match=r"features is a stage's output without its commit marker .*Re-run the stage"):
+        verify_inputs({"data": str(mine), "features": [str(unfinished)]})
+
+
+def test_a_host_scheme_in_capitals_and_a_token_that_is_not_ascii_are_named(monkeypatch):
+    from pipelines.submit import SubmitError, check_host, check_submission
+
+    with pytest.raises(SubmitError, match=r"write the scheme in lowercase \(http://\)"):
+        check_host("HTTP://127.0.0.1:9")
+    monkeypatch.setenv("KFP_TOKEN", "токен-кириллица-1234")
+    with pytest.raises(SubmitError) as refused:
+        check_submission("exp", None, None)
+    assert "KFP_TOKEN holds characters that are not ASCII" in str(refused.value)
+    assert "токен" not in str(refused.value)
+
+
+def test_an_override_key_with_a_space_and_yaml_1_1_words_are_read_as_typed():
+    from components._shared.platform.presets import parse_overrides
+
+    with pytest.raises(ValueError, match=r"the key 'train.steps ' holds a space; write key=value with no spaces"):
+        parse_overrides(["train.steps = 8"])
+    assert parse_overrides(["mode=yes", "a=on", "b=Off", "c=true", "d=False"]) == {
+        "mode": "yes", "a": "on", "b": "Off", "c": True, "d": False
+    }  # fmt: skip
+
+
+def test_dataset_yaml_paths_with_white_space_and_images_naming_a_file_are_one_message(tmp_path):
+    from components._shared.data.manifest import manifest
+
+    (tmp_path / "sft.jsonl").write_text("{}\n")
+    (tmp_path / "dataset.yaml").write_text('sft: ["sft.jsonl "]\n')
+    with pytest.raises(ValueError, match=r"sft entry 'sft.jsonl ' begins or ends with white space"):
+        manifest(tmp_path)
+    (tmp_path / "dataset.yaml").write_text("sft: [{path: sft.jsonl, images: sft.jsonl}]\n")
+    with pytest.raises(ValueError, match=r"gives images: 'sft.jsonl', a file; images: names the directory"):
+        manifest(tmp_path)
+
+
+def test_an_image_with_no_visible_pixel_is_a_bad_record(tmp_path):
+    from PIL import Image
+
+    from components._shared.data.image_checks import probe_image
+
+    Image.new("RGBA", (16, 16), (255, 0, 0, 0)).save(tmp_path / "clear.png")
+    Image.new("LA", (16, 16), (9, 0)).save(tmp_path / "clear-grey.png")
+    palette = Image.new("P", (16, 16), 0)
+    palette.save(tmp_path / "clear-palette.png", transparency=0)
+    for name in ("clear.png", "clear-grey.png", "clear-palette.png"):
+        assert "has no visible pixel (every one fully transparent)" in (probe_image(tmp_path, name) or ""), name
+    one_pixel = Image.new("RGBA", (16, 16), (255, 0, 0, 0))
+    one_pixel.putpixel((3, 3), (255, 0, 0, 1))
+    one_pixel.save(tmp_path / "faint.png")
+    Image.new("RGB", (16, 16)).save(tmp_path / "opaque.png")
+    assert probe_image(tmp_path, "faint.png") is None and probe_image(tmp_path, "opaque.png") is None

@@ -891,10 +891,13 @@ def test_files_an_image_reader_cannot_read_or_that_are_pipes_are_named_by_kind(d
 
 
 def test_yaml_booleans_where_the_manifest_wants_names_are_explained(data):
-    """`tasks: {on: yes_no}` read the key as true: "tasks[1].[key]: Input should be a valid string"."""
-    (data / "dataset.yaml").write_text("tasks: {on: yes_no}\n")
-    with pytest.raises(ValueError, match=r"YAML reads on, off, yes, no as true / false: quote such a name"):
+    """`tasks: {true: yes_no}` reads the key as a boolean: explained; YAML 1.1's `on` (read as true before) is the
+    word typed."""
+    (data / "dataset.yaml").write_text("tasks: {true: yes_no}\n")
+    with pytest.raises(ValueError, match=r"YAML reads true and false as booleans: quote such a name"):
         datasets.manifest(data)
+    (data / "dataset.yaml").write_text("tasks: {on: yes_no}\n")
+    assert datasets.manifest(data).tasks == {"on": "yes_no"}
 
 
 def test_a_flat_records_hint_goes_before_its_question_as_mmbench_puts_it(data):

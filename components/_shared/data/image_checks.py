@@ -113,6 +113,7 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
             width, height, kind = image.width, image.height, image.format
             turned = _quarter_turned(image)
             frames = getattr(image, "n_frames", 1)
+            invisible = width * height <= MAX_IMAGE_PIXELS and frames == 1 and _fully_transparent(image)
     except Exception as error:  # noqa: BLE001 - any failure to read an untrusted header is the record's problem
         other = _other_format(source) if isinstance(error, UnidentifiedImageError) else None
         label = name if name.startswith("image cell") else f"image {name}"
@@ -142,7 +143,23 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
         ), None
     if isinstance(turned, Exception):
         return f"image {name} is unreadable ({turned})", None
+    if invisible:
+        return (
+            f"image {name} has no visible pixel (every one fully transparent): the model would see a flat white "
+            "image; give the image with its content, or drop the record"
+        ), None
     return None, ((height, width) if turned else (width, height))
+
+
+def _fully_transparent(image: Image.Image) -> bool:
+    """Whether every pixel of an image with transparency (an alpha band, or a palette or colour key marked
+    transparent) is fully transparent; images without any are not decoded here."""
+    if "A" not in image.getbands() and "transparency" not in image.info:
+        return False
+    try:
+        return image.convert("RGBA").getchannel("A").getextrema()[1] == 0
+    except Exception:  # noqa: BLE001 - a truncated or broken image: the checks after this one name it
+        return False
 
 
 def _quarter_turned(image: Image.Image) -> bool | Exception:

@@ -109,6 +109,13 @@ def manifest(data_dir: Path) -> Manifest:
             f"{error.start}); save it as UTF-8."
         ) from None
     result._root = data_dir
+    for role in ("sft", "eval", "rl", "preferences"):
+        for entry in result._entries(role):
+            if entry.images and (data_dir / entry.images).is_file():
+                raise ValueError(
+                    f"{found[0]}: {role} entry {entry.path!r} gives images: {entry.images!r}, a file; images: names "
+                    "the directory that relative image paths start from."
+                )
     return result
 
 
@@ -139,7 +146,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
     try:
         result = Manifest.model_validate(raw)
     except ValidationError as error:
-        hint = " (YAML reads on, off, yes, no as true / false: quote such a name)" if _booleans(raw) else ""
+        hint = " (YAML reads true and false as booleans: quote such a name)" if _booleans(raw) else ""
         raise ValueError(f"{where}: {_describe(error)}{hint}; see docs/data.md for the fields.") from error
     carrying = _credentials_in(raw)
     if carrying:
@@ -155,6 +162,13 @@ def parse_manifest(text: str, where: str) -> Manifest:
             )
         if any(isinstance(f, str) and not f.strip() for f in getattr(result, role)):
             raise ValueError(f"{where}: {role} lists an empty file name; name each file (or leave the list out).")
+        for entry in result._entries(role):
+            spaced = [v for v in (entry.path, entry.images, entry.annotations or "") if v != v.strip()]
+            if spaced:
+                raise ValueError(
+                    f"{where}: {role} entry {spaced[0]!r} begins or ends with white space (invisible in messages); "
+                    "remove it, or rename the file."
+                )
     folded: dict[str, str] = {}
     for task in result.tasks:
         if task.lower() in folded:

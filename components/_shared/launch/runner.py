@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from components._shared.launch.plan import LaunchPlan, check_config, plan_from_env
-from components._shared.launch.result import _record, flatten_metrics
+from components._shared.launch.result import RESULT_FILE, _record, flatten_metrics
 from components._shared.launch.torchrun import run_local_torchrun
 from components._shared.platform import bad_records, disk_space, launcher_env, locks, progress, storage
 from components._shared.platform.credential_shapes import shown
@@ -153,6 +153,11 @@ def verify_inputs(inputs: dict[str, Any]) -> int:
                 if path.is_dir() and storage.is_committed(path):
                     storage.verify_dir(path)
                     verified += 1
+                elif path.is_dir() and (path / RESULT_FILE).is_file():
+                    raise ValueError(
+                        f"{path} is a stage's output without its commit marker ({storage.COMMIT_MARKER}): the stage "
+                        "did not finish, or the directory was copied in part. Re-run the stage that produced it."
+                    )
     return verified
 
 

@@ -62,6 +62,11 @@ def _check_key(key: str, pair: str) -> None:
             f"Override '{shown(pair, 200)}': the key {key!r} has an empty part (two dots, or one at an end); write "
             "key=value with dotted setting names, e.g. train.steps=3."
         )
+    if any(c.isspace() for c in key):
+        raise ValueError(
+            f"Override '{shown(pair, 200)}': the key {key!r} holds a space; write key=value with no spaces around "
+            "'=' or inside the name (e.g. train.steps=3)."
+        )
     odd = next((c for c in key if not c.isascii()), None)
     if odd is not None:
         raise ValueError(

@@ -59,6 +59,13 @@ class StrictLoader(yaml.SafeLoader):
             )
         return super().construct_yaml_float(node)
 
+    def construct_yaml_bool(self, node):
+        """Only true/false are booleans: YAML 1.1's yes/no/on/off stay the words typed (`mode=yes` was read as true
+        and refused as a boolean where the user wrote a word)."""
+        if str(node.value).lower() in ("true", "false"):
+            return super().construct_yaml_bool(node)
+        return self.construct_scalar(node)
+
     def construct_mapping(self, node, deep=False):
         seen: set[Any] = set()
         for key_node, _ in node.value:
@@ -75,6 +82,7 @@ class StrictLoader(yaml.SafeLoader):
 
 StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
 StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
+StrictLoader.add_constructor("tag:yaml.org,2002:bool", StrictLoader.construct_yaml_bool)
 
 
 def load(text: str, where: str) -> Any:
