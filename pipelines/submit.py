@@ -21,12 +21,14 @@ import re
 import sys
 import tempfile
 import time
+import unicodedata
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from components._shared.platform.credential_shapes import shown
 from pipelines import credentials
@@ -218,10 +220,26 @@ def check_host(host: str) -> None:
     scheme, sep, _ = host.partition("://")
     if sep and scheme.lower() in ("http", "https") and scheme not in ("http", "https"):
         raise SubmitError(f"--host '{shown(host, 200)}': write the scheme in lowercase ({scheme.lower()}://).")
+    if sep and re.fullmatch(r"[a-zA-Z][a-zA-Z0-9+.-]*", scheme) and scheme.lower() not in ("http", "https"):
+        raise SubmitError(f"--host '{shown(host, 200)}': the scheme must be http or https (got {scheme}).")
     if not host.startswith(("http://", "https://")):
         raise SubmitError(
             f"--host '{shown(host, 200)}' needs a scheme: https://HOST[/PATH] (or http://127.0.0.1:PORT)."
         )
+    parts = urlsplit(host)
+    if parts.query or parts.fragment or host.endswith(("?", "#")):
+        raise SubmitError(
+            f"--host '{shown(host, 200)}' has a query or fragment ('?' or '#'); the client adds the API's paths to "
+            "the host, so give scheme://HOST[:PORT][/PATH] alone."
+        )
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0  # not a number, or past 65535
+    if port == 0 and ":" in parts.netloc.rpartition("]")[2]:  # a port was given (after an IPv6 host's ']')
+        raise SubmitError(f"--host '{shown(host, 200)}': the port must be a number from 1 to 65535.")
+    if not parts.hostname:
+        raise SubmitError(f"--host '{shown(host, 200)}' names no host; give https://HOST[/PATH].")
 
 
 NAMESPACE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")  # a Kubernetes namespace: a DNS-1123 label
@@ -236,6 +254,12 @@ def check_submission(experiment: str, run_name: str | None, namespace: str | Non
             raise SubmitError(f"{flag}={value!r} is empty (an unset shell variable?); give a name, or leave it out.")
         if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
             raise SubmitError(f"{flag} holds a line break or a control character; give a name on one line.")
+        hidden = next((c for c in value or "" if unicodedata.category(c) == "Cf"), None)
+        if hidden is not None:  # right-to-left overrides, zero-width characters: a name that reads as another
+            raise SubmitError(
+                f"{flag} holds an invisible formatting character ({unicodedata.name(hidden, f'U+{ord(hidden):04X}')}) "
+                "that makes it read as another name in the UI; retype it."
+            )
     try:
         credentials.check({"--experiment": experiment, "--run-name": run_name or ""}, "the run's names")
     except ValueError as err:
@@ -250,6 +274,11 @@ def check_submission(experiment: str, run_name: str | None, namespace: str | Non
         raise SubmitError(
             f"{TOKEN_ENV} holds a line break, a space at an end or a control character (a token file saved with "
             f"Windows line endings?); strip it: export {TOKEN_ENV}=$(tr -d '\\r\\n ' < FILE). It is not shown."
+        )
+    if token.lower().startswith("bearer ") or " " in token:
+        raise SubmitError(
+            f'{TOKEN_ENV} holds a space ("Bearer ..."?): give the token alone; the client adds "Bearer ". It is '
+            "not shown."
         )
     if not token.isascii():  # an HTTP header is Latin-1 at most, and tokens are ASCII: a pasted wrong value
         raise SubmitError(f"{TOKEN_ENV} holds characters that are not ASCII; a bearer token is ASCII. It is not shown.")

@@ -12,6 +12,7 @@ from components._shared.model.train_config import (
     ScheduleConfig,
     TrainConfig,
     TrainedStageConfig,
+    changed_fields,
 )
 from components._shared.platform.config import SubConfig
 
@@ -41,7 +42,7 @@ class InfoNceConfig(SubConfig):
     (docs/references.md), in-batch negatives; `hard_negatives` keeps only the k most similar negatives."""
 
     weight: Annotated[float, Field(ge=0, description="0 disables the auxiliary loss.")] = 0.0
-    temperature: Annotated[float, Field(gt=0, le=10)] = 0.07
+    temperature: Annotated[float, Field(ge=0.01, le=10)] = 0.07  # 1e-9 trained at loss 1e8 (eighth hostile pass)
     hard_negatives: Annotated[int, Field(ge=0, description="0 = all in-batch negatives.")] = 0
 
 
@@ -66,7 +67,7 @@ class RegionConfig(SubConfig):
         min_length=1,
         description="The weight over pretraining, piecewise constant (seed 000: 0.1 -> 0.3 -> 0.05 over 30/40/30%).",
     )
-    temperature: Annotated[float, Field(gt=0, le=10)] = 0.07
+    temperature: Annotated[float, Field(ge=0.01, le=10)] = 0.07
     min_score: Annotated[float, Field(ge=0, le=1, description="Chunks scored lower are not used (counted).")] = 0.0
 
     @model_validator(mode="after")
@@ -74,6 +75,11 @@ class RegionConfig(SubConfig):
         total = sum(step.fraction for step in self.schedule)
         if abs(total - 1.0) > 1e-6:
             raise ValueError(f"region.schedule fractions sum to {total:g}; they must cover all steps (sum to 1).")
+        if self.enabled and not any(step.weight for step in self.schedule):
+            raise ValueError(
+                "region.schedule weights are all 0: the region term would train nothing; give a weight, "
+                "or set region.enabled: false."
+            )
         return self
 
 
@@ -132,3 +138,19 @@ class PretrainConfig(TrainedStageConfig):
                 "every kept checkpoint has a held-out score."
             )
         return self
+
+    def ignored_settings(self) -> list[str]:
+        """Region and InfoNCE settings while their term is off."""
+        notes = super().ignored_settings()
+        if not self.region.enabled:
+            notes += [
+                f"region.{name}: a region setting; region.enabled is false"
+                for name in changed_fields(self.region, RegionConfig())
+            ]
+        if not self.infonce.weight:
+            notes += [
+                f"infonce.{name}: an InfoNCE setting; infonce.weight is 0"
+                for name in changed_fields(self.infonce, InfoNceConfig())
+                if name != "weight"
+            ]
+        return notes

@@ -29,6 +29,7 @@ SPAN = "span outside the caption"
 BOX = "box not inside the image (relative 0-1, x1 < x2, y1 < y2)"
 SCORE = "score under region.min_score"
 EMPTY = "the span is blank"
+DUPLICATE = "the same span and box as another chunk of the record"
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,14 @@ def record_regions(record: dict, min_score: float) -> tuple[list[Region], list[s
         return [], []
     if not isinstance(chunks, list):
         return [], [MALFORMED]
-    regions, dropped = [], []
+    regions: list[Region] = []
+    dropped: list[str] = []
+    seen: set[Region] = set()
     for chunk in chunks:
         if not isinstance(chunk, list) or len(chunk) not in (6, 7) or not all(_number(v) for v in chunk):
+            dropped.append(MALFORMED)
+            continue
+        if len(chunk) == 7 and not 0 <= chunk[6] <= 1:  # GRIT's score is a probability
             dropped.append(MALFORMED)
             continue
         start, end, x1, y1, x2, y2 = chunk[:6]
@@ -71,8 +77,11 @@ def record_regions(record: dict, min_score: float) -> tuple[list[Region], list[s
             dropped.append(SCORE)
         elif not caption[int(start) : int(end)].strip():
             dropped.append(EMPTY)
+        elif Region(caption[int(start) : int(end)].strip(), (x1, y1, x2, y2)) in seen:
+            dropped.append(DUPLICATE)
         else:
             regions.append(Region(caption[int(start) : int(end)].strip(), (x1, y1, x2, y2)))
+            seen.add(regions[-1])
     return regions, dropped
 
 
@@ -95,11 +104,19 @@ def collect_regions(records: list[dict], cfg: RegionConfig) -> tuple[list[list[R
             "records GRIT-style noun_chunks ([start, end, x1, y1, x2, y2, score] per caption phrase, boxes relative "
             f"to the image) in their JSON, or set region.enabled: false{_said(reasons)}."
         )
+    phrases = {region.phrase for regions in per_record for region in regions}
+    if len(phrases) < 2:
+        raise ValueError(
+            f"pretrain.region.enabled, but every usable box of the {len(records)} kept records names one phrase "
+            f"({next(iter(phrases))!r}): the region term matches boxes to phrases against the others and learns "
+            "nothing; give chunks for the phrases that name objects, or set region.enabled: false."
+        )
     for reason, count in sorted(reasons.items()):
         logger.warning("pretrain: %d region chunk(s) not used: %s (e.g. record %s)", count, reason, example[reason])
     metrics = {
         "region_records": sum(1 for regions in per_record if regions),
         "region_boxes": used,
+        "region_phrases": len(phrases),
         "region_dropped": sum(reasons.values()),
     }
     return per_record, metrics

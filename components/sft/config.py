@@ -168,4 +168,6 @@ class SftConfig(TrainedStageConfig):
                 f"qlora.{name}: a QLoRA setting; mode is {self.mode}"
                 for name in changed_fields(self.qlora, QLoraConfig())
             ]
+        if not self.calibration.fit_temperature and "fraction" in changed_fields(self.calibration, CalibrationConfig()):
+            notes.append("calibration.fraction: the temperature's share; calibration.fit_temperature is false")
         return notes

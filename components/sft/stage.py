@@ -341,7 +341,7 @@ def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: li
     if min(len(fit_idx), len(test_idx)) < MIN_CALIBRATION_SIDE:
         logger.warning(
             "sft: no temperature fitted: calibration.fraction=%g splits %d short answers into %d to fit and %d to "
-            "measure; each side needs %d. Give a fraction nearer 0.5 or more held-out questions.",
+            "measure; each side needs %d. Give more held-out questions (eval.per_type) or a fraction nearer 0.5.",
             cfg.calibration.fraction,
             len(picked),
             len(fit_idx),
@@ -349,13 +349,27 @@ def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: li
             MIN_CALIBRATION_SIDE,
         )
         return {**measured, "calibration_answers": len(picked)}
-    temperature, _ = E.fit_temperature([pairs[i] for i in fit_idx], [correct[i] for i in fit_idx])
+    fitted, _ = E.fit_temperature([pairs[i] for i in fit_idx], [correct[i] for i in fit_idx])
     test_pairs, test_correct = [pairs[i] for i in test_idx], [correct[i] for i in test_idx]
+    before = round(E.expected_calibration_error(E.confidences(test_pairs, 1.0), test_correct), 4)
+    after = round(E.expected_calibration_error(E.confidences(test_pairs, fitted), test_correct), 4)
+    if after >= before:  # shipped only where it lowers ECE on the answers it was not fitted on
+        logger.warning(
+            "sft: the fitted temperature %g did not lower ECE on the %d answers it was not fitted on (%.4f -> %.4f): "
+            "not applied; the model keeps temperature 1.",
+            fitted,
+            len(test_idx),
+            before,
+            after,
+        )
+    elif fitted in (E.TEMPERATURE_GRID[0], E.TEMPERATURE_GRID[-1]):
+        logger.warning("sft: the fitted temperature %g is at the grid's edge; the best may lie beyond it.", fitted)
     return {
         **measured,
-        "temperature": temperature,
-        "ece_before": round(E.expected_calibration_error(E.confidences(test_pairs, 1.0), test_correct), 4),
-        "ece_after": round(E.expected_calibration_error(E.confidences(test_pairs, temperature), test_correct), 4),
+        "temperature": fitted if after < before else 1.0,
+        "temperature_fitted": fitted,
+        "ece_before": before,
+        "ece_after": min(after, before),
         "calibration_fit_answers": len(fit_idx),
         "calibration_test_answers": len(test_idx),
     }

@@ -12,6 +12,7 @@ KFP_TOKEN=... qvl submit --host https://kfp.example.com/pipeline --experiment vl
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -31,10 +32,13 @@ app.add_typer(models_app, name="models")
 @lake_app.command("synth")
 def lake_synth(
     out: str = typer.Option(..., help="Output directory: DIR/lake, DIR/heldout, DIR/ground_truth.jsonl."),
-    records: int = typer.Option(2000, min=1, help="Lake records (defects included)."),
-    seed: int = typer.Option(0, min=0, help="Seed: the same seed writes the same bytes."),
+    records: int = typer.Option(2000, min=1, max=1_000_000, help="Lake records (defects included)."),
+    seed: int = typer.Option(0, min=0, max=2**32 - 1, help="Seed: the same seed writes the same bytes."),
     sft_records: int = typer.Option(
-        8000, min=1, help="Instruction conversations in DIR/heldout/sft.jsonl (the demo SFT trains ~8 epochs on them)."
+        8000,
+        min=1,
+        max=1_000_000,
+        help="Instruction conversations in DIR/heldout/sft.jsonl (the demo SFT trains ~8 epochs on them).",
     ),
     real: bool = typer.Option(
         False,
@@ -141,7 +145,7 @@ def run(
         )
         raise typer.Exit(2)
     from pipelines.presets import load_preset
-    from pipelines.qvl.local_run import SUMMARY_FILE, check_run_dir, run_local
+    from pipelines.qvl.local_run import SUMMARY_FILE, check_run_args, run_local
 
     run_dir = _local_dir(out, "--out")
     loaded = load_preset(preset)  # read and validated once; the runner and the DAG get this object
@@ -159,7 +163,7 @@ def run(
                 err=True,
             )
             raise typer.Exit(2)
-    check_run_dir(run_dir)  # before the line below, which would say it runs into a directory it refuses
+    check_run_args(run_dir, lake_uri, data or "", runner)  # before the line below: it says the run starts
     typer.echo(f"Running preset {preset} on {lake_uri} into {run_dir}/ (task logs: {run_dir}/logs/)")
     summary = run_local(
         lake_uri=lake_uri,
@@ -282,7 +286,7 @@ def plan_(
 
 @app.command("runs")
 def runs(
-    root: Path = typer.Argument(Path("runs"), help="Directory holding run directories (searched recursively)."),
+    root: str = typer.Argument("runs", help="Directory holding run directories (searched recursively)."),
     compare: tuple[Path, Path] | None = typer.Option(
         None, "--compare", help="Two run directories: every stage's metrics side by side, with B - A."
     ),
@@ -294,10 +298,13 @@ def runs(
     if compare:
         typer.echo(compare_runs(read_run(compare[0]), read_run(compare[1])))
         return
-    found = find_runs(root)
+    from components._shared.platform.storage import check_location
+
+    check_location(root, "ROOT")  # an empty argument (an unset shell variable) would list the working directory
+    found = find_runs(Path(root))
     if not found:
         raise ValueError(f"no run_summary.json under {root}; runs are written by `qvl run --local --out DIR`.")
-    typer.echo(runs_table(found, root))
+    typer.echo(runs_table(found, Path(root)))
 
 
 @app.command("compile")
@@ -382,6 +389,9 @@ def submit(
     def echo_err(line: str) -> None:
         typer.echo(line, err=True)
 
+    if timeout is not None and not math.isfinite(timeout):
+        typer.echo(f"Error: --timeout {timeout}: give a number of seconds.", err=True)
+        raise typer.Exit(2)
     if timeout is not None and not wait:
         typer.echo("Error: --timeout applies only with --wait (it bounds the wait); add --wait or drop it.", err=True)
         raise typer.Exit(2)

@@ -163,6 +163,12 @@ def check_run_dir(out_dir: Path) -> None:
     """The run directory is new, empty, or a run's own: a run clears its logs/, stage_results/ and progress/ and
     overwrites report.html, so a directory of other files (a project folder given as --out) is refused, naming
     them, before anything in it is touched."""
+    owner = next((p for p in out_dir.absolute().parents if (p / COMMIT_MARKER).is_file()), None)
+    if owner is not None:
+        raise ValueError(
+            f"--out {out_dir} lies inside {owner}, a stage's committed output; a run there would add files its "
+            f"{COMMIT_MARKER} does not list. Give a directory outside it (e.g. runs/NAME)."
+        )
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
@@ -181,6 +187,23 @@ def check_run_dir(out_dir: Path) -> None:
         f"--out {out_dir} holds files no qvl run wrote ({shown or ', '.join(entries[:5])}); a run clears its logs/ "
         "and overwrites report.html there. Give a new or empty directory (e.g. runs/NAME)."
     )
+
+
+def check_run_args(out_dir: Path, lake_uri: str, data_uri: str, runner: str, *, prepared_dir: bool = False) -> None:
+    """What `qvl run --local` checks before anything is written or said: the runner, the run directory outside the
+    lake and the data, and new, empty or a run's own (unless `prepared_dir`: qvl rehearse --preset made it)."""
+    if runner not in ("subprocess", "docker"):
+        raise ValueError(f"--runner {runner!r}: choose subprocess or docker.")
+    out_dir = Path(out_dir).resolve()
+    for option, uri in (("--lake", lake_uri), ("--data", data_uri)):
+        if uri and "://" not in uri and out_dir.is_relative_to(Path(uri).resolve()):
+            raise ValueError(
+                f"--out {out_dir} is inside {option} {uri}: the run's own files (clean_data's Parquet parts, "
+                f"checkpoints) would become part of the {option[2:]} the next run reads; put the run directory "
+                "elsewhere (e.g. runs/NAME)."
+            )
+    if not prepared_dir:  # a caller that made out_dir and put the run's inputs there itself (qvl rehearse --preset)
+        check_run_dir(out_dir)
 
 
 def run_local(
@@ -210,20 +233,10 @@ def run_local(
     from pipelines.vlm_training import build_pipeline
 
     out_dir = Path(out_dir).resolve()
-    for option, uri in (("--lake", lake_uri), ("--data", data_uri)):
-        if uri and "://" not in uri and out_dir.is_relative_to(Path(uri).resolve()):
-            raise ValueError(
-                f"--out {out_dir} is inside {option} {uri}: the run's own files (clean_data's Parquet parts, "
-                f"checkpoints) would become part of the {option[2:]} the next run reads; put the run directory "
-                "elsewhere (e.g. runs/NAME)."
-            )
-    if not prepared_dir:  # a caller that made out_dir and put the run's inputs there itself (qvl rehearse --preset)
-        check_run_dir(out_dir)
+    check_run_args(out_dir, lake_uri, data_uri, runner, prepared_dir=prepared_dir)
     p = as_preset(preset)  # read once: the caller's loaded preset, or its name read here
     # built first: it validates `until` before anything starts
     pipeline = build_pipeline(p, until, for_cluster=False, local_processes=processes)
-    if runner not in ("subprocess", "docker"):
-        raise ValueError(f"runner {runner!r}: choose subprocess or docker.")
     out_dir.mkdir(parents=True, exist_ok=True)  # after the checks: a refused run leaves no empty run directory
     if runner == "docker":
         from components._shared.platform.container_images import image_for

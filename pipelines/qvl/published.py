@@ -225,12 +225,17 @@ USAGE = (
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     stale, because = _option(args, "--stale-others"), _option(args, "--because")
-    if len(args) not in (1, 2) or bool(stale) != bool(because) or args[0].startswith("-"):
+    if len(args) not in (1, 2) or bool(stale) != bool(because) or args[0].startswith("-") or not args[0].strip():
         raise SystemExit(USAGE)
     summary_file = Path(args[0]) / "run_summary.json"
     if not summary_file.is_file():
         raise SystemExit(f"{summary_file}: no such file; RUN_DIR is a finished run's --out directory.\n{USAGE}")
-    summary = json.loads(summary_file.read_text())
+    try:
+        summary = json.loads(summary_file.read_text())
+    except (ValueError, RecursionError) as error:
+        raise SystemExit(f"{summary_file}: not a run summary (not JSON: {str(error)[:200]}).") from None
+    if not isinstance(summary, dict):
+        raise SystemExit(f"{summary_file}: not a run summary (a JSON {type(summary).__name__}, not an object).")
     if summary.get("status") != "succeeded":
         raise SystemExit(f"{args[0]}: the run did not succeed ({summary.get('status')}); nothing to publish.")
     if summary.get("cpu_numerics") != PINS:

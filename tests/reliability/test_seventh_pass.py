@@ -299,10 +299,11 @@ def test_an_image_with_no_visible_pixel_is_a_bad_record(tmp_path):
     Image.new("LA", (16, 16), (9, 0)).save(tmp_path / "clear-grey.png")
     palette = Image.new("P", (16, 16), 0)
     palette.save(tmp_path / "clear-palette.png", transparency=0)
-    for name in ("clear.png", "clear-grey.png", "clear-palette.png"):
-        assert "has no visible pixel (every one fully transparent)" in (probe_image(tmp_path, name) or ""), name
+    Image.new("RGBA", (16, 16), (255, 0, 0, 2)).save(tmp_path / "faint-all.png")  # 1% opaque: white on white
+    for name in ("clear.png", "clear-grey.png", "clear-palette.png", "faint-all.png"):
+        assert "has no visible pixel (every one at most 2/255 opaque)" in (probe_image(tmp_path, name) or ""), name
     one_pixel = Image.new("RGBA", (16, 16), (255, 0, 0, 0))
-    one_pixel.putpixel((3, 3), (255, 0, 0, 1))
-    one_pixel.save(tmp_path / "faint.png")
+    one_pixel.putpixel((3, 3), (255, 0, 0, 3))
+    one_pixel.save(tmp_path / "one-pixel.png")
     Image.new("RGB", (16, 16)).save(tmp_path / "opaque.png")
-    assert probe_image(tmp_path, "faint.png") is None and probe_image(tmp_path, "opaque.png") is None
+    assert probe_image(tmp_path, "one-pixel.png") is None and probe_image(tmp_path, "opaque.png") is None

@@ -12,6 +12,7 @@ import torch
 from components._shared.model.encoder import ConversationEncoder
 from components._shared.model.packing import forward_logits, pack, per_sample_loss
 from components._shared.model.vlm import load_vlm
+from components._shared.platform.storage import commit_dir
 from components._shared.platform.tracking import NullTracker
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.stage import run as extract
@@ -48,6 +49,7 @@ def inputs(tmp_path_factory):
         )
     (root / "clean/kept").mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows), root / "clean/kept/part-00000.parquet")
+    commit_dir(root / "clean")  # as clean_data leaves it: the stage command lines refuse it uncommitted
     extract(
         ExtractFeaturesConfig(**PIXELS, dtype="float32", decode_workers=0, batch_size=16),
         clean_data=root / "clean",
@@ -55,6 +57,7 @@ def inputs(tmp_path_factory):
         output_dir=root / "features",
         tracker=NullTracker(),
     )
+    commit_dir(root / "features")
     write_splits(root / "heldout", seed=4, eval_per_type=8, sft_records=8, preference_pairs=2)
     return root
 

@@ -80,11 +80,12 @@ def test_each_chunk_is_used_or_dropped_with_its_reason():
 
 
 def test_collect_regions_counts_and_warns_and_refuses_a_run_with_no_box(caplog):
-    records = [_record([[2, 14, 0.1, 0.2, 0.4, 0.6, 1.0], [0, 500, 0, 0, 1, 1, 1.0]]), _record([], key="k2")]
+    two = [[2, 14, 0.1, 0.2, 0.4, 0.6, 1.0], [0, 500, 0, 0, 1, 1, 1.0], [0, 1, 0.5, 0.5, 0.9, 0.9, 1.0]]
+    records = [_record(two), _record([], key="k2")]
     with caplog.at_level(logging.WARNING):
         per_record, metrics = collect_regions(records, RegionConfig(enabled=True))
-    assert [len(r) for r in per_record] == [1, 0]
-    assert metrics == {"region_records": 1, "region_boxes": 1, "region_dropped": 1}
+    assert [len(r) for r in per_record] == [2, 0]
+    assert metrics == {"region_records": 1, "region_boxes": 2, "region_phrases": 2, "region_dropped": 1}
     assert "1 region chunk(s) not used: span outside the caption (e.g. record k1)" in caplog.text
     with pytest.raises(ValueError, match=r"none of the 2 kept records has a usable box.*1 span outside the caption"):
         collect_regions([_record([[0, 500, 0, 0, 1, 1, 1.0]]), _record([], key="k2")], RegionConfig(enabled=True))

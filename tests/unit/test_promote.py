@@ -53,6 +53,7 @@ def champion(tmp_path_factory) -> Path:
     (root / "model" / "README.md").write_text("# Model card: sft\n")
     record = {"stage": "select_checkpoint", "status": "succeeded", "metrics": SELECTION}
     (root / RESULT_FILE).write_text(json.dumps(record))
+    storage.commit_dir(root)  # as select_checkpoint leaves it: the command line refuses it uncommitted
     return root
 
 

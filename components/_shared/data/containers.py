@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,10 @@ def iter_file(path: Path) -> Iterator[tuple[str, Any]]:
         )
     if not path.is_file():
         what = "is not a regular file (a pipe or a device?)" if path.exists() else "does not exist"
+        other = [path.with_name(unicodedata.normalize(form, path.name)) for form in ("NFC", "NFD")]
+        twin = next((o for o in other if o.name != path.name and o.is_file()), None)
+        if twin is not None:
+            what += f" as spelled; {ascii(twin.name)} does: the same letters in another Unicode form (retype the name)"
         raise ValueError(f"{path} {what}; name a file inside the data directory.")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson", ".json"):

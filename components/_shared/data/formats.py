@@ -276,6 +276,8 @@ def _answers(value: Any, field: str = "answers") -> list[str]:
         texts = [v for v in out if isinstance(v, str)]
         if len(texts) == len(out):
             return [check_text(v, f"answer {k}") for k, v in enumerate(texts)]
+    if value == []:
+        raise RecordError(f"'{field}' is an empty list; give the reference answer(s), or drop the record")
     number = ' (a number: write it as a string, e.g. "2")' if isinstance(value, int | float) else ""
     raise RecordError(f"'{field}' must be a string or a list of strings, got {value!r}{number}")
 

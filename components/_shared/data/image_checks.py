@@ -30,6 +30,9 @@ TAIL_BYTES = 64 << 10
 EXIF_ORIENTATION = 0x0112  # values 5-8 turn the image a quarter: width and height swap
 
 
+MAX_INVISIBLE_ALPHA = 2  # of 255: under 1% opacity, composited on white it is white (eighth hostile pass)
+
+
 def local_image_path(root: Path, reference: str) -> Path:
     """The file an image path names, inside the data directory; a ValueError when it leaves it or is missing."""
     if "\x00" in reference:
@@ -145,19 +148,19 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
         return f"image {name} is unreadable ({turned})", None
     if invisible:
         return (
-            f"image {name} has no visible pixel (every one fully transparent): the model would see a flat white "
-            "image; give the image with its content, or drop the record"
+            f"image {name} has no visible pixel (every one at most {MAX_INVISIBLE_ALPHA}/255 opaque): the model would "
+            "see a flat white image; give the image with its content, or drop the record"
         ), None
     return None, ((height, width) if turned else (width, height))
 
 
 def _fully_transparent(image: Image.Image) -> bool:
     """Whether every pixel of an image with transparency (an alpha band, or a palette or colour key marked
-    transparent) is fully transparent; images without any are not decoded here."""
+    transparent) is transparent to the eye (alpha <= MAX_INVISIBLE_ALPHA); images without any are not decoded."""
     if "A" not in image.getbands() and "transparency" not in image.info:
         return False
     try:
-        return image.convert("RGBA").getchannel("A").getextrema()[1] == 0
+        return image.convert("RGBA").getchannel("A").getextrema()[1] <= MAX_INVISIBLE_ALPHA
     except Exception:  # noqa: BLE001 - a truncated or broken image: the checks after this one name it
         return False
 

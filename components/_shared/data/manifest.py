@@ -5,6 +5,7 @@ without one the synthetic world's names are read: sft.jsonl, eval.jsonl, prefere
 from __future__ import annotations
 
 import re
+import unicodedata
 from pathlib import Path
 from typing import Literal
 
@@ -169,6 +170,12 @@ def parse_manifest(text: str, where: str) -> Manifest:
                     f"{where}: {role} entry {spaced[0]!r} begins or ends with white space (invisible in messages); "
                     "remove it, or rename the file."
                 )
+            hidden = [v for v in (entry.path, entry.images, entry.annotations or "") if _invisible(v)]
+            if hidden:
+                raise ValueError(
+                    f"{where}: {role} entry {ascii(hidden[0])} holds an invisible formatting character "
+                    f"({_invisible(hidden[0])}); retype the name."
+                )
     folded: dict[str, str] = {}
     for task in result.tasks:
         if task.lower() in folded:
@@ -206,6 +213,12 @@ def parse_manifest(text: str, where: str) -> Manifest:
                     f"answers file); this entry's format is {entry.format}: drop annotations or fix the format."
                 )
     return result
+
+
+def _invisible(text: str) -> str:
+    """The name of the first invisible formatting character (Unicode Cf: zero-width, direction marks) in text."""
+    found = next((c for c in text if unicodedata.category(c) == "Cf"), None)
+    return "" if found is None else unicodedata.name(found, f"U+{ord(found):04X}")
 
 
 def _booleans(value) -> bool:

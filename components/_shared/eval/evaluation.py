@@ -188,9 +188,12 @@ def expected_calibration_error(conf: list[float], correct: list[float], bins: in
     return error
 
 
+TEMPERATURE_GRID = tuple(round(0.25 * k, 2) for k in range(2, 41))  # 0.5 .. 10
+
+
 def fit_temperature(pairs, correct: list[float], grid: tuple[float, ...] | None = None) -> tuple[float, float]:
     """(temperature, ECE) minimising ECE over a grid (temperature scaling after SFT)."""
-    grid = grid or tuple(round(0.25 * k, 2) for k in range(2, 41))
+    grid = grid or TEMPERATURE_GRID
     best = min(grid, key=lambda t: (expected_calibration_error(confidences(pairs, t), correct), abs(t - 1.0)))
     return best, expected_calibration_error(confidences(pairs, best), correct)
 

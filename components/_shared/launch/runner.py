@@ -143,21 +143,36 @@ def _execute_held(stage, cfg, run, inputs, output_dir: Path, experiment, artifac
     return metrics
 
 
+STAGE_OUTPUT_INPUTS = ("clean_data", "features", "shard_dirs")  # inputs that only a stage makes
+
+
 def verify_inputs(inputs: dict[str, Any]) -> int:
-    """Verify every input that is a committed local directory (or a list of them) against its marker."""
+    """Verify every local directory input (or list of them) that is, or lies inside, a committed stage output
+    against its marker (a model at OUT/model is checked against OUT's); a stage's output without its marker, and
+    an input only a stage makes that is missing or uncommitted, are refused. Returns the outputs verified."""
     verified = 0
-    for value in inputs.values():
+    for name, value in inputs.items():
         for item in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(item, (str, Path)) and not storage.is_s3(item):
-                path = Path(item)
-                if path.is_dir() and storage.is_committed(path):
-                    storage.verify_dir(path)
-                    verified += 1
-                elif path.is_dir() and (path / RESULT_FILE).is_file():
-                    raise ValueError(
-                        f"{path} is a stage's output without its commit marker ({storage.COMMIT_MARKER}): the stage "
-                        "did not finish, or the directory was copied in part. Re-run the stage that produced it."
-                    )
+            if not isinstance(item, (str, Path)) or not str(item) or storage.is_s3(item):
+                continue
+            path = Path(item).absolute()
+            flag = f"--{name.replace('_', '-')}"
+            if name in STAGE_OUTPUT_INPUTS and not path.is_dir():
+                raise ValueError(
+                    f"{flag} {item}: {'no such directory' if not path.exists() else 'not a directory'}; give the "
+                    f"output directory of the stage that makes {name} (qvl run --local keeps it under pipeline_root/)."
+                )
+            if not path.is_dir():
+                continue
+            committed = next((p for p in (path, *path.parents) if (p / storage.COMMIT_MARKER).is_file()), None)
+            if committed is not None:
+                storage.verify_dir(committed, under=path.relative_to(committed).as_posix())
+                verified += 1
+            elif (path / RESULT_FILE).is_file() or name in STAGE_OUTPUT_INPUTS:
+                raise ValueError(
+                    f"{flag} {item} is a stage's output without its commit marker ({storage.COMMIT_MARKER}): the "
+                    "stage did not finish, or the directory was copied in part. Re-run the stage that produced it."
+                )
     return verified
 
 

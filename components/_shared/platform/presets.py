@@ -85,11 +85,14 @@ def _check_key(key: str, pair: str) -> None:
 def _scalar(raw: str) -> Any:
     """A YAML scalar, with `2e-5` read as a number (YAML 1.1 wants `2.0e-5`)."""
     value = yaml.load(raw, Loader=strict_yaml.StrictLoader)  # noqa: S506 - safe: a SafeLoader without aliases
-    if isinstance(value, str):
+    if isinstance(value, str) and "_" not in value:  # Python's float() reads 1_0 as 10
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             return value
+        if number == 0 and any(c in "123456789" for c in value.partition("e")[0].partition("E")[0]):
+            raise ValueError(f"{value!r} is too small for a float (it reads as 0)")
+        return number
     return value
 
 
@@ -173,6 +176,11 @@ def read_preset_yaml(
         )
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level.")
+    if "extends" in data and data["extends"] is None:
+        raise ValueError(
+            f"{path}: extends: is empty (null); name the preset this one builds on (e.g. `extends: tiny`), or remove "
+            "the line."
+        )
     parent = data.pop("extends", None)
     if parent is None:
         return data

@@ -280,14 +280,7 @@ def _marker_for(source: Path) -> tuple[list[Path], dict[str, Any]]:
     """The files of a directory (marker excluded) and the `_COMMITTED.json` content that lists them."""
     if not source.is_dir():
         raise FileNotFoundError(f"{source} is not a directory.")
-    files = sorted(
-        p
-        for p in source.rglob("*")
-        if p.is_file()
-        and p.relative_to(source).as_posix() != COMMIT_MARKER
-        and p.name not in LOCK_FILES
-        and not any(".stale-" in part for part in p.relative_to(source).parts)  # another run's, set aside
-    )
+    files = _output_files(source)
     marker = {
         "files": {
             p.relative_to(source).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in files
@@ -295,6 +288,18 @@ def _marker_for(source: Path) -> tuple[list[Path], dict[str, Any]]:
         "created": datetime.now(UTC).isoformat(),
     }
     return files, marker
+
+
+def _output_files(source: Path, under: Path | None = None) -> list[Path]:
+    """The files a commit lists: all but the marker, lock files and set-aside (`.stale-`) runs."""
+    return sorted(
+        p
+        for p in (under or source).rglob("*")
+        if p.is_file()
+        and p.relative_to(source).as_posix() != COMMIT_MARKER
+        and p.name not in LOCK_FILES
+        and not any(".stale-" in part for part in p.relative_to(source).parts)  # another run's, set aside
+    )
 
 
 def commit_dir(local_dir: str | Path) -> dict:
@@ -318,18 +323,39 @@ def _modes_by_umask(files: list[Path]) -> None:
             path.chmod(mode | (wanted & 0o066))
 
 
-def verify_dir(local_dir: str | Path) -> int:
-    """Check a local committed directory against its marker; returns the number of files verified."""
+def verify_dir(local_dir: str | Path, under: str = "") -> int:
+    """Check a local committed directory (or only its subfolder `under`, the part a reader reads) against its
+    marker: every listed file whole, none listed outside it, none there that it does not list (added after the
+    commit: readers that list a folder would read them). Returns the number of files verified."""
     root = Path(local_dir)
     marker = read_marker(root)
-    for relative, expected in sorted(marker["files"].items()):
+    outside = [r for r in marker["files"] if r.startswith("/") or ".." in r.split("/")]
+    if outside:
+        raise IntegrityError(
+            f"{root / COMMIT_MARKER} lists {outside[0]!r}, outside {root}; re-run the stage that produced {root}."
+        )
+    inside = under.strip("/") if under.strip("/") != "." else ""
+    prefix = f"{inside}/" if inside else ""
+    listed = {r: e for r, e in marker["files"].items() if r.startswith(prefix)}
+    unlisted = [
+        p.relative_to(root).as_posix()
+        for p in _output_files(root, root / prefix if prefix else None)
+        if p.relative_to(root).as_posix() not in listed
+    ]
+    if unlisted:
+        shown = ", ".join(unlisted[:3]) + (f" and {len(unlisted) - 3} more" if len(unlisted) > 3 else "")
+        raise IntegrityError(
+            f"{root} holds files its {COMMIT_MARKER} does not list ({shown}): added after the stage committed it. "
+            f"Remove them, or re-run the stage that produced {root}."
+        )
+    for relative, expected in sorted(listed.items()):
         path = root / relative
         if not path.is_file() or path.stat().st_size != expected["size"] or sha256_file(path) != expected["sha256"]:
             raise IntegrityError(
                 f"{path} does not match {COMMIT_MARKER} (missing, truncated or modified); "
                 f"re-run the stage that produced {root}."
             )
-    return len(marker["files"])
+    return len(listed)
 
 
 def publish_dir(local_dir: str | Path, dest_uri: str | Path, *, multipart_threshold: int | None = None) -> dict:
@@ -388,6 +414,10 @@ def read_marker(uri: str | Path) -> dict[str, Any]:
             f"{uri} is not committed (no {COMMIT_MARKER}): its publication never finished; "
             f"re-run the stage that produces it."
         ) from error
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested past the parser
+        raise IntegrityError(
+            f"{join(uri, COMMIT_MARKER)} is not JSON (damaged or replaced); re-run the stage that produces {uri}."
+        ) from None
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
         raise IntegrityError(f"{join(uri, COMMIT_MARKER)} is malformed: expected {{'files': {{...}}, 'created': ...}}.")
     return marker

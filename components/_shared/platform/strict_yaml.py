@@ -38,7 +38,15 @@ class StrictLoader(yaml.SafeLoader):
     def construct_yaml_int(self, node):
         """YAML 1.1's readings of numbers that do not look like them are refused: `010` (octal 8) and `1:30`
         (base 60, 90); decimal, `0x` hex and `0b` binary read as they do."""
-        text = str(node.value).replace("_", "").lstrip("+-")
+        if "_" in str(node.value):
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"{node.value!r} reads as {super().construct_yaml_int(node)} in YAML 1.1 (its '_' are dropped); write "
+                "the number without '_', or quote it as text",
+                node.start_mark,
+            )
+        text = str(node.value).lstrip("+-")
         if ":" in text or (len(text) > 1 and text.startswith("0") and text.isdigit()):
             raise yaml.constructor.ConstructorError(
                 None,
@@ -58,6 +66,14 @@ class StrictLoader(yaml.SafeLoader):
                 node.start_mark,
             )
         return super().construct_yaml_float(node)
+
+    def construct_merge(self, node):
+        raise yaml.constructor.ConstructorError(
+            None,
+            None,
+            "YAML merge keys (<<) are not read here; write the settings out (or use extends:)",
+            node.start_mark,
+        )
 
     def construct_yaml_bool(self, node):
         """Only true/false are booleans: YAML 1.1's yes/no/on/off stay the words typed (`mode=yes` was read as true
@@ -83,6 +99,7 @@ class StrictLoader(yaml.SafeLoader):
 StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
 StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
 StrictLoader.add_constructor("tag:yaml.org,2002:bool", StrictLoader.construct_yaml_bool)
+StrictLoader.add_constructor("tag:yaml.org,2002:merge", StrictLoader.construct_merge)
 
 
 def load(text: str, where: str) -> Any:
