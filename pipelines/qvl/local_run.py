@@ -159,10 +159,10 @@ RUN_FILES = {
 }  # what a run writes into its directory (with its lock files)
 
 
-def check_run_dir(out_dir: Path) -> None:
+def check_run_dir(out_dir: Path, ours: frozenset[str] = frozenset()) -> None:
     """The run directory is new, empty, or a run's own: a run clears its logs/, stage_results/ and progress/ and
     overwrites report.html, so a directory of other files (a project folder given as --out) is refused, naming
-    them, before anything in it is touched."""
+    them, before anything in it is touched. `ours`: names the caller writes there itself (qvl rehearse --preset)."""
     owner = next((p for p in out_dir.absolute().parents if (p / COMMIT_MARKER).is_file()), None)
     if owner is not None:
         raise ValueError(
@@ -181,7 +181,9 @@ def check_run_dir(out_dir: Path) -> None:
     entries = sorted(p.name for p in out_dir.iterdir())
     if not entries or (out_dir / SUMMARY_FILE).exists() or any(n.startswith(".qvl-lock") for n in entries):
         return  # new, or an earlier run's (finished, or stopped before its summary: its lock file stays)
-    foreign = [n for n in entries if n not in RUN_FILES]
+    if ours and all(n in RUN_FILES or n in ours for n in entries):
+        return  # the caller's own earlier files (a rehearsal stopped before its run started)
+    foreign = [n for n in entries if n not in RUN_FILES and n not in ours]
     shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
     raise ValueError(
         f"--out {out_dir} holds files no qvl run wrote ({shown or ', '.join(entries[:5])}); a run clears its logs/ "

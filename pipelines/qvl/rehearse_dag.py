@@ -152,6 +152,9 @@ def checkpoint_name(uri: str) -> str:
     return name
 
 
+REHEARSAL_FILES = frozenset({"real-set", "models", "checkpoints", "rehearsal_cuts.json", "rehearsal.json"})
+
+
 def rehearsal_dir(root: Path, name: str) -> Path:
     """ROOT/PRESET for `qvl rehearse --preset NAME --out ROOT`, checked before anything is written: the preset loads
     and names a checkpoint the rehearsal builds, the subfolder is the preset's own name made safe (never `..`), ROOT
@@ -175,7 +178,7 @@ def rehearsal_dir(root: Path, name: str) -> Path:
                 f"--out {root} holds data ({', '.join(found[:5])}): the rehearsal writes its real set and every "
                 "stage's output under it. Give a new directory or an earlier rehearsal's (e.g. runs/rehearsal)."
             )
-    check_run_dir(root / slug)
+    check_run_dir(root / slug, ours=REHEARSAL_FILES)
     return root / slug
 
 

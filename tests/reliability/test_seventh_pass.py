@@ -307,3 +307,15 @@ def test_an_image_with_no_visible_pixel_is_a_bad_record(tmp_path):
     one_pixel.save(tmp_path / "one-pixel.png")
     Image.new("RGB", (16, 16)).save(tmp_path / "opaque.png")
     assert probe_image(tmp_path, "one-pixel.png") is None and probe_image(tmp_path, "opaque.png") is None
+
+
+def test_a_rehearsal_stopped_before_its_run_can_be_run_again_into_the_same_directory(tmp_path):
+    from pipelines.qvl.rehearse_dag import rehearsal_dir
+
+    earlier = tmp_path / "prod-7b"  # what a rehearsal leaves when it stops while building its checkpoints
+    (earlier / "real-set").mkdir(parents=True)
+    (earlier / "models").mkdir()
+    assert rehearsal_dir(tmp_path, "prod-7b") == earlier
+    (earlier / "notes.txt").write_text("mine\n")
+    with pytest.raises(ValueError, match=r"holds files no qvl run wrote \(notes.txt\)"):
+        rehearsal_dir(tmp_path, "prod-7b")
