@@ -316,11 +316,15 @@ def _labels(stage: str, p: StageProfile) -> dict[str, str]:
     return {"app.kubernetes.io/part-of": PART_OF, "qvl.stage": stage, **p.labels}
 
 
-def apply_task_policy(task: dsl.PipelineTask, stage: str, cluster: ClusterProfile) -> dsl.PipelineTask:
-    """Retries, caching and the task's name in its environment (its MLflow run's tag): what kfp.local honours too."""
+def apply_task_policy(
+    task: dsl.PipelineTask, stage: str, cluster: ClusterProfile, *, retries: bool = True
+) -> dsl.PipelineTask:
+    """Retries (unless `retries` is false), caching and the task's name in its environment (its MLflow run's tag):
+    what kfp.local honours too. `qvl run --local` runs without retries: on one machine a failure is this run's
+    (a user error fails the same way again, after minutes of back-off), and a rerun resumes from checkpoints."""
     p = cluster.stages[stage]
     task.set_env_variable(KFP_TASK_ENV, task.name)
-    if p.retries:
+    if p.retries and retries:
         task.set_retry(
             num_retries=p.retries,
             backoff_duration=p.backoff,

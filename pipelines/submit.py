@@ -21,7 +21,6 @@ import re
 import sys
 import tempfile
 import time
-import unicodedata
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from components._shared.platform.credential_shapes import shown
+from components._shared.platform.names import hidden_in_name
 from pipelines import credentials
 
 # Pipeline parameters settable as `key=value` (the stage configs are set through dotted preset settings).
@@ -212,6 +212,13 @@ def check_cluster_location(name: str, value: str, *, echo: Callable[[str], None]
 
 
 def check_host(host: str) -> None:
+    """--host as the KFP client needs it: scheme://HOST[:PORT][/PATH], nothing else (no user, query, blanks)."""
+    odd = next((c for c in host if c.isspace() or not c.isprintable()), None)
+    if odd is not None:
+        raise SubmitError(
+            f"--host {ascii(shown(host, 200))} holds {odd!r} at character {host.index(odd)} (a space, tab or "
+            "invisible character): a URL has none; retype it as scheme://HOST[:PORT][/PATH]."
+        )
     if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]*@", host):
         raise SubmitError(
             f"--host {shown(host, 200)!r} carries a user or password; give the endpoint alone and the token in the "
@@ -226,7 +233,10 @@ def check_host(host: str) -> None:
         raise SubmitError(
             f"--host '{shown(host, 200)}' needs a scheme: https://HOST[/PATH] (or http://127.0.0.1:PORT)."
         )
-    parts = urlsplit(host)
+    try:
+        parts = urlsplit(host)
+    except ValueError:  # an IPv6 host opened with '[' and not closed
+        raise SubmitError(f"--host '{shown(host, 200)}': an IPv6 address opened with '[' is not closed.") from None
     if parts.query or parts.fragment or host.endswith(("?", "#")):
         raise SubmitError(
             f"--host '{shown(host, 200)}' has a query or fragment ('?' or '#'); the client adds the API's paths to "
@@ -252,14 +262,11 @@ def check_submission(experiment: str, run_name: str | None, namespace: str | Non
     for flag, value in (("--experiment", experiment), ("--run-name", run_name)):
         if value is not None and not value.strip():
             raise SubmitError(f"{flag}={value!r} is empty (an unset shell variable?); give a name, or leave it out.")
-        if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
-            raise SubmitError(f"{flag} holds a line break or a control character; give a name on one line.")
-        hidden = next((c for c in value or "" if unicodedata.category(c) == "Cf"), None)
-        if hidden is not None:  # right-to-left overrides, zero-width characters: a name that reads as another
-            raise SubmitError(
-                f"{flag} holds an invisible formatting character ({unicodedata.name(hidden, f'U+{ord(hidden):04X}')}) "
-                "that makes it read as another name in the UI; retype it."
-            )
+        if value is not None and any(c in "\n\r\x85\u2028\u2029" for c in value):
+            raise SubmitError(f"{flag} holds a line break; give a name on one line.")
+        hidden = hidden_in_name(value or "")
+        if hidden:  # controls, right-to-left overrides, zero-width characters: a name that reads as another
+            raise SubmitError(f"{flag} holds {hidden}, which makes it read as another name in the UI; retype it.")
     try:
         credentials.check({"--experiment": experiment, "--run-name": run_name or ""}, "the run's names")
     except ValueError as err:

@@ -52,7 +52,8 @@ def build_pipeline(
     def on_cluster(task: dsl.PipelineTask, stage: str) -> dsl.PipelineTask:
         if for_cluster:
             return apply_profile(task, stage, cluster)
-        return apply_local_launch(apply_task_policy(task, stage, cluster), stage, (local_processes or {}).get(stage))
+        local = apply_task_policy(task, stage, cluster, retries=False)
+        return apply_local_launch(local, stage, (local_processes or {}).get(stage))
 
     @dsl.pipeline(
         name=PIPELINE_NAME,

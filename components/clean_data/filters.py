@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from components._shared.data.ocr import OcrReader, load_ocr, unmentioned_words  # noqa: F401 (used as filters.*)
+from components._shared.data.text_checks import RecordError, check_text
 
 Rejection = tuple[str, str]
 
@@ -85,6 +86,10 @@ def check_caption(raw: bytes, cfg) -> tuple[str | None, Rejection | None]:
     text = text.lstrip("\ufeff").strip()
     if "\x00" in text:
         return None, ("caption_not_utf8", "caption contains NUL characters")
+    try:
+        check_text(text, "caption")
+    except RecordError as error:  # control characters, bidi overrides, chat tokens: binary or a broken export
+        return None, ("caption_not_utf8", str(error)[:300])
     if not text:
         return None, ("empty_caption", "caption is empty or whitespace")
     if len(text) > cfg.max_caption_chars:

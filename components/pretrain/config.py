@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from components._shared.model.train_config import (
     ModuleGroup,
@@ -46,9 +46,22 @@ class InfoNceConfig(SubConfig):
     hard_negatives: Annotated[int, Field(ge=0, description="0 = all in-batch negatives.")] = 0
 
 
+MIN_REGION_WEIGHT = 1e-4
+
+
 class RegionStep(SubConfig):
     fraction: Annotated[float, Field(gt=0, le=1, description="Share of all pretraining steps (stage 1 + stage 2).")]
     weight: Annotated[float, Field(ge=0, le=10, description="The region loss's weight against the caption loss.")]
+
+    @field_validator("weight")
+    @classmethod
+    def _zero_or_felt(cls, value: float) -> float:
+        if 0 < value < MIN_REGION_WEIGHT:
+            raise ValueError(
+                f"a region weight of {value:g} moves nothing (under {MIN_REGION_WEIGHT:g} of the caption loss); give 0 "
+                "for a segment without the region term, or a weight of at least that."
+            )
+        return value
 
 
 class RegionConfig(SubConfig):

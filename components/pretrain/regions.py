@@ -10,79 +10,18 @@ as the processors lay them out), i.e. in units of the vision encoder's stride, w
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from components._shared.data.regions import Region, record_regions
 from components.pretrain.config import RegionConfig
 
 logger = logging.getLogger(__name__)
-
-MALFORMED = "malformed (not [start, end, x1, y1, x2, y2, score] numbers)"
-SPAN = "span outside the caption"
-BOX = "box not inside the image (relative 0-1, x1 < x2, y1 < y2)"
-SCORE = "score under region.min_score"
-EMPTY = "the span is blank"
-DUPLICATE = "the same span and box as another chunk of the record"
-
-
-@dataclass(frozen=True)
-class Region:
-    phrase: str
-    box: tuple[float, float, float, float]  # x1, y1, x2, y2 relative to the image (0-1)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _chunks(record: dict) -> Any:
-    """The record's `noun_chunks` (None when it has none or its metadata is not a JSON object)."""
-    try:
-        meta = json.loads(record.get("metadata") or "{}")
-    except ValueError:
-        return None
-    return meta.get("noun_chunks") if isinstance(meta, dict) else None
-
-
-def record_regions(record: dict, min_score: float) -> tuple[list[Region], list[str]]:
-    """The usable regions of one kept record, and the reason each of its other chunks is not used."""
-    chunks, caption = _chunks(record), record["caption"]
-    if chunks is None:
-        return [], []
-    if not isinstance(chunks, list):
-        return [], [MALFORMED]
-    regions: list[Region] = []
-    dropped: list[str] = []
-    seen: set[Region] = set()
-    for chunk in chunks:
-        if not isinstance(chunk, list) or len(chunk) not in (6, 7) or not all(_number(v) for v in chunk):
-            dropped.append(MALFORMED)
-            continue
-        if len(chunk) == 7 and not 0 <= chunk[6] <= 1:  # GRIT's score is a probability
-            dropped.append(MALFORMED)
-            continue
-        start, end, x1, y1, x2, y2 = chunk[:6]
-        if start != int(start) or end != int(end) or not 0 <= start < end <= len(caption):
-            dropped.append(SPAN)
-        elif not (0 <= x1 < x2 <= 1 and 0 <= y1 < y2 <= 1):
-            dropped.append(BOX)
-        elif (chunk[6] if len(chunk) == 7 else 1.0) < min_score:
-            dropped.append(SCORE)
-        elif not caption[int(start) : int(end)].strip():
-            dropped.append(EMPTY)
-        elif Region(caption[int(start) : int(end)].strip(), (x1, y1, x2, y2)) in seen:
-            dropped.append(DUPLICATE)
-        else:
-            regions.append(Region(caption[int(start) : int(end)].strip(), (x1, y1, x2, y2)))
-            seen.add(regions[-1])
-    return regions, dropped
 
 
 def collect_regions(records: list[dict], cfg: RegionConfig) -> tuple[list[list[Region]], dict[str, int]]:
@@ -104,13 +43,16 @@ def collect_regions(records: list[dict], cfg: RegionConfig) -> tuple[list[list[R
             "records GRIT-style noun_chunks ([start, end, x1, y1, x2, y2, score] per caption phrase, boxes relative "
             f"to the image) in their JSON, or set region.enabled: false{_said(reasons)}."
         )
-    phrases = {region.phrase for regions in per_record for region in regions}
-    if len(phrases) < 2:
+    named = Counter(phrase_key(region.phrase) for regions in per_record for region in regions)
+    phrase, most = named.most_common(1)[0]
+    if len(named) < 2 or most > MAX_ONE_PHRASE_SHARE * used:
         raise ValueError(
-            f"pretrain.region.enabled, but every usable box of the {len(records)} kept records names one phrase "
-            f"({next(iter(phrases))!r}): the region term matches boxes to phrases against the others and learns "
-            "nothing; give chunks for the phrases that name objects, or set region.enabled: false."
+            f"pretrain.region.enabled, but {most} of the {used} usable boxes of the {len(records)} kept records name "
+            f"one phrase ({phrase!r}, case and end punctuation aside): the region term matches each box to its phrase "
+            "against the other phrases of a micro-batch, and nearly every micro-batch has no other. Give chunks for "
+            "the phrases that name objects, or set region.enabled: false."
         )
+    phrases = set(named)
     for reason, count in sorted(reasons.items()):
         logger.warning("pretrain: %d region chunk(s) not used: %s (e.g. record %s)", count, reason, example[reason])
     metrics = {
@@ -120,6 +62,14 @@ def collect_regions(records: list[dict], cfg: RegionConfig) -> tuple[list[list[R
         "region_dropped": sum(reasons.values()),
     }
     return per_record, metrics
+
+
+MAX_ONE_PHRASE_SHARE = 0.9  # more boxes than this naming one phrase: most micro-batches contrast nothing
+
+
+def phrase_key(phrase: str) -> str:
+    """A phrase as a reader tells phrases apart: case, surrounding punctuation and repeated spaces aside."""
+    return " ".join(phrase.lower().strip(" .,;:!?\"'()[]").split())
 
 
 def _said(reasons: Counter) -> str:
@@ -145,12 +95,16 @@ class RegionTerm:
         self._ids: dict[str, list[int]] = {}
 
     def weight(self) -> float:
-        at = (self.offset + (self.loop.step if self.loop is not None else 0)) / max(1, self.total)
+        return self.weight_at(self.offset + (self.loop.step if self.loop is not None else 0))
+
+    def weight_at(self, step: int) -> float:
+        """The scheduled weight at pretraining step `step` (of `total`)."""
+        at = step / max(1, self.total)
         edge = 0.0
-        for step in self.cfg.schedule:
-            edge += step.fraction
+        for segment in self.cfg.schedule:
+            edge += segment.fraction
             if at < edge:
-                return step.weight
+                return segment.weight
         return self.cfg.schedule[-1].weight
 
     def _phrase_ids(self, phrase: str) -> list[int]:

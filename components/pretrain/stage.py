@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from components._shared.data import datasets
+from components._shared.data.kept_records import load_kept
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
 from components._shared.model.checkpoint import CheckpointStore
@@ -42,25 +43,6 @@ from components.pretrain.feature_store import FeatureStore
 from components.pretrain.regions import Region, RegionTerm, collect_regions
 
 MAX_IMAGE_PIXELS = 89_478_485
-
-
-def load_kept(
-    clean_data: Path, max_records: int | None, *, with_images: bool = True, with_metadata: bool = False
-) -> list[dict]:
-    """clean_data's kept records: image_hash, caption and, only when needed, the image bytes and the metadata."""
-    import pyarrow.parquet as pq
-
-    parts = sorted((clean_data / "kept").glob("part-*.parquet"))
-    if not parts:
-        raise ValueError(f"{clean_data}/kept has no part-*.parquet files; point --clean-data at clean_data's output.")
-    columns = ["image_hash", "caption"] + (["image"] if with_images else []) + (["metadata"] if with_metadata else [])
-    rows: list[dict] = []
-    for part in parts:
-        table = pq.read_table(part, columns=columns).to_pylist()
-        rows += [r for r in table if r["caption"]]
-        if max_records and len(rows) >= max_records:
-            return rows[:max_records]
-    return rows
 
 
 def infonce_loss(cfg: InfoNceConfig, embeds: torch.Tensor, batch: dict, text_embeds: torch.Tensor) -> torch.Tensor:
@@ -341,7 +323,14 @@ def region_term(cfg: PretrainConfig, encoder: ConversationEncoder, model) -> Reg
     """The region loss over all pretraining steps (stage 1, then stage 2 when it runs)."""
     total = cfg.stage1.train.steps + (cfg.stage2.train.steps if cfg.stage2.enabled else 0)
     merge = int(qwen_model(model).config.vision_config.spatial_merge_size)
-    return RegionTerm(cfg.region, encoder.tokenizer, merge, offset=0, total=total)
+    term = RegionTerm(cfg.region, encoder.tokenizer, merge, offset=0, total=total)
+    if not any(term.weight_at(step) for step in range(total)):
+        raise ValueError(
+            f"pretrain.region.schedule gives weight 0 at every one of the {total} pretraining steps (its weighted "
+            "segments fall between steps): the region term would train nothing. Widen the weighted segments, give "
+            "more steps, or set region.enabled: false."
+        )
+    return term
 
 
 def caption_samples(

@@ -163,12 +163,9 @@ def check_run_dir(out_dir: Path, ours: frozenset[str] = frozenset()) -> None:
     """The run directory is new, empty, or a run's own: a run clears its logs/, stage_results/ and progress/ and
     overwrites report.html, so a directory of other files (a project folder given as --out) is refused, naming
     them, before anything in it is touched. `ours`: names the caller writes there itself (qvl rehearse --preset)."""
-    owner = next((p for p in out_dir.absolute().parents if (p / COMMIT_MARKER).is_file()), None)
-    if owner is not None:
-        raise ValueError(
-            f"--out {out_dir} lies inside {owner}, a stage's committed output; a run there would add files its "
-            f"{COMMIT_MARKER} does not list. Give a directory outside it (e.g. runs/NAME)."
-        )
+    from components._shared.platform.placement import check_outside_inputs
+
+    check_outside_inputs(out_dir, "--out")
     if not out_dir.exists():
         return
     if not out_dir.is_dir():

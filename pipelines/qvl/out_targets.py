@@ -13,6 +13,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from components._shared.platform.placement import check_outside_inputs
+
 WORLD_GENERATOR = "components.synth_world"  # world.json's "generator"
 COMPILED_KEYS = ("pipelineInfo:", "deploymentSpec:", "schemaVersion:")  # top-level keys of a compiled KFP spec
 
@@ -22,7 +24,9 @@ def _listed(names: list[str]) -> str:
 
 
 def check_world_dir(directory: Path) -> None:
-    """A new or empty directory, or an earlier synthetic world's (its world.json names the generator)."""
+    """A new or empty directory, or an earlier synthetic world's (its world.json names the generator), outside any
+    lake, data directory or committed output."""
+    check_outside_inputs(directory, "--out")
     if not directory.exists():
         return
     if not directory.is_dir():
@@ -45,6 +49,7 @@ def check_world_dir(directory: Path) -> None:
 
 def check_compile_target(target: Path, preset_file: Path | None) -> None:
     """A new file, or an earlier compiled pipeline; never the preset being compiled."""
+    check_outside_inputs(target, "--out")
     if preset_file is not None and target.exists() and target.resolve() == preset_file.resolve():
         raise ValueError(f"--out {target} is the preset being compiled; give another file (e.g. vlm_training.yaml).")
     if not target.exists() or target.is_symlink():  # a link is replaced, not written through (what it names stays)

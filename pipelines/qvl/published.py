@@ -85,6 +85,25 @@ def published_from(summary: dict[str, Any], *, machine: str) -> dict[str, Any]:
     }
 
 
+def check_covers(current: dict[str, Any], summary: dict[str, Any], run: str) -> None:
+    """Refuse a run that would publish less than the published file holds: another preset, or stages missing or
+    not succeeded (a run stopped with --until, a summary written by hand)."""
+    if summary.get("preset") != current.get("preset"):
+        raise SystemExit(
+            f"{run}: a run of preset {summary.get('preset')!r}; the published numbers are preset "
+            f"{current.get('preset')!r}'s: publish a run of README command 1."
+        )
+    given = summary.get("stages")
+    stages: dict[str, Any] = given if isinstance(given, dict) else {}
+    wanted = set(current.get("stage_seconds") or {}) | {row.get("stage") for row in current.get("rows") or []}
+    missing = sorted(s for s in wanted if not isinstance(stages.get(s), dict) or stages[s].get("status") != "succeeded")
+    if missing:
+        raise SystemExit(
+            f"{run}: the run has no succeeded {', '.join(missing)} (the published numbers do): publish a run of the "
+            "whole DAG (README command 1), not one stopped with --until."
+        )
+
+
 def _round(value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
@@ -246,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     machine = args[1] if len(args) == 2 else "a 2-core machine with nothing else running"
     published = published_from(summary, machine=machine)
     target = published_for(published["cpu_vendor"])
+    if target.is_file():
+        check_covers(json.loads(target.read_text()), summary, args[0])
     target.write_text(json.dumps(published, indent=2) + "\n")
     for other in PUBLISHED_BY_VENDOR.values():  # the other vendors' numbers of the stages that changed since
         if stale and other != target and other.is_file():

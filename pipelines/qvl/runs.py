@@ -64,6 +64,8 @@ def read_run(location: str | Path) -> Run:
         summary = json.loads(summary_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{summary_file}: not a run summary ({error}); was the run interrupted?") from None
+    except RecursionError:  # nested past the parser's depth: no summary qvl writes
+        raise ValueError(f"{summary_file}: not a run summary (JSON nested too deep to read).") from None
     if not isinstance(summary, dict):
         raise ValueError(f"{summary_file}: not a run summary (a JSON object with 'stages').")
     return Run(summary_file.parent, summary, summary_file.stat().st_mtime)

@@ -202,7 +202,7 @@ def test_bad_arguments_fail_before_any_request(args, says):
         (["--experiment", "e", "--run-name", "hf_" + "a1B2" * 9], None, "--run-name: a Hugging Face token"),
         (["--experiment", "e", "--namespace", "My NS!"], None, "--namespace 'My NS!' is not a Kubernetes namespace"),
         (["--experiment", "e"], "TokSecretVal123\r\nX-Evil: 1", "KFP_TOKEN holds a line break"),
-        (["--experiment", "team\nrun"], None, "--experiment holds a line break or a control character"),
+        (["--experiment", "team\nrun"], None, "--experiment holds a line break; give a name on one line"),
     ],
 )
 def test_names_and_the_token_are_checked_before_any_request(monkeypatch, flags, token, says):

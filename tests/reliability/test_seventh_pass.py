@@ -252,7 +252,7 @@ def test_a_stage_output_without_its_commit_marker_is_refused_as_an_input(tmp_pat
     mine = tmp_path / "data"  # a user's directory is no stage output: read as it is
     mine.mkdir()
     assert verify_inputs({"data": str(mine)}) == 0
-    with pytest.raises(ValueError, match=r"features is a stage's output without its commit marker .*Re-run the stage"):
+    with pytest.raises(ValueError, match=r"features is, or lies in, a stage.s output without its commit .*Re-run the"):
         verify_inputs({"data": str(mine), "features": [str(unfinished)]})
 
 

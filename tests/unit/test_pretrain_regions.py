@@ -12,22 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from components._shared.data.regions import BOX, MALFORMED, SCORE, SPAN, Region, record_regions
 from components._shared.model.encoder import Sample
 from components._shared.platform.tracking import NullTracker
 from components.extract_features.config import ExtractFeaturesConfig
 from components.extract_features.stage import run as extract
 from components.pretrain.config import PretrainConfig, RegionConfig
-from components.pretrain.regions import (
-    BOX,
-    MALFORMED,
-    SCORE,
-    SPAN,
-    Region,
-    RegionTerm,
-    box_cells,
-    collect_regions,
-    record_regions,
-)
+from components.pretrain.regions import RegionTerm, box_cells, collect_regions
 from components.pretrain.stage import run
 from components.synth_world.splits import write_splits
 from components.synth_world.world import caption, noun_chunks, random_scene, render

@@ -442,6 +442,7 @@ def read_shard(uri: str, *, max_member_bytes: int, errors: list[ShardError]) -> 
 
 # -- listing a lake ----------------------------------------------------------------------------------------
 LAKE_SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".parquet")
+PIPELINE_OUTPUT_FILES = ("_COMMITTED.json", "_stage_result.json", "run_summary.json")  # a stage's or a run's output
 
 
 def list_lake_files(lake_uri: str) -> tuple[list[str], list[str]]:
@@ -464,6 +465,12 @@ def list_lake_files(lake_uri: str) -> tuple[list[str], list[str]]:
                 "y is" if len(odd) == 1 else "ies are",
                 ", ".join(odd[:5]),
             )
+    outputs = [uri for uri in files if uri.rsplit("/", 1)[-1] in PIPELINE_OUTPUT_FILES]
+    if outputs:
+        raise ValueError(
+            f"lake_uri={lake_uri!r} holds a pipeline output ({outputs[0]}): its kept and rejected records would be "
+            "read as lake shards. Give the lake's own folder (img2dataset's output), with no run or stage output in it."
+        )
     tars = {uri.removesuffix(suffix) for uri in files for suffix in (".tar", ".tar.gz", ".tgz") if uri.endswith(suffix)}
     # img2dataset's WebDataset output puts a metadata NNNNN.parquet (no images) beside each NNNNN.tar: not a shard
     metadata = {uri for uri in files if uri.endswith(".parquet") and uri.removesuffix(".parquet") in tars}

@@ -5,7 +5,6 @@ without one the synthetic world's names are read: sft.jsonl, eval.jsonl, prefere
 from __future__ import annotations
 
 import re
-import unicodedata
 from pathlib import Path
 from typing import Literal
 
@@ -14,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from components._shared.data import tasks as T
 from components._shared.data.benchmarks import BENCHMARKS
 from components._shared.data.file_checks import TRAINING_ROLES, check_distinct_contents, check_training_files
+from components._shared.platform.names import hidden_in_name
 
 MANIFEST = "dataset.yaml"
 BENCHMARK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # 64 at most: metric keys stay under MLflow's 250
@@ -173,8 +173,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
             hidden = [v for v in (entry.path, entry.images, entry.annotations or "") if _invisible(v)]
             if hidden:
                 raise ValueError(
-                    f"{where}: {role} entry {ascii(hidden[0])} holds an invisible formatting character "
-                    f"({_invisible(hidden[0])}); retype the name."
+                    f"{where}: {role} entry {ascii(hidden[0])} holds {_invisible(hidden[0])}; retype the name."
                 )
     folded: dict[str, str] = {}
     for task in result.tasks:
@@ -216,9 +215,8 @@ def parse_manifest(text: str, where: str) -> Manifest:
 
 
 def _invisible(text: str) -> str:
-    """The name of the first invisible formatting character (Unicode Cf: zero-width, direction marks) in text."""
-    found = next((c for c in text if unicodedata.category(c) == "Cf"), None)
-    return "" if found is None else unicodedata.name(found, f"U+{ord(found):04X}")
+    """What in a file name would make it read as another name (text_checks.hidden_in_name), or ""."""
+    return hidden_in_name(text)
 
 
 def _booleans(value) -> bool:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_BIDI_OVERRIDE = re.compile("[\u202d\u202e]")  # LEFT-TO-RIGHT / RIGHT-TO-LEFT OVERRIDE
-_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls and DEL; tab and line breaks are text
+_BIDI_OVERRIDE = re.compile("[\u202a-\u202e]")  # embeddings, overrides and their POP DIRECTIONAL FORMATTING
+# C0 controls, DEL and C1 controls (U+0085 NEL among them); tab, line feed and carriage return are text
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 # The Qwen VL tokenizers' special tokens (Qwen2-VL's added tokens, shared by Qwen2.5-VL, Qwen3-VL and Qwen3.5; the
 # synthetic world's tokenizer has the same). model/encoder.py's ConversationEncoder refuses text holding any of them
 # (with the checkpoint's own special tokens) when it encodes; the readers refuse such records here, before training.
@@ -45,8 +46,8 @@ def check_text(text: str, where: str) -> str:
     override = _BIDI_OVERRIDE.search(text)
     if override:
         raise RecordError(
-            f"{where}: a bidirectional override U+{ord(override.group()):04X} at character {override.start()}, which "
-            "shows the text in an order other than the one trained on (natural right-to-left text needs none: marks "
-            "and isolates are kept); remove it"
+            f"{where}: a bidirectional embedding or override U+{ord(override.group()):04X} at character "
+            f"{override.start()}, which shows the text in an order other than the one trained on (natural "
+            "right-to-left text needs none: marks and isolates are kept); remove it"
         )
     return text

@@ -25,8 +25,11 @@ def stage_main(
     inputs: tuple[str, ...],
     optional_inputs: tuple[str, ...] = (),
     argv: list[str] | None = None,
+    record_as: str | None = None,
 ) -> dict[str, Any]:
-    """Parse the command line, validate the config, run the stage under a tracker, print its metrics as JSON."""
+    """Parse the command line, validate the config, run the stage under a tracker, print its metrics as JSON.
+    `record_as` names the MLflow run and summary entry when it is not the section (a step that reads a stage's
+    settings)."""
     parser = argparse.ArgumentParser(prog=f"python -m components.{section}", description=run.__doc__)
     parser.add_argument("--config", action=_Once, help=f"Preset YAML (uses its '{section}' section) or a bare section.")
     parser.add_argument(
@@ -59,13 +62,19 @@ def stage_main(
 
     log_file = None if args.output_dir.startswith("s3://") else Path(args.output_dir) / RESULT_FILE
     with reported(debug=args.debug, log_file=log_file):
-        return _run_section(parser, args, config_cls, run, section, inputs, optional_inputs)
+        return _run_section(parser, args, config_cls, run, section, inputs, optional_inputs, record_as or section)
 
 
 def _run_section(
-    parser, args, config_cls, run, section: str, inputs: tuple[str, ...], optional_inputs: tuple[str, ...]
+    parser,
+    args,
+    config_cls,
+    run,
+    section: str,
+    inputs: tuple[str, ...],
+    optional_inputs: tuple[str, ...],
+    record_as: str,
 ) -> dict[str, Any]:
-    from components._shared.platform.credential_shapes import redact
     from components._shared.platform.storage import check_location
 
     check_location(args.output_dir, "--output-dir")
@@ -76,30 +85,7 @@ def _run_section(
             continue  # absent: the stage says so if its config needs it
         check_location(getattr(args, name), f"--{name.replace('_', '-')}", builtin=True)
         _check_apart(args.output_dir, getattr(args, name), f"--{name.replace('_', '-')}")
-    if args.config is not None and not args.config.strip():
-        raise ValueError(
-            f"--config={args.config!r} is empty (an unset shell variable gives one); "
-            "give the YAML file, or leave --config out."
-        )
-    if args.config_json is not None and not args.config_json.strip():
-        raise ValueError(
-            f"--config-json={args.config_json!r} is empty (an unset shell variable gives one); give the section as "
-            "JSON, or leave --config-json out."
-        )
-    if args.experiment is not None and not args.experiment.strip():
-        raise ValueError(
-            f"--experiment={args.experiment!r} is empty (an unset shell variable gives one); give the MLflow "
-            "experiment's name, or leave --experiment out (the preset's, else 'vlm')."
-        )
-    if args.experiment is not None and redact(args.experiment) != args.experiment:
-        raise ValueError(
-            "--experiment looks like a credential (not shown); an experiment's name is stored on the tracking server "
-            "and shown to everyone who can read it: give a plain name."
-        )
-    if args.experiment is not None and len(args.experiment) > MAX_EXPERIMENT_NAME:
-        raise ValueError(
-            f"--experiment is {len(args.experiment)} characters; MLflow holds names of at most {MAX_EXPERIMENT_NAME}."
-        )
+    _check_options(args)
     from components.stages import STAGES
 
     data = read_section(Path(args.config) if args.config is not None else None, section, sections=tuple(STAGES))
@@ -133,13 +119,47 @@ def _run_section(
             inputs={name: getattr(args, name) for name in inputs},
             output_dir=local_out,
             experiment=args.experiment,
-            record_as=section,
+            record_as=record_as,
         )
         if storage.is_s3(args.output_dir) and os.environ.get("RANK", "0").strip() in ("", "0"):
             locks.check_not_lost()
             storage.publish_dir(local_out, args.output_dir)  # rank 0 only: it alone wrote the outputs
     print(json.dumps(metrics, indent=2, sort_keys=True, default=str))
     return metrics
+
+
+def _check_options(args) -> None:
+    """--config, --config-json and --experiment given empty (an unset shell variable) or unusable."""
+    from components._shared.platform.credential_shapes import redact
+    from components._shared.platform.names import hidden_in_name
+
+    if args.config is not None and not args.config.strip():
+        raise ValueError(
+            f"--config={args.config!r} is empty (an unset shell variable gives one); "
+            "give the YAML file, or leave --config out."
+        )
+    if args.config_json is not None and not args.config_json.strip():
+        raise ValueError(
+            f"--config-json={args.config_json!r} is empty (an unset shell variable gives one); give the section as "
+            "JSON, or leave --config-json out."
+        )
+    if args.experiment is not None and not args.experiment.strip():
+        raise ValueError(
+            f"--experiment={args.experiment!r} is empty (an unset shell variable gives one); give the MLflow "
+            "experiment's name, or leave --experiment out (the preset's, else 'vlm')."
+        )
+    hidden = hidden_in_name(args.experiment or "")
+    if hidden:
+        raise ValueError(f"--experiment holds {hidden}, which makes it read as another name in MLflow; retype it.")
+    if args.experiment is not None and redact(args.experiment) != args.experiment:
+        raise ValueError(
+            "--experiment looks like a credential (not shown); an experiment's name is stored on the tracking server "
+            "and shown to everyone who can read it: give a plain name."
+        )
+    if args.experiment is not None and len(args.experiment) > MAX_EXPERIMENT_NAME:
+        raise ValueError(
+            f"--experiment is {len(args.experiment)} characters; MLflow holds names of at most {MAX_EXPERIMENT_NAME}."
+        )
 
 
 MAX_EXPERIMENT_NAME = 500  # MLflow's limit on an experiment's name
@@ -201,6 +221,9 @@ def _check_directory(output: str) -> None:
         raise ValueError(
             f"--output-dir {output!r} {where} a file, not a directory; give a directory (made if missing)."
         )
+    from components._shared.platform.placement import check_outside_inputs
+
+    check_outside_inputs(path, "--output-dir")
 
 
 # What a run of a stage leaves in its output directory before its result is written (a run killed mid-way, to be

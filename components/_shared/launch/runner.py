@@ -155,7 +155,7 @@ def verify_inputs(inputs: dict[str, Any]) -> int:
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if not isinstance(item, (str, Path)) or not str(item) or storage.is_s3(item):
                 continue
-            path = Path(item).absolute()
+            path = Path(item).resolve()  # a link to OUT/model is checked against OUT's marker
             flag = f"--{name.replace('_', '-')}"
             if name in STAGE_OUTPUT_INPUTS and not path.is_dir():
                 raise ValueError(
@@ -168,10 +168,11 @@ def verify_inputs(inputs: dict[str, Any]) -> int:
             if committed is not None:
                 storage.verify_dir(committed, under=path.relative_to(committed).as_posix())
                 verified += 1
-            elif (path / RESULT_FILE).is_file() or name in STAGE_OUTPUT_INPUTS:
+            elif any((p / RESULT_FILE).is_file() for p in (path, *path.parents)) or name in STAGE_OUTPUT_INPUTS:
                 raise ValueError(
-                    f"{flag} {item} is a stage's output without its commit marker ({storage.COMMIT_MARKER}): the "
-                    "stage did not finish, or the directory was copied in part. Re-run the stage that produced it."
+                    f"{flag} {item} is, or lies in, a stage's output without its commit marker "
+                    f"({storage.COMMIT_MARKER}): the stage did not finish, or the directory was copied in part. Re-run "
+                    "the stage that produced it."
                 )
     return verified
 

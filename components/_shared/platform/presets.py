@@ -7,6 +7,7 @@ A config file is either a preset (one section per stage; a stage's section is us
 from __future__ import annotations
 
 import difflib
+import math
 import unicodedata
 from collections.abc import Collection
 from pathlib import Path
@@ -92,6 +93,8 @@ def _scalar(raw: str) -> Any:
             return value
         if number == 0 and any(c in "123456789" for c in value.partition("e")[0].partition("E")[0]):
             raise ValueError(f"{value!r} is too small for a float (it reads as 0)")
+        if math.isinf(number) and "inf" not in value.lower():
+            raise ValueError(f"{value!r} is too large for a float (it reads as infinity)")
         return number
     return value
 

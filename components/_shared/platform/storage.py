@@ -291,14 +291,15 @@ def _marker_for(source: Path) -> tuple[list[Path], dict[str, Any]]:
 
 
 def _output_files(source: Path, under: Path | None = None) -> list[Path]:
-    """The files a commit lists: all but the marker, lock files and set-aside (`.stale-`) runs."""
+    """The files a commit lists: all but the marker, lock files and set-aside runs (`ROOT.stale-KEY/` folders; a
+    file named `.stale-` is listed: a reader that globs a folder would read it)."""
     return sorted(
         p
         for p in (under or source).rglob("*")
         if p.is_file()
         and p.relative_to(source).as_posix() != COMMIT_MARKER
         and p.name not in LOCK_FILES
-        and not any(".stale-" in part for part in p.relative_to(source).parts)  # another run's, set aside
+        and not any(".stale-" in part for part in p.relative_to(source).parts[:-1])  # another run's, set aside
     )
 
 
@@ -420,6 +421,17 @@ def read_marker(uri: str | Path) -> dict[str, Any]:
         ) from None
     if not isinstance(marker, dict) or not isinstance(marker.get("files"), dict):
         raise IntegrityError(f"{join(uri, COMMIT_MARKER)} is malformed: expected {{'files': {{...}}, 'created': ...}}.")
+    for name, entry in marker["files"].items():
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("sha256"), str)
+            and isinstance(entry.get("size"), int)
+            and not isinstance(entry.get("size"), bool)
+        ):
+            raise IntegrityError(
+                f"{join(uri, COMMIT_MARKER)} is malformed: its entry for {name!r} is not "
+                f"{{'size': int, 'sha256': str}} (damaged or edited); re-run the stage that produces {uri}."
+            )
     return marker
 
 

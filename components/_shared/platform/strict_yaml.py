@@ -6,6 +6,7 @@ aliases expands to hundreds of millions of characters). Errors are capped in len
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import yaml
@@ -58,14 +59,23 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_yaml_int(node)
 
     def construct_yaml_float(self, node):
-        if ":" in str(node.value):
-            raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"{node.value!r} reads as a base-60 number in YAML 1.1; write it in decimal",
-                node.start_mark,
-            )
-        return super().construct_yaml_float(node)
+        """Refused: base 60 (`1:30.5`), '_' (dropped: `0.000_1` is 0.0001), and a number too small or too large
+        for a float (`1.0e-400` would read as 0, `1.0e400` as infinity; `.inf` is written as such)."""
+        text = str(node.value)
+        why = None
+        if ":" in text:
+            why = "reads as a base-60 number in YAML 1.1; write it in decimal"
+        elif "_" in text:
+            why = "has '_', which YAML 1.1 drops; write the number without '_', or quote it as text"
+        value = super().construct_yaml_float(node) if why is None else 0.0
+        mantissa = text.lower().partition("e")[0]
+        if why is None and value == 0 and any(c in "123456789" for c in mantissa):
+            why = "is too small for a float (it reads as 0); write 0, or a number a float holds (>= 1e-308)"
+        elif why is None and math.isinf(value) and "inf" not in text.lower():
+            why = "is too large for a float (it reads as infinity); write a number a float holds (< 1.8e308)"
+        if why is not None:
+            raise yaml.constructor.ConstructorError(None, None, f"{text!r} {why}", node.start_mark)
+        return value
 
     def construct_merge(self, node):
         raise yaml.constructor.ConstructorError(

@@ -1,0 +1,24 @@
+"""clean_data's kept records (its `kept/part-*.parquet` files), read by pretrain and by sft's data builder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_kept(
+    clean_data: Path, max_records: int | None, *, with_images: bool = True, with_metadata: bool = False
+) -> list[dict]:
+    """clean_data's kept records: image_hash, caption and, only when needed, the image bytes and the metadata."""
+    import pyarrow.parquet as pq
+
+    parts = sorted((clean_data / "kept").glob("part-*.parquet"))
+    if not parts:
+        raise ValueError(f"{clean_data}/kept has no part-*.parquet files; point --clean-data at clean_data's output.")
+    columns = ["image_hash", "caption"] + (["image"] if with_images else []) + (["metadata"] if with_metadata else [])
+    rows: list[dict] = []
+    for part in parts:
+        table = pq.read_table(part, columns=columns).to_pylist()
+        rows += [r for r in table if r["caption"]]
+        if max_records and len(rows) >= max_records:
+            return rows[:max_records]
+    return rows
