@@ -114,6 +114,76 @@ class CalibrationConfig(SubConfig):
         return self
 
 
+TEMPLATE_TYPES = ("caption", "color", "shape", "count", "position", "relation", "grounding", "ocr", "counterfactual")
+
+
+class BuildDataConfig(SubConfig):
+    """SFT conversations built from a cleaned lake (`python -m components.sft.build_data`, docs/stages/sft.md):
+    templates over each image's GRIT-style regions, scored by the base model, near duplicates dropped, type quotas
+    kept; every candidate kept or dropped with its reason (seed 000 3.2, seed 001 3.2 / 4.2)."""
+
+    templates: list[Literal[TEMPLATE_TYPES]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: list(TEMPLATE_TYPES),
+        description=(
+            "Question types to generate. `count` counts the caption's annotated objects: leave it out for captions "
+            "that do not name every object."
+        ),
+    )
+    min_score: Annotated[float, Field(ge=0, le=1, description="Region chunks under this GRIT score are not used.")] = (
+        0.5
+    )
+    keep_fraction: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=1,
+            description=(
+                "Keep this top share of each type's candidates by the base model's likelihood of the answer "
+                "(seed 000 keeps the reward model's top 30%); 1 keeps all."
+            ),
+        ),
+    ] = 1.0
+    dedup_similarity: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=1,
+            description="Candidates of one image whose texts are more alike than this are near duplicates: the "
+            "harder (less likely) one is kept.",
+        ),
+    ] = 0.85
+    min_counterfactual: Annotated[
+        float, Field(ge=0, le=0.5, description="Least share of counterfactual questions among the kept ones.")
+    ] = 0.08
+    max_type_share: Annotated[
+        float, Field(gt=0, le=1, description="Most share of any one question type among the kept ones.")
+    ] = 0.25
+    max_answer_tokens: Annotated[
+        int, Field(ge=1, le=4096, description="Answers (reasoning chains included) over this many tokens are dropped.")
+    ] = 120
+    max_records: Annotated[int | None, Field(ge=1, description="Keep at most this many conversations.")] = None
+    include_given: Annotated[
+        bool, Field(description="Train on the data directory's own SFT conversations beside the built ones.")
+    ] = False
+    seed: Annotated[int, Field(ge=0, lt=2**32, description="Picks each question's wording.")] = 0
+
+    @model_validator(mode="after")
+    def _quotas_possible(self):
+        if self.min_counterfactual > 0 and "counterfactual" not in self.templates:
+            raise ValueError(
+                f"build_data.min_counterfactual={self.min_counterfactual} but 'counterfactual' is not in "
+                "build_data.templates; add it, or set min_counterfactual: 0."
+            )
+        if len(set(self.templates)) != len(self.templates):
+            raise ValueError(f"build_data.templates lists a type twice: {self.templates}.")
+        if self.max_type_share * len(self.templates) < 1:
+            raise ValueError(
+                f"build_data.max_type_share={self.max_type_share} x {len(self.templates)} template types < 1: the "
+                "quotas cannot add up to all the kept conversations; raise max_type_share or add templates."
+            )
+        return self
+
+
 class SftConfig(TrainedStageConfig):
     """Supervised fine-tuning of a Qwen2(.5)-VL on image conversations (ShareGPT / LLaVA style)."""
 
@@ -138,6 +208,7 @@ class SftConfig(TrainedStageConfig):
     difficulty_scheduler: DifficultySchedulerConfig = DifficultySchedulerConfig()
     eval: EvalConfig = EvalConfig()
     calibration: CalibrationConfig = CalibrationConfig()
+    build_data: BuildDataConfig = BuildDataConfig()
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -170,4 +241,8 @@ class SftConfig(TrainedStageConfig):
             ]
         if not self.calibration.fit_temperature and "fraction" in changed_fields(self.calibration, CalibrationConfig()):
             notes.append("calibration.fraction: the temperature's share; calibration.fit_temperature is false")
+        notes += [
+            f"build_data.{name}: read by `python -m components.sft.build_data`; the sft stage trains on --data"
+            for name in changed_fields(self.build_data, BuildDataConfig())
+        ]
         return notes

@@ -1,0 +1,262 @@
+"""SFT data built by the pipeline from a cleaned lake (`sft.build_data`; templates and selection: data_builder.py).
+
+    python -m components.sft.build_data --config pipelines/presets/demo.yaml --clean-data OUT/clean_data \
+        --base-model OUT/pretrain/model --data WORLD/heldout --output-dir OUT/sft_data
+
+The output is a data directory for the sft stage's `--data`: the given directory's files (hard links where the
+file system allows), its `sft.jsonl` replaced by the built conversations (plus its own with
+`build_data.include_given`), the lake images they ask about under `built_images/`, `build_accounting.json`
+(candidates = kept + dropped by reason, per type; lake records used or not, region chunks used or not) and
+`built_dropped.jsonl` (every dropped candidate with its reason). Candidates are scored by the base model's mean
+log-likelihood of the answer given the image and the question.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from components._shared.data import datasets
+from components._shared.data.kept_records import load_kept
+from components._shared.data.manifest import MANIFEST
+from components._shared.data.regions import record_regions
+from components._shared.model.families import VisualTokens, family_for
+from components._shared.model.head_loss import per_sample_sequence_loss
+from components._shared.model.packing import image_embeddings, pack, plan_micro_batches, to_device
+from components._shared.model.sources import check_not_reward_model
+from components._shared.model.vlm import load_vlm, set_pixel_bounds
+from components._shared.platform.image_decode import decode_image
+from components._shared.platform.tracking import Tracker
+from components.sft import data_builder as B
+from components.sft.config import SftConfig
+
+logger = logging.getLogger(__name__)
+
+BUILT_IMAGES = "built_images"
+ACCOUNTING = "build_accounting.json"
+DROPPED = "built_dropped.jsonl"
+MAX_IMAGE_PIXELS = 89_478_485
+
+
+def run(
+    cfg: SftConfig, *, clean_data: str, base_model: str, data: str, output_dir: str | Path, tracker: Tracker
+) -> dict[str, Any]:
+    """Build SFT conversations from clean_data's kept records, score them with the base model, select, write."""
+    check_not_reward_model(base_model, "--base-model")
+    build, output_dir = cfg.build_data, Path(output_dir)
+    data_dir = datasets.resolve_data_dir(data, scratch=output_dir / ".given")
+    if (data_dir / MANIFEST).exists():
+        raise ValueError(
+            f"--data {data}: a {MANIFEST} directory; the builder writes the plain layout (sft.jsonl, eval.jsonl) and "
+            f"cannot yet rewrite a {MANIFEST}: give a directory with eval.jsonl (and sft.jsonl), or train on it as is."
+        )
+    if not (data_dir / "eval.jsonl").is_file():
+        raise ValueError(f"--data {data}: no eval.jsonl; the built directory keeps the given held-out questions.")
+    records = load_kept(Path(clean_data), None, with_images=True, with_metadata=True)
+    model, processor, _ = load_vlm(base_model)
+    set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
+    from components._shared.model.encoder import ConversationEncoder
+
+    encoder = ConversationEncoder(
+        processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
+    )
+    images, candidates, lake = generate(cfg, records, encoder, family_for(model.config).grounding)
+    scores = score(model, encoder, candidates, images, cfg)
+    answer_tokens = [len(encoder.tokenizer(c.answer, add_special_tokens=False)["input_ids"]) for c in candidates]
+    kept, dropped = B.select(candidates, scores, answer_tokens, build)
+    accounting = {"lake": lake, **B.accounting(candidates, kept, dropped)}
+    write(output_dir, data_dir, records, images, candidates, kept, dropped, scores, include_given=build.include_given)
+    (output_dir / ACCOUNTING).write_text(json.dumps(accounting, indent=2) + "\n")
+    per_type = {f"built/{k}": v["kept"] for k, v in accounting["per_type"].items()}
+    metrics = {
+        "lake_records": lake["records"],
+        "candidates": accounting["candidates"],
+        "kept": accounting["kept"],
+        **{f"dropped/{reason}": n for reason, n in accounting["dropped"].items()},
+        "counterfactual_share": accounting["counterfactual_share"],
+        **per_type,
+    }
+    tracker.log_metrics({k: float(v) for k, v in metrics.items()}, step=0)
+    return metrics
+
+
+def generate(cfg: SftConfig, records: list[dict], encoder, convention: str):
+    """(decoded images by hash, candidates, the lake's accounting): every record is used or counted with a reason."""
+    build = cfg.build_data
+    parsed: list[list] = []
+    chunk_reasons: Counter[str] = Counter()
+    images: dict[str, Any] = {}
+    for r in records:
+        regions, dropped = record_regions(r, build.min_score)
+        chunk_reasons.update(dropped)
+        parsed.append(regions)
+    objects = [B.split_regions(r["caption"], regions)[0] for r, regions in zip(records, parsed, strict=True)]
+    templates = B.Templates(B.colors_by_noun(objects), build.seed)
+    candidates: list[B.Candidate] = []
+    unused: Counter[str] = Counter()
+    seen: set[str] = set()
+    for r, regions in zip(records, parsed, strict=True):
+        if r["image_hash"] in seen:
+            unused["the same image as an earlier record"] += 1
+            continue
+        seen.add(r["image_hash"])
+        image = decode_image(r["image"], max_image_pixels=MAX_IMAGE_PIXELS).image
+        box_text = box_writer(convention, encoder.model_image_size(image))
+        made = templates(r["image_hash"], r["caption"], regions, list(build.templates), box_text)
+        if not made:
+            unused["no template applies (no usable region, caption off)"] += 1
+            continue
+        images[r["image_hash"]] = image
+        candidates += made
+    lake = {
+        "records": len(records),
+        "used": len(images),
+        "not_used": dict(sorted(unused.items())),
+        "region_chunks_used": sum(len(p) for p in parsed),
+        "region_chunks_not_used": dict(sorted(chunk_reasons.items())),
+    }
+    if not candidates:
+        raise ValueError(
+            f"build_data: none of the {len(records)} kept records gave a candidate ({lake['not_used']}); give the "
+            "lake records captions and GRIT-style noun_chunks, or add 'caption' to build_data.templates."
+        )
+    return images, candidates, lake
+
+
+def box_writer(convention: str, model_size: tuple[int, int]):
+    """A relative box as the family answers it: `(x1,y1),(x2,y2)` in pixels of the image the model sees
+    (`absolute`, Qwen2.5-VL) or in thousandths of each side (`relative_1000`)."""
+    w, h = model_size if convention == "absolute" else (1000, 1000)
+
+    def text(box: tuple[float, float, float, float]) -> str:
+        x1, y1, x2, y2 = (round(v * s) for v, s in zip(box, (w, h, w, h), strict=True))
+        return f"({x1},{y1}),({x2},{y2})"
+
+    return text
+
+
+def score(model, encoder, candidates: list[B.Candidate], images: dict, cfg: SftConfig) -> list[float]:
+    """The base model's mean log-likelihood of each answer given its image and question (higher: more likely).
+    Each image goes through the vision tower once (16 images a batch); its candidates reuse the visual tokens."""
+    by_image: dict[str, list[int]] = {}
+    for i, c in enumerate(candidates):
+        by_image.setdefault(c.image, []).append(i)
+    hashes, out = list(by_image), [0.0] * len(candidates)
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(hashes), 16):
+            group = hashes[start : start + 16]
+            pictures = [encoder.encode(_turns(candidates[by_image[h][0]]), images=[images[h]]) for h in group]
+            embeds = image_embeddings(model, to_device(pack(pictures), "cpu"))
+            assert embeds is not None  # the samples carry pixels
+            per_image = embeds.split([int(p.image_grid_thw.prod()) // encoder.merge_unit for p in pictures])
+            members = [(g, i) for g, h in enumerate(group) for i in by_image[h]]
+            samples = [encoder.encode(_turns(candidates[i]), grids=[pictures[g].image_grid_thw[0]]) for g, i in members]
+            budget = max(cfg.train.max_tokens_per_micro_batch, max(x.num_tokens for x in samples))
+            for micro in plan_micro_batches([x.num_tokens for x in samples], budget):
+                losses = per_sample_sequence_loss(
+                    model,
+                    to_device(pack([samples[k] for k in micro]), "cpu"),
+                    chunk_rows=cfg.train.loss_chunk_tokens,
+                    image_embeds=VisualTokens.cat([per_image[members[k][0]] for k in micro]),
+                )
+                for k, loss in zip(micro, losses.tolist(), strict=True):
+                    out[members[k][1]] = -loss
+    return out
+
+
+def _turns(c: B.Candidate) -> list[dict]:
+    return [{"role": "user", "text": f"<image>\n{c.question}"}, {"role": "assistant", "text": c.answer}]
+
+
+def write(
+    output_dir: Path,
+    data_dir: Path,
+    records: list[dict],
+    images: dict,
+    candidates: list[B.Candidate],
+    kept: list[int],
+    dropped: dict[int, str],
+    scores: list[float],
+    *,
+    include_given: bool,
+) -> None:
+    """The data directory: the given files but sft.jsonl, the built sft.jsonl, the lake images, the dropped list."""
+    for path in sorted(data_dir.rglob("*")):
+        if path.is_file() and path.relative_to(data_dir).as_posix() != "sft.jsonl":
+            _link(path, output_dir / path.relative_to(data_dir))
+    (output_dir / BUILT_IMAGES).mkdir(parents=True, exist_ok=True)
+    raw = {r["image_hash"]: r["image"] for r in records}
+    for image_hash in sorted({candidates[i].image for i in kept}):
+        (output_dir / BUILT_IMAGES / f"{image_hash}.png").write_bytes(_png(images[image_hash], raw[image_hash]))
+    given = (data_dir / "sft.jsonl").read_text() if include_given and (data_dir / "sft.jsonl").is_file() else ""
+    with (output_dir / "sft.jsonl").open("w") as f:
+        f.write(given if not given or given.endswith("\n") else given + "\n")
+        for n, i in enumerate(kept):
+            f.write(json.dumps(_row(candidates[i], n)) + "\n")
+    with (output_dir / DROPPED).open("w") as f:
+        for i in sorted(dropped):
+            c = candidates[i]
+            f.write(
+                json.dumps(
+                    {
+                        "image": c.image,
+                        "type": c.kind,
+                        "question": c.question,
+                        "answer": c.answer,
+                        "score": round(scores[i], 6),
+                        "reason": dropped[i],
+                    }  # fmt: skip
+                )
+                + "\n"
+            )
+
+
+def _row(c: B.Candidate, n: int) -> dict:
+    return {
+        "id": f"built-{n:06d}",
+        "image": f"{BUILT_IMAGES}/{c.image}.png",
+        "type": c.kind,
+        "difficulty": c.difficulty,
+        "conversations": [{"from": "human", "value": _turns(c)[0]["text"]}, {"from": "gpt", "value": c.answer}],
+    }
+
+
+def _png(image, raw: bytes) -> bytes:
+    """The record's bytes when they are a PNG already, else the decoded image as PNG (one format to read back)."""
+    if raw[:8] == b"\x89PNG\r\n\x1a\n":
+        return raw
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _link(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system, or links not allowed
+        shutil.copy2(src, dst)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from components._shared.launch.cli import stage_main
+
+    stage_main(
+        SftConfig, run, section="sft", inputs=("clean_data", "base_model", "data"), argv=argv, record_as="sft_data"
+    )
+
+
+if __name__ == "__main__":
+    main()
