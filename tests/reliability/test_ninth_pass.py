@@ -5,7 +5,8 @@ their marker [T01v_symlink, T_nomark_model, T_m_fifo_sft, T_stalename, T_m_null,
 or read out of lakes, data directories and committed outputs [L08, L09, RH03, RH06, C05, C05b, Q11, Q13, LK02,
 LK07], region supervision that learns nothing [g_two_one, g_punct, g_case, g_jitter, G_unreached, G_tiny_weight],
 characters [LK_c1, LK_bidi2, r_c1_answer, r_rle_answer, S01, S02, S04, Y_cgj, Y_hangul, Y_nbsp_mid], number forms
-[P03, O01, P01, O02, SP2], hosts [S09, S07, S12, S19, S22], deep summaries [RN6, RN8] and local retries [RG01].
+[P03, O01, P01, O02, SP2], hosts [S09, S07, S12, S19, S22] and deep summaries [RN6, RN8]. Local runs no longer retry
+[RG01]: tests/pipeline/test_k8s_profiles.py.
 """
 
 from __future__ import annotations
@@ -250,14 +251,3 @@ def test_a_summary_nested_past_the_parser_is_named(tmp_path):  # [RN6, RN8]
     with pytest.raises(ValueError, match="nested too deep"):
         read_run(tmp_path / "deep")
     assert find_runs(tmp_path)[0].summary["status"] == "unreadable"
-
-
-def test_local_runs_do_not_retry_and_compiled_ones_do(tmp_path):  # [RG01]
-    from kfp import compiler
-
-    from pipelines.vlm_training import build_pipeline
-
-    for cluster, file in ((False, "local.yaml"), (True, "cluster.yaml")):
-        compiler.Compiler().compile(build_pipeline("prod-7b", for_cluster=cluster), str(tmp_path / file))
-    assert "retryPolicy" not in (tmp_path / "local.yaml").read_text()
-    assert "maxRetryCount: 3" in (tmp_path / "cluster.yaml").read_text()
