@@ -14,7 +14,6 @@ log-likelihood of the answer given the image and the question.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 from collections import Counter
@@ -27,22 +26,25 @@ from components._shared.data import datasets
 from components._shared.data.kept_records import load_kept
 from components._shared.data.manifest import MANIFEST
 from components._shared.data.regions import record_regions
+from components._shared.launch.result import RESULT_FILE
 from components._shared.model.families import VisualTokens, family_for
 from components._shared.model.head_loss import per_sample_sequence_loss
 from components._shared.model.packing import image_embeddings, pack, plan_micro_batches, to_device
 from components._shared.model.sources import check_not_reward_model
+from components._shared.model.stage_steps import SCRATCH
 from components._shared.model.vlm import load_vlm, set_pixel_bounds
 from components._shared.platform.image_decode import decode_image
+from components._shared.platform.storage import COMMIT_MARKER
 from components._shared.platform.tracking import Tracker
 from components.sft import data_builder as B
 from components.sft.config import SftConfig
-
-logger = logging.getLogger(__name__)
 
 BUILT_IMAGES = "built_images"
 ACCOUNTING = "build_accounting.json"
 DROPPED = "built_dropped.jsonl"
 MAX_IMAGE_PIXELS = 89_478_485
+# Not copied from the given directory: its SFT file (replaced), and an earlier build's or stage's own files.
+NOT_COPIED = frozenset({"sft.jsonl", BUILT_IMAGES, ACCOUNTING, DROPPED, COMMIT_MARKER, RESULT_FILE})
 
 
 def run(
@@ -51,7 +53,7 @@ def run(
     """Build SFT conversations from clean_data's kept records, score them with the base model, select, write."""
     check_not_reward_model(base_model, "--base-model")
     build, output_dir = cfg.build_data, Path(output_dir)
-    data_dir = datasets.resolve_data_dir(data, scratch=output_dir / ".given")
+    data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)  # s3:// data is fetched there
     if (data_dir / MANIFEST).exists():
         raise ValueError(
             f"--data {data}: a {MANIFEST} directory; the builder writes the plain layout (sft.jsonl, eval.jsonl) and "
@@ -74,6 +76,7 @@ def run(
     accounting = {"lake": lake, **B.accounting(candidates, kept, dropped)}
     write(output_dir, data_dir, records, images, candidates, kept, dropped, scores, include_given=build.include_given)
     (output_dir / ACCOUNTING).write_text(json.dumps(accounting, indent=2) + "\n")
+    shutil.rmtree(output_dir / SCRATCH, ignore_errors=True)  # not part of the output
     per_type = {f"built/{k}": v["kept"] for k, v in accounting["per_type"].items()}
     metrics = {
         "lake_records": lake["records"],
@@ -190,8 +193,9 @@ def write(
 ) -> None:
     """The data directory: the given files but sft.jsonl, the built sft.jsonl, the lake images, the dropped list."""
     for path in sorted(data_dir.rglob("*")):
-        if path.is_file() and path.relative_to(data_dir).as_posix() != "sft.jsonl":
-            _link(path, output_dir / path.relative_to(data_dir))
+        relative = path.relative_to(data_dir)
+        if path.is_file() and relative.parts[0] not in NOT_COPIED and SCRATCH not in relative.parts:
+            _link(path, output_dir / relative)
     (output_dir / BUILT_IMAGES).mkdir(parents=True, exist_ok=True)
     raw = {r["image_hash"]: r["image"] for r in records}
     for image_hash in sorted({candidates[i].image for i in kept}):
@@ -250,11 +254,23 @@ def _link(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+class BuildDataSettings(SftConfig):
+    """The sft section as the builder reads it: its `build_data` settings are the ones that act here."""
+
+    def ignored_settings(self) -> list[str]:
+        return [note for note in super().ignored_settings() if not note.startswith("build_data.")]
+
+
 def main(argv: list[str] | None = None) -> None:
     from components._shared.launch.cli import stage_main
 
     stage_main(
-        SftConfig, run, section="sft", inputs=("clean_data", "base_model", "data"), argv=argv, record_as="sft_data"
+        BuildDataSettings,
+        run,
+        section="sft",
+        inputs=("clean_data", "base_model", "data"),
+        argv=argv,
+        record_as="sft_data",
     )
 
 

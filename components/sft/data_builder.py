@@ -29,13 +29,20 @@ COLOR_WORDS = frozenset(
 SHAPE_WORDS = frozenset("circle square triangle cross rectangle star oval diamond hexagon pentagon heart".split())
 BASIC_TYPES = frozenset({"caption", "color", "count", "shape"})  # the first curriculum phase's (the world's split)
 
-TOO_LONG = "answer over build_data.max_answer_tokens"
-LOW_SCORE = "under its type's top build_data.keep_fraction by model score"
-NEAR_DUPLICATE = "near duplicate (build_data.dedup_similarity) of a harder candidate of the same image"
-TYPE_QUOTA = "its type over build_data.max_type_share"
-COUNTERFACTUAL_QUOTA = "making room for build_data.min_counterfactual"
-RECORD_CAP = "over build_data.max_records"
-REASONS = (TOO_LONG, LOW_SCORE, NEAR_DUPLICATE, TYPE_QUOTA, COUNTERFACTUAL_QUOTA, RECORD_CAP)
+TOO_LONG = "answer_too_long"
+LOW_SCORE = "low_score"
+NEAR_DUPLICATE = "near_duplicate"
+TYPE_QUOTA = "type_quota"
+COUNTERFACTUAL_QUOTA = "counterfactual_quota"
+RECORD_CAP = "record_cap"
+REASON_TEXT = {
+    TOO_LONG: "answer over build_data.max_answer_tokens",
+    LOW_SCORE: "under its type's top build_data.keep_fraction by model score",
+    NEAR_DUPLICATE: "near duplicate (build_data.dedup_similarity) of a harder candidate of the same image",
+    TYPE_QUOTA: "its type over build_data.max_type_share",
+    COUNTERFACTUAL_QUOTA: "making room for build_data.min_counterfactual",
+    RECORD_CAP: "over build_data.max_records",
+}
 
 
 @dataclass(frozen=True)
@@ -366,4 +373,5 @@ def accounting(candidates: list[Candidate], kept: list[int], dropped: dict[int, 
         "dropped": dict(sorted(Counter(dropped.values()).items())),
         "per_type": {k: {**v, "dropped": dict(sorted(v["dropped"].items()))} for k, v in sorted(per_type.items())},
         "counterfactual_share": sum(candidates[i].counterfactual for i in kept) / len(kept) if kept else 0.0,
+        "reasons": REASON_TEXT,
     }

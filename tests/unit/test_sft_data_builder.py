@@ -153,7 +153,7 @@ def test_impossible_quotas_are_refused_naming_the_setting():
     ]
 
 
-def test_build_data_writes_a_data_directory_and_accounts_for_every_candidate(tmp_path):
+def test_build_data_writes_a_data_directory_and_accounts_for_every_candidate(tmp_path, tracking_env):
     env_cmd = [sys.executable, "-m"]
     world, clean, out = tmp_path / "world", tmp_path / "clean", tmp_path / "built"
     run = lambda *args: subprocess.run([*env_cmd, *args], capture_output=True, text=True, cwd=ROOT)  # noqa: E731
@@ -166,6 +166,7 @@ def test_build_data_writes_a_data_directory_and_accounts_for_every_candidate(tmp
                "--base-model", "builtin:tiny-qwen2_5-vl", "--data", str(world / "heldout"), "--output-dir", str(out),
                "build_data.keep_fraction=0.5", "build_data.include_given=true")  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert "setting without effect" not in done.stderr and "mlflow-unsent" not in done.stderr  # every metric logged
     acc = json.loads((out / "build_accounting.json").read_text())
     assert acc["candidates"] == acc["kept"] + sum(acc["dropped"].values())
     assert acc["dropped"][B.LOW_SCORE] >= acc["candidates"] // 3
@@ -178,3 +179,10 @@ def test_build_data_writes_a_data_directory_and_accounts_for_every_candidate(tmp
     assert all((out / r["images"][0]).is_file() for r in built)
     assert {r["type"] for r in built} >= {"caption", "grounding", "counterfactual"}
     assert (out / "eval.jsonl").read_bytes() == (world / "heldout" / "eval.jsonl").read_bytes()
+    again = tmp_path / "again"  # an earlier build as --data: its own files are not carried over
+    done = run("components.sft.build_data", "--config", "pipelines/presets/tiny.yaml", "--clean-data", str(clean),
+               "--base-model", "builtin:tiny-qwen2_5-vl", "--data", str(out), "--output-dir", str(again),
+               "build_data.max_records=5")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (again / "sft.jsonl").read_text().splitlines()]
+    assert len(rows) == 5 and len(list((again / "built_images").iterdir())) == len({r["image"] for r in rows})
