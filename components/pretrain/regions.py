@@ -52,13 +52,12 @@ def collect_regions(records: list[dict], cfg: RegionConfig) -> tuple[list[list[R
             "against the other phrases of a micro-batch, and nearly every micro-batch has no other. Give chunks for "
             "the phrases that name objects, or set region.enabled: false."
         )
-    phrases = set(named)
     for reason, count in sorted(reasons.items()):
         logger.warning("pretrain: %d region chunk(s) not used: %s (e.g. record %s)", count, reason, example[reason])
     metrics = {
         "region_records": sum(1 for regions in per_record if regions),
         "region_boxes": used,
-        "region_phrases": len(phrases),
+        "region_phrases": len(named),
         "region_dropped": sum(reasons.values()),
     }
     return per_record, metrics

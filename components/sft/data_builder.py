@@ -92,9 +92,12 @@ def _unique(objects: list[_Object], key: Callable[[_Object], object]) -> list[_O
     return [o for o in objects if counts[key(o)] == 1]
 
 
-def _ordered(objects: list[_Object]) -> tuple[list[_Object], bool] | None:
-    """The objects along their arrangement's axis (a row when they spread wider than tall) and whether it is a
-    row; None unless each box ends before the next begins on that axis (so left/right, above/below are exact)."""
+def _placed(objects: list[_Object]) -> tuple[list[_Object], bool, set[str]] | None:
+    """(the objects along their arrangement's axis, whether it is a row (they spread wider than tall), the phrases
+    named once) for two or more objects; None unless each box ends before the next begins on that axis (so
+    left/right and above/below are exact)."""
+    if len(objects) < 2:
+        return None
     xs, ys = [o.centre[0] for o in objects], [o.centre[1] for o in objects]
     row = max(xs) - min(xs) >= max(ys) - min(ys)
     axis = 0 if row else 1
@@ -102,7 +105,7 @@ def _ordered(objects: list[_Object]) -> tuple[list[_Object], bool] | None:
     for a, b in zip(ordered, ordered[1:], strict=False):
         if a.box[axis + 2] > b.box[axis]:
             return None
-    return ordered, row
+    return ordered, row, {o.phrase for o in _unique(objects, lambda o: o.phrase)}
 
 
 class Templates:
@@ -159,22 +162,20 @@ class Templates:
 
     @staticmethod
     def _position(caption, objects, words, rng):
-        placed = _ordered(objects) if len(objects) >= 2 else None
+        placed = _placed(objects)
         if placed is None:
             return []
-        ordered, row = placed
-        unique = {o.phrase for o in _unique(objects, lambda o: o.phrase)}
+        ordered, row, unique = placed
         ends = [(ordered[0], "left" if row else "top"), (ordered[-1], "right" if row else "bottom")]
         sides = "on the left or on the right" if row else "at the top or at the bottom"
         return [(f"Is the {o.phrase} {sides}?", side) for o, side in ends if o.phrase in unique]
 
     @staticmethod
     def _relation(caption, objects, words, rng):
-        placed = _ordered(objects) if len(objects) >= 2 else None
+        placed = _placed(objects)
         if placed is None:
             return []
-        ordered, row = placed
-        unique = {o.phrase for o in _unique(objects, lambda o: o.phrase)}
+        ordered, row, unique = placed
         before, after = ("to the left of", "to the right of") if row else ("above", "below")
         pairs = []
         for a, b in zip(ordered, ordered[1:], strict=False):

@@ -170,10 +170,10 @@ def parse_manifest(text: str, where: str) -> Manifest:
                     f"{where}: {role} entry {spaced[0]!r} begins or ends with white space (invisible in messages); "
                     "remove it, or rename the file."
                 )
-            hidden = [v for v in (entry.path, entry.images, entry.annotations or "") if _invisible(v)]
+            hidden = [v for v in (entry.path, entry.images, entry.annotations or "") if hidden_in_name(v)]
             if hidden:
                 raise ValueError(
-                    f"{where}: {role} entry {ascii(hidden[0])} holds {_invisible(hidden[0])}; retype the name."
+                    f"{where}: {role} entry {ascii(hidden[0])} holds {hidden_in_name(hidden[0])}; retype the name."
                 )
     folded: dict[str, str] = {}
     for task in result.tasks:
@@ -212,11 +212,6 @@ def parse_manifest(text: str, where: str) -> Manifest:
                     f"answers file); this entry's format is {entry.format}: drop annotations or fix the format."
                 )
     return result
-
-
-def _invisible(text: str) -> str:
-    """What in a file name would make it read as another name (text_checks.hidden_in_name), or ""."""
-    return hidden_in_name(text)
 
 
 def _booleans(value) -> bool:
