@@ -51,7 +51,7 @@ def dag_stages(stage_configs: dict[str, dict], until: str | None = None) -> list
             if until == "preflight"
             else ""
         )
-        raise ValueError(f"until='{until}' is not a stage to stop at{first}; choose one of: {', '.join(DAG_ORDER)}.")
+        raise ValueError(f"--until {until!r} is not a stage to stop at{first}; choose one of: {', '.join(DAG_ORDER)}.")
     last = DAG_ORDER.index(until) if until else len(DAG_ORDER) - 1
     return [s for s in DAG_ORDER[: last + 1] if s not in OPTIONAL or (stage_configs.get(s) or {}).get("enabled", False)]
 

@@ -415,6 +415,11 @@ def run(
     metrics["max_pixels"] = check_visual_budget(stage_configs)
     if cfg.check_lake:
         metrics["lake_shards"] = count_lake_shards(lake_uri)
+        region = (stage_configs.get("pretrain") or {}).get("region") or {}
+        if region.get("enabled"):
+            from components.preflight.lake_regions import check_lake_regions
+
+            metrics["lake_region_boxes_sampled"] = check_lake_regions(lake_uri, float(region.get("min_score", 0.0)))
     records: dict[tuple[str, str], list[dict]] = {}
     if data_files:
         metrics["data_files"] = check_data(data_files)

@@ -339,14 +339,18 @@ def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: li
     fit_idx = [i for i in range(len(picked)) if (i * 7919) % len(picked) < cut]  # spread over question types
     test_idx = [i for i in range(len(picked)) if i not in set(fit_idx)]
     if min(len(fit_idx), len(test_idx)) < MIN_CALIBRATION_SIDE:
+        enough = len(picked) >= 2 * MIN_CALIBRATION_SIDE  # then another fraction would split it
         logger.warning(
             "sft: no temperature fitted: calibration.fraction=%g splits %d short answers into %d to fit and %d to "
-            "measure; each side needs %d. Give more held-out questions (eval.per_type) or a fraction nearer 0.5.",
+            "measure; each side needs %d. %s",
             cfg.calibration.fraction,
             len(picked),
             len(fit_idx),
             len(test_idx),
             MIN_CALIBRATION_SIDE,
+            "Give a fraction nearer 0.5, or more held-out questions (eval.per_type)."
+            if enough
+            else f"Give at least {2 * MIN_CALIBRATION_SIDE} short held-out answers (eval.per_type).",
         )
         return {**measured, "calibration_answers": len(picked)}
     fitted, _ = E.fit_temperature([pairs[i] for i in fit_idx], [correct[i] for i in fit_idx])

@@ -31,6 +31,7 @@ app.add_typer(models_app, name="models")
 
 @lake_app.command("synth")
 def lake_synth(
+    ctx: typer.Context,
     out: str = typer.Option(..., help="Output directory: DIR/lake, DIR/heldout, DIR/ground_truth.jsonl."),
     records: int = typer.Option(2000, min=1, max=1_000_000, help="Lake records (defects included)."),
     seed: int = typer.Option(0, min=0, max=2**32 - 1, help="Seed: the same seed writes the same bytes."),
@@ -58,6 +59,19 @@ def lake_synth(
     check_world_dir(directory)
     if real:
         from components.synth_world.real_set import write_real_set
+
+        given = [
+            f"--{n.replace('_', '-')}"
+            for n in ("records", "sft_records", "seed")
+            if getattr(ctx.get_parameter_source(n), "name", "") == "COMMANDLINE"  # typer bundles its own click
+        ]
+        if given:
+            typer.echo(
+                f"error: {', '.join(given)} shape the synthetic world; --real writes the fixed real-format set, which "
+                "they do not change. Drop them, or drop --real.",
+                err=True,
+            )
+            raise typer.Exit(2)
 
         typer.echo(json.dumps(write_real_set(directory), indent=2))
         return
@@ -163,7 +177,10 @@ def run(
                 err=True,
             )
             raise typer.Exit(2)
-    check_run_args(run_dir, lake_uri, data or "", runner)  # before the line below: it says the run starts
+    from components.stages import dag_stages
+
+    dag_stages(loaded.stages, until)  # a wrong --until refused before the line below, which says the run starts
+    check_run_args(run_dir, lake_uri, data or "", runner)
     typer.echo(f"Running preset {preset} on {lake_uri} into {run_dir}/ (task logs: {run_dir}/logs/)")
     summary = run_local(
         lake_uri=lake_uri,
@@ -367,7 +384,7 @@ def submit(
     namespace: str | None = typer.Option(None, help="Kubernetes namespace (multi-user KFP)."),
     wait: bool = typer.Option(False, "--wait/--no-wait", help="Wait for the run to end; exit 1 unless it SUCCEEDED."),
     timeout: float | None = typer.Option(None, min=0, help="With --wait: give up after this many seconds (exit 3)."),
-    poll_interval: float = typer.Option(30.0, min=0.01, help="With --wait: seconds between status checks."),
+    poll_interval: float = typer.Option(30.0, help="With --wait: seconds between status checks (at least 0.01)."),
     params_file: Path | None = typer.Option(
         None, help="JSON/YAML mapping of pipeline parameters (e.g. a data manifest with lake_uri); KEY=VALUE wins."
     ),
@@ -389,9 +406,10 @@ def submit(
     def echo_err(line: str) -> None:
         typer.echo(line, err=True)
 
-    if timeout is not None and not math.isfinite(timeout):
-        typer.echo(f"Error: --timeout {timeout}: give a number of seconds.", err=True)
-        raise typer.Exit(2)
+    for flag, seconds, least in (("--timeout", timeout, 0.0), ("--poll-interval", poll_interval, 0.01)):
+        if seconds is not None and not (math.isfinite(seconds) and seconds >= least):
+            typer.echo(f"Error: {flag} {seconds}: give a number of seconds (at least {least:g}).", err=True)
+            raise typer.Exit(2)
     if timeout is not None and not wait:
         typer.echo("Error: --timeout applies only with --wait (it bounds the wait); add --wait or drop it.", err=True)
         raise typer.Exit(2)

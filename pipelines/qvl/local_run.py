@@ -190,7 +190,8 @@ def check_run_dir(out_dir: Path, ours: frozenset[str] = frozenset()) -> None:
 
 def check_run_args(out_dir: Path, lake_uri: str, data_uri: str, runner: str, *, prepared_dir: bool = False) -> None:
     """What `qvl run --local` checks before anything is written or said: the runner, the run directory outside the
-    lake and the data, and new, empty or a run's own (unless `prepared_dir`: qvl rehearse --preset made it)."""
+    lake and the data, and new, empty or a run's own (unless `prepared_dir`: qvl rehearse --preset made it); then
+    the local lake and data exist."""
     if runner not in ("subprocess", "docker"):
         raise ValueError(f"--runner {runner!r}: choose subprocess or docker.")
     out_dir = Path(out_dir).resolve()
@@ -203,6 +204,9 @@ def check_run_args(out_dir: Path, lake_uri: str, data_uri: str, runner: str, *, 
             )
     if not prepared_dir:  # a caller that made out_dir and put the run's inputs there itself (qvl rehearse --preset)
         check_run_dir(out_dir)
+    for option, uri in (("--lake", lake_uri), ("--data", data_uri)):
+        if uri and "://" not in uri and not Path(uri).exists():
+            raise ValueError(f"{option} {uri} does not exist; give the directory `qvl lake synth` wrote (or yours).")
 
 
 def run_local(

@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(USAGE)
     summary_file = Path(args[0]) / "run_summary.json"
     if not summary_file.is_file():
-        raise SystemExit(f"{summary_file}: no such file; RUN_DIR is a finished run's --out directory.\n{USAGE}")
+        what = "is not a regular file (a pipe or a device?)" if summary_file.exists() else "no such file"
+        raise SystemExit(f"{summary_file}: {what}; RUN_DIR is a finished run's --out directory.\n{USAGE}")
     try:
         summary = json.loads(summary_file.read_text())
     except (ValueError, RecursionError) as error:

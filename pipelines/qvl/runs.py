@@ -72,13 +72,20 @@ def read_run(location: str | Path) -> Run:
 
 
 def find_runs(root: str | Path) -> list[Run]:
-    """Every run under `root` (recursively), newest first; unreadable summaries are listed as such, not skipped."""
+    """Every run under `root` (recursively), newest first; unreadable summaries are listed as such, not skipped, and
+    a run directory without a summary (its progress/ and logs/ written, the run still going or killed) as
+    `no summary`."""
     runs = []
     for summary_file in Path(root).rglob(SUMMARY_FILE):
         try:
             runs.append(read_run(summary_file))
         except ValueError as error:
             runs.append(Run(summary_file.parent, {"status": "unreadable", "error": str(error)}, 0.0))
+    for progress in Path(root).rglob("progress"):
+        run_dir = progress.parent
+        if progress.is_dir() and (run_dir / "logs").is_dir() and not (run_dir / SUMMARY_FILE).exists():
+            status = "no summary (running, or stopped before it finished)"
+            runs.append(Run(run_dir, {"status": status}, progress.stat().st_mtime))
     return sorted(runs, key=lambda r: (-r.finished, str(r.path)))
 
 

@@ -300,13 +300,19 @@ def test_an_image_with_no_visible_pixel_is_a_bad_record(tmp_path):
     palette = Image.new("P", (16, 16), 0)
     palette.save(tmp_path / "clear-palette.png", transparency=0)
     Image.new("RGBA", (16, 16), (255, 0, 0, 2)).save(tmp_path / "faint-all.png")  # 1% opaque: white on white
-    for name in ("clear.png", "clear-grey.png", "clear-palette.png", "faint-all.png"):
-        assert "has no visible pixel (every one at most 2/255 opaque)" in (probe_image(tmp_path, name) or ""), name
+    Image.new("RGBA", (16, 16), (255, 0, 0, 3)).save(tmp_path / "faint-3.png")  # (255, 252, 252) on white
+    Image.new("RGBA", (16, 16), (0, 0, 0, 8)).save(tmp_path / "faint-black.png")  # 8/255 from white: not seen
+    for name in ("clear.png", "clear-grey.png", "clear-palette.png", "faint-all.png", "faint-3.png", "faint-black.png"):
+        assert "has no visible pixel (composited on white, every one within 8/255" in (
+            probe_image(tmp_path, name) or ""
+        ), name
     one_pixel = Image.new("RGBA", (16, 16), (255, 0, 0, 0))
-    one_pixel.putpixel((3, 3), (255, 0, 0, 3))
+    one_pixel.putpixel((3, 3), (255, 0, 0, 12))  # one pixel 12/255 from white: seen
     one_pixel.save(tmp_path / "one-pixel.png")
     Image.new("RGB", (16, 16)).save(tmp_path / "opaque.png")
-    assert probe_image(tmp_path, "one-pixel.png") is None and probe_image(tmp_path, "opaque.png") is None
+    Image.new("RGBA", (16, 16), (255, 255, 255, 255)).save(tmp_path / "white-opaque.png")  # a white picture is one
+    for name in ("one-pixel.png", "opaque.png", "white-opaque.png"):
+        assert probe_image(tmp_path, name) is None, name
 
 
 def test_a_rehearsal_stopped_before_its_run_can_be_run_again_into_the_same_directory(tmp_path):

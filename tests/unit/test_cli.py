@@ -99,7 +99,10 @@ def test_run_refuses_non_local_and_unknown_stage(tmp_path):
     args = ["run", "--local", "--lake", str(lake), "--data", str(tmp_path / "data"), "--out", str(tmp_path / "o")]
     result = runner.invoke(app, [*args, "--until", "nope"])
     assert result.exit_code != 0
-    assert "until='nope'" in str(result.exception)
+    assert "--until 'nope' is not a stage to stop at" in str(result.exception)
+    assert "Running preset" not in result.output  # refused before the run is said to start (ninth pass, R14)
+    missing = runner.invoke(app, [*args[:-2], "--out", str(tmp_path / "o"), "--until", "clean_data"])
+    assert f"--lake {lake} does not exist" in str(missing.exception) and "Running preset" not in missing.output
 
 
 def test_run_without_data_or_with_its_directory_inside_the_lake_is_refused_before_it_starts(tmp_path):

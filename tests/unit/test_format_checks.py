@@ -328,7 +328,8 @@ def test_a_system_prompt_that_is_not_text_or_blank_is_refused(data):
     assert "'system' must be a string (the system prompt), got list" in _line(message, "sft.jsonl:1 (id='list')")
     line = _line(message, "sft.jsonl:2 (id='blank')")
     assert (
-        "conversations[0] (system) is empty; drop the turn to keep the model's default system prompt, or write" in line
+        "conversations[0] (system) is empty (nothing visible); drop the turn to keep the model's default "
+        "system prompt, or write" in line
     )
     with bad_records.policy("skip") as ledger:
         (kept,) = datasets.load_conversations(data)

@@ -13,7 +13,8 @@ def test_a_second_run_into_the_same_directory_is_refused_before_it_clears_anythi
     failed preflight went into the first run's summary."""
     from pipelines.qvl.local_run import run_local
 
-    out = tmp_path / "out"
+    out, lake = tmp_path / "out", tmp_path / "lake"  # the lake is never read: the lock refuses first
+    lake.mkdir()
     (out / "logs").mkdir(parents=True)
     (out / "logs" / "sft.log").write_text("the first run's log")
     first = "from components._shared.platform import locks; import sys, time\n"
@@ -23,7 +24,7 @@ def test_a_second_run_into_the_same_directory_is_refused_before_it_clears_anythi
     try:
         assert holder.stdout.readline().strip() == "held"  # the first run, still going
         with pytest.raises(locks.LockHeld, match=r"qvl run --local"):
-            run_local(lake_uri=str(tmp_path / "no-lake"), out_dir=out, until="clean_data")
+            run_local(lake_uri=str(lake), out_dir=out, until="clean_data")
     finally:
         holder.kill()
         holder.wait()
@@ -44,6 +45,7 @@ def test_an_empty_tracking_uri_is_the_runs_own_store(tmp_path, monkeypatch):
         raise RuntimeError("stop here")
 
     monkeypatch.setattr("components._shared.platform.mlflow_runs.start_pipeline_run", fake_start)
+    (tmp_path / "lake").mkdir()  # never read: the run stops before preflight
     with pytest.raises(RuntimeError, match="stop here"):
-        local_run.run_local(lake_uri=str(tmp_path / "no-lake"), out_dir=tmp_path / "out", until="clean_data")
+        local_run.run_local(lake_uri=str(tmp_path / "lake"), out_dir=tmp_path / "out", until="clean_data")
     assert seen["uri"].startswith("sqlite:///") and seen["uri"].endswith(f"{tmp_path}/out/mlflow.db")

@@ -81,6 +81,13 @@ def iter_file(path: Path) -> Iterator[tuple[str, Any]]:
         twin = next((o for o in other if o.name != path.name and o.is_file()), None)
         if twin is not None:
             what += f" as spelled; {ascii(twin.name)} does: the same letters in another Unicode form (retype the name)"
+        marker = next((n for n in ("_COMMITTED.json", "_stage_result.json") if (path.parent / n).is_file()), None)
+        data_files = ("dataset.yaml", "eval.jsonl", "sft.jsonl", "preferences.jsonl")  # sft.build_data writes some
+        if marker is not None and twin is None and not any((path.parent / n).exists() for n in data_files):
+            raise ValueError(
+                f"{path} {what}: {path.parent} is a stage's output (it holds {marker}), not a data directory; give "
+                "the data directory (eval.jsonl, sft.jsonl, preferences.jsonl or a dataset.yaml; docs/data.md)."
+            )
         raise ValueError(f"{path} {what}; name a file inside the data directory.")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".ndjson", ".json"):

@@ -216,13 +216,13 @@ def conversation(raw: dict, image_root: str = "") -> tuple[list[ImageRef], list[
         raise RecordError(f"{len(images)} image(s) but {markers} {IMAGE_MARKER} marker(s); give one marker per image")
     if not any(t["role"] == "assistant" for t in turns):
         raise RecordError("no gpt/assistant turn to learn from")
-    empty = next((i for i, t in enumerate(turns) if not t["text"].strip()), None)
+    empty = next((i for i, t in enumerate(turns) if not visible_text(t["text"])), None)
     if empty is not None:
         system = turns[empty]["role"] == "system"
         fix = "drop the turn to keep the model's default system prompt" if system else "drop the turn"
         first = len(turns) - len(messages)  # 1 when a top-level 'system' came first
         where = "'system'" if empty < first else f"{key}[{empty - first}]"
-        raise RecordError(f"{where} ({turns[empty]['role']}) is empty; {fix}, or write it")
+        raise RecordError(f"{where} ({turns[empty]['role']}) is empty (nothing visible); {fix}, or write it")
     _check_turn_order(turns, key, first=len(turns) - len(messages))
     return images, turns
 
@@ -291,8 +291,8 @@ def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -
     if "question" in raw:
         if not isinstance(raw["question"], str):
             raise RecordError(f"'question' must be a string, got {type(raw['question']).__name__}")
-        if not raw["question"].strip():
-            raise RecordError("'question' is empty; write the question or drop the record")
+        if not visible_text(raw["question"]):
+            raise RecordError("'question' is empty (nothing visible); write the question or drop the record")
         if "answers" not in raw and "answer" not in raw:
             raise RecordError("a flat record needs 'answer' (or 'answers')")
         images = record_images(raw, image_root)
@@ -336,8 +336,8 @@ def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -
         raise RecordError(
             "'system': a held-out or RL question is asked without a system prompt (it would be dropped); drop it"
         )
-    if not any(a.strip() for a in answers) and raw.get("box") is None:
-        raise RecordError("the answer is empty; give the reference answer")
+    if not any(visible_text(a) for a in answers) and raw.get("box") is None:
+        raise RecordError("the answer is empty (nothing visible); give the reference answer")
     choices = choices_of(raw)
     out: dict[str, Any] = {
         "images": images,

@@ -20,7 +20,7 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageChops, UnidentifiedImageError
 
 from components._shared.data import formats as F
 
@@ -30,7 +30,7 @@ TAIL_BYTES = 64 << 10
 EXIF_ORIENTATION = 0x0112  # values 5-8 turn the image a quarter: width and height swap
 
 
-MAX_INVISIBLE_ALPHA = 2  # of 255: under 1% opacity, composited on white it is white (eighth hostile pass)
+MAX_WHITE_DISTANCE = 8  # of 255: composited on white, no pixel further from white than this is seen (ninth pass)
 
 
 def local_image_path(root: Path, reference: str) -> Path:
@@ -148,7 +148,8 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
         return f"image {name} is unreadable ({turned})", None
     if invisible:
         return (
-            f"image {name} has no visible pixel (every one at most {MAX_INVISIBLE_ALPHA}/255 opaque): the model would "
+            f"image {name} has no visible pixel (composited on white, every one within {MAX_WHITE_DISTANCE}/255 of "
+            "white: nearly transparent everywhere): the model would "
             "see a flat white image; give the image with its content, or drop the record"
         ), None
     return None, ((height, width) if turned else (width, height))
@@ -156,11 +157,18 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
 
 def _fully_transparent(image: Image.Image) -> bool:
     """Whether every pixel of an image with transparency (an alpha band, or a palette or colour key marked
-    transparent) is transparent to the eye (alpha <= MAX_INVISIBLE_ALPHA); images without any are not decoded."""
+    transparent) is transparent to the eye: at most half opaque everywhere and, composited on white as the decoder
+    does, no pixel further than MAX_WHITE_DISTANCE from white (a cut-off on alpha alone passed red at 3/255; an
+    opaque white picture is a picture, as a white RGB one is); images without transparency are not decoded."""
     if "A" not in image.getbands() and "transparency" not in image.info:
         return False
     try:
-        return image.convert("RGBA").getchannel("A").getextrema()[1] <= MAX_INVISIBLE_ALPHA
+        rgba = image.convert("RGBA")
+        if rgba.getchannel("A").getextrema()[1] > 128:
+            return False
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        seen = ImageChops.difference(Image.alpha_composite(white, rgba), white)
+        return max(high for _, high in seen.getextrema()) <= MAX_WHITE_DISTANCE
     except Exception:  # noqa: BLE001 - a truncated or broken image: the checks after this one name it
         return False
 

@@ -5,6 +5,7 @@ without one the synthetic world's names are read: sft.jsonl, eval.jsonl, prefere
 from __future__ import annotations
 
 import re
+import unicodedata
 from pathlib import Path
 from typing import Literal
 
@@ -117,7 +118,23 @@ def manifest(data_dir: Path) -> Manifest:
                     f"{found[0]}: {role} entry {entry.path!r} gives images: {entry.images!r}, a file; images: names "
                     "the directory that relative image paths start from."
                 )
+            if entry.images and not (data_dir / entry.images).exists():
+                raise ValueError(f"{found[0]}: {role} entry {entry.path!r}: {_missing_images(data_dir, entry.images)}")
     return result
+
+
+def _missing_images(data_dir: Path, images: str) -> str:
+    """Why an `images:` folder is not found: spelled in another Unicode form than the folder (both print alike), or
+    absent."""
+    path = data_dir / images
+    for form in ("NFC", "NFD"):
+        twin = data_dir / unicodedata.normalize(form, images)
+        if twin != path and twin.is_dir():
+            return (
+                f"images: {ascii(images)} does not exist as spelled; {ascii(twin.relative_to(data_dir).as_posix())} "
+                "does: the same letters in another Unicode form. Retype the name in dataset.yaml."
+            )
+    return f"images: {images!r} does not exist in {data_dir}; name the folder the records' image paths start from."
 
 
 def _credentials_in(value, path: str = "") -> str | None:

@@ -138,6 +138,10 @@ def _check_options(args) -> None:
             f"--config={args.config!r} is empty (an unset shell variable gives one); "
             "give the YAML file, or leave --config out."
         )
+    if args.config is not None and args.config.strip() and not Path(args.config).exists():
+        bare = "/" not in args.config and not args.config.endswith((".yaml", ".yml"))
+        preset = f" (a preset by its name: --config pipelines/presets/{args.config}.yaml)" if bare else ""
+        raise ValueError(f"--config {args.config} does not exist; it takes a YAML file{preset}.")
     if args.config_json is not None and not args.config_json.strip():
         raise ValueError(
             f"--config-json={args.config_json!r} is empty (an unset shell variable gives one); give the section as "

@@ -152,6 +152,23 @@ class CheckpointStore:
         found = self.committed()
         return found[-1] if found else None
 
+    def newest_intact(self, rank: int = 0) -> Path | None:
+        """A verified local copy of the newest committed checkpoint that is whole; a damaged one (a file changed or
+        cut after its commit) is skipped with a warning naming it, and training resumes from the one before (the
+        damaged step is written anew when training reaches it). None: no checkpoint, or none intact."""
+        found = self.committed()
+        for uri in reversed(found):
+            try:
+                return self.local_copy(uri, rank)
+            except storage.IntegrityError as err:
+                earlier = found.index(uri) > 0
+                print(
+                    f"WARNING: checkpoint {uri} is damaged and is not resumed ({err}); "
+                    + ("trying the one before it." if earlier else "no earlier checkpoint: training from step 0."),
+                    flush=True,
+                )
+        return None
+
     def local_copy(self, uri: str, rank: int = 0) -> Path:
         """A verified local directory of committed checkpoint `uri` (downloaded when remote, one copy per rank)."""
         if not self.remote:

@@ -250,10 +250,9 @@ class TrainLoop:
         return uri
 
     def try_resume(self) -> int | None:
-        latest = self.store.latest()
-        if latest is None:
+        local = self.store.newest_intact(self.backend.rank)
+        if local is None:
             return None
-        local = self.store.local_copy(latest, self.backend.rank)
         state = ckpt.read_state(local)
         self.backend.load(local)
         self.step = int(state["step"])

@@ -8,6 +8,7 @@ Every checkpoint a stage writes is a Hugging Face directory (safetensors + proce
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -58,10 +59,40 @@ def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str
     )
     check_complete(uri, loading)
     check_finite_weights(model, loaded_from=uri)
+    check_model_notes(path, uri)
     enable_vision_varlen(model)
     model = model.to(device)
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=False)
     return LoadedVlm(model, processor, checkpoint_dtype(path))
+
+
+TEMPERATURE_RANGE = (0.5, 10.0)  # the range sft fits a confidence temperature over (evaluation.TEMPERATURE_GRID)
+
+
+def check_model_notes(path: Path, uri: str | Path) -> None:
+    """A model's `qvl_model.json`, where it has one: a JSON object whose `confidence_temperature` (sft's fitted
+    temperature, which readers divide the logits by) is a finite number in TEMPERATURE_RANGE; a NaN or a zero there
+    would travel on to every later stage's export and to serving unseen."""
+    notes = path / "qvl_model.json"
+    if not notes.is_file():
+        return
+    try:
+        data = json.loads(notes.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(
+            f"{uri}: qvl_model.json is not valid JSON ({err}); restore it from the stage's output."
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{uri}: qvl_model.json holds {type(data).__name__}, not an object; restore it.")
+    value = data.get("confidence_temperature")
+    low, high = TEMPERATURE_RANGE
+    if value is not None and not (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and low <= value <= high
+    ):
+        raise ValueError(
+            f"{uri}: qvl_model.json's confidence_temperature is {value!r}; sft writes a number from {low} to {high} "
+            "(divide the logits by it). Restore the file sft exported, or delete the key to use no temperature."
+        )
 
 
 def check_complete(uri: str | Path, loading: dict[str, Any]) -> None:

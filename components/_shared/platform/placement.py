@@ -13,6 +13,7 @@ from pathlib import Path
 from components._shared.platform.storage import COMMIT_MARKER
 
 DATA_FILES = ("dataset.yaml", "eval.jsonl", "sft.jsonl")  # what makes a folder a data directory (docs/data.md)
+STAGE_RESULT = "_stage_result.json"  # launch.result.RESULT_FILE: every stage run writes it, committed or not
 SHARD_NAME = re.compile(r"^\d{5,}\.(tar|tar\.gz|tgz)$")  # img2dataset's shard names
 
 
@@ -21,6 +22,8 @@ def enclosing_input(path: Path) -> tuple[Path, str] | None:
     for parent in path.resolve().parents:  # a link is judged by where it leads
         if (parent / COMMIT_MARKER).is_file():
             return parent, f"a stage's committed output (it holds {COMMIT_MARKER})"
+        if (parent / STAGE_RESULT).is_file():
+            return parent, f"a stage's output, not committed (it holds {STAGE_RESULT}; a rerun of the stage clears it)"
         try:
             names = [p.name for p in parent.iterdir()] if parent.is_dir() else []
         except OSError:  # unreadable: nothing a reader lists from there either

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from components._shared.platform import s3_client
+from components._shared.platform.names import hidden_in_name
 from components._shared.platform.s3_body import ResumableBody
 
 COMMIT_MARKER = "_COMMITTED.json"
@@ -45,13 +46,21 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
 
 def check_location(value: str, setting: str, *, builtin: bool = False) -> str:
     """`value` if it is a local path or an s3:// URI (or builtin:NAME where `builtin`); else a ValueError naming
-    the setting. http(s)://, gs://, hf:// ... are refused rather than written into a folder named 'http:', and an
-    empty or blank value rather than taken as the working directory."""
+    the setting. http(s)://, gs://, hf:// ... are refused rather than written into a folder named 'http:', an
+    empty or blank value rather than taken as the working directory, and edge white space, control and invisible
+    characters (a line break at the end, a zero-width space) rather than read as a name nobody sees."""
     text = str(value)
     if not text.strip():
         raise ValueError(
             f"{setting}={text!r} is empty (an unset shell variable gives one), which would mean the working "
             "directory; give a local path or an s3:// URI."
+        )
+    hidden = hidden_in_name(text)
+    if hidden or text != text.strip():
+        what = f"holds {hidden}" if hidden else "begins or ends with white space"
+        raise ValueError(
+            f"{setting}={shown(text)!r} {what}, which a listing does not show: the path or prefix would not be the "
+            "one you see; retype it without that character."
         )
     if text.startswith("~"):
         raise ValueError(
