@@ -262,3 +262,15 @@ def test_length_check_reports_the_length_pass_against_reading():
     rows = {line[:16].strip(): line[16:].split() for line in out.splitlines()[2:]}
     assert set(rows) == {"read (baseline)", "length pass", "exact counts"}
     assert float(rows["read (baseline)"][1]) == 1.0 and all(float(r[1]) > 0 for r in rows.values())
+
+
+@pytest.mark.slow
+def test_train_threads_runs_each_arm_repeatably():
+    """Both thread counts train the demo's sft steps; each arm gives the same loss on every repeat (a run is
+    deterministic at a given thread count) and the first arm is the baseline of the ratios."""
+    out = _run("bench/train_threads.py", "--steps", "2", "--repeats", "2", "--json", timeout=900)
+    rows = json.loads(out[out.index("[") :])
+    assert [row["threads"] for row in rows] == [2, 1] and rows[0]["x_baseline"] == 1.0
+    for row in rows:
+        assert row["loss_same_every_repeat"] is True and 0 < row["loss_final"] < 20
+        assert len(row["tokens_per_second"]) == 2 and all(speed > 0 for speed in row["tokens_per_second"])
