@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from components._shared.platform.credential_shapes import shown
+from components._shared.platform.credential_shapes import redact, shown  # noqa: F401 - redact: app.submit
 from components._shared.platform.names import hidden_in_name
 from pipelines import credentials
 

@@ -26,6 +26,7 @@ from components._shared.data import datasets
 from components._shared.data.kept_records import load_kept
 from components._shared.data.manifest import MANIFEST
 from components._shared.data.regions import record_regions
+from components._shared.data.text_checks import RecordError, check_text
 from components._shared.launch.result import RESULT_FILE
 from components._shared.model.families import VisualTokens, family_for
 from components._shared.model.head_loss import per_sample_sequence_loss
@@ -61,6 +62,12 @@ def run(
         )
     if not (data_dir / "eval.jsonl").is_file():
         raise ValueError(f"--data {data}: no eval.jsonl; the built directory keeps the given held-out questions.")
+    if build.include_given and (data_dir / ACCOUNTING).is_file():
+        raise ValueError(
+            f"--data {data} is an earlier build ({ACCOUNTING}); with build_data.include_given its built rows would "
+            "come along without their images and under ids the new rows take again. Give the original data "
+            "directory, or set build_data.include_given: false."
+        )
     records = load_kept(Path(clean_data), None, with_images=True, with_metadata=True)
     model, processor, _ = load_vlm(base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
@@ -108,6 +115,12 @@ def generate(cfg: SftConfig, records: list[dict], encoder, convention: str):
     for r, regions in zip(records, parsed, strict=True):
         if r["image_hash"] in seen:
             unused["the same image as an earlier record"] += 1
+            continue
+        try:
+            check_text(r["caption"], "caption")
+        except RecordError as err:  # sft would refuse every conversation built from it (the rest of the message)
+            unused["the caption holds text sft refuses (control or direction characters, chat tokens)"] += 1
+            print(f"warning: build_data: lake record {r['image_hash']} not used: {err}", flush=True)
             continue
         seen.add(r["image_hash"])
         image = decode_image(r["image"], max_image_pixels=MAX_IMAGE_PIXELS).image
@@ -192,10 +205,15 @@ def write(
     include_given: bool,
 ) -> None:
     """The data directory: the given files but sft.jsonl, the built sft.jsonl, the lake images, the dropped list."""
+    inside = data_dir.resolve()
     for path in sorted(data_dir.rglob("*")):
         relative = path.relative_to(data_dir)
-        if path.is_file() and relative.parts[0] not in NOT_COPIED and SCRATCH not in relative.parts:
-            _link(path, output_dir / relative)
+        if not path.is_file() or relative.parts[0] in NOT_COPIED or SCRATCH in relative.parts:
+            continue
+        if not path.resolve().is_relative_to(inside):  # a link out of --data: its target is no part of the data
+            print(f"warning: build_data: {path} leads outside --data ({path.resolve()}); not copied.", flush=True)
+            continue
+        _link(path, output_dir / relative)
     (output_dir / BUILT_IMAGES).mkdir(parents=True, exist_ok=True)
     raw = {r["image_hash"]: r["image"] for r in records}
     for image_hash in sorted({candidates[i].image for i in kept}):

@@ -425,8 +425,8 @@ def submit(
             params_file=params_file,
             force=force,
         )
-    except sub.SubmitError as err:
-        typer.echo(f"Error: {err}", err=True)
+    except sub.SubmitError as err:  # it may quote a setting's key or value: credential shapes hidden
+        typer.echo(f"Error: {sub.redact(str(err))}", err=True)
         raise typer.Exit(2) from None
     except sub.api_errors() as err:  # API refusals, unreachable host: one line, not a traceback
         typer.echo(f"Error: submitting to {sub.shown(host, 200)} failed: {sub.describe_api_error(err)}", err=True)

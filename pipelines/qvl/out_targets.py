@@ -37,7 +37,7 @@ def check_world_dir(directory: Path) -> None:
     marker = directory / "world.json"
     try:
         earlier = marker.is_file() and json.loads(marker.read_text()).get("generator") == WORLD_GENERATOR
-    except (ValueError, AttributeError, OSError):
+    except (ValueError, AttributeError, OSError, RecursionError):
         earlier = False
     if not earlier:
         raise ValueError(

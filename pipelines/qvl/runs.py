@@ -59,6 +59,11 @@ def read_run(location: str | Path) -> Run:
     path = Path(location)
     summary_file = path if path.name == SUMMARY_FILE else path / SUMMARY_FILE
     if not summary_file.is_file():
+        if (path / "logs").is_dir() and (path / "progress").is_dir():
+            raise ValueError(
+                f"{location}: a run without a {SUMMARY_FILE} (still running, or stopped before it finished): nothing "
+                f"to compare yet; its logs are in {path / 'logs'}."
+            )
         raise ValueError(f"{location}: no {SUMMARY_FILE} there; pass a run directory (the --out of `qvl run`).")
     try:
         summary = json.loads(summary_file.read_text())

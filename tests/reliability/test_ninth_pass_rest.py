@@ -5,6 +5,13 @@ parameters [M06, SP4], run directories inside an uncommitted stage output [R02],
 model's confidence temperature [K10v], interrupted runs [M02], region boxes checked at preflight [RG01], a damaged
 newest checkpoint [CK01], and the unclear messages [K08, C07, E06, R09, R14 (tests/unit/test_cli.py), S16,
 Y_images_nfd, PB_fifo]. The faint image [t_alpha3] is in tests/reliability/test_seventh_pass.py.
+
+The tenth pass (230 cases) checked those and found more, fixed here too (ids marked "tenth"): checkpoints pruned after
+a damaged resume [CK1, CK4], JSON nested past the parser [DJ10, MN07, DJ3, DJ6, DJ9], self-holding YAML aliases [P07,
+P12, P13], a token in a submit override key [K07, K11, K13], the region sample across shards [PF01, PF02, PF04], a
+step writing into its stage's output [BG11], characters that draw nothing [e_answer_*, r_answer_tag, r_id_rlo, CL01,
+CL03, S07, BD_nc_zwsp], dot parts in s3 keys [CL12, CL20, S02, S03], links into a committed model [T04], comparing an
+unfinished run [RN02]; the builder's own cases are in tests/unit/test_sft_data_builder.py.
 """
 
 from __future__ import annotations
@@ -90,6 +97,10 @@ def test_an_interrupted_run_is_listed(tmp_path):  # [M02]
         (killed / sub).mkdir(parents=True)
     statuses = {run.path.name: run.summary["status"] for run in find_runs(tmp_path)}
     assert statuses == {"done": "succeeded", "killed": "no summary (running, or stopped before it finished)"}
+    from pipelines.qvl.runs import read_run
+
+    with pytest.raises(ValueError, match=r"a run without a run_summary.json \(still running"):  # [tenth: RN02]
+        read_run(killed)
 
 
 def _shard(path: Path, chunks: list | None) -> None:
@@ -114,13 +125,18 @@ def test_preflight_refuses_a_lake_without_region_boxes_when_the_region_term_is_o
     for lake, chunks in ((bare, None), (boxed, [[2, 12, 0.1, 0.1, 0.6, 0.6, 0.9]]), (broken, [[2, 12, 0.6, 0.1]])):
         lake.mkdir()
         _shard(lake / "00000.tar", chunks)
-    with pytest.raises(ValueError, match=r"none of the first 3 records of .*00000.tar has a usable box \(none carries"):
+    with pytest.raises(ValueError, match=r"none of the first 3 records of the lake \(00000.tar\) has a usable box "):
         check_lake_regions(str(bare), 0.0)
     with pytest.raises(ValueError, match=r"3 chunk\(s\) malformed"):
         check_lake_regions(str(broken), 0.0)
-    assert check_lake_regions(str(boxed), 0.0) == 3
+    assert check_lake_regions(str(boxed), 0.0) == 1  # stops at the first usable box
     with pytest.raises(ValueError, match=r"3 chunk\(s\) score under region.min_score"):
         check_lake_regions(str(boxed), 0.95)
+    (bare / "00001.tar").write_bytes((boxed / "00000.tar").read_bytes())  # boxes in the second shard [tenth: PF01]
+    assert check_lake_regions(str(bare), 0.0) == 1
+    (boxed / "00000.tar").rename(boxed / "00001.tar")
+    (boxed / "00000.tar").write_bytes(b"")  # an empty first shard is passed over [tenth: PF02, PF04]
+    assert check_lake_regions(str(boxed), 0.0) == 1
 
 
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(tmp_path, capsys):  # [CK01]
@@ -135,10 +151,17 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(tmp_path, cap
     (newest / "state.json").write_text(json.dumps({"step": 999}))
     resumed = store.newest_intact()
     assert resumed is not None and json.loads((resumed / "state.json").read_text()) == {"step": 500}
-    assert f"checkpoint {newest} is damaged and is not resumed" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"checkpoint {newest} is damaged (" in said and "re-run the stage" not in said
+    assert (tmp_path / "checkpoints.stale-damaged-step-0000550" / "state.json").is_file()  # kept, out of the root
     (resumed / "state.json").write_text("{}")
     assert store.newest_intact() is None  # none intact: training starts over, said
     assert "no earlier checkpoint: training from step 0" in capsys.readouterr().out
+    for step in (50, 100, 150):  # the new checkpoints are kept: nothing damaged is counted by the pruning [tenth: CK1]
+        staging = store.staging_dir(step)
+        (staging / "state.json").write_text(json.dumps({"step": step}))
+        store.commit(staging, step)
+    assert [Path(u).name for u in store.committed()] == ["step-0000050", "step-0000100", "step-0000150"]
 
 
 def test_the_stage_cli_names_a_config_that_is_a_presets_name(tmp_path):  # [C07]
@@ -183,3 +206,125 @@ def test_published_names_a_summary_that_is_a_pipe(tmp_path):  # [PB_fifo]
     os.mkfifo(tmp_path / "run_summary.json")
     with pytest.raises(SystemExit, match="is not a regular file"):
         published.main([str(tmp_path), "machine"])
+
+
+@pytest.mark.parametrize("reader", ["lake", "config.json", "qvl_model.json", "stage result", "world.json"])
+def test_json_nested_past_the_parser_is_refused_not_a_traceback(tmp_path, reader):  # [tenth: DJ10, MN07, DJ3, DJ6, DJ9]
+    deep = "[" * 100_000 + "]" * 100_000
+    if reader == "lake":
+        from components._shared.data.lake import _parse_metadata
+
+        assert _parse_metadata(deep.encode()) == {"metadata_error": "invalid JSON: nested too deeply to read"}
+    elif reader == "config.json":
+        from components._shared.model.sources import _check_readable
+
+        (tmp_path / "config.json").write_text(deep)
+        with pytest.raises(ValueError, match="nested too deeply to be a model config"):
+            _check_readable(tmp_path)
+    elif reader == "qvl_model.json":
+        from components._shared.model.vlm import check_model_notes
+
+        (tmp_path / "qvl_model.json").write_text(deep)
+        with pytest.raises(ValueError, match="nested too deeply"):
+            check_model_notes(tmp_path, "mymodel")
+    elif reader == "stage result":
+        from components._shared.launch.cli import _check_owner
+
+        (tmp_path / "_stage_result.json").write_text(deep)
+        _check_owner(str(tmp_path), "sft")  # not a result qvl writes: no owner to refuse for
+    else:
+        from pipelines.qvl.out_targets import check_world_dir
+
+        (tmp_path / "world.json").write_text(deep)
+        with pytest.raises(ValueError, match="holds files that are not a synthetic world's"):
+            check_world_dir(tmp_path)
+
+
+def test_a_step_does_not_write_into_its_stages_committed_output(tmp_path):  # [tenth: BG11]
+    from components._shared.launch.cli import _check_owner
+
+    (tmp_path / "_stage_result.json").write_text(json.dumps({"stage": "sft"}))
+    with pytest.raises(ValueError, match="holds a sft output"):
+        _check_owner(str(tmp_path), "sft_data")
+    _check_owner(str(tmp_path), "sft")  # the stage's own earlier output: resumed
+
+
+@pytest.mark.parametrize("text", ["a: &x {b: *x}", "sft: {curriculum: &c [{name: all, steps: 8, difficulties: *c}]}"])
+def test_a_yaml_alias_that_holds_itself_is_refused(text):  # [tenth: P07, P12, P13]
+    from components._shared.platform import strict_yaml
+    from components._shared.platform.presets import parse_overrides
+
+    with pytest.raises(ValueError, match="an alias refers to the mapping or list that holds it"):
+        strict_yaml.load(text, "preset.yaml")
+    with pytest.raises(ValueError, match="an alias refers to the mapping or list that holds it"):
+        parse_overrides(["sft.lora=&a {r: 8, x: *a}"])
+    assert strict_yaml.load("a: &x [1]\nb: *x", "ok.yaml") == {"a": [1], "b": [1]}  # an alias used twice is fine
+
+
+def test_submit_hides_a_token_in_an_override_key(tmp_path, monkeypatch):  # [tenth: K07, K11, K13]
+    monkeypatch.setenv("KFP_TOKEN", "abcdef123456")
+    token = "ghp_16C7e42F292c6912E7710c838347Ae178B4a"
+    args = ["submit", "--preset", "tiny", "lake_uri=s3://bucket/lake", "--experiment", "vlm"]
+    result = runner.invoke(app, [*args, "--host", "http://127.0.0.1:9", f"sft.optim.{token}=1"])
+    assert result.exit_code == 2 and "Extra inputs are not permitted" in result.output
+    assert token not in result.output and "<a credential, hidden>" in result.output
+
+
+@pytest.mark.parametrize("text", ["\ufe0f", "\u17b4\u17b5", "\u2800", "\u3164"])
+def test_answers_of_characters_that_draw_nothing_are_empty(text):  # [tenth: e_answer_vs16, _khmer, _braille, _hangul]
+    from components._shared.data import formats as F
+    from components._shared.data.formats import RecordError
+
+    with pytest.raises(RecordError, match=r"the answer is empty \(nothing visible\)"):
+        F.question({"image": "a.png", "question": "<image>What colour?", "answer": text})
+
+
+def test_tag_characters_in_text_and_direction_overrides_in_ids_are_refused():  # [tenth: r_answer_tag, r_id_rlo]
+    from components._shared.data.formats import RecordError
+    from components._shared.data.record_ids import check_ids
+    from components._shared.data.text_checks import check_text
+
+    with pytest.raises(RecordError, match="a Unicode tag character U\\+E0069"):
+        check_text("green cross\U000e0069\U000e0067", "answer")
+    with pytest.raises(RecordError, match="holds an invisible formatting character \\(RIGHT-TO-LEFT OVERRIDE\\)"):
+        check_ids({"id": "sft-\u202e00000"})
+    check_ids({"id": "sft-00000"})
+
+
+def test_a_phrase_of_invisible_characters_names_no_region():  # [tenth: BD_nc_zwsp]
+    from components._shared.data.regions import EMPTY, record_regions
+
+    caption = "An image of a \u200b\u200b\u200b thing."
+    record = {"caption": caption, "metadata": json.dumps({"noun_chunks": [[14, 17, 0.1, 0.1, 0.5, 0.5, 0.9]]})}
+    assert record_regions(record, 0.0) == ([], [EMPTY])
+
+
+@pytest.mark.parametrize("value", ["s3://bucket/a/../lake", "s3://bucket/./lake"])
+def test_s3_keys_with_dot_parts_are_refused(value):  # [tenth: CL12, CL20, S02, S03]
+    with pytest.raises(ValueError, match=r"the key holds a '\.{1,2}' part, which S3 keeps as written"):
+        storage.check_location(value, "--lake")
+
+
+@pytest.mark.parametrize("char", ["\ufe0f", "\u17b4"])
+def test_marks_that_draw_nothing_are_refused_in_paths(char):  # [tenth: CL01, CL03, S07]
+    with pytest.raises(ValueError, match="a character that draws nothing"):
+        storage.check_location(f"/tmp/run{char}s", "--out")
+
+
+def test_a_folder_of_links_into_a_committed_model_is_verified(tmp_path):  # [tenth: T04]
+    from components._shared.launch.runner import verify_inputs
+
+    out = tmp_path / "sft"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "model.safetensors").write_bytes(b"weights" * 100)
+    (out / "model" / "config.json").write_text("{}")
+    (out / "_stage_result.json").write_text("{}")
+    storage.commit_dir(out)
+    snapshot = tmp_path / "hf-cache" / "snapshot"
+    snapshot.mkdir(parents=True)
+    for name in ("model.safetensors", "config.json"):
+        (snapshot / name).symlink_to(out / "model" / name)
+    assert verify_inputs({"base_model": str(snapshot)}) == 1
+    (out / "model" / "model.safetensors").write_bytes(b"flipped" * 100)
+    with pytest.raises(storage.IntegrityError, match="model.safetensors does not match"):
+        verify_inputs({"base_model": str(snapshot)})

@@ -311,6 +311,10 @@ def test_an_image_with_no_visible_pixel_is_a_bad_record(tmp_path):
     one_pixel.save(tmp_path / "one-pixel.png")
     Image.new("RGB", (16, 16)).save(tmp_path / "opaque.png")
     Image.new("RGBA", (16, 16), (255, 255, 255, 255)).save(tmp_path / "white-opaque.png")  # a white picture is one
+    hidden_drawing = Image.new("RGBA", (16, 16), (0, 0, 255, 0))
+    hidden_drawing.putpixel((3, 3), (255, 255, 255, 255))  # one opaque white pixel: still nothing seen [tenth pass]
+    hidden_drawing.save(tmp_path / "white-pixel.png")
+    assert "has no visible pixel" in (probe_image(tmp_path, "white-pixel.png") or "")
     for name in ("one-pixel.png", "opaque.png", "white-opaque.png"):
         assert probe_image(tmp_path, name) is None, name
 

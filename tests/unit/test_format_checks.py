@@ -541,7 +541,7 @@ def test_boxes_off_the_image_animated_images_non_numbers_and_look_alike_ids_are_
     assert "box [10.0, 10.0, 40.0, 20.0] is not inside its 32x24 image" in _line(message, "eval.jsonl:2")
     assert "image 'anim.png' is animated (2 frames)" in _line(message, "eval.jsonl:4")
     assert "Infinity is not a JSON value" in _line(message, "eval.jsonl:5")
-    assert "id 'q\\u200b1' appears more than once (as 'q1 ': they differ only in white space" in _line(
+    assert "'id' 'q\\u200b1' holds an invisible formatting character (ZERO WIDTH SPACE)" in _line(
         message, "eval.jsonl:7"
     )
     with bad_records.policy("skip") as ledger:

@@ -162,10 +162,13 @@ def test_build_data_writes_a_data_directory_and_accounts_for_every_candidate(tmp
     done = run("components.clean_data", "--config", "pipelines/presets/tiny.yaml", "--lake-uri", str(world / "lake"),
                "--output-dir", str(clean))  # fmt: skip
     assert done.returncode == 0, done.stderr
+    (tmp_path / "secret.txt").write_text("not data")
+    (world / "heldout" / "notes.txt").symlink_to(tmp_path / "secret.txt")  # a link out of --data: never carried
     done = run("components.sft.build_data", "--config", "pipelines/presets/tiny.yaml", "--clean-data", str(clean),
                "--base-model", "builtin:tiny-qwen2_5-vl", "--data", str(world / "heldout"), "--output-dir", str(out),
                "build_data.keep_fraction=0.5", "build_data.include_given=true")  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert not (out / "notes.txt").exists() and "notes.txt leads outside --data" in done.stdout
     assert "setting without effect" not in done.stderr and "mlflow-unsent" not in done.stderr  # every metric logged
     acc = json.loads((out / "build_accounting.json").read_text())
     assert acc["candidates"] == acc["kept"] + sum(acc["dropped"].values())
@@ -186,3 +189,7 @@ def test_build_data_writes_a_data_directory_and_accounts_for_every_candidate(tmp
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in (again / "sft.jsonl").read_text().splitlines()]
     assert len(rows) == 5 and len(list((again / "built_images").iterdir())) == len({r["image"] for r in rows})
+    refused = run("components.sft.build_data", "--config", "pipelines/presets/tiny.yaml", "--clean-data", str(clean),
+                  "--base-model", "builtin:tiny-qwen2_5-vl", "--data", str(out), "--output-dir", str(tmp_path / "b3"),
+                  "build_data.include_given=true")  # fmt: skip
+    assert refused.returncode == 2 and "is an earlier build (build_accounting.json)" in refused.stderr

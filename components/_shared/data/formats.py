@@ -38,6 +38,7 @@ from components._shared.data.containers import (  # noqa: F401 - the containers 
     read_parquet_image,
 )
 from components._shared.data.text_checks import CONTROL_TOKENS, RecordError, check_text  # noqa: F401 - F.RecordError
+from components._shared.platform.names import draws_nothing
 
 ImageRef = str | bytes | ParquetImage
 
@@ -402,10 +403,11 @@ def _side(value: Any, name: str, image_root: str) -> str:
 
 
 def visible_text(text: str) -> str:
-    """What a reader sees of `text`, for comparing: NFKC-normalised, invisible format characters (zero-width space /
-    joiners, byte-order mark, soft hyphen: Unicode category Cf) removed, case folded, whitespace collapsed."""
+    """What a reader sees of `text`, for comparing: NFKC-normalised, characters that draw nothing (invisible format
+    characters such as the zero-width space, joiners, byte-order mark and soft hyphen; variation selectors; Hangul
+    fillers, the Braille blank: platform/names.draws_nothing) removed, case folded, whitespace collapsed."""
     folded = unicodedata.normalize("NFKC", text)
-    return " ".join("".join(c for c in folded if unicodedata.category(c) != "Cf").casefold().split())
+    return " ".join("".join(c for c in folded if not draws_nothing(c)).casefold().split())
 
 
 _SECOND_IMAGE = re.compile(r"(?i)\w*_images?|images?_?\d+")  # rejected_image, chosen_images, image2 (not image_id)

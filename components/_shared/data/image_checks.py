@@ -156,19 +156,20 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
 
 
 def _fully_transparent(image: Image.Image) -> bool:
-    """Whether every pixel of an image with transparency (an alpha band, or a palette or colour key marked
-    transparent) is transparent to the eye: at most half opaque everywhere and, composited on white as the decoder
-    does, no pixel further than MAX_WHITE_DISTANCE from white (a cut-off on alpha alone passed red at 3/255; an
-    opaque white picture is a picture, as a white RGB one is); images without transparency are not decoded."""
+    """Whether transparency hides the whole image: composited on white, as the decoder does, no pixel is further
+    than MAX_WHITE_DISTANCE from white, while its own colours (alpha ignored) are not all white (a cut-off on alpha
+    alone passed red at 3/255, or one opaque white pixel on a transparent drawing; an opaque white picture is a
+    picture, as a white RGB one is). Images without transparency are not decoded."""
     if "A" not in image.getbands() and "transparency" not in image.info:
         return False
     try:
         rgba = image.convert("RGBA")
-        if rgba.getchannel("A").getextrema()[1] > 128:
-            return False
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         seen = ImageChops.difference(Image.alpha_composite(white, rgba), white)
-        return max(high for _, high in seen.getextrema()) <= MAX_WHITE_DISTANCE
+        if max(high for _, high in seen.getextrema()) > MAX_WHITE_DISTANCE:
+            return False
+        own = ImageChops.difference(rgba.convert("RGB"), white.convert("RGB"))
+        return max(high for _, high in own.getextrema()) > MAX_WHITE_DISTANCE
     except Exception:  # noqa: BLE001 - a truncated or broken image: the checks after this one name it
         return False
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import unicodedata
 
 from components._shared.data.text_checks import RecordError
+from components._shared.platform.names import draws_nothing, hidden_in_name
 
 ID_FIELDS = ("id", "question_id", "questionId", "image_id")
 LOOK_ALIKES = str.maketrans(
@@ -36,6 +37,9 @@ def check_ids(raw: dict) -> None:
             raise RecordError(f"'{name}' must be a string or an integer, got {type(value).__name__} {shown}")
         if not value.strip():
             raise RecordError(f"'{name}' is empty; give each record an id (a string or an integer)")
+        hidden = hidden_in_name(value)
+        if hidden:  # a direction override shows the id reversed in every message and report (tenth pass)
+            raise RecordError(f"'{name}' {value!r} holds {hidden}, which shows it as another id; retype the id")
 
 
 def id_as_seen(record_id: str) -> str:
@@ -43,7 +47,7 @@ def id_as_seen(record_id: str) -> str:
     Cyrillic and Greek letters read as the Latin ones (two ids that differ only there are one id to anyone reading
     the results)."""
     folded = unicodedata.normalize("NFKC", record_id)
-    return "".join(c for c in folded if unicodedata.category(c) != "Cf").strip().translate(LOOK_ALIKES)
+    return "".join(c for c in folded if not draws_nothing(c)).strip().translate(LOOK_ALIKES)
 
 
 def said_twice(record_id: str, first: str) -> str:

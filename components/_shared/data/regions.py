@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from components._shared.platform.names import draws_nothing
+
 MALFORMED = "malformed (not [start, end, x1, y1, x2, y2, score] numbers)"
 SPAN = "span outside the caption"
 BOX = "box not inside the image (relative 0-1, x1 < x2, y1 < y2)"
@@ -66,7 +68,7 @@ def record_regions(record: dict, min_score: float) -> tuple[list[Region], list[s
             dropped.append(BOX)
         elif (chunk[6] if len(chunk) == 7 else 1.0) < min_score:
             dropped.append(SCORE)
-        elif not phrase:
+        elif not "".join(c for c in phrase if not draws_nothing(c)).strip():  # zero-width spaces name nothing
             dropped.append(EMPTY)
         elif key in seen:
             dropped.append(DUPLICATE)

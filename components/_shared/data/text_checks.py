@@ -6,6 +6,7 @@ import re
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _BIDI_OVERRIDE = re.compile("[\u202a-\u202e]")  # embeddings, overrides and their POP DIRECTIONAL FORMATTING
+_TAG = re.compile("[\U000e0000-\U000e007f]")  # Unicode tag characters: ASCII text that draws nothing
 # C0 controls, DEL and C1 controls (U+0085 NEL among them); tab, line feed and carriage return are text
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 # The Qwen VL tokenizers' special tokens (Qwen2-VL's added tokens, shared by Qwen2.5-VL, Qwen3-VL and Qwen3.5; the
@@ -49,5 +50,11 @@ def check_text(text: str, where: str) -> str:
             f"{where}: a bidirectional embedding or override U+{ord(override.group()):04X} at character "
             f"{override.start()}, which shows the text in an order other than the one trained on (natural "
             "right-to-left text needs none: marks and isolates are kept); remove it"
+        )
+    tag = _TAG.search(text)
+    if tag:
+        raise RecordError(
+            f"{where}: a Unicode tag character U+{ord(tag.group()):04X} at character {tag.start()}: tags carry ASCII "
+            "text that no reader sees (a hidden instruction, or a flag emoji's letters); remove them"
         )
     return text

@@ -79,7 +79,7 @@ def _run_section(
 
     check_location(args.output_dir, "--output-dir")
     _check_directory(args.output_dir)
-    _check_owner(args.output_dir, section)
+    _check_owner(args.output_dir, record_as)  # a step records as itself (sft.build_data: sft_data), not its stage
     for name in inputs:
         if name in optional_inputs and not getattr(args, name).strip():
             continue  # absent: the stage says so if its config needs it
@@ -237,8 +237,8 @@ _LEFT_BY_A_RUN = ("checkpoints", "checkpoints.json", ".scratch", ".qvl-lock", ".
 
 def _check_owner(output: str, section: str) -> None:
     """A local output directory is empty, or holds this stage's own earlier output (a retry resumes from its
-    checkpoints). Another stage's output, or files no run wrote, would be listed in the commit marker as this
-    stage's output (a text file shipped inside model/)."""
+    checkpoints; `section` is what the run records as, a step's own name for a step such as sft_data). Another
+    stage's output, or files no run wrote, would be listed in the commit marker as this stage's output."""
     from components._shared.launch.result import RESULT_FILE
 
     path = Path(output)
@@ -248,7 +248,7 @@ def _check_owner(output: str, section: str) -> None:
     if result.is_file():
         try:
             stage = json.loads(result.read_text()).get("stage")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):  # not a stage result qvl writes: the checks below say
             stage = None
         if stage and stage != section:
             raise ValueError(

@@ -168,6 +168,8 @@ def verify_inputs(inputs: dict[str, Any]) -> int:
             if committed is not None:
                 storage.verify_dir(committed, under=path.relative_to(committed).as_posix())
                 verified += 1
+            elif _verify_linked_files(path):  # a folder of links into an output (Hugging Face's cache layout)
+                verified += 1
             elif any((p / RESULT_FILE).is_file() for p in (path, *path.parents)) or name in STAGE_OUTPUT_INPUTS:
                 raise ValueError(
                     f"{flag} {item} is, or lies in, a stage's output without its commit marker "
@@ -175,6 +177,22 @@ def verify_inputs(inputs: dict[str, Any]) -> int:
                     "the stage that produced it."
                 )
     return verified
+
+
+def _verify_linked_files(folder: Path) -> bool:
+    """Verify the committed outputs that the links directly in `folder` lead into (each target's folder against
+    its marker): per-file links into OUT/model would otherwise read its files unchecked. True when any was."""
+    checked: set[tuple[Path, str]] = set()
+    for entry in folder.iterdir():
+        if not entry.is_symlink() or not entry.is_file():
+            continue
+        target = entry.resolve()
+        committed = next((p for p in target.parents if (p / storage.COMMIT_MARKER).is_file()), None)
+        if committed is not None:
+            checked.add((committed, target.parent.relative_to(committed).as_posix()))
+    for committed, under in sorted(checked):
+        storage.verify_dir(committed, under=under)
+    return bool(checked)
 
 
 def run_stage(

@@ -76,6 +76,7 @@ class CheckpointStore:
         self.remote = storage.is_s3(self.root)
         self.scratch = Path(scratch or tempfile.gettempdir()) if self.remote else Path(self.root)
         self.set_aside: list[dict[str, str]] = []  # other runs' checkpoints moved out of the root (for the report)
+        self.damaged: set[str] = set()  # checkpoints found damaged at resume: never resumed or counted again
         if key is not None:
             locks.hold(self.root, purpose="checkpoints")
         if not self.remote:
@@ -107,6 +108,7 @@ class CheckpointStore:
             uri = storage.join(self.root, step_name(step))
             storage.publish_dir(staging, uri)
             shutil.rmtree(staging, ignore_errors=True)
+            self.damaged.discard(uri.rstrip("/"))  # written anew over a damaged one
         else:
             storage.commit_dir(staging)
             target = Path(self.root) / step_name(step)
@@ -120,6 +122,7 @@ class CheckpointStore:
     def committed(self) -> list[str]:
         """This store's committed checkpoints, oldest first (with a key: only those stamped with it)."""
         found = [u for u in storage.list_committed(self.root) if Path(u.rstrip("/")).name.startswith(STEP_PREFIX)]
+        found = [u for u in found if u.rstrip("/") not in self.damaged]
         return found if self.key is None else [u for u in found if checkpoint_key(u) == self.key]
 
     def _set_aside_foreign(self) -> None:
@@ -153,21 +156,43 @@ class CheckpointStore:
         return found[-1] if found else None
 
     def newest_intact(self, rank: int = 0) -> Path | None:
-        """A verified local copy of the newest committed checkpoint that is whole; a damaged one (a file changed or
-        cut after its commit) is skipped with a warning naming it, and training resumes from the one before (the
-        damaged step is written anew when training reaches it). None: no checkpoint, or none intact."""
+        """A verified local copy of the newest committed checkpoint that is whole. A damaged one (a file changed or
+        cut after its commit) is set aside with a warning naming it (a local one moved to ROOT.stale-damaged-STEP,
+        kept; an s3:// one left in place and no longer counted), so pruning never keeps it in place of the new
+        checkpoints; training resumes from the one before (the damaged step is written anew when training reaches
+        it). None: no checkpoint, or none intact."""
         found = self.committed()
         for uri in reversed(found):
             try:
                 return self.local_copy(uri, rank)
-            except storage.IntegrityError as err:
-                earlier = found.index(uri) > 0
+            except (storage.IntegrityError, OSError) as err:  # OSError: rank 0 set it aside while this rank read it
+                kept = self._set_aside_damaged(uri, rank)
+                why = str(err).split("; re-run the stage")[0]
                 print(
-                    f"WARNING: checkpoint {uri} is damaged and is not resumed ({err}); "
-                    + ("trying the one before it." if earlier else "no earlier checkpoint: training from step 0."),
+                    f"WARNING: checkpoint {uri} is damaged ({why}); it is not resumed"
+                    + (f" (kept at {kept})" if kept else "")
+                    + (
+                        "; trying the one before it."
+                        if found.index(uri)
+                        else "; no earlier checkpoint: training from step 0."
+                    ),
                     flush=True,
                 )
         return None
+
+    def _set_aside_damaged(self, uri: str, rank: int) -> str | None:
+        """Leave a damaged checkpoint out of `committed()` from now on; rank 0 moves a local one out of the root."""
+        self.damaged.add(uri.rstrip("/"))
+        if self.remote or rank != 0:
+            return None
+        root = Path(self.root)
+        target = root.with_name(f"{root.name}.stale-damaged-{Path(uri).name}")
+        for n in range(2, 1000):
+            if not target.exists():
+                break
+            target = root.with_name(f"{root.name}.stale-damaged-{Path(uri).name}-{n}")
+        os.replace(uri, target)
+        return str(target)
 
     def local_copy(self, uri: str, rank: int = 0) -> Path:
         """A verified local directory of committed checkpoint `uri` (downloaded when remote, one copy per rank)."""

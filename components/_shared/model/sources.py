@@ -97,6 +97,8 @@ def _check_readable(path: Path) -> None:
 
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"{path / 'config.json'} is nested too deeply to be a model config.") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise ValueError(
             f"{path / 'config.json'} is not valid JSON ({err}); re-download or re-save the model."

@@ -78,6 +78,8 @@ def check_model_notes(path: Path, uri: str | Path) -> None:
         return
     try:
         data = json.loads(notes.read_text())
+    except RecursionError:
+        raise ValueError(f"{uri}: qvl_model.json is nested too deeply to be the model's notes; restore it.") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise ValueError(
             f"{uri}: qvl_model.json is not valid JSON ({err}); restore it from the stage's output."

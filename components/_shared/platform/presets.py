@@ -85,7 +85,8 @@ def _check_key(key: str, pair: str) -> None:
 
 def _scalar(raw: str) -> Any:
     """A YAML scalar, with `2e-5` read as a number (YAML 1.1 wants `2.0e-5`)."""
-    value = yaml.load(raw, Loader=strict_yaml.StrictLoader)  # noqa: S506 - safe: a SafeLoader without aliases
+    value = yaml.load(raw, Loader=strict_yaml.StrictLoader)  # noqa: S506 - safe: a SafeLoader subclass
+    strict_yaml.refuse_loops(value, "the value", set())  # `&a {x: *a}` would recurse through every reader
     if isinstance(value, str) and "_" not in value:  # Python's float() reads 1_0 as 10
         try:
             number = float(value)

@@ -46,9 +46,8 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
 
 def check_location(value: str, setting: str, *, builtin: bool = False) -> str:
     """`value` if it is a local path or an s3:// URI (or builtin:NAME where `builtin`); else a ValueError naming
-    the setting. http(s)://, gs://, hf:// ... are refused rather than written into a folder named 'http:', an
-    empty or blank value rather than taken as the working directory, and edge white space, control and invisible
-    characters (a line break at the end, a zero-width space) rather than read as a name nobody sees."""
+    the setting: http(s)://, gs://, hf:// ... (not a folder named 'http:'), an empty value (not the working
+    directory), edge blanks, control and invisible characters (not a name nobody sees), `..` in an s3 key."""
     text = str(value)
     if not text.strip():
         raise ValueError(
@@ -58,10 +57,7 @@ def check_location(value: str, setting: str, *, builtin: bool = False) -> str:
     hidden = hidden_in_name(text)
     if hidden or text != text.strip():
         what = f"holds {hidden}" if hidden else "begins or ends with white space"
-        raise ValueError(
-            f"{setting}={shown(text)!r} {what}, which a listing does not show: the path or prefix would not be the "
-            "one you see; retype it without that character."
-        )
+        raise ValueError(f"{setting}={shown(text)!r} {what}, which a listing does not show; retype the path.")
     if text.startswith("~"):
         raise ValueError(
             f"{setting}={shown(text)!r} starts with '~', which no shell expanded (it was quoted, or read from a file): "
@@ -85,9 +81,15 @@ def check_location(value: str, setting: str, *, builtin: bool = False) -> str:
         )
     if text.startswith("s3://"):
         try:
-            split_s3(text)  # a malformed bucket is an error here, not at the first request
+            _, key = split_s3(text)  # a malformed bucket is an error here, not at the first request
         except ValueError as err:
             raise ValueError(f"{setting}: {err}") from None
+        odd = next((p for p in key.split("/") if p in (".", "..")), None)  # split_s3 refuses `//`
+        if odd is not None:  # S3 keeps them literally: `a/../b` names another object than a file system would
+            raise ValueError(
+                f"{setting}={shown(text)!r}: the key holds a {odd!r} part, which S3 keeps as written (no folder is "
+                "left); write the prefix out plainly."
+            )
     return text
 
 

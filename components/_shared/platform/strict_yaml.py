@@ -115,7 +115,9 @@ StrictLoader.add_constructor("tag:yaml.org,2002:merge", StrictLoader.construct_m
 def load(text: str, where: str) -> Any:
     """The YAML (or JSON) document in `text`; a ValueError naming `where` and the line for anything wrong."""
     try:
-        return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        value = yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        refuse_loops(value, where, set())
+        return value
     except yaml.YAMLError as error:
         message = " ".join(str(error).split())
         if len(message) > MAX_ERROR_CHARS:
@@ -123,6 +125,19 @@ def load(text: str, where: str) -> Any:
         raise ValueError(f"{where}: not a valid config ({message})") from None
     except RecursionError:  # the parser and composer recurse once per level of nesting
         raise ValueError(f"{where}: nested too deeply to be a config (thousands of levels); flatten it") from None
+
+
+def refuse_loops(value: Any, where: str, holding: set[int]) -> None:
+    """A ValueError when an alias refers to a mapping or list that holds it (`a: &x {b: *x}`): an endless value no
+    setting takes, which every reader walking it would recurse into without end."""
+    if not isinstance(value, dict | list):
+        return
+    if id(value) in holding:
+        raise ValueError(f"{where}: an alias refers to the mapping or list that holds it (a loop); write the value out")
+    holding.add(id(value))
+    for item in value.values() if isinstance(value, dict) else value:
+        refuse_loops(item, where, holding)
+    holding.discard(id(value))
 
 
 class KeyGivenTwice(ValueError):
