@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from components._shared.platform.placement import DATA_FILES, STAGE_RESULT
+from components._shared.platform.storage import COMMIT_MARKER
+
 
 @dataclass(frozen=True)
 class ParquetImage:
@@ -81,8 +84,8 @@ def iter_file(path: Path) -> Iterator[tuple[str, Any]]:
         twin = next((o for o in other if o.name != path.name and o.is_file()), None)
         if twin is not None:
             what += f" as spelled; {ascii(twin.name)} does: the same letters in another Unicode form (retype the name)"
-        marker = next((n for n in ("_COMMITTED.json", "_stage_result.json") if (path.parent / n).is_file()), None)
-        data_files = ("dataset.yaml", "eval.jsonl", "sft.jsonl", "preferences.jsonl")  # sft.build_data writes some
+        marker = next((n for n in (COMMIT_MARKER, STAGE_RESULT) if (path.parent / n).is_file()), None)
+        data_files = (*DATA_FILES, "preferences.jsonl")  # an sft.build_data output is a stage output and data
         if marker is not None and twin is None and not any((path.parent / n).exists() for n in data_files):
             raise ValueError(
                 f"{path} {what}: {path.parent} is a stage's output (it holds {marker}), not a data directory; give "

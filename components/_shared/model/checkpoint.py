@@ -133,11 +133,7 @@ class CheckpointStore:
         foreign = sorted({checkpoint_key(u) or "unkeyed" for u in found} - {self.key})
         if not foreign:
             return
-        target = root.with_name(f"{root.name}.stale-{foreign[0]}")
-        for n in range(2, 1000):
-            if not target.exists():
-                break
-            target = root.with_name(f"{root.name}.stale-{foreign[0]}-{n}")
+        target = _free_sibling(root, f"stale-{foreign[0]}")
         target.mkdir(parents=True)
         for child in sorted(root.iterdir()):
             if child.name.startswith((STEP_PREFIX, f".{STEP_PREFIX}")) and checkpoint_key(str(child)) != self.key:
@@ -185,12 +181,7 @@ class CheckpointStore:
         self.damaged.add(uri.rstrip("/"))
         if self.remote or rank != 0:
             return None
-        root = Path(self.root)
-        target = root.with_name(f"{root.name}.stale-damaged-{Path(uri).name}")
-        for n in range(2, 1000):
-            if not target.exists():
-                break
-            target = root.with_name(f"{root.name}.stale-damaged-{Path(uri).name}-{n}")
+        target = _free_sibling(Path(self.root), f"stale-damaged-{Path(uri).name}")
         os.replace(uri, target)
         return str(target)
 
@@ -214,6 +205,17 @@ class CheckpointStore:
                 del key
             else:
                 shutil.rmtree(uri, ignore_errors=True)
+
+
+def _free_sibling(root: Path, suffix: str) -> Path:
+    """ROOT.SUFFIX beside `root`, or ROOT.SUFFIX-2, -3 ... when taken: where set-aside checkpoints are kept (a
+    `.stale-` part keeps them out of the stage's committed files)."""
+    target = root.with_name(f"{root.name}.{suffix}")
+    for n in range(2, 1000):
+        if not target.exists():
+            break
+        target = root.with_name(f"{root.name}.{suffix}-{n}")
+    return target
 
 
 def fingerprint(config: dict[str, Any], inputs: dict[str, Any]) -> str:

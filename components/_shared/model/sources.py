@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 BUILTIN_PREFIX = "builtin:"
 UNSAFE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -90,19 +91,24 @@ def validate_model_dir(path: Path) -> Path:
     return path
 
 
+def read_json_file(path: Path, kind: str, fix: str, *, shown: str | None = None) -> Any:
+    """The JSON in `path`; a ValueError naming it (`shown`, default the path), what it should be and `fix` when it
+    is not UTF-8 JSON or is nested past the parser (a traceback otherwise)."""
+    where = shown or str(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"{where} is nested too deeply to be {kind}; {fix}.") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{where} is not valid JSON ({err}); {fix}.") from None
+
+
 def _check_readable(path: Path) -> None:
     """config.json is a JSON object and every *.safetensors header parses, with at least one tensor in all: a
     truncated download or a stray file is named here, not as a decoder traceback mid-load."""
     from safetensors import SafetensorError, safe_open
 
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except RecursionError:
-        raise ValueError(f"{path / 'config.json'} is nested too deeply to be a model config.") from None
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ValueError(
-            f"{path / 'config.json'} is not valid JSON ({err}); re-download or re-save the model."
-        ) from None
+    config = read_json_file(path / "config.json", "a model config", "re-download or re-save the model")
     if not isinstance(config, dict) or not config.get("model_type"):
         raise ValueError(f"{path / 'config.json'} has no model_type; it is not a transformers model config.")
     tensors = 0

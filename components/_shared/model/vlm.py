@@ -18,7 +18,7 @@ import torch
 from components._shared.model.attention import enable_vision_varlen
 from components._shared.model.attention import register as packed_attention
 from components._shared.model.families import family_for
-from components._shared.model.sources import resolve_model, validate_model_dir
+from components._shared.model.sources import read_json_file, resolve_model, validate_model_dir
 from components._shared.model.train_config import MODULE_GROUPS
 from components._shared.platform import disk_space
 
@@ -76,14 +76,9 @@ def check_model_notes(path: Path, uri: str | Path) -> None:
     notes = path / "qvl_model.json"
     if not notes.is_file():
         return
-    try:
-        data = json.loads(notes.read_text())
-    except RecursionError:
-        raise ValueError(f"{uri}: qvl_model.json is nested too deeply to be the model's notes; restore it.") from None
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ValueError(
-            f"{uri}: qvl_model.json is not valid JSON ({err}); restore it from the stage's output."
-        ) from None
+    data = read_json_file(
+        notes, "the model's notes", "restore it from the stage's output", shown=f"{uri}: qvl_model.json"
+    )
     if not isinstance(data, dict):
         raise ValueError(f"{uri}: qvl_model.json holds {type(data).__name__}, not an object; restore it.")
     value = data.get("confidence_temperature")
