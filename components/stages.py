@@ -32,6 +32,7 @@ DAG_ORDER: tuple[str, ...] = (
     "clean_data",
     "extract_features",
     "pretrain",
+    "sft_data",
     "sft",
     "reward_model",
     "rl",
@@ -39,7 +40,24 @@ DAG_ORDER: tuple[str, ...] = (
     "select_checkpoint",
     "promote",
 )
-OPTIONAL: tuple[str, ...] = ("promote",)  # in a DAG only when its config says `enabled: true`
+# Steps: DAG tasks that run a stage's own code under their own name (their record, progress, cluster profile) with
+# the stage's config section: step -> (stage, the module whose `run` it calls).
+STEPS: dict[str, tuple[str, str]] = {"sft_data": ("sft", "components.sft.build_data")}
+# In a DAG only when the setting at this path of the stage configs is true.
+OPTIONAL: dict[str, tuple[str, ...]] = {
+    "sft_data": ("sft", "build_data", "enabled"),
+    "promote": ("promote", "enabled"),
+}
+
+
+def is_enabled(stage: str, stage_configs: dict[str, dict]) -> bool:
+    """Whether `stage` runs in a DAG of these stage configs: always, or for an optional one when its setting says so."""
+    if stage not in OPTIONAL:
+        return True
+    value: object = stage_configs
+    for key in OPTIONAL[stage]:
+        value = (value if isinstance(value, dict) else {}).get(key) or {}
+    return value is True
 
 
 def dag_stages(stage_configs: dict[str, dict], until: str | None = None) -> list[str]:
@@ -52,8 +70,13 @@ def dag_stages(stage_configs: dict[str, dict], until: str | None = None) -> list
             else ""
         )
         raise ValueError(f"--until {until!r} is not a stage to stop at{first}; choose one of: {', '.join(DAG_ORDER)}.")
+    if until is not None and not is_enabled(until, stage_configs):
+        setting = ".".join(OPTIONAL[until])
+        raise ValueError(
+            f"--until {until}: {setting} is not true, so this DAG has no {until} task; set it, or stop earlier."
+        )
     last = DAG_ORDER.index(until) if until else len(DAG_ORDER) - 1
-    return [s for s in DAG_ORDER[: last + 1] if s not in OPTIONAL or (stage_configs.get(s) or {}).get("enabled", False)]
+    return [s for s in DAG_ORDER[: last + 1] if is_enabled(s, stage_configs)]
 
 
 def _check(stage: str) -> tuple[str, str]:
@@ -69,5 +92,5 @@ def load_config_class(stage: str):
 
 
 def load_stage(stage: str) -> ModuleType:
-    """The stage module of `stage` (imports torch etc. where the stage needs them)."""
-    return importlib.import_module(_check(stage)[1])
+    """The stage module of `stage`, or a step's module (imports torch etc. where the stage needs them)."""
+    return importlib.import_module(STEPS[stage][1] if stage in STEPS else _check(stage)[1])

@@ -210,12 +210,13 @@ class ClusterProfile(_Strict):
 
     @model_validator(mode="after")
     def _check_stages(self) -> "ClusterProfile":
-        from components.stages import STAGES
+        from components.stages import STAGES, STEPS
 
-        unknown = set(self.stages) - set(STAGES)
+        tasks = [*STAGES, *STEPS]  # a step (sft_data) has its own pod
+        unknown = set(self.stages) - set(tasks)
         if unknown:
-            raise ValueError(f"kubernetes.stages: unknown stage(s) {sorted(unknown)}; stages: {', '.join(STAGES)}.")
-        missing = set(STAGES) - set(self.stages)
+            raise ValueError(f"kubernetes.stages: unknown stage(s) {sorted(unknown)}; stages: {', '.join(tasks)}.")
+        missing = set(tasks) - set(self.stages)
         if missing:
             raise ValueError(f"kubernetes.stages: no profile for {sorted(missing)} (pipelines/k8s.py DEFAULT_STAGES).")
         for name, stage in self.stages.items():
@@ -241,6 +242,7 @@ DEFAULT_STAGES: dict[str, dict[str, Any]] = {
     "clean_data": {"cpu": "4", "memory": "16Gi", "retries": 2, "backoff": "30s"},
     "extract_features": dict(_GPU_STAGE),
     "pretrain": dict(_GPU_STAGE),
+    "sft_data": dict(_GPU_STAGE),  # scores the built candidates with the pretrained model: one process
     "sft": dict(_GPU_STAGE),
     "reward_model": dict(_GPU_STAGE),
     "rl": dict(_GPU_STAGE),

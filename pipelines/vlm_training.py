@@ -1,5 +1,6 @@
-"""The VLM training DAG: preflight -> clean_data (fan-out over shards, merge) -> extract_features -> pretrain -> sft
--> reward_model -> rl -> distill -> select_checkpoint (-> promote, when the preset enables it).
+"""The VLM training DAG: preflight -> clean_data (fan-out over shards, merge) -> extract_features -> pretrain
+(-> sft_data, when sft.build_data.enabled) -> sft -> reward_model -> rl -> distill -> select_checkpoint (-> promote,
+when the preset enables it).
 
 `build_pipeline(preset, until, for_cluster)` returns the pipeline function with the preset's configs as parameter
 defaults and, for a cluster, each task's Kubernetes settings from the preset's cluster profile (pipelines/k8s.py);
@@ -19,7 +20,7 @@ from components.promote.component import promote_op
 from components.reward_model.component import reward_model_op
 from components.rl.component import rl_op
 from components.select_checkpoint.component import select_checkpoint_op
-from components.sft.component import sft_op
+from components.sft.component import sft_data_op, sft_op
 from components.stages import dag_stages
 from pipelines import credentials
 from pipelines.k8s import apply_local_launch, apply_profile, apply_task_policy
@@ -167,6 +168,22 @@ def build_pipeline(
                 )
                 pretrain.set_display_name("Pretrain (alignment)")
 
+            built: dict = {}  # sft and distill train on the sft_data step's output when it runs
+            if "sft_data" in wanted:
+                sft_data = on_cluster(
+                    sft_data_op(
+                        clean_data=clean.outputs["clean_data"],
+                        base_model=pretrain.outputs["model"],
+                        sft_data_uri=sft_data_uri,
+                        config=sft_config,
+                        content_key=preflight.outputs["sft"],
+                        experiment=experiment,
+                    ),
+                    "sft_data",
+                )
+                sft_data.set_display_name("Build SFT data")
+                built = {"built_data": sft_data.outputs["sft_data"]}
+
             if "sft" in wanted:
                 sft = on_cluster(
                     sft_op(
@@ -175,6 +192,7 @@ def build_pipeline(
                         config=sft_config,
                         content_key=preflight.outputs["sft"],
                         experiment=experiment,
+                        **built,
                     ),
                     "sft",
                 )
@@ -215,6 +233,7 @@ def build_pipeline(
                         config=distill_config,
                         content_key=preflight.outputs["distill"],
                         experiment=experiment,
+                        **built,
                     ),
                     "distill",
                 )

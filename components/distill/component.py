@@ -15,6 +15,7 @@ def distill_op(
     report: dsl.Output[dsl.Markdown],
     content_key: str = "",
     experiment: str = "vlm",
+    built_data: dsl.Input[dsl.Dataset] | None = None,
 ):
     """Distill the RL policy into a smaller student (pruned from the teacher, random, or a given checkpoint).
 
@@ -27,17 +28,19 @@ def distill_op(
         report: The stage report for the KFP UI.
         content_key: Preflight's digest of the content behind the URIs this stage reads; only in the cache key.
         experiment: MLflow experiment name.
+        built_data: Output of the sft_data step (sft.build_data.enabled): distilled on instead of sft_data_uri.
     """
     import shutil
 
     from components._shared.launch.result import model_dir, report_metrics
     from components._shared.launch.runner import run_stage
 
+    data = built_data.path if built_data is not None else sft_data_uri
     results = run_stage(
         "distill",
         config,
         experiment=experiment,
-        inputs={"teacher_model": model_dir(teacher_model.path), "data": sft_data_uri},
+        inputs={"teacher_model": model_dir(teacher_model.path), "data": data},
         output_dir=model.path,
         artifacts={"model": model_dir(model.path)},
         record_as="distill",

@@ -97,6 +97,7 @@ def preflight_op(
             "rl_data_uri": (rl_data_uri, needs_rl_data),
         },
         rl_config,
+        sft_config,
     )
     run_stage(
         "preflight",

@@ -8,7 +8,6 @@ In the pipeline: components/preflight/component.py (never cached).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from components._shared.platform.tracking import Tracker
 from components.preflight.config import PreflightConfig
 from components.preflight.fit import check_curriculum, check_fits, check_pretrain_captions, check_selection
+from components.preflight.tracking_server import check_tracking_server
 
 
 def validate_stage_configs(stage_configs: dict[str, dict[str, Any]]) -> int:
@@ -96,78 +96,6 @@ def count_lake_shards(lake_uri: str) -> int:
         raise ValueError(f"Cannot list the lake at {lake_uri}: {err}") from err
 
 
-def check_tracking_server(timeout_s: float) -> str:
-    """Reach an HTTP MLflow server's /health, then one authenticated API call (a server that wants a login answers
-    /health without one); file and sqlite stores need no check. In a KFP task pod an unset MLFLOW_TRACKING_URI is
-    an error: every stage would track into a throwaway sqlite file in its own pod."""
-    from components._shared.platform.mlflow_runs import KFP_RUN_ENV
-
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    if not uri and os.environ.get(KFP_RUN_ENV):
-        raise ValueError(
-            "MLFLOW_TRACKING_URI is not set in this KFP task pod: the Secret named by cluster.mlflow_secret (default "
-            "qvl-mlflow) is missing from the run's namespace or has no MLFLOW_TRACKING_URI key, so every stage would "
-            "log its metrics and register its model in a sqlite file inside its own pod, lost when the pod ends. "
-            "Create it (kubectl -n NAMESPACE create secret generic qvl-mlflow "
-            "--from-literal=MLFLOW_TRACKING_URI=http://mlflow.qvl.svc.cluster.local:5000; docs/operations.md), "
-            "or set preflight.check_tracking: false to run without a tracking server on purpose."
-        )
-    if not uri.startswith(("http://", "https://")):
-        return "local"
-    try:
-        health = _mlflow_get(uri, "/health", timeout_s)
-    except ValueError as err:
-        raise ValueError(
-            f"MLflow tracking server {uri} is not reachable ({err.__cause__}). Check MLFLOW_TRACKING_URI and that the "
-            "server is up (manifests/ deploys one)."
-        ) from err
-    if health.status_code != 200:
-        raise ValueError(f"MLflow tracking server {uri} is not reachable (/health answered HTTP {health.status_code}).")
-    check_tracking_login(uri, timeout_s)
-    return "server"
-
-
-def _mlflow_get(uri: str, endpoint: str, timeout_s: float, **params):
-    """One GET as MLflow's own client sends it: its credentials (MLFLOW_TRACKING_TOKEN, _USERNAME/_PASSWORD,
-    MLFLOW_TRACKING_AUTH) and TLS settings (MLFLOW_TRACKING_SERVER_CERT_PATH, _INSECURE_TLS), no retries."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.utils.credentials import get_default_host_creds
-    from mlflow.utils.rest_utils import http_request
-
-    try:
-        return http_request(
-            get_default_host_creds(uri.rstrip("/")),
-            endpoint,
-            "GET",
-            params=params or None,
-            max_retries=0,
-            timeout=timeout_s,
-            raise_on_status=False,
-        )
-    except (OSError, MlflowException) as err:
-        raise ValueError(f"GET {endpoint} failed") from err
-
-
-def check_tracking_login(uri: str, timeout_s: float) -> None:
-    """One API call with the credentials MLflow itself would send, so a missing or wrong login fails here and not
-    at a stage's first metric (/health answers without a login)."""
-    try:
-        response = _mlflow_get(uri, "/api/2.0/mlflow/experiments/search", timeout_s, max_results=1)
-    except ValueError as err:
-        raise ValueError(f"MLflow tracking server {uri} failed an experiments search ({err.__cause__}).") from err
-    if response.status_code in (401, 403):
-        raise ValueError(
-            f"MLflow tracking server {uri} refused this pod's credentials (HTTP {response.status_code}). Put "
-            "MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, into the Secret named "
-            "by cluster.mlflow_secret (default qvl-mlflow)."
-        )
-    if response.status_code != 200:
-        raise ValueError(
-            f"MLflow tracking server {uri} answered HTTP {response.status_code} to an experiments search "
-            f"({response.text[:200]!r}); check MLFLOW_TRACKING_URI points at the MLflow server itself."
-        )
-
-
 def check_model(uri: str) -> tuple[str, dict[str, Any]]:
     """(where the model is, its config.json) for one model URI. An s3:// model is checked where it lies, weights
     not downloaded (a 7B model would fill this CPU pod's disk on every run; each stage downloads and verifies what
@@ -237,19 +165,25 @@ def content_keys(uris: dict[str, str], stage_configs: dict[str, dict[str, Any]])
 def check_data(data_files: dict[str, dict[str, Any]]) -> int:
     """Require the files under each needed data URI ({parameter: {"uri", "roles", "names", "required"}}): those its
     dataset.yaml lists for the roles (validated), else the synthetic world's names; returns how many were found. An
-    empty URI that a stage of this DAG needs is an error naming the pipeline parameter."""
+    empty URI that a stage of this DAG needs is an error naming the pipeline parameter; a URI that no stage of this
+    DAG reads (`qvl run --until` stops before it) is not looked at."""
     from components._shared.platform import storage
 
     found = 0
     for parameter, spec in data_files.items():
         uri = spec.get("uri") or ""
-        if not uri:
+        if not uri or not spec.get("required"):
             if spec.get("required"):
                 raise ValueError(
                     f"pipeline parameter {parameter} is empty, but a stage of this DAG reads it; pass "
                     f"{parameter}=s3://bucket/prefix (a data directory: docs/data.md)."
                 )
             continue
+        if spec.get("built_from") and storage.exists(storage.join(uri, "dataset.yaml")):
+            raise ValueError(
+                f"{parameter} {uri} holds a dataset.yaml; the sft_data step (sft.build_data.enabled) writes the plain "
+                "layout and cannot yet rewrite one: give a directory with eval.jsonl, or set build_data.enabled: false."
+            )
         for name in required_files(uri, spec.get("roles") or [], spec.get("names") or {}):
             if not storage.exists(storage.join(uri, name)):
                 raise ValueError(
@@ -292,7 +226,7 @@ def check_records(
         for parameter, spec in data_files.items():
             uri = spec.get("uri") or ""
             directory = local.get(uri)
-            if directory is None:
+            if directory is None or not spec.get("required"):
                 continue
             readers_of = [(stage_configs.get(s) or {}) for s in DATA_READERS.get(parameter, []) if s in stage_configs]
             skip = bool(readers_of) and all(c.get("on_bad_record") == "skip" for c in readers_of)
@@ -319,7 +253,7 @@ def _local_data(data_files: dict[str, dict[str, Any]], download_mb: float, downl
     from components._shared.platform import storage
 
     local: dict[str, Path | None] = {}
-    for uri in dict.fromkeys(spec.get("uri") or "" for spec in data_files.values()):
+    for uri in dict.fromkeys(spec.get("uri") or "" for spec in data_files.values() if spec.get("required")):
         if not uri:
             continue
         if not storage.is_s3(uri):
@@ -369,13 +303,22 @@ DATA_ROLES = {
 }
 
 
-def data_requirements(data: dict[str, tuple[str, bool]], rl_config: dict) -> dict[str, dict]:
+def data_requirements(
+    data: dict[str, tuple[str, bool]], rl_config: dict, sft_config: dict | None = None
+) -> dict[str, dict]:
     """{parameter: {"uri", "roles", "names", "required"}} for the data URIs: `data` maps each parameter to (URI,
-    whether this DAG runs a stage that needs it); the roles each serves and the rl stage's file settings."""
+    whether this DAG runs a stage that needs it); the roles each serves and the rl stage's file settings. SFT data
+    built by the DAG's sft_data step (sft.build_data.enabled) needs only the held-out questions of sft_data_uri,
+    unless build_data.include_given trains on its conversations too."""
+    build = (sft_config or {}).get("build_data") or {}
+    built = build.get("enabled") is True
     return {
         name: {
             "uri": uri,
-            "roles": DATA_ROLES[name],
+            "roles": ["eval"]
+            if name == "sft_data_uri" and built and not build.get("include_given")
+            else DATA_ROLES[name],
+            "built_from": name == "sft_data_uri" and built,
             "names": rl_data_files(rl_config) if name == "rl_data_uri" else {},
             "required": required,
         }

@@ -122,6 +122,14 @@ class BuildDataConfig(SubConfig):
     templates over each image's GRIT-style regions, scored by the base model, near duplicates dropped, type quotas
     kept; every candidate kept or dropped with its reason (seed 000 3.2, seed 001 3.2 / 4.2)."""
 
+    enabled: bool = Field(
+        False,
+        description=(
+            "In a DAG: run the `sft_data` step between pretrain and sft, which builds SFT data with these settings "
+            "from clean_data's output and the pretrained model; sft and distill then train on what it built "
+            "(with the held-out questions of sft_data_uri). Off: they train on sft_data_uri as given."
+        ),
+    )
     templates: list[Literal[TEMPLATE_TYPES]] = Field(  # type: ignore[valid-type]
         default_factory=lambda: list(TEMPLATE_TYPES),
         description=(
@@ -241,8 +249,10 @@ class SftConfig(TrainedStageConfig):
             ]
         if not self.calibration.fit_temperature and "fraction" in changed_fields(self.calibration, CalibrationConfig()):
             notes.append("calibration.fraction: the temperature's share; calibration.fit_temperature is false")
-        notes += [
-            f"build_data.{name}: read by `python -m components.sft.build_data`; the sft stage trains on --data"
-            for name in changed_fields(self.build_data, BuildDataConfig())
-        ]
+        if not self.build_data.enabled:  # enabled: a DAG's sft_data step reads them
+            notes += [
+                f"build_data.{name}: read by the sft_data step (build_data.enabled in a DAG) or `python -m "
+                "components.sft.build_data`; the sft stage trains on --data"
+                for name in changed_fields(self.build_data, BuildDataConfig())
+            ]
         return notes

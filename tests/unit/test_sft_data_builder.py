@@ -149,8 +149,10 @@ def test_impossible_quotas_are_refused_naming_the_setting():
     with pytest.raises(ValueError, match="quotas cannot add up"):
         BuildDataConfig(templates=["caption", "counterfactual"], max_type_share=0.3)
     assert SftConfig(build_data={"keep_fraction": 0.3}).ignored_settings() == [
-        "build_data.keep_fraction: read by `python -m components.sft.build_data`; the sft stage trains on --data"
+        "build_data.keep_fraction: read by the sft_data step (build_data.enabled in a DAG) or `python -m "
+        "components.sft.build_data`; the sft stage trains on --data"
     ]
+    assert SftConfig(build_data={"keep_fraction": 0.3, "enabled": True}).ignored_settings() == []  # the step reads it
 
 
 def test_build_data_writes_a_data_directory_and_accounts_for_every_candidate(tmp_path, tracking_env):

@@ -51,7 +51,7 @@ def execute(
         record_as = None
     verify_inputs(inputs)
     output_dir = Path(output_dir)
-    with locks.scope(), progress.stage_scope(stage):
+    with locks.scope(), progress.stage_scope(record_as or stage):
         # first: a second run into this output fails here, before any work, and writes nothing into it
         locks.hold(output_dir, purpose=f"{stage} output")
         return _execute_held(stage, cfg, run, inputs, output_dir, experiment, artifacts, record_as)
@@ -206,22 +206,24 @@ def run_stage(
     artifacts: dict[str, str] | None = None,
     record_as: str | None = None,
 ) -> dict[str, Any]:
-    """Validate `config` for `stage` and run `components.<stage>.stage.<function>` (the component body's one call).
+    """Validate `config` for `stage` and run `components.<stage>.stage.<function>` (the component body's one call);
+    a step (components/stages.py STEPS, e.g. sft_data) validates its stage's section and runs its own module.
 
     With a launch plan in QVL_LAUNCH_PLAN (a cluster profile asking for several GPUs or nodes) the stage runs
     on several processes instead (launch/plan.py) and this returns the metrics they recorded.
     """
-    from components.stages import load_config_class, load_stage
+    from components.stages import STEPS, load_config_class, load_stage
 
-    cfg = validate(load_config_class(stage), stage, config)
-    plan = plan_from_env() if function == "run" else None
+    section = STEPS[stage][0] if stage in STEPS else stage  # a step reads its stage's section
+    cfg = validate(load_config_class(section), section, config)
+    plan = plan_from_env() if function == "run" and section == stage else None
     if plan is not None:  # several processes (torchrun here) or nodes (a TrainJob): they run and record the stage
         return run_launched(
             plan, cfg.model_dump(mode="json"), inputs=inputs, output_dir=output_dir, experiment=experiment
         )
     fn = getattr(load_stage(stage), function)
     return execute(
-        stage,
+        section,
         cfg,
         fn,
         inputs=inputs,
