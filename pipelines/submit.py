@@ -21,6 +21,7 @@ import re
 import sys
 import tempfile
 import time
+import unicodedata
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from components._shared.platform.credential_shapes import redact, shown  # noqa: F401 - redact: app.submit
-from components._shared.platform.names import hidden_in_name
+from components._shared.platform.names import draws_nothing, hidden_in_name
 from pipelines import credentials
 
 # Pipeline parameters settable as `key=value` (the stage configs are set through dotted preset settings).
@@ -213,11 +214,12 @@ def check_cluster_location(name: str, value: str, *, echo: Callable[[str], None]
 
 def check_host(host: str) -> None:
     """--host as the KFP client needs it: scheme://HOST[:PORT][/PATH], nothing else (no user, query, blanks)."""
-    odd = next((c for c in host if c.isspace() or not c.isprintable()), None)
-    if odd is not None:
+    odd = next((c for c in host if c.isspace() or not c.isprintable() or draws_nothing(c)), None)
+    if odd is not None:  # named by its code point: a variation selector printed as itself shows nothing (S04)
+        named = f"U+{ord(odd):04X} {unicodedata.name(odd, '')}".strip()
         raise SubmitError(
-            f"--host {ascii(shown(host, 200))} holds {odd!r} at character {host.index(odd)} (a space, tab or "
-            "invisible character): a URL has none; retype it as scheme://HOST[:PORT][/PATH]."
+            f"--host {ascii(shown(host, 200))} holds {ascii(odd)} at character {host.index(odd)} ({named}: a space, "
+            "tab or invisible character): a URL has none; retype it as scheme://HOST[:PORT][/PATH]."
         )
     if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]*@", host):
         raise SubmitError(

@@ -40,9 +40,10 @@ class Preset(BaseModel):
 
 
 def preset_path(name_or_path: str | Path) -> Path:
-    """`tiny` -> pipelines/presets/tiny.yaml; a path to a YAML file is used as it is."""
+    """`tiny` -> pipelines/presets/tiny.yaml; a path to a YAML file, or any path with a '/', is used as it is (one
+    that is no regular file, such as /dev/zero, is refused as such when read)."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") and path.exists():
+    if (path.suffix in (".yaml", ".yml") or "/" in str(name_or_path)) and path.exists():
         return path
     candidate = PRESET_DIR / f"{name_or_path}.yaml"
     if not candidate.exists():

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import typer
 
+from pipelines.qvl.arguments import RedactingGroup, refuse_repeated_options
 from pipelines.qvl.rehearse import RUN_NAMES
 
 REHEARSAL_RUNS = ", ".join(RUN_NAMES)
-app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False)
+app = typer.Typer(help=__doc__, no_args_is_help=True, add_completion=False, cls=RedactingGroup)
 lake_app = typer.Typer(help="Data lakes: the synthetic shapes world.", no_args_is_help=True)
 models_app = typer.Typer(help="Builtin helper models of the presets (tokenizer, tiny Qwen-VL, tiny CLIP).")
 app.add_typer(lake_app, name="lake")
@@ -459,22 +460,6 @@ def _global_options(
 ) -> None:
     if debug:
         os.environ["QVL_DEBUG"] = "1"
-
-
-def refuse_repeated_options(argv: list[str]) -> None:
-    """An option given twice is refused: click keeps the last one without a word (`--out a ... --out b`). `qvl stage`
-    hands its arguments to the stage's own command line, which checks them itself."""
-    if argv[:1] == ["stage"]:
-        return
-    seen: set[str] = set()
-    for arg in argv:
-        if arg == "--":
-            break
-        name = arg.split("=", 1)[0]
-        if name.startswith("--") and len(name) > 2:
-            if name in seen:
-                raise ValueError(f"{name} is given twice; give it once (the last one would win without a word).")
-            seen.add(name)
 
 
 def main() -> None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import bisect
 import json
-import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from components._shared.platform.names import twin_of
 from components._shared.platform.placement import DATA_FILES, STAGE_RESULT
 from components._shared.platform.storage import COMMIT_MARKER
 
@@ -80,10 +80,9 @@ def iter_file(path: Path) -> Iterator[tuple[str, Any]]:
         )
     if not path.is_file():
         what = "is not a regular file (a pipe or a device?)" if path.exists() else "does not exist"
-        other = [path.with_name(unicodedata.normalize(form, path.name)) for form in ("NFC", "NFD")]
-        twin = next((o for o in other if o.name != path.name and o.is_file()), None)
+        twin, how = twin_of(path) or (None, "")
         if twin is not None:
-            what += f" as spelled; {ascii(twin.name)} does: the same letters in another Unicode form (retype the name)"
+            what += f" as spelled; {ascii(twin.name)} does: the same letters in {how} (retype the name)"
         marker = next((n for n in (COMMIT_MARKER, STAGE_RESULT) if (path.parent / n).is_file()), None)
         data_files = (*DATA_FILES, "preferences.jsonl")  # an sft.build_data output is a stage output and data
         if marker is not None and twin is None and not any((path.parent / n).exists() for n in data_files):

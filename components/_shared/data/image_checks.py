@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import io
 import struct
-import unicodedata
 from pathlib import Path
 from typing import Any
 
 from PIL import Image, ImageChops, UnidentifiedImageError
 
 from components._shared.data import formats as F
+from components._shared.platform.names import twin_of
 
 MAX_IMAGE_PIXELS = 89_478_485  # Pillow's default bomb limit, enforced by imaging.decode_image
 MAX_ASPECT_RATIO = 200  # transformers' Qwen smart_resize raises above this (every Qwen-VL family)
@@ -58,14 +58,9 @@ def local_image_path(root: Path, reference: str) -> Path:
 
 
 def _other_form(path: Path) -> str:
-    """Where a file of the same name in another Unicode form exists (a macOS NFD name for an NFC path): said."""
-    if not path.parent.is_dir():
-        return ""
-    wanted = unicodedata.normalize("NFC", path.name)
-    for entry in path.parent.iterdir():
-        if entry.name != path.name and unicodedata.normalize("NFC", entry.name) == wanted:
-            return f" (a file {entry.name!r} looks the same but is written in another Unicode form: rename one)"
-    return ""
+    """Where a file of the same name in another Unicode form (a macOS NFD name for an NFC path) or case exists: said."""
+    found = twin_of(path)
+    return f" (a file {found[0].name!r} looks the same but is written in {found[1]}: rename one)" if found else ""
 
 
 def probe_image(root: Path, reference: F.ImageRef) -> str | None:
@@ -245,12 +240,30 @@ def _cut_short(kind: str | None, head: bytes, tail: bytes, size: int) -> bool:
 
 
 def _jpeg_ends_inside(source: Path | io.BytesIO) -> bool:
-    """Whether a JPEG whose last 64 KiB hold no end-of-image marker has one after its first scan anyway: data
-    appended after it (a phone's motion photo carries its video there). Scan data cannot hold the marker (an 0xFF
-    byte in it is stuffed), so a file cut short has none."""
-    data = source.getbuffer() if isinstance(source, io.BytesIO) else source.read_bytes()
-    scan = bytes(data).find(b"\xff\xda")
-    return scan >= 0 and bytes(data).find(b"\xff\xd9", scan) >= 0
+    """Whether a JPEG whose last 64 KiB hold no end-of-image marker has one after its main image's first scan
+    anyway: data appended after it (a phone's motion photo carries its video there). Scan data cannot hold the
+    marker (an 0xFF byte in it is stuffed), so a file cut short has none."""
+    data = bytes(source.getbuffer() if isinstance(source, io.BytesIO) else source.read_bytes())
+    scan = _first_scan(data)
+    return scan >= 0 and data.find(b"\xff\xd9", scan) >= 0
+
+
+def _first_scan(data: bytes) -> int:
+    """Where the main image's first start-of-scan marker is, found by walking the segments from the start-of-image
+    by their lengths (an APPn or COM payload, such as an EXIF thumbnail, can hold a whole JPEG of its own: its scan
+    and end marker are not the image's); -1 when the segments do not lead to one."""
+    at = 2
+    while at + 4 <= len(data) and data[at] == 0xFF:
+        marker = data[at + 1]
+        if marker == 0xDA:
+            return at
+        if marker == 0xFF:  # a fill byte before a marker
+            at += 1
+        elif marker == 0x01 or 0xD0 <= marker <= 0xD7:  # standalone markers: no length
+            at += 2
+        else:
+            at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+    return -1
 
 
 def _cell_name(ref: F.ParquetImage) -> str:

@@ -4,6 +4,7 @@ without one the synthetic world's names are read: sft.jsonl, eval.jsonl, prefere
 
 from __future__ import annotations
 
+import os
 import re
 import unicodedata
 from pathlib import Path
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from components._shared.data import tasks as T
 from components._shared.data.benchmarks import BENCHMARKS
 from components._shared.data.file_checks import TRAINING_ROLES, check_distinct_contents, check_training_files
-from components._shared.platform.names import hidden_in_name
+from components._shared.platform.names import hidden_in_name, twin_of
 
 MANIFEST = "dataset.yaml"
 BENCHMARK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # 64 at most: metric keys stay under MLflow's 250
@@ -124,15 +125,16 @@ def manifest(data_dir: Path) -> Manifest:
 
 
 def _missing_images(data_dir: Path, images: str) -> str:
-    """Why an `images:` folder is not found: spelled in another Unicode form than the folder (both print alike), or
-    absent."""
+    """Why an `images:` folder is not found: spelled in another Unicode form than the folder (both print alike) or
+    in another case, or absent."""
     path = data_dir / images
-    for form in ("NFC", "NFD"):
-        twin = data_dir / unicodedata.normalize(form, images)
+    twins = [(data_dir / unicodedata.normalize(form, images), "another Unicode form") for form in ("NFC", "NFD")]
+    found = twin_of(path)  # the last part in another case (or form)
+    for twin, how in [*twins, *([found] if found else [])]:
         if twin != path and twin.is_dir():
             return (
-                f"images: {ascii(images)} does not exist as spelled; {ascii(twin.relative_to(data_dir).as_posix())} "
-                "does: the same letters in another Unicode form. Retype the name in dataset.yaml."
+                f"images: {ascii(images)} does not exist as spelled; {ascii(os.path.relpath(twin, data_dir))} "
+                f"does: the same letters in {how}. Retype the name in dataset.yaml."
             )
     return f"images: {images!r} does not exist in {data_dir}; name the folder the records' image paths start from."
 

@@ -155,6 +155,11 @@ def read_section(config_file: Path | None, section: str, sections: Collection[st
 SHIPPED_PRESETS = Path(__file__).resolve().parents[3] / "pipelines" / "presets"
 
 
+def not_a_file(path: Path) -> str:
+    """What an existing path that is no regular file is, as an error says it after "is"."""
+    return "a directory, not a file" if path.is_dir() else "not a regular file (a pipe or a device)"
+
+
 def read_preset_yaml(
     path: Path, seen: tuple[Path, ...] = (), search: tuple[Path, ...] = (SHIPPED_PRESETS,)
 ) -> dict[str, Any]:
@@ -167,7 +172,7 @@ def read_preset_yaml(
             f"presets extend each other in a cycle: {chain} ({path.resolve()}); remove one of these `extends:`."
         )
     if path.exists() and not path.is_file():  # a pipe would block the read for ever; a directory is an IsADirectory
-        raise ValueError(f"{path} is not a regular file (a directory or a pipe?); give the YAML file.")
+        raise ValueError(f"{path} is {not_a_file(path)}; give the YAML file.")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -191,11 +196,11 @@ def read_preset_yaml(
     if not isinstance(parent, str) or not parent.strip() or len(parent) > 255 or "\x00" in parent:
         shown = repr(parent) if len(repr(parent)) <= 80 else f"{repr(parent)[:60]}... ({len(str(parent))} characters)"
         raise ValueError(f"{path}: extends: {shown} is not a preset name or file name; give e.g. `extends: tiny`.")
-    name = parent if parent.endswith((".yaml", ".yml")) else f"{parent}.yaml"
-    candidates = [path.parent / name, *(folder / name for folder in search)]
+    names = [parent] if parent.endswith((".yaml", ".yml")) else [f"{parent}.yaml", *([parent] if "/" in parent else [])]
+    candidates = list(dict.fromkeys(folder / name for folder in (path.parent, *search) for name in names))
     parent_path = next((c for c in candidates if c.exists()), None)
     if parent_path is not None and not parent_path.is_file():
-        raise ValueError(f"{path}: extends '{parent}', which names {str(parent_path)!r}: a directory, not a file.")
+        raise ValueError(f"{path}: extends '{parent}', which names {str(parent_path)!r}: {not_a_file(parent_path)}.")
     if parent_path is None:
         raise ValueError(f"{path}: extends '{parent}', but none of {[str(c) for c in candidates]} exists.")
     base = read_preset_yaml(parent_path, (*seen, path.resolve()), search)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from components._shared.platform import s3_client
-from components._shared.platform.names import hidden_in_name
+from components._shared.platform.names import misread_in_path
 from components._shared.platform.s3_body import ResumableBody
 
 COMMIT_MARKER = "_COMMITTED.json"
@@ -47,17 +47,16 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
 def check_location(value: str, setting: str, *, builtin: bool = False) -> str:
     """`value` if it is a local path or an s3:// URI (or builtin:NAME where `builtin`); else a ValueError naming
     the setting: http(s)://, gs://, hf:// ... (not a folder named 'http:'), an empty value (not the working
-    directory), edge blanks, control and invisible characters (not a name nobody sees), `..` in an s3 key."""
+    directory), what a listing hides or draws as '/' but is a letter (names.misread_in_path), `..` in an s3 key."""
     text = str(value)
     if not text.strip():
         raise ValueError(
             f"{setting}={text!r} is empty (an unset shell variable gives one), which would mean the working "
             "directory; give a local path or an s3:// URI."
         )
-    hidden = hidden_in_name(text)
-    if hidden or text != text.strip():
-        what = f"holds {hidden}" if hidden else "begins or ends with white space"
-        raise ValueError(f"{setting}={shown(text)!r} {what}, which a listing does not show; retype the path.")
+    misread = misread_in_path(text)
+    if misread:
+        raise ValueError(f"{setting}={shown(text)!r} {misread}")
     if text.startswith("~"):
         raise ValueError(
             f"{setting}={shown(text)!r} starts with '~', which no shell expanded (it was quoted, or read from a file): "
@@ -363,8 +362,10 @@ def verify_dir(local_dir: str | Path, under: str = "") -> int:
     for relative, expected in sorted(listed.items()):
         path = root / relative
         if not path.is_file() or path.stat().st_size != expected["size"] or sha256_file(path) != expected["sha256"]:
+            links = path.stat().st_nlink - 1 if path.is_file() else 0  # the SFT builder links the data it was given
+            linked = f"it has {links} other hard link{'s' * (links > 1)}: a file linked elsewhere was edited in place; "
             raise IntegrityError(
-                f"{path} does not match {COMMIT_MARKER} (missing, truncated or modified); "
+                f"{path} does not match {COMMIT_MARKER} (missing, truncated or modified); {linked if links else ''}"
                 f"re-run the stage that produced {root}."
             )
     return len(listed)
