@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from components._shared.data import datasets
-from components._shared.data.kept_records import load_kept
+from components._shared.data.kept_records import kept_count, load_kept
 from components._shared.data.manifest import MANIFEST
 from components._shared.data.regions import record_regions
 from components._shared.data.text_checks import RecordError, check_text
@@ -69,6 +69,11 @@ def run(
             "directory, or set build_data.include_given: false."
         )
     records = load_kept(Path(clean_data), None, with_images=True, with_metadata=True)
+    if not records:
+        raise ValueError(
+            f"--clean-data {clean_data}: its {kept_count(Path(clean_data))} kept records all have an empty caption; "
+            "the builder's questions come from captions and their noun_chunks. Give the output of a lake with captions."
+        )
     model, processor, _ = load_vlm(base_model)
     set_pixel_bounds(processor, cfg.min_pixels, cfg.max_pixels)
     from components._shared.model.encoder import ConversationEncoder
@@ -77,6 +82,7 @@ def run(
         processor, model, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, max_length=cfg.max_length
     )
     images, candidates, lake = generate(cfg, records, encoder, family_for(model.config).grounding)
+    check_regions_used(lake, build.templates)
     scores = score(model, encoder, candidates, images, cfg)
     answer_tokens = [len(encoder.tokenizer(c.answer, add_special_tokens=False)["input_ids"]) for c in candidates]
     kept, dropped = B.select(candidates, scores, answer_tokens, build)
@@ -95,6 +101,19 @@ def run(
     }
     tracker.log_metrics({k: float(v) for k, v in metrics.items()}, step=0)
     return metrics
+
+
+def check_regions_used(lake: dict, templates: list[str]) -> None:
+    """Refuse a build whose region templates had no region to use, naming why the lake's chunks were not used (the
+    quota errors that would follow speak of question types, not of the cause)."""
+    needing = [t for t in templates if t != "caption"]
+    if lake["region_chunks_used"] == 0 and needing:
+        reasons = lake["region_chunks_not_used"] or {"no record has noun_chunks in its metadata": lake["records"]}
+        raise ValueError(
+            f"build_data: no region chunk of the {lake['records']} kept records could be used ({reasons}); the "
+            f"templates {needing} ask about regions. Give the lake GRIT-style noun_chunks ([start, end, x1, y1, x2, "
+            "y2, score], relative boxes) in each record's JSON, or set build_data.templates: [caption]."
+        )
 
 
 def generate(cfg: SftConfig, records: list[dict], encoder, convention: str):
@@ -121,6 +140,9 @@ def generate(cfg: SftConfig, records: list[dict], encoder, convention: str):
         except RecordError as err:  # sft would refuse every conversation built from it (the rest of the message)
             unused["the caption holds text sft refuses (control or direction characters, chat tokens)"] += 1
             print(f"warning: build_data: lake record {r['image_hash']} not used: {err}", flush=True)
+            continue
+        if len(encoder.tokenizer(r["caption"], add_special_tokens=False)["input_ids"]) > cfg.max_length // 2:
+            unused[f"the caption is longer than half of max_length ({cfg.max_length // 2} tokens)"] += 1
             continue
         seen.add(r["image_hash"])
         image = decode_image(r["image"], max_image_pixels=MAX_IMAGE_PIXELS).image

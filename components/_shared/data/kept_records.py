@@ -22,3 +22,10 @@ def load_kept(
         if max_records and len(rows) >= max_records:
             return rows[:max_records]
     return rows
+
+
+def kept_count(clean_data: Path) -> int:
+    """How many records clean_data kept, captions empty or not (the Parquet footers' row counts)."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(part).metadata.num_rows for part in sorted((clean_data / "kept").glob("part-*.parquet")))

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from components._shared.data.metrics import box_iou
 from components._shared.platform.names import draws_nothing
 
 MALFORMED = "malformed (not [start, end, x1, y1, x2, y2, score] numbers)"
@@ -19,7 +20,9 @@ SPAN = "span outside the caption"
 BOX = "box not inside the image (relative 0-1, x1 < x2, y1 < y2)"
 SCORE = "score under region.min_score"
 EMPTY = "the span is blank"
-DUPLICATE = "the same span and box as another chunk of the record"
+DUPLICATE = "the same phrase as another chunk of the record over nearly its box (IoU > 0.9)"
+TOO_MANY = "past the record's first 256 chunks (a detector's output runs to tens)"
+MAX_CHUNKS, SAME_BOX_IOU = 256, 0.9
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,8 @@ def record_regions(record: dict, min_score: float) -> tuple[list[Region], list[s
     if not isinstance(chunks, list):
         return [], [MALFORMED]
     regions: list[Region] = []
-    dropped: list[str] = []
-    seen: set[tuple] = set()
-    for chunk in chunks:
+    dropped: list[str] = [TOO_MANY] * max(0, len(chunks) - MAX_CHUNKS)
+    for chunk in chunks[:MAX_CHUNKS]:
         if not isinstance(chunk, list) or len(chunk) not in (6, 7) or not all(_number(v) for v in chunk):
             dropped.append(MALFORMED)
             continue
@@ -63,16 +65,14 @@ def record_regions(record: dict, min_score: float) -> tuple[list[Region], list[s
             dropped.append(SPAN)
             continue
         phrase = caption[int(start) : int(end)].strip()
-        key = (phrase, *(round(v, 4) for v in (x1, y1, x2, y2)))  # boxes 1e-4 apart are one region
         if not (0 <= x1 < x2 <= 1 and 0 <= y1 < y2 <= 1):
             dropped.append(BOX)
         elif (chunk[6] if len(chunk) == 7 else 1.0) < min_score:
             dropped.append(SCORE)
         elif not "".join(c for c in phrase if not draws_nothing(c)).strip():  # zero-width spaces name nothing
             dropped.append(EMPTY)
-        elif key in seen:
-            dropped.append(DUPLICATE)
+        elif any(r.phrase == phrase and box_iou(r.box, (x1, y1, x2, y2)) > SAME_BOX_IOU for r in regions):
+            dropped.append(DUPLICATE)  # one object boxed twice (jittered) is one object: counts stay true
         else:
             regions.append(Region(phrase, (x1, y1, x2, y2)))
-            seen.add(key)
     return regions, dropped
