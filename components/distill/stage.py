@@ -35,7 +35,7 @@ from components._shared.data.overlap import held_out_overlap
 from components._shared.data.record_images import say_small_images
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
-from components._shared.model.attention import PACKED_SDPA, enable_vision_varlen
+from components._shared.model.attention import enable_vision_varlen
 from components._shared.model.device import resolve_device
 from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder
 from components._shared.model.head_loss import output_head
@@ -55,6 +55,7 @@ from components._shared.model.training import LoopData, LoopSettings, Phase, Tra
 from components._shared.model.vlm import (
     count_parameters,
     export_dtype,
+    lm_attention,
     load_vlm,
     qwen_model,
     save_vlm,
@@ -340,7 +341,7 @@ def _plain_student(cfg: DistillConfig, config, teacher, pairs: list[tuple[int, i
     """A fresh student module of `config` (for DeepSpeed's fp32 weights), with projections if training used them."""
     from transformers import AutoModelForImageTextToText
 
-    student = AutoModelForImageTextToText.from_config(config, attn_implementation=PACKED_SDPA)
+    student = AutoModelForImageTextToText.from_config(config, attn_implementation=lm_attention(config))
     enable_vision_varlen(student)
     if cfg.loss.hidden:
         attach_projections(student, teacher, pairs, None)
@@ -348,12 +349,13 @@ def _plain_student(cfg: DistillConfig, config, teacher, pairs: list[tuple[int, i
 
 
 def _for_export(cfg: DistillConfig, student, teacher):
-    """The student as it is exported and scored: a plain Qwen model (no training-only projections), packed SDPA."""
+    """The student as it is exported and scored: a plain Qwen model (no training-only projections), its family's
+    packed attention."""
     if hasattr(student, "distill_projections"):
         del student.distill_projections
     if cfg.loss.attention:
         for model in (student, teacher):
-            model.set_attn_implementation(PACKED_SDPA)
+            model.set_attn_implementation(lm_attention(model))
             enable_vision_varlen(model)
     student.eval()
     return student

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from components._shared.model.attention import PACKED_SDPA, enable_vision_varlen
+from components._shared.model.attention import enable_vision_varlen
 from components._shared.model.families import family_for
 from components._shared.model.sources import resolve_model
 from components._shared.model.vlm import build_student as random_student
-from components._shared.model.vlm import checkpoint_dtype, count_parameters, load_vlm, qwen_model
+from components._shared.model.vlm import checkpoint_dtype, count_parameters, lm_attention, load_vlm, qwen_model
 from components.distill.config import STUDENT_SIZES, DistillConfig, StudentConfig
 from components.distill.prune import PrunePlan, measure_importance, plan_pruning, prune
 
@@ -69,7 +69,7 @@ def build_student(cfg: DistillConfig, teacher, processor, calibration) -> tuple[
         ) from None
     if s.init == "prune":
         return prune(teacher, plan), plan
-    student = AutoModelForImageTextToText.from_config(plan.config, attn_implementation=PACKED_SDPA)  # random weights
+    student = AutoModelForImageTextToText.from_config(plan.config, attn_implementation=lm_attention(plan.config))
     enable_vision_varlen(student)
     student.generation_config = teacher.generation_config
     return student, None
@@ -105,10 +105,12 @@ def _check_compatible(student, student_processor, teacher, processor, uri: str) 
 def attach_projections(student, teacher, pairs: list[tuple[int, int]], plan: PrunePlan | None) -> None:
     """Learned maps student hidden -> teacher hidden, one per matched layer, on the student (so the optimizer and
     checkpoints include them); a pruned student's start at the channel selection it was cut with."""
-    hs = qwen_model(student).config.text_config.hidden_size
-    ht = qwen_model(teacher).config.text_config.hidden_size
-    layers = torch.nn.ModuleList(torch.nn.Linear(hs, ht, bias=False) for _ in pairs)
+    family = family_for(student)
+    ts, tt = qwen_model(student).config.text_config, qwen_model(teacher).config.text_config
+    widths = [(family.hidden_state_width(ts, s), family.hidden_state_width(tt, t)) for s, t in pairs]
+    layers = torch.nn.ModuleList(torch.nn.Linear(ws, wt, bias=False) for ws, wt in widths)
     if plan is not None:
+        hs = ts.hidden_size
         with torch.no_grad():
             for layer in layers:
                 layer.weight.zero_()

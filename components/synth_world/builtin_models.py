@@ -6,6 +6,8 @@
     tiny-qwen2-vl     the same scale with the Qwen2-VL classes (2-D RoPE ViT, LayerNorm, no window attention)
     tiny-qwen3-vl     the same scale with Qwen3-VL's structure (patch 16, DeepStack levels 0-2 of 4 ViT blocks)
     tiny-qwen3_5      the same scale with Qwen3.5's (3 Gated DeltaNet layers + 1 gated full-attention layer)
+    tiny-qwen4_exp    the Qwen4 preview's pieces at that scale: 3 Gated DeltaNet + 1 indexed-attention layer, 4
+                      experts (top 2) + a shared one, 2 hyper-connection streams, PLE on the first layer
     tiny-clip         a CLIPModel trained contrastively on the shapes world (clip.py); the clean_data caption check
 
 Every model is a Hugging Face directory (config.json, model.safetensors, processor files) plus
@@ -171,6 +173,21 @@ TINY_QWEN3_5 = QwenRecipe(
     vision_intermediate=128,
     image_pixels=128 * 128,
 )
+TINY_QWEN4_EXP = QwenRecipe(
+    family="qwen4_exp",
+    version="1",
+    hidden=64,
+    layers=4,
+    heads=4,
+    kv_heads=2,
+    intermediate=128,
+    mrope_section=(3, 3, 2),
+    vision_depth=2,
+    vision_hidden=64,
+    vision_heads=4,
+    vision_intermediate=128,
+    image_pixels=128 * 128,
+)
 # 3: lake-like sizes, no centre crop, the lake's mismatches as negatives. 4: four altered captions per picture
 # plus a per-picture softmax against them (held-out lake-mismatch recall 0.70). 5: what v4 missed were shape
 # changes (a red circle captioned as a red square): 8-pixel patches at 96x96 (0.80), three shape-only swaps per
@@ -193,6 +210,7 @@ RECIPES: dict[str, QwenRecipe | ClipRecipe] = {
     "tiny-qwen2-vl": TINY_QWEN2_VL,
     "tiny-qwen3-vl": TINY_QWEN3_VL,
     "tiny-qwen3_5": TINY_QWEN3_5,
+    "tiny-qwen4_exp": TINY_QWEN4_EXP,
     "tiny-clip": TINY_CLIP,
 }
 BUILTIN_NAMES: tuple[str, ...] = tuple(RECIPES)

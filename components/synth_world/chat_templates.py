@@ -306,4 +306,8 @@ QWEN3_5 = (
     "{%- endif %}"
 )
 
-TEMPLATES: dict[str, str] = {"qwen3_vl": QWEN3_VL_INSTRUCT, "qwen3_5": QWEN3_5}
+TEMPLATES: dict[str, str] = {
+    "qwen3_vl": QWEN3_VL_INSTRUCT,
+    "qwen3_5": QWEN3_5,
+    "qwen4_exp": QWEN3_5,
+}  # the preview: 3.5's

@@ -1,6 +1,6 @@
-"""The local DAG runs end to end on the tiny builtin of each newer family (Qwen2-VL, Qwen3-VL, Qwen3.5), with every
-stage's metrics in run_summary.json; every stage's model loads with the Auto classes and answers about an image.
-The tiny preset (Qwen2.5-VL) is tests/e2e/test_local_dag.py."""
+"""The local DAG runs end to end on the tiny builtin of each newer family (Qwen2-VL, Qwen3-VL, Qwen3.5, the Qwen4
+preview), with every stage's metrics in run_summary.json; every stage's model loads with the Auto classes and
+answers about an image. The tiny preset (Qwen2.5-VL) is tests/e2e/test_local_dag.py."""
 
 import json
 import subprocess
@@ -12,12 +12,18 @@ import pytest
 import torch
 from PIL import Image
 
-from components.stages import DAG_ORDER
+from components.stages import dag_stages
+from pipelines.presets import load_preset
 
 pytestmark = pytest.mark.e2e
 
-FAMILIES = {"tiny-qwen2-vl": "qwen2_vl", "tiny-qwen3-vl": "qwen3_vl", "tiny-qwen3_5": "qwen3_5"}
-STAGES = {"preflight", *DAG_ORDER}
+FAMILIES = {
+    "tiny-qwen2-vl": "qwen2_vl",
+    "tiny-qwen3-vl": "qwen3_vl",
+    "tiny-qwen3_5": "qwen3_5",
+    "tiny-qwen4_exp": "qwen4_exp",
+}
+STAGES = {"preflight", *dag_stages(load_preset("tiny").stages)}  # the family presets extend tiny
 
 
 @pytest.fixture(scope="module")

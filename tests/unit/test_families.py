@@ -1,4 +1,4 @@
-"""Every family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) packs exactly and caches features exactly.
+"""Every family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, the Qwen4 preview) packs exactly and caches features exactly.
 
 Packed per-sample logits equal the padded batch's (fp32, rel. error <= 1e-5) on rows that mix image sizes, text
 lengths and multi-image samples; Qwen3.5's linear-attention layers leak between packed samples without the
@@ -25,6 +25,7 @@ BUILTINS = {
     "qwen2_5_vl": "builtin:tiny-qwen2_5-vl",
     "qwen3_vl": "builtin:tiny-qwen3-vl",
     "qwen3_5": "builtin:tiny-qwen3_5",
+    "qwen4_exp": "builtin:tiny-qwen4_exp",
 }
 SIZES = [(128, 128), (64, 192), (256, 128), (96, 96), (160, 64)]
 PIXELS = {"min_pixels": 64 * 64, "max_pixels": 256 * 256}
@@ -67,7 +68,7 @@ def _worst_relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def test_every_family_is_registered_with_its_model_types():
     assert set(FAMILIES) == set(BUILTINS)
-    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"} == set(
+    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen4_exp"} == set(
         SUPPORTED_MODEL_TYPES
     )
     with pytest.raises(ValueError, match="'llava'.*not supported.*qwen3_5"):
@@ -214,7 +215,7 @@ def test_deepstack_mergers_are_merger_parameters(family_model):
     deepstack = [n for n in groups["merger"] if "deepstack_merger_list" in n]
     assert bool(deepstack) == (name == "qwen3_vl")
     assert not any("deepstack" in n for g, names in groups.items() if g != "merger" for n in names)
-    assert any("pos_embed" in n for n in groups["vision_lower"]) == (name in ("qwen3_vl", "qwen3_5"))
+    assert any("pos_embed" in n for n in groups["vision_lower"]) == (name in ("qwen3_vl", "qwen3_5", "qwen4_exp"))
 
 
 @pytest.mark.parametrize("name", list(BUILTINS))
@@ -226,7 +227,7 @@ def test_default_lora_adapts_every_family_merger_and_its_attention_kinds(name):
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in model.named_parameters() if ".lora_A" in n}
     assert any(".visual.merger." in n for n in adapted) and any(".attn.qkv" in n for n in adapted)
     assert any("deepstack_merger_list" in n for n in adapted) == (name == "qwen3_vl")
-    assert any(".linear_attn." in n for n in adapted) == (name == "qwen3_5")
+    assert any(".linear_attn." in n for n in adapted) == (name in ("qwen3_5", "qwen4_exp"))
     with pytest.raises(ValueError, match=f"gave no adapter on.*this {name} model's defaults"):
         build_model(SftConfig.model_validate({"mode": "lora", "lora": {"target_modules": ["lm_head"]}}), BUILTINS[name])
 

@@ -17,7 +17,7 @@ import torch
 
 from components._shared.model.attention import enable_vision_varlen
 from components._shared.model.attention import register as packed_attention
-from components._shared.model.families import family_for
+from components._shared.model.families import Family, family_for
 from components._shared.model.sources import read_json_file, resolve_model, validate_model_dir
 from components._shared.model.train_config import MODULE_GROUPS
 from components._shared.platform import disk_space
@@ -45,13 +45,13 @@ def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str
     path = resolve_model(str(uri))
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
     try:
-        family_for(str(model_type))
+        family = family_for(str(model_type))
     except ValueError as err:
         raise ValueError(f"{uri}: {err}") from None
     model, loading = AutoModelForImageTextToText.from_pretrained(
         path,
         dtype=dtype,
-        attn_implementation=packed_attention(),
+        attn_implementation=lm_attention(family),
         use_safetensors=True,
         trust_remote_code=False,
         output_loading_info=True,
@@ -64,6 +64,14 @@ def load_vlm(uri: str | Path, *, dtype: torch.dtype = torch.float32, device: str
     model = model.to(device)
     processor = AutoProcessor.from_pretrained(path, trust_remote_code=False)
     return LoadedVlm(model, processor, checkpoint_dtype(path))
+
+
+def lm_attention(what) -> str:
+    """The attention implementation a model of this family (a Family, config, model or model_type) trains with:
+    `sdpa_packed`, which splits packed rows itself, or plain sdpa with the block-causal mask where a layer reads
+    the mask (Family.splits_packed_rows)."""
+    family = what if isinstance(what, Family) else family_for(what)
+    return packed_attention() if family.splits_packed_rows else "sdpa"
 
 
 TEMPERATURE_RANGE = (0.5, 10.0)  # the range sft fits a confidence temperature over (evaluation.TEMPERATURE_GRID)
@@ -270,7 +278,7 @@ def build_student(teacher_config, **sizes):
     from transformers import AutoModelForImageTextToText
 
     student = AutoModelForImageTextToText.from_config(
-        student_config(teacher_config, **sizes), attn_implementation=packed_attention()
+        student_config(teacher_config, **sizes), attn_implementation=lm_attention(teacher_config)
     )
     enable_vision_varlen(student)
     return student

@@ -13,8 +13,9 @@ from components._shared.model.families.qwen2_5_vl import Qwen2_5_VL
 from components._shared.model.families.qwen2_vl import Qwen2_VL
 from components._shared.model.families.qwen3_5 import Qwen3_5
 from components._shared.model.families.qwen3_vl import Qwen3_VL
+from components._shared.model.families.qwen4_exp import Qwen4Exp
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (Qwen2_VL(), Qwen2_5_VL(), Qwen3_VL(), Qwen3_5())}
+FAMILIES: dict[str, Family] = {f.name: f for f in (Qwen2_VL(), Qwen2_5_VL(), Qwen3_VL(), Qwen3_5(), Qwen4Exp())}
 _BY_MODEL_TYPE = {model_type: f for f in FAMILIES.values() for model_type in f.model_types}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_BY_MODEL_TYPE)
 
@@ -27,7 +28,7 @@ def family_for(what) -> Family:
     if model_type not in _BY_MODEL_TYPE:
         raise ValueError(
             f"model_type {model_type!r} is not supported; this pipeline trains {', '.join(SUPPORTED_MODEL_TYPES)} "
-            "checkpoints (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and their MoE variants)."
+            "checkpoints (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5 and their MoE variants, the Qwen4 preview)."
         )
     return _BY_MODEL_TYPE[model_type]
 

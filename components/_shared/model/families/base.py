@@ -71,6 +71,10 @@ class Family:
     vocabulary: ClassVar[str] = "qwen2"  # the BPE its checkpoints use (the Qwen2 151k one; Qwen3.5: its 248k one)
     extra_tokens: ClassVar[tuple[str, ...]] = ()  # ordinary added tokens of the real vocabulary beyond Qwen2-VL's
     needs_sample_lengths: ClassVar[bool] = False  # packed rows must hand the LM each sample's length (Qwen3.5)
+    # The LM runs `sdpa_packed` (attention.py: packed rows split at the position restarts, no mask built); False:
+    # plain sdpa with transformers' block-causal mask, for layers that read the mask themselves (the Qwen4 preview's
+    # QSA indexer picks its key blocks from it)
+    splits_packed_rows: ClassVar[bool] = True
     # RL's first-step check: mean |sampling - trainer| token log-probability accepted per precision (docs/stages/rl.md)
     parity_tolerance: ClassVar[dict[str, float]] = {"fp32": 1e-4, "bf16": 0.05}
 
@@ -95,6 +99,11 @@ class Family:
         """Keep the first `depth` ViT blocks; block-index lists (window/full attention) follow."""
         vision.depth = depth
         vision.fullatt_block_indexes = [i for i in vision.fullatt_block_indexes if i < depth] or [depth - 1]
+
+    def hidden_state_width(self, text, layer: int) -> int:
+        """The width of decoder layer `layer`'s output (`output_hidden_states[layer + 1]`): the hidden size, times
+        the residual streams between layers where the LM has several (the Qwen4 preview's hyper-connections)."""
+        return int(text.hidden_size)
 
     def rotary_half(self, text, head_dim: int) -> int:
         """How many frequency pairs M-RoPE splits into its (temporal, height, width) sections."""

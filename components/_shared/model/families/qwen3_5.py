@@ -4,75 +4,30 @@ partial rotary, vocabulary 248,320; the ViT is Qwen3-VL's without DeepStack (pat
 
 Packing: the full-attention layers split at the text-position restarts like every family, but a linear-attention
 layer's causal convolution and recurrent state would run on from one packed sample into the next. The layers
-are given the packed row's sample lengths (`packed_sample_lengths`) and run each sample from a zero state, the
-way the varlen kernels do with `cu_seqlens`; without them the samples leak into each other (tests show it). The
-decoder layers take the lengths as an argument, so gradient checkpointing, which recomputes a layer during
-backward after the forward's context has ended, recomputes it per sample too (tested: the same gradients).
+are given the packed row's sample lengths and run each sample from a zero state (segmented.py), the way the
+varlen kernels do with `cu_seqlens`; without them the samples leak into each other (tests show it), and with
+gradient checkpointing the same gradients (tested).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+from typing import ClassVar
 
 import torch
 
 from components._shared.model.families.base import Family
+from components._shared.model.families.segmented import (
+    make_layer_carry_lengths,
+    make_segmented,
+    packed_sample_lengths,
+)
 
 FULL_ATTENTION_INTERVAL = 4
-_SAMPLE_LENGTHS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("packed_lengths", default=None)
-
-
-@contextlib.contextmanager
-def packed_sample_lengths(lengths: list[int] | None):
-    """Within the block, linear-attention layers treat a batch-1 row of sum(lengths) tokens as these samples."""
-    token = _SAMPLE_LENGTHS.set(lengths)
-    try:
-        yield
-    finally:
-        _SAMPLE_LENGTHS.reset(token)
-
-
-def _segmented_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-    """Gated DeltaNet forward run per packed sample (zero conv history and state for each), else unchanged."""
-    base = super(type(self), self).forward
-    lengths = _SAMPLE_LENGTHS.get()
-    if lengths is None or cache is not None or hidden_states.shape[0] != 1 or sum(lengths) != hidden_states.shape[1]:
-        return base(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    parts = hidden_states.split(lengths, dim=1)
-    return torch.cat([base(part, cache=None, attention_mask=None, **kwargs) for part in parts], dim=1)
-
-
-def _layer_call(self, *args, **kwargs):
-    """A decoder layer's call with the sample lengths as an argument: gradient checkpointing keeps the arguments
-    and recomputes the layer in backward, after the forward's context is gone."""
-    lengths = _SAMPLE_LENGTHS.get()
-    if lengths is not None:
-        kwargs["packed_lengths"] = lengths
-    return super(type(self), self).__call__(*args, **kwargs)
-
-
-def _layer_forward(self, *args, packed_lengths=None, **kwargs):
-    base = super(type(self), self).forward
-    if packed_lengths is None:
-        return base(*args, **kwargs)
-    with packed_sample_lengths(packed_lengths):
-        return base(*args, **kwargs)
-
-
-_PACKED_CLASSES: dict[type, type] = {}
-_METHODS = {"linear": {"forward": _segmented_forward}, "layer": {"__call__": _layer_call, "forward": _layer_forward}}
-
-
-def _packed_class(cls: type, kind: str) -> type:
-    if cls not in _PACKED_CLASSES:
-        _PACKED_CLASSES[cls] = type(f"Packed{cls.__name__}", (cls,), dict(_METHODS[kind]))
-    return _PACKED_CLASSES[cls]
 
 
 class Qwen3_5(Family):
     name = "qwen3_5"
-    model_types = ("qwen3_5", "qwen3_5_moe")
+    model_types: ClassVar[tuple[str, ...]] = ("qwen3_5", "qwen3_5_moe")
     patch_size = 16
     template_kwargs = {"enable_thinking": False}
     lora_targets = [
@@ -142,13 +97,10 @@ class Qwen3_5(Family):
         return Qwen3_5VisionModel
 
     def prepare_packing(self, qwen) -> None:
-        packed = set(_PACKED_CLASSES.values())
         for layer in qwen.language_model.layers:
-            module = getattr(layer, "linear_attn", None)
-            if module is None or type(module) in packed:
-                continue
-            module.__class__ = _packed_class(type(module), "linear")
-            layer.__class__ = _packed_class(type(layer), "layer")
+            if getattr(layer, "linear_attn", None) is not None:
+                make_segmented(layer.linear_attn)
+                make_layer_carry_lengths(layer)
 
     def zero3_external_parameters(self, qwen) -> list[tuple[torch.nn.Module, torch.nn.Parameter]]:
         """Gated DeltaNet passes `conv1d.weight` to its convolution function and never calls `conv1d`."""
