@@ -12,7 +12,7 @@ from components.rl.config import RlConfig
 from components.rl.rollout import Policy, RolloutEngine
 from components.rl.trainer import check_parity
 
-BUILTINS = ["tiny-qwen2-vl", "tiny-qwen2_5-vl", "tiny-qwen3-vl", "tiny-qwen3_5"]
+BUILTINS = ["tiny-qwen2-vl", "tiny-qwen2_5-vl", "tiny-qwen3-vl", "tiny-qwen3_5", "tiny-qwen4_exp"]
 
 
 def _records(n: int) -> list[dict]:
