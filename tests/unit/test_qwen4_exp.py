@@ -95,3 +95,12 @@ def test_a_packed_rows_gradients_equal_its_samples_one_by_one_with_and_without_c
             float((grads[way][n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) for n, g in grads["alone"].items()
         )
         assert worst <= 1e-4, way
+
+
+def test_the_memory_plan_counts_a_tokens_experts_not_a_dense_mlp():
+    from pipelines.qvl.memory_plan import plan
+
+    text = qwen_model(load_vlm(BUILTIN).model).config.text_config
+    assert family_for("qwen4_exp").lm_mlp_width(text) == 2 * 64 + 64  # top-2 experts of 64 and the shared one
+    name, plans = plan("tiny-qwen4_exp")
+    assert name == BUILTIN and [p.stage for p in plans] == ["pretrain", "sft", "reward_model", "rl", "distill"]

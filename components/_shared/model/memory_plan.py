@@ -187,7 +187,7 @@ def activation_bytes(config, tokens: int, *, checkpointed: bool, bytes_per_value
 
     family = family_for(config)
     v_hidden, v_inter = family.vision_width(vision), family.vision_intermediate(vision)
-    per_layer = tokens * (18 * text.hidden_size + 6 * text.intermediate_size) * bytes_per_value
+    per_layer = tokens * (18 * text.hidden_size + 6 * family.lm_mlp_width(text)) * bytes_per_value
     patches = tokens * vision.spatial_merge_size**2
     per_block = patches * (18 * v_hidden + 6 * v_inter) * bytes_per_value
     layers, blocks = text.num_hidden_layers, vision.depth

@@ -100,6 +100,14 @@ class Family:
         vision.depth = depth
         vision.fullatt_block_indexes = [i for i in vision.fullatt_block_indexes if i < depth] or [depth - 1]
 
+    def lm_mlp_width(self, text) -> int:
+        """The MLP width one token passes through: the dense intermediate size, or for a mixture of experts its top-k
+        experts' and the shared expert's together (what the memory plan counts activations by)."""
+        if getattr(text, "num_experts", None) and getattr(text, "moe_intermediate_size", None):
+            shared = getattr(text, "shared_expert_intermediate_size", 0) or 0
+            return int(text.num_experts_per_tok) * int(text.moe_intermediate_size) + int(shared)
+        return int(text.intermediate_size)
+
     def hidden_state_width(self, text, layer: int) -> int:
         """The width of decoder layer `layer`'s output (`output_hidden_states[layer + 1]`): the hidden size, times
         the residual streams between layers where the LM has several (the Qwen4 preview's hyper-connections)."""
