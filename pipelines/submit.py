@@ -421,13 +421,18 @@ def compile_and_submit(
 ) -> tuple[Any, str]:
     """Validate, plan (a training stage that cannot fit its GPUs stops here unless `force`), compile into a temporary
     directory, submit; returns (client, run_id)."""
-    check_host(host)
-    check_submission(experiment, run_name, namespace)
-    split_pairs(pairs)  # the command line's own pairs: a key given twice there is refused
-    if params_file is not None:
-        pairs = read_params_file(params_file) + list(pairs)
     with tempfile.TemporaryDirectory(prefix="qvl-submit-") as tmp:
-        prepared = prepare(preset, pairs, Path(tmp), force=force, echo=echo)
+        try:  # everything before the client: a refusal here means nothing was sent (exit 2, not "submitting failed")
+            check_host(host)
+            check_submission(experiment, run_name, namespace)
+            split_pairs(pairs)  # the command line's own pairs: a key given twice there is refused
+            if params_file is not None:
+                pairs = read_params_file(params_file) + list(pairs)
+            prepared = prepare(preset, pairs, Path(tmp), force=force, echo=echo)
+        except SubmitError:
+            raise
+        except ValueError as err:  # a setting, an override or the preset
+            raise SubmitError(str(err)) from err
         client = make_client(host, namespace)
         run_id = submit(client, prepared, experiment=experiment, run_name=run_name, namespace=namespace)
     echo(f"Run URL: {run_url(host, run_id)}")

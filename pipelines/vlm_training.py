@@ -103,7 +103,7 @@ def build_pipeline(
                     rl_data_uri=rl_data_uri,
                     # select_checkpoint reads it too, and runs only after pretrain
                     needs_eval_data="pretrain" in wanted,
-                    needs_sft_data="sft" in wanted,  # distill reads it too, and runs only after sft
+                    needs_sft_data=bool({"sft", "sft_data"} & wanted),  # distill reads it too, and runs only after sft
                     needs_preference_data="reward_model" in wanted,
                     needs_rl_data="rl" in wanted,
                     gpu_profiles=cluster.gpu_profiles(wanted) if for_cluster else {},

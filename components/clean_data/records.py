@@ -25,6 +25,7 @@ REASONS = (
     "missing_caption",
     "duplicate_key",
     "duplicate_member",
+    "bad_metadata",
     "shard_error",
     "empty_file",
     "caption_not_utf8",

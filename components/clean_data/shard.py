@@ -38,6 +38,8 @@ def _cheap_checks(rec: Record, cfg: CleanDataConfig, timer: Timer) -> Candidate 
         return rejection(rec.key, rec.shard, *rec.reject, image_hash)
     if not rec.image:
         return rejection(rec.key, rec.shard, "empty_file", f"image member {rec.image_member!r} has 0 bytes", image_hash)
+    if "metadata_error" in rec.metadata:  # a .json that is not a JSON object: its regions and fields are lost
+        return rejection(rec.key, rec.shard, "bad_metadata", str(rec.metadata["metadata_error"]), image_hash)
     assert image_hash is not None  # rec.image is non-empty bytes here
     with timer("caption"):
         caption, problem = filters.check_caption(rec.caption or b"", cfg)

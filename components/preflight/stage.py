@@ -326,6 +326,20 @@ def data_requirements(
     }
 
 
+def sft_records(sft_config: dict[str, Any], given: list[dict] | None) -> list[dict] | None:
+    """What sft will train on, for its curriculum check (None: not known before it runs): the given conversations,
+    or with the sft_data step on one stand-in per difficulty the builder's templates make (and the given ones with
+    include_given)."""
+    from components.stages import is_enabled, load_config_class
+
+    if not is_enabled("sft_data", {"sft": sft_config}):
+        return given
+    build = load_config_class("sft").model_validate(sft_config).build_data
+    if build.include_given and given is None:
+        return None
+    return (given or [] if build.include_given else []) + [{"difficulty": d} for d in sorted(build.difficulties())]
+
+
 def rl_data_files(rl_config: dict[str, Any]) -> dict[str, list[str]]:
     """The rl stage's own file settings by role (prompts_file, eval.files); unset ones follow dataset.yaml."""
     out = {}
@@ -379,8 +393,9 @@ def run(
                 records["eval_data_uri", "eval"],
                 reward_model="reward_model" in stage_configs,
             )
-        if "sft" in stage_configs and "sft_data_uri" in runs and ("sft_data_uri", "sft") in records:
-            check_curriculum(stage_configs["sft"], records["sft_data_uri", "sft"])
+        trained = sft_records(stage_configs.get("sft") or {}, records.get(("sft_data_uri", "sft")))
+        if "sft" in stage_configs and "sft_data_uri" in runs and trained is not None:
+            check_curriculum(stage_configs["sft"], trained)
         if "pretrain" in stage_configs and "eval_data_uri" in runs and ("eval_data_uri", "eval") in records:
             metrics["heldout_captions"] = check_pretrain_captions(records["eval_data_uri", "eval"])
     if cfg.check_tracking:

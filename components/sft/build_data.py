@@ -68,6 +68,7 @@ def run(
             "come along without their images and under ids the new rows take again. Give the original data "
             "directory, or set build_data.include_given: false."
         )
+    check_given(data, data_dir, include_given=build.include_given)
     records = load_kept(Path(clean_data), None, with_images=True, with_metadata=True)
     if not records:
         raise ValueError(
@@ -103,6 +104,35 @@ def run(
     return metrics
 
 
+def check_given(data: str, data_dir: Path, *, include_given: bool) -> None:
+    """Refuse given data the built directory would break: a folder of the user's own named `built_images/` (not
+    copied, so its images would go missing), and with include_given no sft.jsonl, or ids of the built rows' form."""
+    if (data_dir / BUILT_IMAGES).exists() and not (data_dir / ACCOUNTING).is_file():
+        raise ValueError(
+            f"--data {data} has a {BUILT_IMAGES}/ folder, the name the builder writes its images under (it is not "
+            "copied, so what your files name there would go missing): rename that folder and the paths to it."
+        )
+    if not include_given:
+        return
+    given = data_dir / "sft.jsonl"
+    if not given.is_file():
+        raise ValueError(
+            f"build_data.include_given: --data {data} has no sft.jsonl to train on beside the built conversations; "
+            "give the directory that holds it, or set include_given: false."
+        )
+    for n, line in enumerate(given.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except (ValueError, RecursionError):
+            continue  # sft's own reader names a broken line
+        if isinstance(row, dict) and str(row.get("id", "")).startswith("built-"):
+            raise ValueError(
+                f"{given}:{n}: id {str(row['id'])[:40]!r} has the form the built rows take (built-NNNNNN); with "
+                "build_data.include_given two rows could share an id. Rename the given ids, or set include_given: "
+                "false."
+            )
+
+
 def check_regions_used(lake: dict, templates: list[str]) -> None:
     """Refuse a build whose region templates had no region to use, naming why the lake's chunks were not used (the
     quota errors that would follow speak of question types, not of the cause)."""
@@ -135,6 +165,9 @@ def generate(cfg: SftConfig, records: list[dict], encoder, convention: str):
         if r["image_hash"] in seen:
             unused["the same image as an earlier record"] += 1
             continue
+        if "<image>" in r["caption"]:  # sft would take it for a second image placeholder
+            unused["the caption holds '<image>', the image placeholder"] += 1
+            continue
         try:
             check_text(r["caption"], "caption")
         except RecordError as err:  # sft would refuse every conversation built from it (the rest of the message)
@@ -161,9 +194,10 @@ def generate(cfg: SftConfig, records: list[dict], encoder, convention: str):
         "region_chunks_not_used": dict(sorted(chunk_reasons.items())),
     }
     if not candidates:
+        advice = "" if "caption" in build.templates else ", or add 'caption' to build_data.templates"
         raise ValueError(
             f"build_data: none of the {len(records)} kept records gave a candidate ({lake['not_used']}); give the "
-            "lake records captions and GRIT-style noun_chunks, or add 'caption' to build_data.templates."
+            f"lake records captions sft can train on and GRIT-style noun_chunks{advice}."
         )
     return images, candidates, lake
 

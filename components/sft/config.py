@@ -115,6 +115,7 @@ class CalibrationConfig(SubConfig):
 
 
 TEMPLATE_TYPES = ("caption", "color", "shape", "count", "position", "relation", "grounding", "ocr", "counterfactual")
+BASIC_TYPES = frozenset({"caption", "color", "count", "shape"})  # the first curriculum phase's (the world's split)
 
 
 class BuildDataConfig(SubConfig):
@@ -174,6 +175,10 @@ class BuildDataConfig(SubConfig):
         bool, Field(description="Train on the data directory's own SFT conversations beside the built ones.")
     ] = False
     seed: Annotated[int, Field(ge=0, lt=2**32, description="Picks each question's wording.")] = 0
+
+    def difficulties(self) -> set[str]:
+        """The `difficulty` values the built conversations take (what sft's curriculum phases can name)."""
+        return {"basic" if t in BASIC_TYPES else "advanced" for t in self.templates}
 
     @model_validator(mode="after")
     def _quotas_possible(self):

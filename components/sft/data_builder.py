@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from components._shared.data.regions import Region
+from components.sft.config import BASIC_TYPES
 
 # Attribute words the colour and shape templates understand (phrases "<colour> <noun>"); other phrases still get the
 # grounding, position, relation and counterfactual-removal templates.
@@ -27,7 +28,6 @@ COLOR_WORDS = frozenset(
     "red green blue yellow purple orange black white gray grey brown pink cyan magenta violet gold silver".split()
 )
 SHAPE_WORDS = frozenset("circle square triangle cross rectangle star oval diamond hexagon pentagon heart".split())
-BASIC_TYPES = frozenset({"caption", "color", "count", "shape"})  # the first curriculum phase's (the world's split)
 
 TOO_LONG = "answer_too_long"
 LOW_SCORE = "low_score"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from components._shared.platform.presets import PRESET_TOP_LEVEL
 
@@ -25,6 +25,18 @@ class Preset(BaseModel):
     lake_uri: str | None = Field(None, description="Default lake when none is given on the command line.")
     stages: dict[str, dict[str, Any]]
     kubernetes: dict[str, Any] = Field(default_factory=dict, description="Cluster profile (pipelines/k8s.py).")
+
+    @field_validator("experiment")
+    @classmethod
+    def _visible_experiment(cls, value: str) -> str:
+        """The MLflow experiment name every stage logs into: no control or invisible characters (an ESC in it would
+        be compiled into the pipeline and colour every listing that prints it), not empty."""
+        from components._shared.platform.names import hidden_in_name
+
+        hidden = hidden_in_name(value)
+        if hidden or not value.strip():
+            raise ValueError(f"experiment {value!r} holds {hidden or 'nothing'}; give a plain name such as 'vlm'.")
+        return value
 
     def cluster_profile(self):
         """The validated cluster profile: this preset's `kubernetes:` section over pipelines/k8s.py's defaults."""

@@ -194,6 +194,11 @@ def check_run_args(out_dir: Path, lake_uri: str, data_uri: str, runner: str, *, 
     the local lake and data exist."""
     if runner not in ("subprocess", "docker"):
         raise ValueError(f"--runner {runner!r}: choose subprocess or docker.")
+    from components._shared.platform.storage import check_location
+
+    for option, location in (("--out", str(out_dir)), ("--lake", lake_uri), ("--data", data_uri)):
+        if location:
+            check_location(location, option)  # before anything resolves them (a symlink loop, hidden characters)
     out_dir = Path(out_dir).resolve()
     for option, uri in (("--lake", lake_uri), ("--data", data_uri)):
         if uri and "://" not in uri and out_dir.is_relative_to(Path(uri).resolve()):

@@ -53,7 +53,12 @@ class Run:
 
     @property
     def stages(self) -> dict[str, dict[str, Any]]:
-        return self.summary.get("stages", {})
+        """The summary's stage entries; one that is not a JSON object is shown as unreadable, not a crash."""
+        stages = self.summary.get("stages")
+        if not isinstance(stages, dict):
+            return {}
+        unreadable = {"status": "unreadable (not a JSON object)", "metrics": {}}
+        return {name: entry if isinstance(entry, dict) else unreadable for name, entry in stages.items()}
 
 
 def read_run(location: str | Path) -> Run:

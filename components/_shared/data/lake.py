@@ -174,7 +174,7 @@ def _parse_metadata(data: bytes) -> dict[str, Any]:
         value = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         return {"metadata_error": f"invalid JSON: {exc}"[:200]}
-    except RecursionError:  # one hostile record must not stop the lake: it is rejected like invalid JSON
+    except RecursionError:  # one hostile record must not stop the lake: it is rejected (bad_metadata) like invalid JSON
         return {"metadata_error": "invalid JSON: nested too deeply to read"}
     return (
         value if isinstance(value, dict) else {"metadata_error": f"expected a JSON object, got {type(value).__name__}"}

@@ -27,6 +27,7 @@ from typing import IO, Any
 from components._shared.platform import s3_client
 from components._shared.platform.names import misread_in_path
 from components._shared.platform.s3_body import ResumableBody
+from components._shared.platform.uri_text import shown, symlink_loop
 
 COMMIT_MARKER = "_COMMITTED.json"
 LOCK_FILES = (".qvl-lock", ".qvl-lock.json")  # platform/locks.py: the OS lock and its holder; never committed
@@ -83,20 +84,18 @@ def check_location(value: str, setting: str, *, builtin: bool = False) -> str:
             _, key = split_s3(text)  # a malformed bucket is an error here, not at the first request
         except ValueError as err:
             raise ValueError(f"{setting}: {err}") from None
-        odd = next((p for p in key.split("/") if p in (".", "..")), None)  # split_s3 refuses `//`
-        if odd is not None:  # S3 keeps them literally: `a/../b` names another object than a file system would
+        parts = key.split("/")  # S3 keeps `a/../b` and `a//b` literally: other objects than a file system's
+        odd = next((f"a {p!r} part" for p in parts if p in (".", "..")), None) or (
+            "an empty part ('//')" if "" in parts[:-1] else None
+        )
+        if odd is not None:
             raise ValueError(
-                f"{setting}={shown(text)!r}: the key holds a {odd!r} part, which S3 keeps as written (no folder is "
-                "left); write the prefix out plainly."
+                f"{setting}={shown(text)!r}: the key holds {odd}, which S3 keeps as written (no folder is left); "
+                "write the prefix out plainly."
             )
+    elif not (builtin and text.startswith("builtin:")) and (loop := symlink_loop(text)):
+        raise ValueError(f"{setting}={shown(text)!r}: {loop}")
     return text
-
-
-def shown(uri: str | Path) -> str:
-    """`uri` as an error may print it: a URL's query and any `user:password@` hidden (they can hold credentials)."""
-    text = re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@", r"\1<credentials hidden>@", str(uri))
-    base, query_mark, _ = text.partition("?")
-    return base + ("?<query hidden>" if query_mark else "")
 
 
 def split_s3(uri: str) -> tuple[str, str]:
