@@ -25,6 +25,7 @@ from components._shared.data import datasets
 from components._shared.data.kept_records import load_kept
 from components._shared.eval import evaluation as E
 from components._shared.model import checkpoint as ckpt
+from components._shared.model import moe
 from components._shared.model.checkpoint import CheckpointStore
 from components._shared.model.encoder import IGNORE_INDEX, ConversationEncoder
 from components._shared.model.families import VisualTokens
@@ -82,8 +83,9 @@ def make_loss(cfg: PretrainConfig, chunk_rows: int, region: RegionTerm | None = 
 
     def loss(model, batch: dict, samples) -> tuple[torch.Tensor, int, dict[str, float]]:
         embeds = image_embeddings(model, batch)
-        loss_sum, targets = sequence_loss(model, batch, chunk_rows=chunk_rows, image_embeds=embeds)
-        extra: dict[str, float] = {}
+        router = moe.router_list(model)
+        loss_sum, targets = sequence_loss(model, batch, chunk_rows=chunk_rows, image_embeds=embeds, router=router)
+        loss_sum, extra = moe.add_balance(model, loss_sum, targets, router)  # {} without experts
         if region is not None:
             if embeds is None:
                 raise ValueError("pretrain's region term needs an image in every caption sample; the batch has none.")

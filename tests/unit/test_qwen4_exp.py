@@ -104,3 +104,23 @@ def test_the_memory_plan_counts_a_tokens_experts_not_a_dense_mlp():
     assert family_for("qwen4_exp").lm_mlp_width(text) == 2 * 64 + 64  # top-2 experts of 64 and the shared one
     name, plans = plan("tiny-qwen4_exp")
     assert name == BUILTIN and [p.stage for p in plans] == ["pretrain", "sft", "reward_model", "rl", "distill"]
+
+
+def test_the_routers_balance_loss_is_reported_and_added_as_the_checkpoints_forward_adds_it():
+    from components._shared.model.training import default_loss
+
+    model, processor, _ = load_vlm(BUILTIN)
+    samples = _samples(ConversationEncoder(processor, model, **PIXELS), 2)
+    batch = pack(samples)
+    text = qwen_model(model).config.text_config
+    with torch.no_grad():
+        plain, targets, extra = default_loss(model, batch, samples)
+        assert 0 < extra["router_balance_loss"] < 100 and not text.output_router_logits  # logged, not added
+        text.output_router_logits = True  # the checkpoint asks for it: added with router_aux_loss_coef
+        added, _, again = default_loss(model, batch, samples)
+    expected = plain + text.router_aux_loss_coef * again["router_balance_loss"] * targets
+    torch.testing.assert_close(added, expected, rtol=1e-5, atol=1e-6)
+    dense, dense_processor, _ = load_vlm("builtin:tiny-qwen2_5-vl")
+    dense_samples = _samples(ConversationEncoder(dense_processor, dense, **PIXELS), 2)
+    with torch.no_grad():
+        assert default_loss(dense, pack(dense_samples), dense_samples)[2] == {}  # no experts, no router term

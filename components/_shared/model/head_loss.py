@@ -236,10 +236,16 @@ def cross_entropy_rows(targets: torch.Tensor, per_row: list[torch.Tensor] | None
 
 
 def sequence_loss(
-    model, batch: dict, *, chunk_rows: int, image_embeds: VisualTokens | None = None
+    model,
+    batch: dict,
+    *,
+    chunk_rows: int,
+    image_embeds: VisualTokens | None = None,
+    router: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, int]:
-    """(summed next-token cross-entropy over the batch's target tokens, their count), the head run in chunks."""
-    rows, targets, _ = target_rows(forward_hidden(model, batch, image_embeds), batch)
+    """(summed next-token cross-entropy over the batch's target tokens, their count), the head run in chunks; a
+    `router` list gets the MoE layers' router logits (packing.forward_hidden)."""
+    rows, targets, _ = target_rows(forward_hidden(model, batch, image_embeds, router), batch)
     return fused_head_loss(rows, output_head(model), cross_entropy_rows(targets), chunk_rows=chunk_rows), len(targets)
 
 

@@ -170,9 +170,16 @@ def forward_logits(model, batch: dict, image_embeds: VisualTokens | None = None)
     return _forward(model, batch, image_embeds).logits
 
 
-def forward_hidden(model, batch: dict, image_embeds: VisualTokens | None = None) -> torch.Tensor:
-    """Last-layer hidden states (B, L, hidden) of the language model for a packed or padded batch (no lm_head)."""
-    return _forward(qwen_model(model), batch, image_embeds).last_hidden_state
+def forward_hidden(
+    model, batch: dict, image_embeds: VisualTokens | None = None, router: list[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Last-layer hidden states (B, L, hidden) of the language model for a packed or padded batch (no lm_head);
+    with a `router` list (a model with experts), each MoE layer's router logits are appended to it."""
+    flags = {"output_router_logits": True} if router is not None else {}
+    out = _forward(qwen_model(model), batch, image_embeds, **flags)
+    if router is not None:
+        router.extend(getattr(out, "router_logits", None) or ())
+    return out.last_hidden_state
 
 
 def forward_outputs(model, batch: dict, *, lm_head: bool = True, **flags):

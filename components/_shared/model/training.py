@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from components._shared.model import checkpoint as ckpt
+from components._shared.model import moe
 from components._shared.model.attention import attention_path
 from components._shared.model.backends import Backend, TorchBackend
 from components._shared.model.data_order import DataCursor, DataOrder, Phase
@@ -116,9 +117,12 @@ class TrainResult:
 def default_loss(
     model, batch: dict, samples: list[Sample], *, chunk_rows: int = TrainConfig().loss_chunk_tokens
 ) -> tuple[torch.Tensor, int, dict[str, float]]:
-    """Summed next-token cross-entropy over assistant tokens, and their count (the LM head run in chunks)."""
-    loss_sum, targets = sequence_loss(model, batch, chunk_rows=chunk_rows)
-    return loss_sum, targets, {}
+    """Summed next-token cross-entropy over assistant tokens, and their count (the LM head run in chunks). A model
+    with experts also reports its router's load-balancing loss, added as its checkpoint's forward adds it (moe.py)."""
+    router = moe.router_list(model)
+    loss_sum, targets = sequence_loss(model, batch, chunk_rows=chunk_rows, router=router)
+    loss_sum, extra = moe.add_balance(model, loss_sum, targets, router)
+    return loss_sum, targets, extra
 
 
 class TrainLoop:
