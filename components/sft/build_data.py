@@ -120,17 +120,20 @@ def check_given(data: str, data_dir: Path, *, include_given: bool) -> None:
             f"build_data.include_given: --data {data} has no sft.jsonl to train on beside the built conversations; "
             "give the directory that holds it, or set include_given: false."
         )
-    for n, line in enumerate(given.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        try:
-            row = json.loads(line) if line.strip() else {}
-        except (ValueError, RecursionError):
-            continue  # sft's own reader names a broken line
-        if isinstance(row, dict) and str(row.get("id", "")).startswith("built-"):
-            raise ValueError(
-                f"{given}:{n}: id {str(row['id'])[:40]!r} has the form the built rows take (built-NNNNNN); with "
-                "build_data.include_given two rows could share an id. Rename the given ids, or set include_given: "
-                "false."
-            )
+    with given.open(encoding="utf-8", errors="replace") as lines:  # streamed: LLaVA-scale files run to GBs
+        for n, line in enumerate(lines, 1):
+            if "built-" not in line:
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):
+                continue  # sft's own reader names a broken line
+            if isinstance(row, dict) and str(row.get("id", "")).startswith("built-"):
+                raise ValueError(
+                    f"{given}:{n}: id {str(row['id'])[:40]!r} has the form the built rows take (built-NNNNNN); with "
+                    "build_data.include_given two rows could share an id. Rename the given ids, or set "
+                    "include_given: false."
+                )
 
 
 def check_regions_used(lake: dict, templates: list[str]) -> None:

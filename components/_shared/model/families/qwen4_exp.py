@@ -20,8 +20,6 @@ from typing import ClassVar
 from components._shared.model.families.qwen3_5 import Qwen3_5
 from components._shared.model.families.segmented import make_layer_carry_lengths, make_segmented
 
-INDEXED_ATTENTION_INTERVAL = 4
-
 
 class Qwen4Exp(Qwen3_5):
     name = "qwen4_exp"
