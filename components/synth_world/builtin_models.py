@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -173,21 +173,7 @@ TINY_QWEN3_5 = QwenRecipe(
     vision_intermediate=128,
     image_pixels=128 * 128,
 )
-TINY_QWEN4_EXP = QwenRecipe(
-    family="qwen4_exp",
-    version="1",
-    hidden=64,
-    layers=4,
-    heads=4,
-    kv_heads=2,
-    intermediate=128,
-    mrope_section=(3, 3, 2),
-    vision_depth=2,
-    vision_hidden=64,
-    vision_heads=4,
-    vision_intermediate=128,
-    image_pixels=128 * 128,
-)
+TINY_QWEN4_EXP = replace(TINY_QWEN3_5, family="qwen4_exp")  # Qwen3.5's sizes; the family adds the preview's pieces
 # 3: lake-like sizes, no centre crop, the lake's mismatches as negatives. 4: four altered captions per picture
 # plus a per-picture softmax against them (held-out lake-mismatch recall 0.70). 5: what v4 missed were shape
 # changes (a red circle captioned as a red square): 8-pixel patches at 96x96 (0.80), three shape-only swaps per

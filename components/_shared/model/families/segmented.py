@@ -82,7 +82,7 @@ _CLASSES: dict[tuple[type, str], type] = {}
 
 def _swap(module: torch.nn.Module, kind: str) -> None:
     cls = type(module)
-    if cls in {made for made in _CLASSES.values()}:
+    if cls in _CLASSES.values():  # made already
         return
     if (cls, kind) not in _CLASSES:
         _CLASSES[cls, kind] = type(f"Packed{cls.__name__}", (cls,), dict(_KINDS[kind]))
