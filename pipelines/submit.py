@@ -221,6 +221,14 @@ def check_host(host: str) -> None:
             f"--host {ascii(shown(host, 200))} holds {ascii(odd)} at character {host.index(odd)} ({named}: a space, "
             "tab or invisible character): a URL has none; retype it as scheme://HOST[:PORT][/PATH]."
         )
+    foreign = next((c for c in host if not c.isascii()), None)
+    if foreign is not None:  # a look-alike letter (Cyrillic 'а') or a full-width ':' reads as the host it is not
+        named = f"U+{ord(foreign):04X} {unicodedata.name(foreign, '')}".strip()
+        raise SubmitError(
+            f"--host {ascii(shown(host, 200))} holds {ascii(foreign)} at character {host.index(foreign)} ({named}), "
+            "not an ASCII character: it can read as another host, which would receive the token. Retype it in "
+            "ASCII; an internationalised domain name is given in its xn-- (punycode) form."
+        )
     if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^/@]*@", host):
         raise SubmitError(
             f"--host {shown(host, 200)!r} carries a user or password; give the endpoint alone and the token in the "

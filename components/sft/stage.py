@@ -222,11 +222,25 @@ def phases_for(cfg: SftConfig, records: list[dict]) -> list[Phase]:
     return phases
 
 
+def say_unbuilt(cfg: SftConfig, data: str, data_dir: Path) -> None:
+    """build_data.enabled adds the DAG's sft_data step; a stage run on its own builds nothing (said, not silent)."""
+    from components.sft.build_data import DROPPED
+
+    if cfg.build_data.enabled and not (data_dir / DROPPED).is_file():
+        print(
+            f"warning: build_data.enabled is true but --data {data} is not the sft_data step's output (it has no "
+            f"{DROPPED}): this run trains on --data as given. The builder runs as the DAG's sft_data step, or alone: "
+            "qvl stage sft_data --clean-data ... --base-model ... --data ... --output-dir BUILT; then --data BUILT.",
+            flush=True,
+        )
+
+
 def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, tracker: Tracker) -> dict[str, Any]:
     """Fine-tune, evaluate against the majority baseline, calibrate, save; returns the stage metrics."""
     check_not_reward_model(base_model, "--base-model")
     output_dir = Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
+    say_unbuilt(cfg, data, data_dir)
     records = load_sft_records(data_dir, cfg.max_records)
     eval_records = datasets.load_eval_records(data_dir, per_type=cfg.eval.per_type)
     overlap = held_out_overlap(records, eval_records, what="sft")

@@ -208,13 +208,13 @@ def run(
 )
 def stage(ctx: typer.Context, name: str = typer.Argument(..., help="Stage package name, e.g. clean_data.")):
     """Run one stage on its own (no KFP): the remaining arguments go to `python -m components.NAME`."""
-    from components.stages import STAGES, load_stage
+    from components.stages import STAGES, STEPS, load_stage
 
-    if name not in STAGES:
+    if name not in STAGES and name not in STEPS:
         shown = "" if name in ("-h", "--help") else f"Unknown stage '{name}'. "
         typer.echo(
             f"{shown}Usage: qvl stage NAME [--config FILE] ... (qvl stage NAME --help lists a stage's "
-            f"options). Stages: {', '.join(STAGES)}.",
+            f"options). Stages: {', '.join(STAGES)}; steps: {', '.join(STEPS)}.",
             err=True,
         )
         raise typer.Exit(0 if not shown else 2)

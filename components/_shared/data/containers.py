@@ -8,6 +8,7 @@ data/formats.py reads the record shapes.
 from __future__ import annotations
 
 import bisect
+import glob
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,6 +73,9 @@ def _json_problem(error: Exception) -> str:
 # ------------------------------------------------------------------------------------------ containers ---
 
 
+PACKED = {".gz": "gunzip", ".bz2": "bunzip2", ".xz": "unxz", ".zst": "unzstd", ".zip": "unzip"}
+
+
 def iter_file(path: Path) -> Iterator[tuple[str, Any]]:
     """(source, raw record) of a data file, in file order; the container is chosen by the file's suffix."""
     if path.is_dir():
@@ -83,6 +87,9 @@ def iter_file(path: Path) -> Iterator[tuple[str, Any]]:
         twin, how = twin_of(path) or (None, "")
         if twin is not None:
             what += f" as spelled; {ascii(twin.name)} does: the same letters in {how} (retype the name)"
+        packed = next((p for p in path.parent.glob(f"{glob.escape(path.name)}.*") if p.suffix in PACKED), None)
+        if packed is not None and twin is None:  # a compressed copy is not read: say what to do with it
+            what += f"; {ascii(packed.name)} does, compressed ({PACKED[packed.suffix]} it: the stages read plain files)"
         marker = next((n for n in (COMMIT_MARKER, STAGE_RESULT) if (path.parent / n).is_file()), None)
         data_files = (*DATA_FILES, "preferences.jsonl")  # an sft.build_data output is a stage output and data
         if marker is not None and twin is None and not any((path.parent / n).exists() for n in data_files):

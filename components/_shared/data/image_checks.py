@@ -115,6 +115,8 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
     except Exception as error:  # noqa: BLE001 - any failure to read an untrusted header is the record's problem
         other = _other_format(source) if isinstance(error, UnidentifiedImageError) else None
         label = name if name.startswith("image cell") else f"image {name}"
+        if other and other.startswith(("an empty file", "an HTML", "text,")):  # nothing to convert: fetch it again
+            return f"{label} is {other}; fetch the image again or drop the record", None
         if other:
             return f"{label} is {other}; only {', '.join(ALLOWED_FORMATS)} are read: convert it", None
         if isinstance(error, UnidentifiedImageError):

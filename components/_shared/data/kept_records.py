@@ -13,7 +13,12 @@ def load_kept(
 
     parts = sorted((clean_data / "kept").glob("part-*.parquet"))
     if not parts:
-        raise ValueError(f"{clean_data}/kept has no part-*.parquet files; point --clean-data at clean_data's output.")
+        shards = sorted(p.name for p in clean_data.glob("*") if p.name.endswith((".tar", ".tar.gz", ".tgz")))[:3]
+        raw = f" it holds {shards}, a raw lake's shards: run clean_data on it first;" if shards else ""
+        raise ValueError(
+            f"{clean_data}/kept has no part-*.parquet files;{raw} point --clean-data at clean_data's output (the "
+            "directory holding kept/)."
+        )
     columns = ["image_hash", "caption"] + (["image"] if with_images else []) + (["metadata"] if with_metadata else [])
     rows: list[dict] = []
     for part in parts:

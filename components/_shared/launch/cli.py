@@ -95,7 +95,7 @@ def _run_section(
     if section in overrides and section not in config_cls.model_fields:
         raise ValueError(
             f"override {section}.{next(iter(_dotted(overrides[section])), '...')}: a stage's overrides are relative to "
-            f"its section ({section}); leave out the '{section}.' prefix (that form is qvl submit's and qvl plan's)."
+            f"its section ({section}); leave out the '{section}.' prefix (that form is qvl submit's)."
         )
     data = deep_merge(data, overrides)
     cfg = validate(config_cls, section, data)
@@ -244,6 +244,13 @@ def _check_owner(output: str, section: str) -> None:
     path = Path(output)
     if output.startswith("s3://") or not path.is_dir():
         return
+    for name in _LEFT_BY_A_RUN:  # a run writes, moves aside and deletes under these: never through a link
+        if (path / name).is_symlink():
+            raise ValueError(
+                f"--output-dir {output!r} holds {name!r} as a symbolic link (to {os.readlink(path / name)!r}); a run "
+                "writes and deletes checkpoints there, so it would change what the link points to. Remove the link "
+                "(the run makes its own), or give an empty or new directory."
+            )
     result = path / RESULT_FILE
     if result.is_file():
         try:

@@ -77,8 +77,9 @@ class LocalLock:
             probe.unlink()
         except OSError as err:
             raise OutputUnusable(
-                f"{self.directory} is not writable ({err.strerror or err}); choose a writable --output-dir "
-                "(or train.checkpoint_uri), or fix its permissions."
+                f"{self.directory} is not writable ({err.strerror or err}); choose a writable "
+                + ("train.checkpoint_uri" if holder.get("purpose") == "checkpoints" else "--output-dir")
+                + ", or fix its permissions."
             ) from err
         self.lock = FileLock(str(self.directory / LOCK_FILE), timeout=0)
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 import unicodedata
 from collections.abc import Collection
 from pathlib import Path
@@ -196,6 +197,11 @@ def read_preset_yaml(
     if not isinstance(parent, str) or not parent.strip() or len(parent) > 255 or "\x00" in parent:
         shown = repr(parent) if len(repr(parent)) <= 80 else f"{repr(parent)[:60]}... ({len(str(parent))} characters)"
         raise ValueError(f"{path}: extends: {shown} is not a preset name or file name; give e.g. `extends: tiny`.")
+    if re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", parent):  # would be looked up as a file named 'https:/...'
+        raise ValueError(
+            f"{path}: extends: {parent!r} is a URL; presets extend a preset name or a local file only (nothing is "
+            "fetched): download it beside this preset and give its file name."
+        )
     names = [parent] if parent.endswith((".yaml", ".yml")) else [f"{parent}.yaml", *([parent] if "/" in parent else [])]
     candidates = list(dict.fromkeys(folder / name for folder in (path.parent, *search) for name in names))
     parent_path = next((c for c in candidates if c.exists()), None)
