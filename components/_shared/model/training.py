@@ -171,7 +171,11 @@ class TrainLoop:
         else:
             self.backend = TorchBackend(model, optim=settings.optim, lr_lambda=self._lr_lambda)
         weights = next(self.backend.module.parameters()).dtype
-        logger.info(attention_path(self.device, weights, torch.bfloat16 if self.autocast else None))
+        path = attention_path(self.device, weights, torch.bfloat16 if self.autocast else None)
+        text = getattr(getattr(self.backend.module, "config", None), "text_config", None)
+        if getattr(text, "_attn_implementation", None) == "sdpa":  # Family.splits_packed_rows off (the Qwen4 preview)
+            path += "; the LM instead: sdpa over each packed row's block-causal mask (its family reads the mask)"
+        logger.info(path)
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []

@@ -243,7 +243,10 @@ def student_config(
     text.num_hidden_layers = layers
     text.num_attention_heads = heads
     text.num_key_value_heads = kv_heads
-    text.intermediate_size = intermediate or text.intermediate_size
+    if "intermediate_size" in text.to_dict():  # a dense MLP (or dense layers beside experts)
+        text.intermediate_size = intermediate or text.intermediate_size
+    elif intermediate:  # experts only (the Qwen4 preview): each expert and the shared one that wide
+        text.moe_intermediate_size = text.shared_expert_intermediate_size = intermediate
     text.head_dim = head_dim
     text.layer_types = family.student_layer_types(text, layers)
     if hasattr(text, "max_window_layers"):

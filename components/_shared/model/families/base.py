@@ -120,6 +120,11 @@ class Family:
     def student_layer_types(self, text, layers: int) -> list[str]:
         return ["full_attention"] * layers
 
+    def rehearsal_cuts(self, text) -> dict[str, tuple[int, int, str]]:
+        """Counts a real-width rehearsal checkpoint cuts beyond its depth so that it fits one machine, widths
+        kept: {text field: (real, kept, why)}. None for the dense families."""
+        return {}
+
     def config_class(self):
         from transformers import Qwen2_5_VLConfig
 

@@ -58,6 +58,18 @@ class Qwen4Exp(Qwen3_5):
             for kind in super().student_layer_types(text, layers)
         ]
 
+    def rehearsal_cuts(self, text) -> dict[str, tuple[int, int, str]]:
+        """The expert count (512 x 1.6B parameters a layer) and the PLE n-gram table's rows (41B parameters at
+        20M rows a head) cut; every width, top-k and the n-gram heads kept."""
+        cuts = {}
+        experts = max(16, int(text.num_experts_per_tok) + 1)
+        if int(text.num_experts) > experts:
+            cuts["num_experts"] = (int(text.num_experts), experts, "the routed experts; each one's width kept")
+        if text.ple_layer_ids and int(text.ngram_vocab_size_base) > 20_000:
+            why = "the PLE n-gram table's rows per head; its heads and width kept"
+            cuts["ngram_vocab_size_base"] = (int(text.ngram_vocab_size_base), 20_000, why)
+        return cuts
+
     def tiny_vision(self, *, depth: int, hidden: int, heads: int, intermediate: int, out_hidden: int) -> dict:
         return {
             **super().tiny_vision(
