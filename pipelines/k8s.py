@@ -219,8 +219,15 @@ class ClusterProfile(_Strict):
         missing = set(tasks) - set(self.stages)
         if missing:
             raise ValueError(f"kubernetes.stages: no profile for {sorted(missing)} (pipelines/k8s.py DEFAULT_STAGES).")
+        on_gpus = sorted(name for name, stage in self.stages.items() if stage.gpus and name not in CPU_STAGES)
         for name, stage in self.stages.items():
             where = f"kubernetes.stages.{name}"
+            if on_gpus and not stage.gpus and name not in CPU_STAGES:  # one model stage left on the CPU by mistake
+                raise ValueError(
+                    f"{where}.gpus: 0 while {', '.join(on_gpus[:3])}{' ...' if len(on_gpus) > 3 else ''} run on GPUs: "
+                    f"{name} runs the model too and would run it on the CPU for hours; give it gpus: 1 (or every "
+                    "model stage gpus: 0 for a CPU-only cluster)."
+                )
             if name in CPU_STAGES and stage.gpus:
                 raise ValueError(f"{where}.gpus: {name} runs on the CPU image (no CUDA); set gpus: 0.")
             if stage.gpus * stage.nodes > 1 and name not in MULTI_PROCESS_STAGES:

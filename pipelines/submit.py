@@ -86,7 +86,14 @@ def split_pairs(pairs: list[str], *, later_wins: bool = False) -> tuple[dict[str
     params: dict[str, Any] = {}
     overrides: dict[str, Any] = {}
     seen: dict[str, str] = {}
+    token = os.environ.get(TOKEN_ENV, "").strip()
     for pair in pairs:
+        if len(token) >= 8 and token in pair:  # a pasted token: a parameter is stored on the server, shown in the UI
+            raise SubmitError(
+                f"an override holds the value of {TOKEN_ENV} (not shown): it would be sent as a run parameter or "
+                f"setting, stored on the server and shown in the UI (or printed in a message). Remove it: the token "
+                f"is read from {TOKEN_ENV} only."
+            )
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise SubmitError(f"'{pair}' is not key=value (examples: lake_uri=s3://bucket/lake, sft.optim.lr=1e-5).")
@@ -363,7 +370,14 @@ def submit(
             experiment_name=experiment,
             namespace=namespace,
         )
-    return result.run_id
+    run_id = getattr(result, "run_id", None)
+    if not isinstance(run_id, str) or not run_id.strip():  # a proxy or another service answering 200
+        raise SubmitError(
+            f"the server answered the run request without a run id ({shown(repr(result), 200)}): it may not be the "
+            "KFP API (a proxy or login page at --host?), and whether a run started is unknown; check the KFP UI "
+            "before submitting again."
+        )
+    return run_id
 
 
 def wait(

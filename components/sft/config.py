@@ -187,6 +187,12 @@ class BuildDataConfig(SubConfig):
                 f"build_data.min_counterfactual={self.min_counterfactual} but 'counterfactual' is not in "
                 "build_data.templates; add it, or set min_counterfactual: 0."
             )
+        if self.min_counterfactual > self.max_type_share:  # counterfactual is one type: capped like the others
+            raise ValueError(
+                f"build_data.min_counterfactual={self.min_counterfactual} > max_type_share={self.max_type_share}: "
+                "counterfactuals are one type, held under max_type_share, so the share asked cannot be reached; "
+                "lower min_counterfactual or raise max_type_share."
+            )
         if len(set(self.templates)) != len(self.templates):
             raise ValueError(f"build_data.templates lists a type twice: {self.templates}.")
         if self.max_type_share * len(self.templates) < 1:

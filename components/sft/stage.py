@@ -342,9 +342,8 @@ def calibrate(cfg: SftConfig, model, encoder, eval_records: list[dict], rows: li
             "empty. Give held-out questions other than captions, or calibration.enabled: false."
         )
         return {}
-    pairs = E.answer_logits(
-        model, E.answer_samples(encoder, [r for r, _ in picked], [w["prediction"] for _, w in picked])
-    )
+    shown = [encoder.template.shown_answer(w["prediction"]) for _, w in picked]  # a stray </think> (Qwen3.5 on)
+    pairs = E.answer_logits(model, E.answer_samples(encoder, [r for r, _ in picked], shown))
     correct = [w["score"] for _, w in picked]
     measured = {"ece": round(E.expected_calibration_error(E.confidences(pairs, 1.0), correct), 4)}
     if not cfg.calibration.fit_temperature:

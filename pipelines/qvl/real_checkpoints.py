@@ -111,10 +111,7 @@ def reduced_config(name: str, *, layers: int, vision_depth: int, text_hidden: in
             scaled = sorted({min(vision_depth - 1, round(i * vision_depth / vision.depth)) for i in indexes})
             setattr(vision, field, scaled)
     vision.depth = vision_depth
-    if getattr(text, "ple_layer_ids", None):  # one-indexed PLE layers onto the cut depth, on a linear layer each
-        linear = [i + 1 for i, kind in enumerate(text.layer_types) if kind == "linear_attention"]
-        nearest = {min(linear, key=lambda k: abs(k - i * layers / full_depth)) for i in text.ple_layer_ids}
-        text.ple_layer_ids = sorted(nearest)
+    family.map_layer_ids(text, full_depth)
     return config
 
 

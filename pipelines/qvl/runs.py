@@ -80,6 +80,9 @@ def read_run(location: str | Path) -> Run:
         raise ValueError(f"{summary_file}: not a run summary (JSON nested too deep to read).") from None
     if not isinstance(summary, dict):
         raise ValueError(f"{summary_file}: not a run summary (a JSON object with 'stages').")
+    if "stages" in summary and not isinstance(summary["stages"], dict):  # would read as a run of no stages
+        kind = type(summary["stages"]).__name__
+        raise ValueError(f"{summary_file}: not a run summary ('stages' is a {kind}, not an object of stages).")
     return Run(summary_file.parent, summary, summary_file.stat().st_mtime)
 
 
@@ -132,14 +135,21 @@ def runs_table(runs: list[Run], root: Path) -> str:
         rows.append(
             [
                 str(r.path.relative_to(root)) if r.path.is_relative_to(root) else str(r.path),
-                str(r.summary.get("status", "?")),
-                str(r.summary.get("preset", "?")),
+                _cell(r.summary.get("status", "?")),
+                _cell(r.summary.get("preset", "?")),
                 f"{seconds / 60:.1f}" if isinstance(seconds, (int, float)) else "-",
                 time.strftime("%Y-%m-%d %H:%M", time.localtime(r.finished)) if r.finished else "-",
                 *(headline(s, r.stages.get(s, {}).get("metrics")) if s in r.stages else "" for s in stages),
             ]
         )
     return _columns([header, *rows])
+
+
+def _cell(value: Any, width: int = 60) -> str:
+    """A summary's own text in a table cell: one line, at most `width` characters (a damaged summary's 100,000-
+    character preset would widen every row)."""
+    text = " ".join(str(value).split())
+    return text if len(text) <= width else f"{text[: width - 3]}..."
 
 
 def compare(a: Run, b: Run) -> str:

@@ -124,3 +124,22 @@ def test_the_routers_balance_loss_is_reported_and_added_as_the_checkpoints_forwa
     dense_samples = _samples(ConversationEncoder(dense_processor, dense, **PIXELS), 2)
     with torch.no_grad():
         assert default_loss(dense, pack(dense_samples), dense_samples)[2] == {}  # no experts, no router term
+
+
+def test_calibration_scores_a_generated_answer_holding_a_stray_think_end_as_the_template_shows_it():
+    """Qwen3.5's template (the preview's too) moves what precedes `</think>` into the reasoning block; an untrained
+    model's prediction holding one made sft fail after training (the twelfth pass's Q99)."""
+    from components.sft.config import SftConfig
+    from components.sft.stage import calibrate
+
+    model, processor, _ = load_vlm(BUILTIN)
+    encoder = ConversationEncoder(processor, model, **PIXELS)
+    image = Image.new("RGB", (64, 64), (200, 20, 20))
+    records = [
+        {"id": f"q{i}", "type": "color", "question": "What color?", "answer": "red", "pil": image} for i in range(4)
+    ]
+    predictions = ["red</think>", "x</think>\n\nred", "</think>", "blue"]
+    rows = [{"prediction": p, "score": float(p.endswith("red"))} for p in predictions]
+    cfg = SftConfig.model_validate({"calibration": {"fit_temperature": False}})
+    measured = calibrate(cfg, model.eval(), encoder, records, rows)
+    assert 0.0 <= measured["ece"] <= 1.0

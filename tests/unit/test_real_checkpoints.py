@@ -67,6 +67,11 @@ def test_the_qwen4_preview_keeps_its_widths_and_cuts_what_no_machine_here_holds(
     )
     assert (text.num_experts, text.ngram_vocab_size_base, text.heads_per_ngram, text.hc_count) == (16, 20_000, 8, 4)
     assert text.layer_types == ["linear_attention", "indexed_attention"] and text.ple_layer_ids == [1]
+    from components._shared.model.vlm import student_config
+
+    student = student_config(model_config("qwen3.8-flash"), layers=1, intermediate=256).text_config
+    assert student.layer_types == ["indexed_attention"] and student.ple_layer_ids == []  # PLE: linear layers only
+    assert student.moe_intermediate_size == student.shared_expert_intermediate_size == 256  # no dense MLP to set
     narrow = reduced_config("qwen3.8-flash", layers=2, vision_depth=4, text_hidden=512, vision_heads=2).text_config
     assert (narrow.hidden_size, narrow.moe_intermediate_size, narrow.shared_expert_intermediate_size) == (512, 128, 128)
     assert narrow.ple_embed_dim == 512 == 32 * (narrow.ngram_size - 1) * narrow.heads_per_ngram  # 32 a head

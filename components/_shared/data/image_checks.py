@@ -115,10 +115,8 @@ def inspect_image(root: Path, reference: F.ImageRef) -> tuple[str | None, tuple[
     except Exception as error:  # noqa: BLE001 - any failure to read an untrusted header is the record's problem
         other = _other_format(source) if isinstance(error, UnidentifiedImageError) else None
         label = name if name.startswith("image cell") else f"image {name}"
-        if other and other.startswith(("an empty file", "an HTML", "text,")):  # nothing to convert: fetch it again
-            return f"{label} is {other}; fetch the image again or drop the record", None
         if other:
-            return f"{label} is {other}; only {', '.join(ALLOWED_FORMATS)} are read: convert it", None
+            return _refused_format(label, other), None
         if isinstance(error, UnidentifiedImageError):
             return f"{label} is not an image Pillow can identify (its first bytes {_head_of(source)!r})", None
         return f"{label} is unreadable ({error})", None
@@ -178,6 +176,15 @@ def _quarter_turned(image: Image.Image) -> bool | Exception:
         return image.getexif().get(EXIF_ORIENTATION) in (5, 6, 7, 8)
     except Exception as error:  # noqa: BLE001 - untrusted bytes
         return error
+
+
+def _refused_format(label: str, other: str) -> str:
+    """What to do with a file of another format: convert an image, fetch again what is none (empty, a page)."""
+    from components._shared.platform.image_decode import ALLOWED_FORMATS
+
+    if other.startswith(("an empty file", "an HTML", "text,")):
+        return f"{label} is {other}; fetch the image again or drop the record"
+    return f"{label} is {other}; only {', '.join(ALLOWED_FORMATS)} are read: convert it"
 
 
 def _other_format(source: Any) -> str | None:

@@ -171,6 +171,12 @@ def verify_inputs(inputs: dict[str, Any]) -> int:
             elif _verify_linked_files(path):  # a folder of links into an output (Hugging Face's cache layout)
                 verified += 1
             elif any((p / RESULT_FILE).is_file() for p in (path, *path.parents)) or name in STAGE_OUTPUT_INPUTS:
+                shards = sorted(p.name for p in path.glob("*") if p.name.endswith((".tar", ".tar.gz", ".tgz")))
+                if shards and name == "clean_data":  # the lake itself, given where its cleaned output belongs
+                    raise ValueError(
+                        f"{flag} {item} holds {shards[:3]}, a raw lake's shards, not clean_data's output: run "
+                        "clean_data on it first (qvl stage clean_data --lake-uri ...) and give its output directory."
+                    )
                 raise ValueError(
                     f"{flag} {item} is, or lies in, a stage's output without its commit marker "
                     f"({storage.COMMIT_MARKER}): the stage did not finish, or the directory was copied in part. Re-run "

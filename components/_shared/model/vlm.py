@@ -240,6 +240,7 @@ def student_config(
             raise ValueError(f"student head_dim={head_dim} is too small for a 3-part mrope_section; use fewer heads.")
         text.rope_parameters = {**text.rope_parameters, "mrope_section": scaled}
     text.hidden_size = hidden
+    full_depth = int(text.num_hidden_layers)
     text.num_hidden_layers = layers
     text.num_attention_heads = heads
     text.num_key_value_heads = kv_heads
@@ -249,6 +250,7 @@ def student_config(
         text.moe_intermediate_size = text.shared_expert_intermediate_size = intermediate
     text.head_dim = head_dim
     text.layer_types = family.student_layer_types(text, layers)
+    family.map_layer_ids(text, full_depth)
     if hasattr(text, "max_window_layers"):
         text.max_window_layers = min(text.max_window_layers, layers)
     if vision_depth is not None:

@@ -120,6 +120,9 @@ class Family:
     def student_layer_types(self, text, layers: int) -> list[str]:
         return ["full_attention"] * layers
 
+    def map_layer_ids(self, text, full_depth: int) -> None:
+        """Per-layer id lists of the LM mapped onto its cut depth, once `layer_types` is the cut one; none here."""
+
     def rehearsal_cuts(self, text) -> dict[str, tuple[int, int, str]]:
         """Counts a real-width rehearsal checkpoint cuts beyond its depth so that it fits one machine, widths
         kept: {text field: (real, kept, why)}. None for the dense families."""

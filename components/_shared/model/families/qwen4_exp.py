@@ -58,6 +58,14 @@ class Qwen4Exp(Qwen3_5):
             for kind in super().student_layer_types(text, layers)
         ]
 
+    def map_layer_ids(self, text, full_depth: int) -> None:
+        """The one-indexed PLE layers onto the nearest linear-attention layer of the cut depth (PLE runs on linear
+        layers only); none where the cut keeps no linear layer (a one-layer student)."""
+        linear = [i + 1 for i, kind in enumerate(text.layer_types) if kind == "linear_attention"]
+        depth = len(text.layer_types)
+        ids = text.ple_layer_ids if linear else []
+        text.ple_layer_ids = sorted({min(linear, key=lambda k: abs(k - i * depth / full_depth)) for i in ids})
+
     def rehearsal_cuts(self, text) -> dict[str, tuple[int, int, str]]:
         """The expert count (512 x 1.6B parameters a layer) and the PLE n-gram table's rows (41B parameters at
         20M rows a head) cut; every width, top-k and the n-gram heads kept."""
