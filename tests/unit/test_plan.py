@@ -81,8 +81,13 @@ def test_every_committed_prod_preset_fits_its_cluster_profile(preset):
 
 
 def test_a_training_stage_without_gpus_is_not_planned_and_a_student_larger_than_its_teacher_is_refused(tmp_path):
-    """sft on gpus: 0 was said to fit an 80 GB GPU it never gets (accelerator_type alone is a node selector)."""
-    name, plans = plan(_extending_prod_7b(tmp_path, "kubernetes: {stages: {sft: {gpus: 0}}}\n"))
+    """sft on gpus: 0 was said to fit an 80 GB GPU it never gets (accelerator_type alone is a node selector); one
+    model stage at 0 beside others on GPUs is refused (the twelfth pass's PR27), a CPU-only profile is planned."""
+    with pytest.raises(ValueError, match="kubernetes.stages.sft.gpus: 0 while distill, extract_features"):
+        plan(_extending_prod_7b(tmp_path, "kubernetes: {stages: {sft: {gpus: 0}}}\n"))
+    cpu = ["extract_features", "sft", "sft_data", "reward_model", "rl", "distill", "select_checkpoint"]
+    stages = ", ".join(f"{s}: {{gpus: 0}}" for s in cpu) + ", pretrain: {gpus: 0, nodes: 1}"
+    name, plans = plan(_extending_prod_7b(tmp_path, f"kubernetes: {{stages: {{{stages}}}}}\n"))
     sft = next(p for p in plans if p.stage == "sft")
     assert sft.gpus == 0 and sft.fits is None and not refusals([sft])
     (line,) = [row for row in table(name, "p", plans).splitlines() if row.startswith("sft ")]
