@@ -331,6 +331,13 @@ def check_token_accepted(host: str) -> None:
         if error.code in (401, 403):
             said = "refused $KFP_TOKEN" if token else "needs a token: set $KFP_TOKEN (docs/submitting.md)"
             raise ValueError(f"{shown(host, 200)} {said} (HTTP {error.code} on its health check).") from None
+        if error.code == 404 or error.code >= 500:  # kfp.Client would retry ~25 s and report a timeout
+            why = (
+                "no KFP API there (a wrong path in --host?)"
+                if error.code == 404
+                else "a server error: the KFP API is not healthy (kubectl -n kubeflow get pods), retry when it is"
+            )
+            raise ValueError(f"{shown(host, 200)} answered its health check with HTTP {error.code}: {why}.") from None
     except (urllib.error.URLError, OSError, ValueError):
         pass
 

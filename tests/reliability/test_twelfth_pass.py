@@ -84,3 +84,28 @@ def test_a_counterfactual_share_over_the_type_cap_is_refused():
     with pytest.raises(ValueError, match=r"min_counterfactual=0.5 > max_type_share=0.25: counterfactuals are one"):
         SftConfig.model_validate({"build_data": {"min_counterfactual": 0.5, "max_type_share": 0.25}})
     assert SftConfig.model_validate({"build_data": {"min_counterfactual": 0.25}}).build_data.min_counterfactual == 0.25
+
+
+@pytest.mark.parametrize(("status", "said"), [(500, "a server error: the KFP API is not healthy"), (404, "no KFP API")])
+def test_a_health_check_answered_with_an_error_is_said_with_its_status_not_as_a_timeout(status, said):
+    import http.server
+    import threading
+
+    from pipelines.submit import check_token_accepted
+
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the handler's name in http.server
+            self.send_response(status)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host = f"http://127.0.0.1:{server.server_port}"
+    try:
+        with pytest.raises(ValueError, match=f"{host} answered its health check with HTTP {status}: {said}"):
+            check_token_accepted(host)  # [SB53]: kfp.Client retried ~25 s and said "Failed getting healthz"
+    finally:
+        server.shutdown()
