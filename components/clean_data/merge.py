@@ -223,6 +223,7 @@ def merge_shards(cfg: CleanDataConfig, *, shard_dirs: list[Path], output_dir: Pa
     metrics = {k: manifest[k] for k in ("records_in", "records_kept", "records_rejected", "rejected_by_reason")}
     metrics["kept_fraction"] = manifest["records_kept"] / max(1, manifest["records_in"])
     metrics["shard_errors"] = len(manifest["shard_errors"])
+    metrics["json_caption_differs"] = manifest["json_caption_differs"]["count"]
     # Seconds spent in the filters of every shard and the merge (the task's own wall time covers only the merge).
     metrics["filter_seconds_total"] = round(sum(t["seconds"] for t in manifest["timings"].values()), 2)
     metrics["records_per_second"] = {
@@ -242,6 +243,15 @@ def _check_result(manifest: dict[str, Any], rejected: pa.Table, output_dir: Path
             error["shard"],
             error.get("error", ""),
             error.get("records_read", 0),
+        )
+    differs = manifest.get("json_caption_differs", {})
+    if differs.get("count"):
+        logger.warning(
+            "clean_data: %d record(s) hold a 'caption' in their .json other than their .txt caption (e.g. key %r in "
+            "shard %s); the .txt caption is the one cleaned and trained on: fix whichever of the two is wrong.",
+            differs["count"],
+            differs["example"],
+            differs["shard"],
         )
     if manifest["records_kept"] > 0:
         return
@@ -289,4 +299,12 @@ def _manifest(reports: list[dict[str, Any]], kept: pa.Table, rejected: pa.Table)
         "rejected_by_reason": reason_counts(reasons),
         "per_shard": per_shard,
         "shard_errors": [{"shard": r["shard"], **r["shard_error"]} for r in reports if r["shard_error"]],
+        "json_caption_differs": _caption_differs(reports),
     }
+
+
+def _caption_differs(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shards' counts of records whose .json caption is not their .txt caption, with the first example."""
+    found = [(r["shard"], r["json_caption_differs"]) for r in reports if r.get("json_caption_differs", {}).get("count")]
+    first = found[0] if found else (None, {"example": None})
+    return {"count": sum(d["count"] for _, d in found), "example": first[1]["example"], "shard": first[0]}

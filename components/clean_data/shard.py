@@ -80,6 +80,14 @@ def _cheap_checks(rec: Record, cfg: CleanDataConfig, timer: Timer) -> Candidate 
     )
 
 
+def _json_caption_differs(given: Any, caption: str) -> bool:
+    """Whether a record's .json `caption` (img2dataset writes one equal to the .txt) says something else than the .txt
+    caption the cleaner reads: a list, a number, or other words (white space aside)."""
+    if given is None:
+        return False
+    return not isinstance(given, str) or " ".join(given.split()) != " ".join(caption.split())
+
+
 def clip_threshold(cfg: CleanDataConfig, clip) -> float:
     """clip_min_score, or the model's recommended threshold when clip_threshold_from_model is set."""
     if not cfg.clip_threshold_from_model:
@@ -232,6 +240,7 @@ def clean_shard(cfg: CleanDataConfig, *, shard_uri: str, output_dir: Path, track
     candidates: list[Candidate] = []
     records = read_shard(shard_uri, max_member_bytes=cfg.max_file_bytes, errors=errors)
     records_in = 0
+    differs: list[str] = []  # keys whose .json holds a caption other than the .txt one (used)
     while True:
         with timer("read"):
             rec = next(records, None)
@@ -242,6 +251,8 @@ def clean_shard(cfg: CleanDataConfig, *, shard_uri: str, output_dir: Path, track
         result = _cheap_checks(rec, cfg, timer)
         if isinstance(result, Candidate):
             candidates.append(result)
+            if _json_caption_differs(rec.metadata.get("caption"), result.caption):
+                differs.append(rec.key)
         else:
             rejected.append(result)
     scores: dict[str, list[float]] = defaultdict(list)
@@ -267,6 +278,7 @@ def clean_shard(cfg: CleanDataConfig, *, shard_uri: str, output_dir: Path, track
         "scores": {name: sample_values(values, cfg.score_samples, cfg.seed) for name, values in scores.items()},
         "thresholds": thresholds,
         "timings": timer.as_dict(),
+        "json_caption_differs": {"count": len(differs), "example": differs[0] if differs else None},
     }
     (output_dir / "shard_report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     metrics = {k: report[k] for k in ("records_in", "records_kept", "records_rejected", "rejected_by_reason")}

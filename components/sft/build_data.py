@@ -34,6 +34,7 @@ from components._shared.model.packing import image_embeddings, pack, plan_micro_
 from components._shared.model.sources import check_not_reward_model
 from components._shared.model.stage_steps import SCRATCH
 from components._shared.model.vlm import load_vlm, set_pixel_bounds
+from components._shared.platform import bad_records
 from components._shared.platform.image_decode import decode_image
 from components._shared.platform.storage import COMMIT_MARKER
 from components._shared.platform.tracking import Tracker
@@ -106,7 +107,8 @@ def run(
 
 def check_given(data: str, data_dir: Path, *, include_given: bool) -> None:
     """Refuse given data the built directory would break: a folder of the user's own named `built_images/` (not
-    copied, so its images would go missing), and with include_given no sft.jsonl, or ids of the built rows' form."""
+    copied, so its images would go missing), and with include_given no sft.jsonl, ids of the built rows' form, or a
+    record sft would refuse (unless on_bad_record: skip)."""
     if (data_dir / BUILT_IMAGES).exists() and not (data_dir / ACCOUNTING).is_file():
         raise ValueError(
             f"--data {data} has a {BUILT_IMAGES}/ folder, the name the builder writes its images under (it is not "
@@ -134,6 +136,15 @@ def check_given(data: str, data_dir: Path, *, include_given: bool) -> None:
                     "build_data.include_given two rows could share an id. Rename the given ids, or set "
                     "include_given: false."
                 )
+    ledger = bad_records.current()
+    if ledger is None or not ledger.skipping:  # under skip, sft drops and counts them as it does without the build
+        try:  # copied as they are: a bad record is said here, naming --data's file, not after the GPU step
+            datasets.load_conversations(data_dir, file_name="sft.jsonl")
+        except ValueError as err:
+            raise ValueError(
+                f"build_data.include_given copies --data {data}'s sft.jsonl into the build as it is, and sft would "
+                f"refuse it: {err}"
+            ) from None
 
 
 def check_regions_used(lake: dict, templates: list[str]) -> None:

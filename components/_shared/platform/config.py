@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from components._shared.platform.credential_shapes import shown
+from components._shared.platform.names import non_ascii_letters
 
 
 def _accepts_int_not_float(annotation: Any) -> bool:
@@ -131,6 +132,7 @@ class SubConfig(_Settings):
     """A nested block of a stage config (same strictness, same float coercion, no boolean for a number)."""
 
 
+CHOICE_ERRORS = ("literal_error", "enum")  # a value refused for not being one of the listed words
 SHOWN_VALUE = 200  # characters of a refused value an error repeats
 
 
@@ -142,5 +144,7 @@ def format_validation_error(section: str, error: Exception) -> str:
     lines = []
     for item in errors():
         where = ".".join(str(p) for p in item.get("loc", ())) or "(config)"
-        lines.append(f"  {section}.{where}: {item.get('msg')} (got {shown(repr(item.get('input')), SHOWN_VALUE)})")
+        got = item.get("input")
+        odd = non_ascii_letters(got) if isinstance(got, str) and item.get("type") in CHOICE_ERRORS else ""
+        lines.append(f"  {section}.{where}: {item.get('msg')} (got {shown(repr(got), SHOWN_VALUE)}{odd})")
     return f"Invalid config for stage '{section}':\n" + "\n".join(lines)

@@ -39,6 +39,16 @@ def hidden_in_name(text: str) -> str:
     return ""
 
 
+def non_ascii_letters(text: str) -> str:
+    """The letters of `text` outside ASCII, named, as a clause an error adds after a value that should be ASCII (a
+    setting's choice, a preset name): "; 'с' is CYRILLIC SMALL LETTER ES (U+0441), not an ASCII letter"; else ""."""
+    odd = list(dict.fromkeys(c for c in text if not c.isascii()))[:3]
+    if not odd:
+        return ""
+    named = ", ".join(f"{c!r} is {unicodedata.name(c, 'unnamed')} (U+{ord(c):04X})" for c in odd)
+    return f"; {named}, not an ASCII letter: retype it"
+
+
 def misread_in_path(text: str) -> str:
     """How a path or URI would be read as another one, with the fix, or "": a character a listing does not show
     (hidden_in_name), white space at an edge, a character drawn as '/' that is part of a name."""

@@ -19,6 +19,7 @@ import yaml
 from components._shared.platform import strict_yaml
 from components._shared.platform.config import format_validation_error
 from components._shared.platform.credential_shapes import shown
+from components._shared.platform.names import non_ascii_letters
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -208,7 +209,9 @@ def read_preset_yaml(
     if parent_path is not None and not parent_path.is_file():
         raise ValueError(f"{path}: extends '{parent}', which names {str(parent_path)!r}: {not_a_file(parent_path)}.")
     if parent_path is None:
-        raise ValueError(f"{path}: extends '{parent}', but none of {[str(c) for c in candidates]} exists.")
+        raise ValueError(
+            f"{path}: extends '{parent}', but none of {[str(c) for c in candidates]} exists{non_ascii_letters(parent)}."
+        )
     base = read_preset_yaml(parent_path, (*seen, path.resolve()), search)
     emptied = sorted(key for key, value in data.items() if value is None and isinstance(base.get(key), dict))
     if emptied:
