@@ -11,18 +11,20 @@ bench/gpu/sft_workload.py's config with every width cut (LM 28 layers, 28 / 4 he
 attention in 7/15/23/31, 112 px windows, patch 14, merge 2) and its FULL data profile (4,096-token packed rows of
 4 to 12 images, 224..896 px sides: the rows sft_mfu.py trains on the GPU).
 
-Two arms, the same model and rows: `loops` = the attention as it ran on the H200 (one SDPA call per packed sample
+Three arms, the same model and rows: `loops` = the attention as it ran on the H200 (one SDPA call per packed sample
 per LM layer, per image / window per ViT block), `varlen` = components/_shared/model/attention.py's varlen path
-(one kernel call per layer and per block). torch's varlen kernel runs only on CUDA, so here a stand-in takes its
-place and counts as one op per call each way (the kernel is one call forward and one backward); every op around
-it (bounds, layouts, casts) is counted as it runs. The stand-in has the signature of torch's newer kernel API
+(one kernel call per layer and per block) with the packed row's sample bounds and target positions given by
+`pack()` on the host, `varlen_found` = the same path finding them on the device (as it did before they were
+given). torch's varlen kernel runs only on CUDA, so here a stand-in takes its place and counts as one op per call
+each way (the kernel is one call forward and one backward); every op around it (bounds, layouts, casts) is counted
+as it runs. The stand-in has the signature of torch's newer kernel API
 (window_size, enable_gqa); with torch 2.10's the varlen path also repeats the KV heads (a few ops per layer more).
 
 Counted with a TorchDispatchMode, per step, after one uncounted step (first-call work such as caches stays out):
 forward + loss, split into ViT, LM and `other` (pixel normalisation, embeddings, image-token scatter, head and
 loss), and backward; `kernels` = ops that are not views (a view launches nothing); `attention calls` = attention
-kernels, forward and backward; `scalar reads` = `_local_scalar_dense` + `nonzero` (a host sync each on a GPU;
-`.tolist()` of a CPU tensor dispatches nothing, so this is a lower bound).
+kernels, forward and backward; `scalar reads` = `_local_scalar_dense` + `nonzero` + boolean-mask indexing (a host
+sync each on a GPU; `.tolist()` of a CPU tensor dispatches nothing, so this is a lower bound).
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ from components._shared.model.head_loss import sequence_loss  # noqa: E402
 from components._shared.model.packing import pack  # noqa: E402
 from components._shared.model.vlm import qwen_model  # noqa: E402
 
-SYNCS = ("_local_scalar_dense", "nonzero")
+SYNCS = ("_local_scalar_dense", "nonzero", "bool_index")
+# What pack() gives the forward from the host (a packed row's sample bounds, its target positions); without them the
+# forward finds them on the device (the `varlen_found` arm: the path before they were given).
+HOST_GIVEN = ("sample_lengths", "cu_seqlens", "max_seqlen", "target_positions")
 ATTENTION_OPS = ("_scaled_dot_product", "_efficient_attention", "_flash_attention", "varlen_attn")  # fwd and bwd
 
 
@@ -81,6 +86,8 @@ class OpCounter(TorchDispatchMode):
         if not self.paused:
             name = func.overloadpacket.__name__
             self.counts[(self.region, name)] += 1
+            if func is torch.ops.aten.index.Tensor and any(t is not None and t.dtype == torch.bool for t in args[1]):
+                self.counts[(self.region, "bool_index")] += 1  # a nonzero inside, on the device
             if not func.is_view:
                 self.kernels[self.region] += 1
         return func(*args, **(kwargs or {}))
@@ -155,7 +162,9 @@ def count_step(model, batch: dict, enabled: bool) -> dict:
             handle.remove()
     model.zero_grad(set_to_none=True)
     regions = ("vit", "lm", "other", "backward")
-    ops = {r: sum(n for (region, _), n in counter.counts.items() if region == r) for r in regions}
+    ops = {
+        r: sum(n for (region, op), n in counter.counts.items() if region == r and op != "bool_index") for r in regions
+    }
     return {
         "ops": ops,
         "ops_total": sum(ops.values()),
@@ -184,7 +193,9 @@ def main() -> None:
     count_step(model, pack(groups[0]), False)  # uncounted: first-call work (caches, lazy init) stays out
     for samples in groups:
         batch = pack(samples)
+        device_bounds = {k: v for k, v in batch.items() if k not in HOST_GIVEN}  # as the forward ran before
         arms = {name: count_step(model, batch, name == "varlen") for name in ("loops", "varlen")}
+        arms["varlen_found"] = count_step(model, device_bounds, True)
         rows.append(
             {
                 "samples": len(samples),
@@ -198,14 +209,14 @@ def main() -> None:
         f"SFT step at Qwen2.5-VL-7B's geometry (widths cut), {len(rows)} packed rows of {FULL.budget} tokens, "
         "ops dispatched per step"
     )
-    header = f"{'row':>3} {'samples':>7} {'patches':>7} {'arm':>6} {'ViT fwd':>8} {'LM fwd':>7} {'other':>6}"
+    header = f"{'row':>3} {'samples':>7} {'patches':>7} {'arm':>12} {'ViT fwd':>8} {'LM fwd':>7} {'other':>6}"
     print(f"{header} {'backward':>8} {'total':>7} {'kernels':>7} {'attn calls':>10} {'scalar reads':>12}")
     for k, row in enumerate(rows):
-        for name in ("loops", "varlen"):
+        for name in ("loops", "varlen_found", "varlen"):
             arm = row[name]
             ops = arm["ops"]
             print(
-                f"{k:>3} {row['samples']:>7} {row['patches']:>7} {name:>6} {ops['vit']:>8} {ops['lm']:>7} "
+                f"{k:>3} {row['samples']:>7} {row['patches']:>7} {name:>12} {ops['vit']:>8} {ops['lm']:>7} "
                 f"{ops['other']:>6} {ops['backward']:>8} {arm['ops_total']:>7} {arm['kernels_total']:>7} "
                 f"{arm['attention_calls']:>10} {arm['scalar_reads']:>12}"
             )

@@ -90,7 +90,7 @@ def make_loss(cfg: PretrainConfig, chunk_rows: int, region: RegionTerm | None = 
             if embeds is None:
                 raise ValueError("pretrain's region term needs an image in every caption sample; the batch has none.")
             term = region(model, embeds.embeds, samples)
-            loss_sum, extra["region"] = loss_sum + region.weight() * term * targets, float(term.detach())
+            loss_sum, extra["region"] = loss_sum + region.weight() * term * targets, term.detach()
         if cfg.infonce.weight <= 0:
             return loss_sum, targets, extra
         # Same calls and the same metric keys on every micro-batch and rank (ZeRO-3 gathers, all-reduces).
@@ -102,7 +102,7 @@ def make_loss(cfg: PretrainConfig, chunk_rows: int, region: RegionTerm | None = 
         image_token = qwen_model(model).config.image_token_id
         batch = {**batch, "image_mask": batch["input_ids"] == image_token}
         nce = infonce_loss(cfg.infonce, embeds.embeds, batch, text_embeds)
-        return loss_sum + cfg.infonce.weight * nce * targets, targets, {**extra, "infonce": float(nce.detach())}
+        return loss_sum + cfg.infonce.weight * nce * targets, targets, {**extra, "infonce": nce.detach()}
 
     return loss
 

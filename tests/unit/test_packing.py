@@ -120,17 +120,22 @@ def test_segment_lengths_split_a_packed_row_at_position_restarts():
 
 
 def test_packing_without_restarting_text_positions_leaks_between_samples(model_and_encoder):
-    """The control that shows the exactness test can fail: one causal mask over the whole row is not exact."""
+    """The control that shows the exactness test can fail: one causal mask over the whole row is not exact, whether
+    the text positions do not restart (and no bounds come from the host) or the host's bounds say one sample."""
     model, _, encoder = model_and_encoder
     samples = _samples(encoder, 3)
     with torch.no_grad():
         packed = pack(samples)
         exact = per_sample_loss(forward_logits(model, packed), packed)
-        leaky = dict(packed, position_ids=packed["position_ids"].clone())
+        unbounded = {k: v for k, v in packed.items() if k not in ("sample_lengths", "cu_seqlens", "max_seqlen")}
+        leaky = dict(unbounded, position_ids=packed["position_ids"].clone())
         leaky["position_ids"][0, 0] = torch.arange(leaky["position_ids"].shape[-1])
-        wrong = per_sample_loss(forward_logits(model, leaky), leaky)
-    assert torch.allclose(exact[0], wrong[0])  # the first sample sees nothing before it
-    assert float((exact[1:] - wrong[1:]).abs().max()) > 1e-4
+        length = packed["position_ids"].shape[-1]
+        one_sample = dict(packed, sample_lengths=[length], cu_seqlens=torch.tensor([0, length]), max_seqlen=length)
+        for wrong_batch in (leaky, one_sample):
+            wrong = per_sample_loss(forward_logits(model, wrong_batch), wrong_batch)
+            assert torch.allclose(exact[0], wrong[0])  # the first sample sees nothing before it
+            assert float((exact[1:] - wrong[1:]).abs().max()) > 1e-4
 
 
 def test_first_fit_decreasing_plan():

@@ -13,7 +13,8 @@ On CUDA in bf16/fp16, or with fp32 weights under bf16/fp16 autocast (queries cas
 become one kernel per layer: torch's own flash-attention varlen kernel (`torch.nn.attention.varlen.varlen_attn`, no
 `flash-attn` build needed), called with the parameters each torch release takes (2.10: no `scale`, no GQA). The
 training loop says at its start which path its packed rows take and why (`attention_path`). A packed LM row's
-sample bounds are found once per forward (cached on the position tensor every layer receives), not once per layer.
+sample bounds come from `pack()` on the host (`packed_row`: no read from the device); a row without them has them
+found once per forward (cached on the position tensor every layer receives), not once per layer.
 The ViT's per-image / per-window loop is transformers' own, taken whenever the vision config's implementation is not
 a "flash" one; `enable_vision_varlen(model)` gives the ViT's modules a config named `VISION_VARLEN`, which makes
 transformers pass the ViT's `cu_seqlens` in one call, which runs the varlen kernel on CUDA and transformers'
@@ -28,6 +29,7 @@ CPU reference of the kernel, tests/unit/test_attention.py). `QVL_ATTN_VARLEN=0` 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -41,6 +43,7 @@ PACKED_SDPA = "sdpa_packed"
 VISION_VARLEN = "sdpa_packed_vision_flash_varlen"  # "flash" in the name: transformers' one-call varlen ViT branch
 _VARLEN = {"enabled": os.environ.get("QVL_ATTN_VARLEN", "1") != "0"}  # QVL_ATTN_VARLEN=0: the SDPA loops
 _LAST_BOUNDS: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []  # (positions, version, cu_seqlens, longest)
+_GIVEN: list[tuple[list[int], torch.Tensor, int]] = []  # the packed row's (lengths, cu_seqlens, longest) from pack()
 
 
 def use_varlen(enabled: bool) -> None:
@@ -161,9 +164,36 @@ def _varlen_row(query, key, value, cu_seqlens, max_len: int, *, causal: bool, sc
     return varlen_attention(q, k, v, cu_seqlens, max_len, causal=causal, scale=scale).unsqueeze(0)
 
 
+@contextlib.contextmanager
+def packed_row(batch: dict):
+    """The packed row's sample bounds as the input pipeline computed them on the host (`packing.pack`: lengths,
+    `cu_seqlens` moved with the batch, the longest), for the attention calls of one forward: they need no read
+    from the device (a host sync each). A batch without them (a padded one) leaves the attention to find them."""
+    given = batch.get("sample_lengths")
+    if given is None:
+        yield
+        return
+    _GIVEN[:] = [(given, batch["cu_seqlens"], batch["max_seqlen"])]
+    try:
+        yield
+    finally:
+        _GIVEN.clear()
+
+
+def _given_bounds(position_ids: torch.Tensor) -> tuple[list[int], torch.Tensor, int] | None:
+    """The host-given bounds of the packed row `position_ids` belongs to (its length theirs), else None."""
+    if _GIVEN and sum(_GIVEN[0][0]) == position_ids.shape[-1]:
+        return _GIVEN[0]
+    return None
+
+
 def _packed_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(cu_seqlens, longest sample) of a packed row, computed once per forward: every layer gets the same position
-    tensor, so the one host sync (the sample count and the longest sample) is paid once, not per layer."""
+    """(cu_seqlens, longest sample) of a packed row: given by the input pipeline (`packed_row`), else computed once
+    per forward: every layer gets the same position tensor, so the one host sync (the sample count and the longest
+    sample) is paid once, not per layer."""
+    given = _given_bounds(position_ids)
+    if given is not None:
+        return given[1].to(position_ids.device), given[2]
     for positions, version, cu, longest in _LAST_BOUNDS:
         if positions is position_ids and version == position_ids._version:
             return cu, longest
@@ -179,7 +209,11 @@ def _packed_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def segment_lengths(position_ids: torch.Tensor) -> list[int] | None:
     """Lengths of the samples in one packed row of text positions (1, L), split where a position does not follow
-    its predecessor; None when the row is one plain sequence starting at 0."""
+    its predecessor; None when the row is one plain sequence starting at 0. Given by the input pipeline where it
+    gave them (`packed_row`: no read from the device), else found from the positions."""
+    given = _given_bounds(position_ids)
+    if given is not None:
+        return list(given[0]) if len(given[0]) > 1 else None
     positions = position_ids.reshape(-1)
     starts = torch.nonzero(positions[1:] != positions[:-1] + 1).reshape(-1) + 1
     if starts.numel() == 0:

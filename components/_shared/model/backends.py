@@ -46,13 +46,17 @@ def adamw(groups: list[dict], optim: OptimConfig, *, offloaded: bool = False) ->
 
 
 def clip_per_group(optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """Clip each parameter group on its own gradient norm; returns the norms before clipping."""
+    """Clip each parameter group on its own gradient norm; returns the norms before clipping (read in one sync)."""
     norms = {}
     for group in optimizer.param_groups:
         params = [p for p in group["params"] if p.grad is not None]
         if params:
-            norms[group["name"]] = float(torch.nn.utils.clip_grad_norm_(params, group["max_grad_norm"]))
-    return norms
+            norms[group["name"]] = torch.nn.utils.clip_grad_norm_(params, group["max_grad_norm"]).float()
+    if not norms:
+        return {}
+    device = next(iter(norms.values())).device
+    read = torch.stack([n.to(device) for n in norms.values()]).tolist()  # one host sync for every group's norm
+    return dict(zip(norms, read, strict=True))
 
 
 class Backend(Protocol):

@@ -216,9 +216,14 @@ def head_rows_map(hidden: torch.Tensor, head: nn.Module, fn: RowMap, *, chunk_ro
 
 
 def target_rows(hidden: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hidden rows, target ids, sample index) at the target positions of a packed or padded batch."""
+    """(hidden rows, target ids, sample index) at the target positions of a packed or padded batch: the positions
+    `pack()` found on the host where it did (an index: no read from the device), else a mask of them."""
     targets = batch["targets"].to(hidden.device).flatten()
     seq = batch["seq_index"].to(hidden.device).flatten()
+    given = batch.get("target_positions")
+    if given is not None:
+        index = given.to(hidden.device)
+        return hidden.flatten(0, 1).index_select(0, index), targets[index], seq[index]
     valid = (targets != IGNORE_INDEX) & (seq >= 0)
     return hidden.flatten(0, 1)[valid], targets[valid], seq[valid]
 

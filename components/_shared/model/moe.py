@@ -45,4 +45,4 @@ def add_balance(model, loss_sum: torch.Tensor, targets: int, router: list[torch.
     balance, weight = balance_loss(model, router)
     if weight:
         loss_sum = loss_sum + weight * balance.to(loss_sum.device) * targets
-    return loss_sum, {"router_balance_loss": float(balance.detach())}
+    return loss_sum, {"router_balance_loss": balance.detach()}  # read with the step's loss (training.read_once)

@@ -20,10 +20,12 @@ the reference of the exactness test).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
-from components._shared.model.attention import segment_lengths
+from components._shared.model.attention import packed_row, segment_lengths
 from components._shared.model.encoder import IGNORE_INDEX, Sample
 from components._shared.model.families import VisualTokens, family_for
 from components._shared.model.pixel_norm import model_pixels
@@ -85,13 +87,20 @@ def pack(samples: list[Sample]) -> dict:
         raise ValueError("pack() needs at least one sample.")
     text_positions = torch.cat([torch.arange(s.num_tokens) for s in samples])
     mrope = torch.cat([s.position_ids for s in samples], dim=1)
+    targets = torch.cat([_targets(s.labels) for s in samples])[None]
+    lengths = [s.num_tokens for s in samples]
     return {
         "input_ids": torch.cat([s.input_ids for s in samples])[None],
-        "targets": torch.cat([_targets(s.labels) for s in samples])[None],
+        "targets": targets,
         "seq_index": torch.cat([torch.full((s.num_tokens,), i) for i, s in enumerate(samples)])[None],
         "position_ids": torch.cat([text_positions[None], mrope])[:, None, :],
         "attention_mask": None,
         "num_samples": len(samples),
+        # Found here, on the host, so the forward reads nothing back from the device (attention.packed_row).
+        "sample_lengths": lengths,
+        "cu_seqlens": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
+        "max_seqlen": max(lengths),
+        "target_positions": torch.nonzero(targets.flatten() != IGNORE_INDEX).flatten(),
         **_vision_inputs(samples),
     }
 
@@ -214,7 +223,7 @@ def _forward(model, batch: dict, image_embeds: VisualTokens | None, **flags):
             kwargs["image_grid_thw"] = batch["image_grid_thw"]
         if "pixel_values" in batch:
             kwargs["pixel_values"] = batch_pixels(batch)
-    with family.packed_samples(_packed_lengths(batch) if family.needs_sample_lengths else None):
+    with family.packed_samples(_packed_lengths(batch) if family.needs_sample_lengths else None), packed_row(batch):
         return model(input_ids=batch["input_ids"], **kwargs)
 
 
@@ -223,6 +232,9 @@ def _packed_lengths(batch: dict) -> list[int] | None:
     positions = batch["position_ids"]
     if batch["attention_mask"] is not None or positions.shape[0] != 4 or positions.shape[1] != 1:
         return None
+    given = batch.get("sample_lengths")
+    if given is not None:  # pack() gave them: no read from the device
+        return list(given) if len(given) > 1 else None
     return segment_lengths(positions[0])
 
 

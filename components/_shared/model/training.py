@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DataCursor", "LoopData", "LoopSettings", "LoopState", "Phase", "TrainLoop", "TrainResult"]
 Model = Any  # the module being trained (the backend's: a DeepSpeed engine's module under DeepSpeed)
-LossFn = Callable[[Model, dict, list[Sample]], tuple[torch.Tensor, int, dict[str, float]]]
+# A loss function's extras are floats or 0-dim device tensors (read once a step with the loss: read_once).
+LossFn = Callable[[Model, dict, list[Sample]], tuple[torch.Tensor, int, dict[str, Any]]]
 Evaluate = Callable[[int, Model], dict[str, float]]  # (step, the model being trained) -> metrics
 
 
@@ -116,7 +117,7 @@ class TrainResult:
 
 def default_loss(
     model, batch: dict, samples: list[Sample], *, chunk_rows: int = TrainConfig().loss_chunk_tokens
-) -> tuple[torch.Tensor, int, dict[str, float]]:
+) -> tuple[torch.Tensor, int, dict[str, Any]]:
     """Summed next-token cross-entropy over assistant tokens, and their count (the LM head run in chunks). A model
     with experts also reports its router's load-balancing loss, added as its checkpoint's forward adds it (moe.py)."""
     router = moe.router_list(model)
@@ -397,8 +398,9 @@ class TrainLoop:
         step = items if isinstance(items, PreparedStep) else self.prepare([], items)
         samples, plan_size, total_targets = step.samples, step.plan_size, step.total_targets
         world = self.backend.world_size
-        loss_total, real, positions = 0.0, 0, 0
-        extras: dict[str, float] = {}
+        loss_on_device: torch.Tensor | float = 0.0  # summed on the device and read once after the micro-batches
+        real, positions = 0, 0
+        summed: dict[str, torch.Tensor | float] = {}
         self.backend.begin_step(len(step.batches))
         for micro, batch, weight in zip(step.micro, step.batches, step.weights, strict=True):
             if weight:
@@ -408,9 +410,11 @@ class TrainLoop:
             with self.autocast_context():
                 loss_sum, _, extra = self.loss_fn(self.backend.module, batch, micro)
             self.backend.backward(loss_sum * (weight / total_targets))
-            loss_total += weight * float(loss_sum.detach())
+            loss_on_device = loss_on_device + weight * loss_sum.detach().double()  # float64 as the host's sum was
             for k, v in extra.items():
-                extras[k] = extras.get(k, 0.0) + weight * v / plan_size
+                value = v.detach().double() if isinstance(v, torch.Tensor) else v
+                summed[k] = summed.get(k, 0.0) + weight * value / plan_size
+        loss_total, extras = read_once(loss_on_device, summed)
         if world > 1:  # one collective; loss_fn returns the same keys on every micro-batch and rank
             keys = sorted(extras)
             totals = self.backend.all_reduce_sum([loss_total, *(extras[k] for k in keys)])
@@ -432,6 +436,16 @@ class TrainLoop:
             "_real": real,
             "_positions": positions,
         }
+
+
+def read_once(loss: torch.Tensor | float, extras: dict[str, torch.Tensor | float]) -> tuple[float, dict[str, float]]:
+    """A step's summed loss and extras as floats, the device values read in one transfer (one host sync a step,
+    not one per micro-batch and value: a sync drains the GPU's queue while the host waits)."""
+    values = {"": loss, **extras}
+    on_device = {k: v for k, v in values.items() if torch.is_tensor(v)}
+    read = dict(zip(on_device, torch.stack(list(on_device.values())).tolist(), strict=True)) if on_device else {}
+    floats = {k: float(read.get(k, v)) for k, v in values.items()}
+    return floats.pop(""), floats
 
 
 class NonFiniteTraining(ValueError):
