@@ -22,6 +22,7 @@ from components._shared.data import tasks as T
 from components._shared.data.benchmarks import BENCHMARKS
 from components._shared.data.file_checks import naming_the_file
 from components._shared.data.image_checks import MAX_IMAGE_PIXELS, local_image_path
+from components._shared.data.lake import tar_shards
 from components._shared.data.manifest import (  # noqa: F401 - MANIFEST, Manifest, parse_manifest: this module's API too
     BENCHMARK_NAME,
     MANIFEST,
@@ -56,10 +57,10 @@ def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
             "wrote (DIR/heldout) or an s3:// prefix with eval.jsonl / sft.jsonl and images."
         )
     data_files = [p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet", ".tsv", ".yaml")]
-    shards = [p.name for p in path.iterdir() if p.name.endswith((".tar", ".tar.gz", ".tgz"))]
+    shards = tar_shards(path)
     if shards and not data_files:
         raise ValueError(
-            f"--data {str(uri)!r} holds lake shards ({', '.join(sorted(shards)[:3])}), not training data: --data takes "
+            f"--data {str(uri)!r} holds lake shards ({', '.join(shards[:3])}), not training data: --data takes "
             "the directory of eval.jsonl / sft.jsonl (or a dataset.yaml); the lake goes to clean_data's --lake-uri."
         )
     return path

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from components._shared.data.lake import tar_shards
+
 
 def load_kept(
     clean_data: Path, max_records: int | None, *, with_images: bool = True, with_metadata: bool = False
@@ -13,7 +15,7 @@ def load_kept(
 
     parts = sorted((clean_data / "kept").glob("part-*.parquet"))
     if not parts:
-        shards = sorted(p.name for p in clean_data.glob("*") if p.name.endswith((".tar", ".tar.gz", ".tgz")))[:3]
+        shards = tar_shards(clean_data)[:3]
         raw = f" it holds {shards}, a raw lake's shards: run clean_data on it first;" if shards else ""
         raise ValueError(
             f"{clean_data}/kept has no part-*.parquet files;{raw} point --clean-data at clean_data's output (the "

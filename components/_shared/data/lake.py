@@ -443,8 +443,15 @@ def read_shard(uri: str, *, max_member_bytes: int, errors: list[ShardError]) -> 
 
 
 # -- listing a lake ----------------------------------------------------------------------------------------
-LAKE_SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".parquet")
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+LAKE_SHARD_SUFFIXES = (*TAR_SUFFIXES, ".parquet")
 PIPELINE_OUTPUT_FILES = ("_COMMITTED.json", "_stage_result.json", "run_summary.json")  # a stage's or a run's output
+
+
+def tar_shards(folder: Path) -> list[str]:
+    """The names of the WebDataset tar shards directly in `folder`, sorted: how a raw lake given where a stage's
+    output or a data directory belongs is recognised (the messages then say to clean it first)."""
+    return sorted(p.name for p in folder.glob("*") if p.name.endswith(TAR_SUFFIXES))
 
 
 def list_lake_files(lake_uri: str) -> tuple[list[str], list[str]]:
@@ -473,7 +480,7 @@ def list_lake_files(lake_uri: str) -> tuple[list[str], list[str]]:
             f"lake_uri={lake_uri!r} holds a pipeline output ({outputs[0]}): its kept and rejected records would be "
             "read as lake shards. Give the lake's own folder (img2dataset's output), with no run or stage output in it."
         )
-    tars = {uri.removesuffix(suffix) for uri in files for suffix in (".tar", ".tar.gz", ".tgz") if uri.endswith(suffix)}
+    tars = {uri.removesuffix(suffix) for uri in files for suffix in TAR_SUFFIXES if uri.endswith(suffix)}
     # img2dataset's WebDataset output puts a metadata NNNNN.parquet (no images) beside each NNNNN.tar: not a shard
     metadata = {uri for uri in files if uri.endswith(".parquet") and uri.removesuffix(".parquet") in tars}
     shards = [uri for uri in files if uri.endswith(LAKE_SHARD_SUFFIXES) and uri not in metadata]

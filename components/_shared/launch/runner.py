@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from components._shared.data.lake import tar_shards
 from components._shared.launch.plan import LaunchPlan, check_config, plan_from_env
 from components._shared.launch.result import RESULT_FILE, _record, flatten_metrics
 from components._shared.launch.torchrun import run_local_torchrun
@@ -171,7 +172,7 @@ def verify_inputs(inputs: dict[str, Any]) -> int:
             elif _verify_linked_files(path):  # a folder of links into an output (Hugging Face's cache layout)
                 verified += 1
             elif any((p / RESULT_FILE).is_file() for p in (path, *path.parents)) or name in STAGE_OUTPUT_INPUTS:
-                shards = sorted(p.name for p in path.glob("*") if p.name.endswith((".tar", ".tar.gz", ".tgz")))
+                shards = tar_shards(path)
                 if shards and name == "clean_data":  # the lake itself, given where its cleaned output belongs
                     raise ValueError(
                         f"{flag} {item} holds {shards[:3]}, a raw lake's shards, not clean_data's output: run "
