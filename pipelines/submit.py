@@ -316,9 +316,13 @@ class _QuietKfp(logging.Filter):
         return f"{os.sep}kfp{os.sep}" not in record.pathname
 
 
+PASSING = (502, 503, 504)  # a gateway or proxy between the laptop and a KFP API that is starting or restarting
+
+
 def check_token_accepted(host: str) -> None:
-    """One health-check request with $KFP_TOKEN: a server that refuses it (HTTP 401 / 403) is said so at once;
-    anything else is left to kfp.Client, which retries for ~25 s before reporting a timeout."""
+    """One health-check request with $KFP_TOKEN: a server that refuses it (HTTP 401 / 403), has no KFP API there
+    (404) or fails (500, 501, 505 and up) is said so at once; a gateway's or a warming proxy's passing answer (502,
+    503, 504), no answer and anything else are left to kfp.Client, which retries for ~25 s."""
     import urllib.error
     import urllib.request
 
@@ -331,7 +335,7 @@ def check_token_accepted(host: str) -> None:
         if error.code in (401, 403):
             said = "refused $KFP_TOKEN" if token else "needs a token: set $KFP_TOKEN (docs/submitting.md)"
             raise ValueError(f"{shown(host, 200)} {said} (HTTP {error.code} on its health check).") from None
-        if error.code == 404 or error.code >= 500:  # kfp.Client would retry ~25 s and report a timeout
+        if error.code == 404 or (error.code >= 500 and error.code not in PASSING):  # kfp.Client: ~25 s, a timeout
             why = (
                 "no KFP API there (a wrong path in --host?)"
                 if error.code == 404

@@ -86,7 +86,9 @@ def test_a_counterfactual_share_over_the_type_cap_is_refused():
     assert SftConfig.model_validate({"build_data": {"min_counterfactual": 0.25}}).build_data.min_counterfactual == 0.25
 
 
-@pytest.mark.parametrize(("status", "said"), [(500, "a server error: the KFP API is not healthy"), (404, "no KFP API")])
+@pytest.mark.parametrize(
+    ("status", "said"), [(500, "a server error: the KFP API is not healthy"), (404, "no KFP API"), (503, None)]
+)
 def test_a_health_check_answered_with_an_error_is_said_with_its_status_not_as_a_timeout(status, said):
     import http.server
     import threading
@@ -105,6 +107,9 @@ def test_a_health_check_answered_with_an_error_is_said_with_its_status_not_as_a_
     threading.Thread(target=server.serve_forever, daemon=True).start()
     host = f"http://127.0.0.1:{server.server_port}"
     try:
+        if said is None:  # a proxy in front of a KFP API warming up: left to kfp.Client's retries
+            check_token_accepted(host)
+            return
         with pytest.raises(ValueError, match=f"{host} answered its health check with HTTP {status}: {said}"):
             check_token_accepted(host)  # [SB53]: kfp.Client retried ~25 s and said "Failed getting healthz"
     finally:
