@@ -162,3 +162,19 @@ def test_the_forward_reads_nothing_back_in_the_projects_own_code(family):
     assert torch.equal(losses["given"], losses["found"])  # the same numbers, bit for bit
     assert len(grads["given"]) == len(grads["found"]) > 0
     assert all(torch.equal(a, b) for a, b in zip(grads["given"], grads["found"], strict=True))
+
+
+def test_a_checkpointed_layer_recomputed_in_the_backward_reads_nothing_back_either():
+    """Non-reentrant checkpointing recomputes each layer in the backward, after the forward's packed_row has ended:
+    the bounds are found again by the position tensor the layer saved, not read from the device."""
+    from components._shared.model.packing import pack
+    from components._shared.model.training import default_loss
+    from tests.unit.test_families import BUILTINS, PIXELS, _samples
+
+    model, processor, _ = load_vlm(BUILTINS["qwen2_5_vl"])
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = pack(_samples(ConversationEncoder(processor, model, **PIXELS)))
+    with SyncsByOwner() as counter:
+        default_loss(model, batch, None)[0].backward()
+    assert counter.counts["ours"] == 0

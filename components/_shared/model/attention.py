@@ -42,7 +42,9 @@ import torch.nn.functional as F
 PACKED_SDPA = "sdpa_packed"
 VISION_VARLEN = "sdpa_packed_vision_flash_varlen"  # "flash" in the name: transformers' one-call varlen ViT branch
 _VARLEN = {"enabled": os.environ.get("QVL_ATTN_VARLEN", "1") != "0"}  # QVL_ATTN_VARLEN=0: the SDPA loops
-_LAST_BOUNDS: list[tuple[torch.Tensor, int, torch.Tensor, int]] = []  # (positions, version, cu_seqlens, longest)
+# The last packed row's bounds, by its position tensor (every layer gets the same one, and a checkpointed layer's
+# recomputation in the backward too, after packed_row has ended): (positions, version, lengths, cu_seqlens, longest)
+_LAST_BOUNDS: list[tuple[torch.Tensor, int, list[int] | None, torch.Tensor, int]] = []
 _GIVEN: list[tuple[list[int], torch.Tensor, int]] = []  # the packed row's (lengths, cu_seqlens, longest) from pack()
 
 
@@ -181,9 +183,16 @@ def packed_row(batch: dict):
 
 
 def _given_bounds(position_ids: torch.Tensor) -> tuple[list[int], torch.Tensor, int] | None:
-    """The host-given bounds of the packed row `position_ids` belongs to (its length theirs), else None."""
+    """The host-given bounds of the packed row `position_ids` belongs to (its length theirs), or those the same
+    position tensor had earlier in this step (a checkpointed layer recomputed in the backward), else None."""
+    for positions, version, lengths, cu, longest in _LAST_BOUNDS:
+        if positions is position_ids and version == position_ids._version and lengths is not None:
+            return lengths, cu, longest
     if _GIVEN and sum(_GIVEN[0][0]) == position_ids.shape[-1]:
-        return _GIVEN[0]
+        lengths, cu, longest = _GIVEN[0]
+        cu = cu.to(position_ids.device)
+        _LAST_BOUNDS[:] = [(position_ids, position_ids._version, lengths, cu, longest)]
+        return lengths, cu, longest
     return None
 
 
@@ -193,8 +202,8 @@ def _packed_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     sample) is paid once, not per layer."""
     given = _given_bounds(position_ids)
     if given is not None:
-        return given[1].to(position_ids.device), given[2]
-    for positions, version, cu, longest in _LAST_BOUNDS:
+        return given[1], given[2]
+    for positions, version, _, cu, longest in _LAST_BOUNDS:
         if positions is position_ids and version == position_ids._version:
             return cu, longest
     positions = position_ids.reshape(-1)
@@ -203,7 +212,7 @@ def _packed_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     end = torch.tensor([positions.numel()], device=positions.device)
     cu = torch.cat([edge, starts, end]).to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
-    _LAST_BOUNDS[:] = [(position_ids, position_ids._version, cu, longest)]
+    _LAST_BOUNDS[:] = [(position_ids, position_ids._version, None, cu, longest)]
     return cu, longest
 
 
