@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from components._shared.data.lake import tar_shards
+from components._shared.platform.shards import tar_shards
 
 
 def load_kept(

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from components._shared.platform import storage
+from components._shared.platform.shards import TAR_SUFFIXES
 
 logger = logging.getLogger(__name__)
 
@@ -443,15 +444,8 @@ def read_shard(uri: str, *, max_member_bytes: int, errors: list[ShardError]) -> 
 
 
 # -- listing a lake ----------------------------------------------------------------------------------------
-TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 LAKE_SHARD_SUFFIXES = (*TAR_SUFFIXES, ".parquet")
 PIPELINE_OUTPUT_FILES = ("_COMMITTED.json", "_stage_result.json", "run_summary.json")  # a stage's or a run's output
-
-
-def tar_shards(folder: Path) -> list[str]:
-    """The names of the WebDataset tar shards directly in `folder`, sorted: how a raw lake given where a stage's
-    output or a data directory belongs is recognised (the messages then say to clean it first)."""
-    return sorted(p.name for p in folder.glob("*") if p.name.endswith(TAR_SUFFIXES))
 
 
 def list_lake_files(lake_uri: str) -> tuple[list[str], list[str]]:

@@ -18,13 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from components._shared.data.lake import tar_shards
 from components._shared.launch.plan import LaunchPlan, check_config, plan_from_env
 from components._shared.launch.result import RESULT_FILE, _record, flatten_metrics
 from components._shared.launch.torchrun import run_local_torchrun
 from components._shared.platform import bad_records, disk_space, launcher_env, locks, progress, storage
 from components._shared.platform.credential_shapes import shown
 from components._shared.platform.presets import validate
+from components._shared.platform.shards import tar_shards
 from components._shared.platform.user_errors import USER_ERRORS
 
 
