@@ -273,7 +273,17 @@ def load_cluster_profile(section: dict[str, Any] | None) -> ClusterProfile:
     try:
         return ClusterProfile(stages=stages, **section)
     except ValidationError as err:
-        problems = "; ".join(f"kubernetes.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
+        from components._shared.platform.unknown_settings import unknown_setting_hint
+
+        problems = "; ".join(
+            f"kubernetes.{'.'.join(str(p) for p in e['loc'])}: "
+            + (
+                f"unknown setting{unknown_setting_hint(ClusterProfile, 'kubernetes', e['loc'])}"
+                if e["type"] == "extra_forbidden"
+                else e["msg"]
+            )  # fmt: skip
+            for e in err.errors()
+        )
         raise ValueError(f"Invalid kubernetes profile: {problems}") from None
 
 

@@ -219,8 +219,20 @@ def check_cluster_location(name: str, value: str, *, echo: Callable[[str], None]
     echo(f"warning: {name}={value} is a local path: the cluster's pods read it only if a volume they mount holds it.")
 
 
+def check_no_token(flag: str, value: str | None) -> None:
+    """Refuse a command-line value holding $KFP_TOKEN's value, without showing it: --host is printed in messages and
+    the run's URL, the run's names are stored on the server and shown in the UI (thirteenth pass, F03-F06)."""
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if value and len(token) >= 8 and token in value:  # shorter ones cannot be told from a word
+        raise SubmitError(
+            f"{flag} holds the value of {TOKEN_ENV} (not shown): it would be printed in messages or stored on the "
+            f"server and shown in the UI. Remove it: the token is read from {TOKEN_ENV} only."
+        )
+
+
 def check_host(host: str) -> None:
-    """--host as the KFP client needs it: scheme://HOST[:PORT][/PATH], nothing else (no user, query, blanks)."""
+    """--host as the KFP client needs it: scheme://HOST[:PORT][/PATH], nothing else (no user, query, blanks, token)."""
+    check_no_token("--host", host)
     odd = next((c for c in host if c.isspace() or not c.isprintable() or draws_nothing(c)), None)
     if odd is not None:  # named by its code point: a variation selector printed as itself shows nothing (S04)
         named = f"U+{ord(odd):04X} {unicodedata.name(odd, '')}".strip()
@@ -276,6 +288,8 @@ def check_submission(experiment: str, run_name: str | None, namespace: str | Non
     """The names a run is filed under and the token, checked before any request: not empty, no credential shapes
     (they are stored on the server and shown in the UI), a namespace Kubernetes accepts, a token without control
     characters (a token file with Windows line endings; the token itself is never shown)."""
+    for flag, value in (("--experiment", experiment), ("--run-name", run_name), ("--namespace", namespace)):
+        check_no_token(flag, value)
     for flag, value in (("--experiment", experiment), ("--run-name", run_name)):
         if value is not None and not value.strip():
             raise SubmitError(f"{flag}={value!r} is empty (an unset shell variable?); give a name, or leave it out.")
@@ -471,24 +485,3 @@ def compile_and_submit(
     echo(f"Run URL: {run_url(host, run_id)}")
     echo(f"Run id:  {run_id}")
     return client, run_id
-
-
-def api_errors() -> tuple[type[BaseException], ...]:
-    """What talking to the API can raise: refusals (ApiException), network errors, kfp's healthz TimeoutError and
-    its ValueErrors (e.g. two experiments with the name)."""
-    import kfp_server_api
-    import urllib3
-
-    return kfp_server_api.ApiException, urllib3.exceptions.HTTPError, OSError, TimeoutError, ValueError
-
-
-def describe_api_error(err: BaseException) -> str:
-    """One line for an API refusal or a network error (kfp_server_api.ApiException carries status and body)."""
-    status, reason, body = getattr(err, "status", None), getattr(err, "reason", None), getattr(err, "body", None)
-    if status:
-        text = f"HTTP {status} {reason or ''}".strip()
-        text = f"{text}: {body.decode() if isinstance(body, bytes) else body}" if body else text
-    else:
-        text = f"{type(err).__name__}: {err}"
-    token = os.environ.get(TOKEN_ENV, "")
-    return shown(text.replace(token, "<KFP_TOKEN>") if token.strip() else text, 2000)

@@ -129,4 +129,8 @@ class DistillConfig(TrainedStageConfig):
             ]
         if self.on_policy.fraction == 1 and self.loss.ce:
             notes.append("loss.ce: applies to the data's answers; on_policy.fraction is 1, every answer is generated")
+        if student.init != "prune" and "calibration_samples" in student.model_fields_set:
+            notes.append(f"student.calibration_samples: rank channels for init prune; init is {student.init}")
+        if not self.loss.kl and "temperature" in self.loss.model_fields_set:
+            notes.append("loss.temperature: softens the KL term's distributions; loss.kl is 0")
         return notes

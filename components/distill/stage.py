@@ -107,7 +107,7 @@ def run(
     cfg: DistillConfig, *, teacher_model: str, data: str, output_dir: str | Path, tracker: Tracker
 ) -> dict[str, Any]:
     """Distill the teacher into the configured student; returns teacher vs student scores, sizes and speed."""
-    check_not_reward_model(teacher_model, "--teacher-model")
+    check_not_reward_model(teacher_model, "--teacher-model", expected="the RL stage's model/, the teacher")
     output_dir = Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     records = datasets.load_conversations(data_dir, cfg.max_records)

@@ -29,7 +29,21 @@ def student_stored_dtype(cfg: DistillConfig, teacher_stored: torch.dtype) -> tor
 
 
 def build_student(cfg: DistillConfig, teacher, processor, calibration) -> tuple[Any, PrunePlan | None]:
-    """(student model, prune plan or None) as config `student` says; `calibration()` yields packed batches."""
+    """(student model, prune plan or None) as config `student` says; `calibration()` yields packed batches. A student
+    with as many parameters as the teacher is refused: it would be the teacher distilled into itself."""
+    student, plan = _build(cfg, teacher, processor, calibration)
+    counts = count_parameters(student), count_parameters(teacher)
+    if cfg.student.init != "model" and counts[0] >= counts[1]:
+        sizes = {k: v for k, v in student_sizes(cfg.student).items() if v}
+        raise ValueError(
+            f"distill.student sizes {sizes or '(none given)'} build a student of {counts[0]:,} parameters, not fewer "
+            f"than the teacher's {counts[1]:,}: these are the teacher's own sizes (a size of 0 keeps the teacher's), "
+            "so it would be distilled into itself. Give smaller student.layers / hidden / intermediate / vision_*."
+        )
+    return student, plan
+
+
+def _build(cfg: DistillConfig, teacher, processor, calibration) -> tuple[Any, PrunePlan | None]:
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(cfg.seed)

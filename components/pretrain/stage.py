@@ -250,7 +250,7 @@ def run(
     tracker: Tracker,
 ) -> dict[str, Any]:
     """Stage 1 (+ optional stage 2); returns held-out caption loss before/after, retrieval R@1 and throughput."""
-    check_not_reward_model(base_model, "--base-model")
+    check_not_reward_model(base_model, "--base-model", expected="the base checkpoint")
     output_dir = Path(output_dir)
     records, regions, region_metrics = kept_records(cfg, Path(clean_data))
     key = run_key(cfg, {"clean_data": clean_data, "features": features, "base_model": base_model, "data": data})

@@ -13,13 +13,22 @@ from urllib.parse import parse_qs, urlsplit
 
 from pydantic import Field, field_validator
 
-from components._shared.platform.config import StageConfig, SubConfig
+from components._shared.platform.config import PATTERN_WORDS, StageConfig, SubConfig
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # RFC 1123 label: namespaces, service accounts, secrets
 DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"  # KServe's InferenceService names start with a letter
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"  # a Kubernetes resource quantity
 RESOURCE_NAME = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+PATTERN_WORDS.update(  # what a refused value must look like, said in words (thirteenth pass: M04, M07)
+    {
+        DNS_LABEL: "a Kubernetes name: lower-case letters, digits and '-', starting and ending with a letter or digit",
+        DNS_1035_LABEL: "a Kubernetes service name: lower-case letters, digits and '-', starting with a letter",
+        DNS_SUBDOMAIN: "a Kubernetes object name: lower-case letters, digits, '-' and '.'",
+        QUANTITY: "a Kubernetes quantity: a number with an optional unit, e.g. 32Gi or 500m (write Gi, not GB)",
+        RESOURCE_NAME: "a Kubernetes resource name such as nvidia.com/gpu",
+    }
+)
 STORAGE_SCHEMES = ("s3", "gs", "pvc", "oci", "hf", "https", "http", "hdfs", "webhdfs", "model-registry")
 MANAGED_ARGS = ("model_name", "model_id", "model_dir", "backend", "max_model_len", "dtype")  # set by the stage
 SECRET_WORDS = re.compile(r"token|secret|passw|api[-_]?key|credential|signature|access[-_]?key", re.IGNORECASE)

@@ -138,6 +138,15 @@ class DapoConfig(SubConfig):
     overlong_penalty: Annotated[float, Field(ge=0, description="Weight of the overlong penalty; 0 = off.")] = 1.0
     kl_coef: Annotated[float, Field(ge=0, description="k3 KL to the reference in the loss (DAPO drops it: 0).")] = 0.0
 
+    @model_validator(mode="after")
+    def _clip_higher(self) -> DapoConfig:
+        if self.clip_high < self.clip_low:
+            raise ValueError(
+                f"dapo.clip_high={self.clip_high} < dapo.clip_low={self.clip_low}: DAPO's clip-higher widens the upper "
+                "clip (it lets unlikely tokens that did well gain); give clip_high >= clip_low (the paper: 0.2 / 0.28)."
+            )
+        return self
+
 
 class GspoConfig(SubConfig):
     """GSPO: a sequence-level importance ratio (geometric mean of the token ratios), clipped in a narrow band."""

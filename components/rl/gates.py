@@ -7,8 +7,9 @@ from collections import defaultdict
 from components.rl.config import GateConfig
 
 
-class GateTripped(RuntimeError):
-    """A reward-hacking monitor crossed its bound; the message names the gate."""
+class GateTripped(ValueError):
+    """A reward-hacking monitor crossed its bound; the message names the gate. A ValueError: the run's settings or
+    rewards are what to change, so the command ends with the message alone (exit 2), not a traceback."""
 
 
 class Gates:

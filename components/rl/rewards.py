@@ -143,6 +143,24 @@ class RewardModelReward(RewardModelScorer):
         return self.standardised(records, completions, map_groups=shard.map)
 
 
+def say_other_family(rewards: dict[str, Any], policy) -> None:
+    """Say when the reward model is of another model family than the policy (thirteenth pass, R60): it scores the
+    policy's answers with its own chat template and box convention, which may not be the policy's."""
+    from components._shared.model.families import family_for
+
+    scorer = next((fn for fn in rewards.values() if isinstance(fn, RewardModelScorer)), None)
+    if scorer is None:
+        return
+    theirs, ours = family_for(scorer.model.backbone).name, family_for(policy).name
+    if theirs != ours:
+        print(
+            f"warning: rl: the reward model is a {theirs} model and the policy a {ours} one: it scores the policy's "
+            f"answers with {theirs}'s chat template and box convention; train the reward model on this policy's "
+            "family (the DAG does: both start from the SFT model).",
+            flush=True,
+        )
+
+
 # ----------------------------------------------------------------------------------------- OCR check ---
 
 

@@ -59,7 +59,7 @@ from components._shared.platform.reports import history_series
 from components._shared.platform.tracking import Tracker
 from components.rl import algorithms
 from components.rl.config import RlConfig
-from components.rl.rewards import EfficacyCache, build_rewards, efficacy
+from components.rl.rewards import EfficacyCache, build_rewards, efficacy, say_other_family
 from components.rl.rollout import Policy, RolloutEngine
 from components.rl.trainer import RlTrainer
 
@@ -247,6 +247,7 @@ def build_trainer(
         max_pixels=cfg.max_pixels,
         device=device,
     )
+    say_other_family(rewards, model)
     engine = RolloutEngine(
         encoder,
         max_new_tokens=cfg.rollout.max_new_tokens,

@@ -49,6 +49,17 @@ class StepPrompts:
         return self  # the rollout concatenates prompts per generation batch: a pinned prompt would not reach the copy
 
 
+def check_kept(kept: int, rollouts: int, minibatches: int, step: int) -> None:
+    """Refuse a step whose kept rollouts cannot fill `minibatches` (DAPO's dynamic sampling drops the groups that
+    all scored alike; a minibatch would be empty: thirteenth pass, R32)."""
+    if 0 < kept < minibatches:
+        raise ValueError(
+            f"rl step {step}: dynamic sampling kept {kept} of {rollouts} rollouts (the others' groups all scored "
+            f"alike), fewer than update.minibatches={minibatches}: lower update.minibatches, raise "
+            "rollout.samples_per_prompt or train.samples_per_step, or set dapo.dynamic_sampling: false."
+        )
+
+
 class RlTrainer:
     """RL steps (rollouts, rewards, advantages, update epochs) driven through a TrainLoop's skeleton: its backend,
     packed update steps, checkpoints and resume, with the RL state saved beside them."""
@@ -224,6 +235,7 @@ class RlTrainer:
         metrics.update(self._advantages(rollouts))
         trained = self.algorithm.keep(rollouts)
         metrics["update/rollouts_kept"] = len(trained) / len(rollouts)
+        check_kept(len(trained), len(rollouts), self.cfg.update.minibatches, self.loop.step)
         updates = self._update(trained, prepared.ptx if prepared else None) if trained else []
         updated = time.perf_counter()
         metrics.update(update_metrics(updates))

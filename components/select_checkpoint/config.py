@@ -87,6 +87,15 @@ class SelectCheckpointConfig(StageConfig):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     eval: SelectEvalConfig = SelectEvalConfig()
 
+    @field_validator("stages")
+    @classmethod
+    def _stages(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError(
+                f"no stage competes; name at least one of {list(CANDIDATE_STAGES)} (the default is all four)."
+            )
+        return value
+
     @field_validator("weights")
     @classmethod
     def _weights(cls, value: dict[str, float]) -> dict[str, float]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import shutil
 import time
@@ -69,6 +70,12 @@ def judge(candidate: Candidate, cfg: SelectCheckpointConfig) -> None:
     """Fill in the weighted score and the gates this candidate fails (a metric the suite lacks fails its gate)."""
     m = candidate.metrics
     candidate.score = sum(w * m.get(k, 0.0) for k, w in cfg.weights.items())
+    if not math.isfinite(candidate.score):  # a NaN score ranks anywhere: the winner would be chance
+        terms = {k: f"{w:g} x {m.get(k, 0.0):.4g}" for k, w in cfg.weights.items()}
+        raise ValueError(
+            f"candidate {candidate.name} scores {candidate.score} (weights x metrics: {terms}): a weight too large "
+            "for the sum or a metric that is not a number; give select_checkpoint.weights of ordinary size."
+        )
     for k, bound in cfg.min_gates.items():
         if k not in m or m[k] < bound:
             candidate.failed_gates.append(f"{k} {m.get(k, float('nan')):.4g} < {bound:g}")

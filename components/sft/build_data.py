@@ -53,7 +53,7 @@ def run(
     cfg: SftConfig, *, clean_data: str, base_model: str, data: str, output_dir: str | Path, tracker: Tracker
 ) -> dict[str, Any]:
     """Build SFT conversations from clean_data's kept records, score them with the base model, select, write."""
-    check_not_reward_model(base_model, "--base-model")
+    check_not_reward_model(base_model, "--base-model", expected="the pretrain stage's model/")
     build, output_dir = cfg.build_data, Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)  # s3:// data is fetched there
     if (data_dir / MANIFEST).exists():

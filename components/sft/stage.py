@@ -237,7 +237,7 @@ def say_unbuilt(cfg: SftConfig, data: str, data_dir: Path) -> None:
 
 def run(cfg: SftConfig, *, base_model: str, data: str, output_dir: str | Path, tracker: Tracker) -> dict[str, Any]:
     """Fine-tune, evaluate against the majority baseline, calibrate, save; returns the stage metrics."""
-    check_not_reward_model(base_model, "--base-model")
+    check_not_reward_model(base_model, "--base-model", expected="the pretrain stage's model/")
     output_dir = Path(output_dir)
     data_dir = datasets.resolve_data_dir(data, scratch=output_dir / SCRATCH)
     say_unbuilt(cfg, data, data_dir)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import typer
 
+from pipelines.api_errors import api_errors, describe_api_error
 from pipelines.qvl.arguments import RedactingGroup, refuse_repeated_options
 from pipelines.qvl.rehearse import RUN_NAMES
 
@@ -429,8 +430,8 @@ def submit(
     except sub.SubmitError as err:  # it may quote a setting's key or value: credential shapes hidden
         typer.echo(f"Error: {sub.redact(str(err))}", err=True)
         raise typer.Exit(2) from None
-    except sub.api_errors() as err:  # API refusals, unreachable host: one line, not a traceback
-        typer.echo(f"Error: submitting to {sub.shown(host, 200)} failed: {sub.describe_api_error(err)}", err=True)
+    except api_errors() as err:  # API refusals, unreachable host: one line, not a traceback
+        typer.echo(f"Error: submitting to {sub.shown(host, 200)} failed: {describe_api_error(err)}", err=True)
         raise typer.Exit(1) from None
     if not wait:
         return
@@ -448,8 +449,8 @@ def submit(
     except sub.RunTimeout as err:
         typer.echo(f"Error: {err}", err=True)
         raise typer.Exit(3) from None
-    except sub.api_errors() as err:
-        typer.echo(f"Error: waiting for run {run_id} failed: {sub.describe_api_error(err)}", err=True)
+    except api_errors() as err:
+        typer.echo(f"Error: waiting for run {run_id} failed: {describe_api_error(err)}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"Run {run_id} {state}.")
 

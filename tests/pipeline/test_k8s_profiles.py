@@ -145,7 +145,7 @@ def test_local_runs_get_no_pod_settings_and_no_retries(tmp_path):  # a failure f
             r"kubernetes.stages.sft.nodes: .*set kubernetes.trainjob.staging_uri",
         ),
         ({"stages": {"sfx": {"gpus": 1}}}, r"unknown stage\(s\) \['sfx'\]"),
-        ({"stages": {"sft": {"gpu": 1}}}, r"kubernetes.stages.sft.gpu: Extra inputs are not permitted"),
+        ({"stages": {"sft": {"gpu": 1}}}, r"sft.gpu: unknown setting; did you mean kubernetes.stages.sft.gpus\?"),
         ({"stages": {"sft": {"gpus": 8}}}, r"sft.train.backend: sft on several GPUs or nodes needs backend: deepspeed"),
         # values Kubernetes (or kfp, in words naming no setting) would refuse after the preset compiled
         ({"stages": {"sft": {"gpus": True}}}, r"kubernetes.stages.sft.gpus: .*true is a boolean where a number"),

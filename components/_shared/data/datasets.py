@@ -22,7 +22,6 @@ from components._shared.data import tasks as T
 from components._shared.data.benchmarks import BENCHMARKS
 from components._shared.data.file_checks import naming_the_file
 from components._shared.data.image_checks import MAX_IMAGE_PIXELS, local_image_path
-from components._shared.data.lake import tar_shards
 from components._shared.data.manifest import (  # noqa: F401 - MANIFEST, Manifest, parse_manifest: this module's API too
     BENCHMARK_NAME,
     MANIFEST,
@@ -33,10 +32,12 @@ from components._shared.data.manifest import (  # noqa: F401 - MANIFEST, Manifes
     manifest,
     parse_manifest,
 )
+from components._shared.data.preference_checks import check_pair_fields, repeated_pairs
 from components._shared.data.record_ids import check_ids, id_as_seen, said_twice
 from components._shared.data.record_images import check_record_images, check_stray_images
 from components._shared.platform import bad_records
 from components._shared.platform.credential_shapes import shown
+from components._shared.platform.shards import tar_shards
 
 
 def resolve_data_dir(uri: str | Path, *, scratch: Path) -> Path:
@@ -94,6 +95,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
         annotations = data_dir / spec.annotations if spec.annotations else None
         items = benchmark.read(spec.format, data_dir / spec.path, annotations)
     seen: dict[tuple[str | None, str], str] = {}  # (benchmark, id as seen) -> id: unique within a benchmark
+    took_entry_task = False  # whether a record named no task of its own (the entry's `task` is for those)
     for n, (source, raw) in enumerate(naming_the_file(items, data_dir / spec.path, spec.path)):
         try:
             if isinstance(raw, F.Unparsable):
@@ -106,6 +108,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
             else:
                 shape = _declared_shape(raw, spec)
             check_stray_images(raw, paths=False)  # before the shape's own errors ("0 images") hide the cause
+            took_entry_task = took_entry_task or not (raw.get("task") or raw.get("type"))
             record = convert(raw, shape, spec)
             check_record_images(data_dir, raw, record, "" if spec.images else str(Path(spec.path).parent))
             given = next((raw[k] for k in ("id", "question_id") if raw.get(k) is not None), None)  # null: no id
@@ -129,7 +132,7 @@ def _read(data_dir: Path, spec: DataFile, convert, what: str) -> list[dict]:
         out.append(record)
     if not out and not bad:
         raise ValueError(f"{spec.path} holds no records; fill it or leave it out of dataset.yaml.")
-    if spec.task and out and not any(r.get("type") == spec.task for r in out):
+    if spec.task and out and not took_entry_task:  # every record named its own task (even the entry's one)
         logger.warning(
             "%s: dataset.yaml gives it task %r, but each of its %d record(s) names its own ('task' / 'type'), so the "
             "entry's task applies to none of them; drop it from the entry, or from the records",
@@ -329,6 +332,7 @@ def conversation_questions(data_dir: Path, file_name: str | None, *, label: str 
 
 
 def _preference(raw: dict, shape: str, spec: DataFile) -> dict:
+    check_pair_fields(raw)
     pair = F.preference(raw, spec.images)
     return {"image": pair.pop("images")[0], **pair}
 
@@ -339,6 +343,21 @@ def load_preferences(data_dir: Path, max_records: int | None = None) -> list[dic
     records: list[dict] = []
     for spec in manifest(data_dir).files("preferences"):
         records += _read(data_dir, spec, _preference, "preference")
+    repeats = repeated_pairs(records)
+    ledger = bad_records.current()
+    if repeats and not (ledger is not None and ledger.skipping):
+        listed = "\n  ".join(
+            f"{r['source']} (id={r['id']!r}): {how} as {f['source']} (id={f['id']!r})" for f, r, how in repeats[:5]
+        )
+        raise ValueError(
+            f"{len(repeats)} preference pair(s) given again: each would train twice (or both ways) and could land on "
+            f"both sides of the held-out split; drop the repeats (or set on_bad_record: skip):\n  {listed}"
+        )
+    if repeats and ledger is not None:
+        for first, repeat, how in repeats:
+            ledger.skip(repeat["source"], f"{how} as {first['source']}")
+        dropped = {id(r) for _, r, _ in repeats}
+        records = [r for r in records if id(r) not in dropped]
     return records[:max_records] if max_records else records
 
 

@@ -23,7 +23,7 @@ def check_training_files(role: str, files: list[str], held_out: list[str]) -> No
         if same_file(path) in seen:
             raise ValueError(
                 f"dataset.yaml's {role} files name {path!r} twice (also as {seen[same_file(path)]!r}): its records "
-                "would train twice. List each file once."
+                f"would {'be scored' if role == 'eval' else 'train'} twice. List each file once."
             )
         seen[same_file(path)] = path
     both = sorted(path for path in seen if path in {same_file(p) for p in held_out})

@@ -4,6 +4,7 @@ without one the synthetic world's names are read: sft.jsonl, eval.jsonl, prefere
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import unicodedata
@@ -64,6 +65,8 @@ class Manifest(BaseModel):
             ]
         else:
             files = [DataFile(path=ROLES_DEFAULT[role])]
+        if role == "eval":  # one file listed twice: its records would be scored twice, as two benchmarks (Y03)
+            check_training_files(role, [f.path for f in files], [])
         if role in TRAINING_ROLES:
             held_out = [f.path for f in self._listed("eval")]
             check_training_files(role, [f.path for f in files], held_out)
@@ -183,17 +186,7 @@ def parse_manifest(text: str, where: str) -> Manifest:
         if any(isinstance(f, str) and not f.strip() for f in getattr(result, role)):
             raise ValueError(f"{where}: {role} lists an empty file name; name each file (or leave the list out).")
         for entry in result._entries(role):
-            spaced = [v for v in (entry.path, entry.images, entry.annotations or "") if v != v.strip()]
-            if spaced:
-                raise ValueError(
-                    f"{where}: {role} entry {spaced[0]!r} begins or ends with white space (invisible in messages); "
-                    "remove it, or rename the file."
-                )
-            hidden = [v for v in (entry.path, entry.images, entry.annotations or "") if hidden_in_name(v)]
-            if hidden:
-                raise ValueError(
-                    f"{where}: {role} entry {ascii(hidden[0])} holds {hidden_in_name(hidden[0])}; retype the name."
-                )
+            _check_entry_names(where, role, entry)
     folded: dict[str, str] = {}
     for task in result.tasks:
         if task.lower() in folded:
@@ -233,6 +226,29 @@ def parse_manifest(text: str, where: str) -> Manifest:
     return result
 
 
+def _check_entry_names(where: str, role: str, entry: DataFile) -> None:
+    """An entry's path, images folder and annotations file as names a listing shows: '/' between folders (a Windows
+    '\\' is read as part of one name: thirteenth pass, Y13), no white space at an edge, no invisible character."""
+    names = (entry.path, entry.images, entry.annotations or "")
+    windows = [v for v in names if "\\" in v]
+    if windows:
+        raise ValueError(
+            f"{where}: {role} entry {windows[0]!r} holds '\\' (a Windows path?); paths in dataset.yaml "
+            f"use '/': {windows[0].replace(chr(92), '/')!r}."
+        )
+    spaced = [v for v in names if v != v.strip()]
+    if spaced:
+        raise ValueError(
+            f"{where}: {role} entry {spaced[0]!r} begins or ends with white space (invisible in messages); "
+            "remove it, or rename the file."
+        )
+    hidden = [v for v in names if hidden_in_name(v)]
+    if hidden:
+        raise ValueError(
+            f"{where}: {role} entry {ascii(hidden[0])} holds {hidden_in_name(hidden[0])}; retype the name."
+        )
+
+
 def _booleans(value) -> bool:
     """Whether a parsed YAML document holds a boolean key or value (where the manifest wants names)."""
     if isinstance(value, dict):
@@ -249,5 +265,12 @@ def _describe(error) -> str:
         if "str" in e["loc"] and isinstance(e.get("input"), dict):
             continue
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+        if e["type"] == "extra_forbidden":  # a role or an entry field this reader does not know (thirteenth pass)
+            names = sorted(Manifest.model_fields if len(loc) == 1 else DataFile.model_fields)
+            close = difflib.get_close_matches(str(loc[-1]).lower(), names, n=1, cutoff=0.6)
+            what = "role (or tasks)" if len(loc) == 1 else "field of a file entry"
+            near = f"did you mean {close[0]}? " if close else ""
+            lines.append(f"{where}: unknown {what}; {near}the known ones are {', '.join(names)} (lower case)")
+            continue
         lines.append(f"{where}: {e['msg']}")
     return "; ".join(lines)

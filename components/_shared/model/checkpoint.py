@@ -135,15 +135,19 @@ class CheckpointStore:
             return
         target = _free_sibling(root, f"stale-{foreign[0]}")
         target.mkdir(parents=True)
+        moved = []
         for child in sorted(root.iterdir()):
             if child.name.startswith((STEP_PREFIX, f".{STEP_PREFIX}")) and checkpoint_key(str(child)) != self.key:
                 os.replace(child, target / child.name)
+                moved.append(child.name)
         note = {"root": str(root), "kept_at": str(target), "old_key": ", ".join(foreign), "new_key": str(self.key)}
         self.set_aside.append(note)
+        own = [u for u in storage.list_committed(root) if Path(u).name.startswith(STEP_PREFIX)]
+        after = f"this run resumes from its own {Path(own[-1]).name}" if own else "this run trains from its own start"
         print(
-            f"NOTE: {root} held checkpoints of another run (key {note['old_key']}: other settings, data or input "
-            f"models than this run's {self.key}); they were set aside, kept at {target}, and this run trains "
-            "from its own start.",
+            f"NOTE: {root} held {len(moved)} checkpoint(s) of another run ({', '.join(moved[:3])}; key "
+            f"{note['old_key']}: other settings, data or input models than this run's {self.key}); they were set "
+            f"aside, kept at {target}, and {after}.",
             flush=True,
         )
 

@@ -28,14 +28,15 @@ UNSAFE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 REWARD_HEAD_FILE = "reward_head.safetensors"  # beside a reward model's backbone (reward_models.py)
 
 
-def check_not_reward_model(uri: str, setting: str) -> None:
+def check_not_reward_model(uri: str, setting: str, *, expected: str = "the SFT stage's model/") -> None:
     """A local reward model (its backbone with the Bradley-Terry head beside it) given where a stage starts its policy
-    or model from: it would train from the reward model's backbone with the head ignored."""
+    or model from: it would train from the reward model's backbone with the head ignored. `expected` names what
+    belongs there (distill's teacher is rl's model)."""
     path = Path(uri)
     if "://" not in uri and not uri.startswith(BUILTIN_PREFIX) and (path / REWARD_HEAD_FILE).is_file():
         raise ValueError(
             f"{setting} {uri} is a reward model ({REWARD_HEAD_FILE} beside its backbone), not a model to train from; "
-            "give the SFT stage's model/ (or the model the stage should start from)."
+            f"give {expected} (or the model the stage should start from)."
         )
 
 

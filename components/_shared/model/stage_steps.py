@@ -92,7 +92,8 @@ def finish_report(
     for note in set_aside:
         text += (
             f"\n**Checkpoints set aside**: `{note['root']}` held checkpoints of another run (key {note['old_key']}; "
-            f"this run's key is {note['new_key']}: other settings, data or input models). They were not resumed; "
+            f"this run's key is {note['new_key']}: other settings, data or input models). They were not resumed (this "
+            "run's own checkpoints are); "
             f"they are kept at `{note['kept_at']}`.\n"
         )
     ledger = bad_records.current()

@@ -133,11 +133,15 @@ class SubConfig(_Settings):
 
 
 CHOICE_ERRORS = ("literal_error", "enum")  # a value refused for not being one of the listed words
+PATTERN_WORDS: dict[str, str] = {}  # a field's pattern -> what a value must look like, in words (configs add theirs)
 SHOWN_VALUE = 200  # characters of a refused value an error repeats
 
 
-def format_validation_error(section: str, error: Exception) -> str:
-    """A pydantic ValidationError rewritten as 'section.field: message' lines a person can act on."""
+def format_validation_error(section: str, error: Exception, model: type[BaseModel] | None = None) -> str:
+    """A pydantic ValidationError rewritten as 'section.field: message' lines a person can act on; with the config's
+    `model`, an unknown setting is called one, with the nearest name or where a setting of that name is."""
+    from components._shared.platform.unknown_settings import unknown_setting_hint
+
     errors = getattr(error, "errors", None)
     if not callable(errors):
         return f"{section}: {error}"
@@ -145,6 +149,12 @@ def format_validation_error(section: str, error: Exception) -> str:
     for item in errors():
         where = ".".join(str(p) for p in item.get("loc", ())) or "(config)"
         got = item.get("input")
+        if item.get("type") == "extra_forbidden":
+            hint = unknown_setting_hint(model, section, tuple(item.get("loc", ()))) if model is not None else ""
+            lines.append(f"  {section}.{where}: unknown setting (got {shown(repr(got), SHOWN_VALUE)}){hint}")
+            continue
         odd = non_ascii_letters(got) if isinstance(got, str) and item.get("type") in CHOICE_ERRORS else ""
-        lines.append(f"  {section}.{where}: {item.get('msg')} (got {shown(repr(got), SHOWN_VALUE)}{odd})")
+        said = PATTERN_WORDS.get((item.get("ctx") or {}).get("pattern", ""), "")
+        message = f"should be {said}" if item.get("type") == "string_pattern_mismatch" and said else item.get("msg")
+        lines.append(f"  {section}.{where}: {message} (got {shown(repr(got), SHOWN_VALUE)}{odd})")
     return f"Invalid config for stage '{section}':\n" + "\n".join(lines)
