@@ -129,8 +129,12 @@ class DistillConfig(TrainedStageConfig):
             ]
         if self.on_policy.fraction == 1 and self.loss.ce:
             notes.append("loss.ce: applies to the data's answers; on_policy.fraction is 1, every answer is generated")
-        if student.init != "prune" and "calibration_samples" in student.model_fields_set:
+        changed = {  # from their defaults (a preset's stage config comes back whole, every field set)
+            name: getattr(block, name) != type(block).model_fields[name].default
+            for block, name in ((student, "calibration_samples"), (self.loss, "temperature"))
+        }
+        if student.init != "prune" and changed["calibration_samples"]:
             notes.append(f"student.calibration_samples: rank channels for init prune; init is {student.init}")
-        if not self.loss.kl and "temperature" in self.loss.model_fields_set:
+        if not self.loss.kl and changed["temperature"]:
             notes.append("loss.temperature: softens the KL term's distributions; loss.kl is 0")
         return notes
