@@ -230,7 +230,7 @@ def test_host_ops_counts_one_attention_call_per_layer_with_varlen():
     (row,) = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])["rows"]
     assert row["varlen"]["attention_calls"] == 2 * (28 + 32)
     assert row["loops"]["attention_calls"] > 2 * (28 * row["samples"] + 32 * row["images"])
-    assert row["kernels_ratio"] > 1.5 and row["loops"]["scalar_reads"] > row["varlen"]["scalar_reads"]
+    assert row["kernels_ratio"] > 1.5 and row["loops"]["scalar_reads"] >= row["varlen"]["scalar_reads"]
     # pack()'s host-given bounds and target positions: the nonzero of the bounds and the 3 masked selects gone
     assert row["varlen_found"]["scalar_reads"] - row["varlen"]["scalar_reads"] >= 5
 

@@ -185,6 +185,8 @@ def packed_row(batch: dict):
 def _given_bounds(position_ids: torch.Tensor) -> tuple[list[int], torch.Tensor, int] | None:
     """The host-given bounds of the packed row `position_ids` belongs to (its length theirs), or those the same
     position tensor had earlier in this step (a checkpointed layer recomputed in the backward), else None."""
+    if torch.compiler.is_compiling():  # traced, host ints become symbols the split cannot prove sum to the row
+        return None
     for positions, version, lengths, cu, longest in _LAST_BOUNDS:
         if positions is position_ids and version == position_ids._version and lengths is not None:
             return lengths, cu, longest
