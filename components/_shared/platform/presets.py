@@ -47,20 +47,14 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
         try:
             node[leaf] = _scalar(raw)
-            _check_flow_keys(node[leaf], pair)
         except (yaml.YAMLError, ValueError, RecursionError) as error:  # an integer of over 4,300 digits; [[[...]]]
-            if isinstance(error, FlowKeyError):
-                raise ValueError(str(error)) from None
             reason = "nested too deeply" if isinstance(error, RecursionError) else str(error).splitlines()[0]
             raise ValueError(
                 f"Override '{shown(pair, 200)}': the value is not valid YAML ({reason}); write key=value with a "
                 "number, true/false, a word, a [list] or a quoted string (example: optim.lr=2e-5)."
             ) from None
+        _check_flow_keys(node[leaf], pair)
     return out
-
-
-class FlowKeyError(ValueError):
-    """A flow mapping's `key:value` written without the space YAML needs after the colon."""
 
 
 def _check_flow_keys(value: Any, pair: str) -> None:
@@ -71,7 +65,7 @@ def _check_flow_keys(value: Any, pair: str) -> None:
     for key, item in value.items():
         if item is None and isinstance(key, str) and re.fullmatch(r"[\w.-]+:\S.*", key) and "://" not in key:
             name, _, rest = key.partition(":")
-            raise FlowKeyError(
+            raise ValueError(
                 f"Override '{shown(pair, 200)}': {{{key}}} reads in YAML as one key {key!r} with no value; put a "
                 f"space after the colon: {{{name}: {rest}}}."
             )
