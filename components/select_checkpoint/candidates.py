@@ -119,6 +119,7 @@ def find_candidates(stage_dirs: dict[str, str], per_stage: int) -> list[Candidat
 def load_candidate(candidate: Candidate, scratch: Path) -> LoadedVlm:
     """(model, processor, stored dtype) of a candidate; raises ValueError with the reason a checkpoint cannot be used. A
     checkpoint on S3 is downloaded into `scratch` (every file checked against its sha256)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     loaded = model, _, _ = load_vlm(candidate.model_dir)
@@ -134,8 +135,12 @@ def load_candidate(candidate: Candidate, scratch: Path) -> LoadedVlm:
         raise ValueError(
             f"no trainable.safetensors (a ZeRO-sharded checkpoint?): {sorted(p.name for p in directory.iterdir())[:4]}"
         )
+    try:
+        weights = load_file(str(weights_file))
+    except (OSError, SafetensorError) as error:  # truncated or damaged: this checkpoint is skipped, not the stage
+        raise ValueError(f"{weights_file} cannot be read ({error}); a damaged checkpoint") from error
     params = dict(model.named_parameters())
-    weights, unknown, changed = load_file(str(weights_file)), [], False
+    unknown, changed = [], False
     for key, value in weights.items():
         if key.startswith(IGNORED_CHECKPOINT_KEYS):
             continue

@@ -242,3 +242,33 @@ def test_a_score_that_is_not_a_number_stops_the_selection():
     candidate = SimpleNamespace(name="sft", metrics={"vqa_exact_match": 1.0, "anls": 1.0}, score=0.0, failed_gates=[])
     with pytest.raises(ValueError, match=r"candidate sft scores inf .*give select_checkpoint.weights of ordinary size"):
         judge(candidate, cfg)
+
+
+def test_an_rl_prompt_or_held_out_question_of_the_image_alone_is_refused(tmp_path):
+    """[R54] A chat record whose user turn is the image and whitespace asks nothing; the flat form already refused an
+    empty question, the chat form now does too, naming the file and line."""
+    from components._shared.data.datasets import load_questions
+
+    data = tmp_path / "d"
+    data.mkdir()
+    Image.new("RGB", (32, 32), "red").save(data / "a.png")
+    asks = {
+        "id": "q1",
+        "type": "count",
+        "image": "a.png",
+        "conversations": [{"from": "human", "value": "<image>\nHow many?"}],
+    }
+    asks["conversations"].append({"from": "gpt", "value": "1"})
+    alone = {
+        **asks,
+        "id": "q2",
+        "conversations": [{"from": "human", "value": "<image>\n \u200b "}, asks["conversations"][1]],
+    }
+    (data / "rl.jsonl").write_text(json.dumps(asks) + "\n" + json.dumps(alone) + "\n")
+    with pytest.raises(
+        ValueError,
+        match=r"1 bad question record.*\n  rl.jsonl:2 \(id='q2'\): the user turn is the image alone \(nothing visible is asked\)",
+    ):
+        load_questions(data, ["rl.jsonl"], role="rl")
+    (data / "rl.jsonl").write_text(json.dumps(asks) + "\n")
+    assert [r["question"] for r in load_questions(data, ["rl.jsonl"], role="rl")] == ["How many?"]

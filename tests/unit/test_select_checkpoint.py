@@ -307,3 +307,26 @@ def test_a_stage_output_that_did_not_finish_is_no_candidate(tmp_path):
         find_candidates({"sft": str(tmp_path / "sft")}, per_stage=0)
     storage.commit_dir(tmp_path / "sft")
     assert [c.name for c in find_candidates({"sft": str(tmp_path / "sft")}, per_stage=0)] == ["sft"]
+
+
+def test_a_damaged_intermediate_checkpoint_is_skipped_with_its_reason(stage_outputs, tmp_path):
+    """A truncated trainable.safetensors (a disk that filled, a copy cut short) costs that candidate, not the stage:
+    it is listed as skipped naming the file, and the others are scored."""
+    root = stage_outputs
+    sft = tmp_path / "sft"
+    shutil.copytree(root / "sft", sft)
+    damaged = sft / "checkpoints" / "step-0000100" / "trainable.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    run(
+        _select_cfg(register_winner=False, stages=["sft"]),
+        data=str(root / "data"),
+        pretrain="",
+        sft=str(sft),
+        output_dir=tmp_path / "out",
+        tracker=NullTracker(),
+    )
+    candidates = {c["name"]: c for c in json.loads((tmp_path / "out/candidates.json").read_text())}
+    assert set(candidates) == {"sft", "sft@step-0000200", "sft@step-0000100"}
+    assert "step-0000100/trainable.safetensors cannot be read" in candidates["sft@step-0000100"]["skipped"]
+    assert "damaged checkpoint" in candidates["sft@step-0000100"]["skipped"]
+    assert not candidates["sft"]["skipped"] and candidates["sft"]["metrics"]

@@ -326,6 +326,10 @@ def question(raw: dict, image_root: str = "", *, first_exchange: bool = False) -
                 "question, or write it as a flat record (question, answer)"
             )
         text = _strip_markers(turns[0]["text"])
+        if not visible_text(text):
+            raise RecordError(
+                "the user turn is the image alone (nothing visible is asked); write the question or drop it"
+            )
         answers = _answers(raw["answers"]) if "answers" in raw else [turns[1]["text"]]
         if "answers" in raw:
             _one_of_the_answers(turns[1]["text"], answers, "the assistant turn")
