@@ -267,7 +267,7 @@ def test_an_rl_prompt_or_held_out_question_of_the_image_alone_is_refused(tmp_pat
     (data / "rl.jsonl").write_text(json.dumps(asks) + "\n" + json.dumps(alone) + "\n")
     with pytest.raises(
         ValueError,
-        match=r"1 bad question record.*\n  rl.jsonl:2 \(id='q2'\): the user turn is the image alone \(nothing visible is asked\)",
+        match=r"1 bad question record.*\n  rl.jsonl:2 \(id='q2'\): the user turn is the image alone \(nothing visible",
     ):
         load_questions(data, ["rl.jsonl"], role="rl")
     (data / "rl.jsonl").write_text(json.dumps(asks) + "\n")
