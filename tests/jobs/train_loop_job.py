@@ -7,7 +7,7 @@
 Trains 8 steps on world captions with a checkpoint every 2 steps into OUT/checkpoints and writes the final
 trainable weights to OUT/final.safetensors. Env QVL_TEST_KILL_AT_STEP / QVL_TEST_KILL_IN_CHECKPOINT kill it;
 QVL_TEST_LOSS_CHUNK sets train.loss_chunk_tokens (0 = the plain full-logits loss), QVL_TEST_DATA_WORKERS
-train.data_workers (0 = inputs built in the training process).
+train.data_workers (0 = inputs built in the training process), QVL_TEST_OVERLAP_COMM train.overlap_comm (0/1).
 """
 
 import os
@@ -52,6 +52,7 @@ def main(out: str, backend: str = "torch", checkpoint_root: str = "") -> None:
         offload_optimizer=offload == "offload",
         loss_chunk_tokens=int(os.environ.get("QVL_TEST_LOSS_CHUNK", TrainConfig().loss_chunk_tokens)),
         data_workers=int(os.environ["QVL_TEST_DATA_WORKERS"]) if "QVL_TEST_DATA_WORKERS" in os.environ else None,
+        overlap_comm=bool(int(os.environ["QVL_TEST_OVERLAP_COMM"])) if "QVL_TEST_OVERLAP_COMM" in os.environ else None,
     )
     loop = TrainLoop(
         model,

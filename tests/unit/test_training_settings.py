@@ -21,11 +21,15 @@ def test_per_group_clips_with_deepspeed_are_refused(config):
 
 def test_deepspeed_settings_and_a_warmup_longer_than_the_run_are_listed():
     cfg = RewardModelConfig.model_validate(
-        {"train": {"steps": 10, "offload_optimizer": True, "zero_stage": 3}, "schedule": {"warmup_steps": 20}}
+        {
+            "train": {"steps": 10, "offload_optimizer": True, "zero_stage": 3, "overlap_comm": False},
+            "schedule": {"warmup_steps": 20},
+        }
     )
     assert cfg.ignored_settings() == [
         "train.offload_optimizer: a DeepSpeed setting; train.backend is torch",
         "train.zero_stage: a DeepSpeed setting; train.backend is torch",
+        "train.overlap_comm: a DeepSpeed setting; train.backend is torch",
         "schedule.warmup_steps=20 >= train.steps=10: the learning rate rises to 0.50 of optim.lr and its cosine "
         "decay never starts",
     ]
@@ -84,3 +88,19 @@ def test_distill_student_sizes_of_a_loaded_student_and_ce_without_data_answers_a
         "student.layers: a size for init prune / random; init is model",
         "loss.ce: applies to the data's answers; on_policy.fraction is 1, every answer is generated",
     ]
+
+
+def test_overlap_comm_is_on_where_a_transfer_can_hide_behind_the_backward(monkeypatch):
+    """null: on with CUDA and more than one rank (DeepSpeed's side stream), off on one rank or the CPU; a value given
+    is kept. (The 2-process ZeRO-2 test in test_training.py trains with it on and checks the sums.)"""
+    import torch
+
+    from components._shared.model.ds_backend import ds_config
+    from components._shared.model.train_config import OptimConfig, TrainConfig
+
+    def overlap(world_size: int, cuda: bool, **train) -> bool:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        return ds_config(TrainConfig(**train), OptimConfig(), world_size)["zero_optimization"]["overlap_comm"]
+
+    assert [overlap(8, True), overlap(1, True), overlap(8, False)] == [True, False, False]
+    assert overlap(8, True, overlap_comm=False) is False and overlap(1, False, overlap_comm=True) is True

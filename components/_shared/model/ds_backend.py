@@ -49,9 +49,12 @@ def init_distributed() -> tuple[int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def ds_config(train: TrainConfig, optim: OptimConfig) -> dict:
-    """The DeepSpeed config for `train` (no train_batch_size: the loop owns batching)."""
-    zero: dict = {"stage": train.zero_stage, "overlap_comm": False, "contiguous_gradients": True}
+def ds_config(train: TrainConfig, optim: OptimConfig, world_size: int = 1) -> dict:
+    """The DeepSpeed config for `train` over `world_size` ranks (no train_batch_size: the loop owns batching)."""
+    overlap = train.overlap_comm
+    if overlap is None:  # a side stream only pays where there is a transfer to hide behind the backward
+        overlap = torch.cuda.is_available() and world_size > 1
+    zero: dict = {"stage": train.zero_stage, "overlap_comm": overlap, "contiguous_gradients": True}
     extra = {}
     if train.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -96,7 +99,7 @@ class DeepSpeedBackend:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
-            config=ds_config(train, optim),
+            config=ds_config(train, optim, self.world_size),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda),
         )
         self.module = self.engine.module

@@ -139,6 +139,14 @@ class TrainConfig(SubConfig):
     )
     zero_stage: Literal[2, 3] = 2
     offload_optimizer: bool = Field(False, description="DeepSpeed: optimizer states on the CPU.")
+    overlap_comm: bool | None = Field(
+        None,
+        description=(
+            "DeepSpeed: reduce (ZeRO-3: also gather) gradients on a side stream while the backward runs, for buffers "
+            "of about 4.5 x reduce_bucket_size; null = on with CUDA and more than one rank (one rank or the CPU: "
+            "nothing to overlap)."
+        ),
+    )
     checkpoint_every: Annotated[int, Field(ge=0, description="Steps between checkpoints; 0 = only at the end.")] = 0
     keep_checkpoints: Annotated[int, Field(ge=1, description="Committed checkpoints kept (older ones deleted).")] = 2
     checkpoint_uri: str | None = Field(
@@ -232,7 +240,7 @@ class TrainedStageConfig(StageConfig):
             train, schedule = block.train, block.schedule
             deepspeed_only = [
                 name
-                for name in ("offload_optimizer", "zero_stage")
+                for name in ("offload_optimizer", "zero_stage", "overlap_comm")
                 if getattr(train, name) != TrainConfig.model_fields[name].default
             ]
             if train.backend == "torch":
