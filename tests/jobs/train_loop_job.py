@@ -7,7 +7,8 @@
 Trains 8 steps on world captions with a checkpoint every 2 steps into OUT/checkpoints and writes the final
 trainable weights to OUT/final.safetensors. Env QVL_TEST_KILL_AT_STEP / QVL_TEST_KILL_IN_CHECKPOINT kill it;
 QVL_TEST_LOSS_CHUNK sets train.loss_chunk_tokens (0 = the plain full-logits loss), QVL_TEST_DATA_WORKERS
-train.data_workers (0 = inputs built in the training process), QVL_TEST_OVERLAP_COMM train.overlap_comm (0/1).
+train.data_workers (0 = inputs built in the training process), QVL_TEST_OVERLAP_COMM train.overlap_comm (0/1),
+QVL_TEST_STEPS the steps (8).
 """
 
 import os
@@ -39,8 +40,9 @@ def main(out: str, backend: str = "torch", checkpoint_root: str = "") -> None:
         for i, (img, c) in enumerate(sample_clean_pairs(24, seed=1))
     ]
     engine, zero, offload = (backend.split("-") + ["", ""])[:3]
+    steps = int(os.environ.get("QVL_TEST_STEPS", STEPS))
     train = TrainConfig(
-        steps=STEPS,
+        steps=steps,
         samples_per_step=6,
         max_tokens_per_micro_batch=160,
         checkpoint_every=2,
@@ -58,7 +60,8 @@ def main(out: str, backend: str = "torch", checkpoint_root: str = "") -> None:
         model,
         LoopSettings(train, OptimConfig(lr=3e-3, group_lr={"merger": 1e-3}), ScheduleConfig(warmup_steps=2), seed=3),
         LoopData(
-            phases=[Phase("a", 4, range(0, 12)), Phase("b", 4, range(24), lr_scale=0.5)], sample=samples.__getitem__
+            phases=[Phase("a", steps // 2, range(0, 12)), Phase("b", steps - steps // 2, range(24), lr_scale=0.5)],
+            sample=samples.__getitem__,
         ),
         CheckpointStore(checkpoint_root or Path(out) / "checkpoints", keep=2, scratch=Path(out) / "scratch"),
     )

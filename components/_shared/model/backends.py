@@ -68,6 +68,7 @@ class Backend(Protocol):
     world_size: int
 
     def begin_step(self, micro_batches: int) -> None: ...
+    def before_forward(self) -> None: ...
     def backward(self, loss: torch.Tensor) -> None: ...
     def step(self) -> tuple[dict[str, float], list[float]]: ...
     def all_reduce_sum(self, values: list[float]) -> list[float]: ...
@@ -90,6 +91,9 @@ class TorchBackend:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
 
     def begin_step(self, micro_batches: int) -> None:
+        pass
+
+    def before_forward(self) -> None:
         pass
 
     def backward(self, loss: torch.Tensor) -> None:

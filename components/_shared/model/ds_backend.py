@@ -111,6 +111,12 @@ class DeepSpeedBackend:
         """Tell the backend how many backward calls this optimizer step has (the last one reduces)."""
         self._pending = micro_batches
 
+    def before_forward(self) -> None:
+        """What `engine(...)` does before a forward, which the loop calls on the module itself: the ZeRO optimizer
+        closes the previous backward (ZeRO-3 counts the micro-step, so the next backward adds its gradients to the
+        step's instead of overwriting them; ZeRO-2 clears its accumulators and hook counts)."""
+        self.engine.optimizer.clear_backward_seen_flag()
+
     def backward(self, loss: torch.Tensor) -> None:
         self._pending -= 1
         self.engine.set_gradient_accumulation_boundary(self._pending <= 0)

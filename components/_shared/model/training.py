@@ -407,6 +407,7 @@ class TrainLoop:
                 used, computed = batch_tokens(batch)
                 real, positions = real + used, positions + computed
             batch = to_device(batch, self.device)
+            self.backend.before_forward()
             with self.autocast_context():
                 loss_sum, _, extra = self.loss_fn(self.backend.module, batch, micro)
             self.backend.backward(loss_sum * (weight / total_targets))
