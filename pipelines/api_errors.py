@@ -27,4 +27,5 @@ def describe_api_error(err: BaseException) -> str:
     from pipelines.submit import TOKEN_ENV
 
     token = os.environ.get(TOKEN_ENV, "")
-    return shown(text.replace(token, "<KFP_TOKEN>") if token.strip() else text, 2000)
+    # submit refuses a token under 8 characters; replaced, "e" would turn every e of the message into <KFP_TOKEN>
+    return shown(text.replace(token, "<KFP_TOKEN>") if len(token.strip()) >= 8 else text, 2000)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from components._shared.platform.credential_shapes import redact, shown  # noqa: F401 - redact: app.submit
 from components._shared.platform.names import draws_nothing, hidden_in_name
@@ -188,6 +188,7 @@ def prepare(
     for line in unfit:
         echo(f"warning: does not fit (--force): {line}")
     package = compile_pipeline(resolved, workdir / "vlm_training.yaml")  # the preset as read and checked above
+    check_no_token(f"the preset {resolved.name!r} (a value in it, compiled into the pipeline)", package.read_text())
     return Prepared(package=Path(package), params=params, preset_name=resolved.name)
 
 
@@ -223,7 +224,7 @@ def check_no_token(flag: str, value: str | None) -> None:
     """Refuse a command-line value holding $KFP_TOKEN's value, without showing it: --host is printed in messages and
     the run's URL, the run's names are stored on the server and shown in the UI (thirteenth pass, F03-F06)."""
     token = os.environ.get(TOKEN_ENV, "").strip()
-    if value and len(token) >= 8 and token in value:  # shorter ones cannot be told from a word
+    if value and len(token) >= 8 and (token in value or token in unquote(value)):  # shorter: refused as a token
         raise SubmitError(
             f"{flag} holds the value of {TOKEN_ENV} (not shown): it would be printed in messages or stored on the "
             f"server and shown in the UI. Remove it: the token is read from {TOKEN_ENV} only."
@@ -317,6 +318,11 @@ def check_submission(experiment: str, run_name: str | None, namespace: str | Non
         raise SubmitError(
             f'{TOKEN_ENV} holds a space ("Bearer ..."?): give the token alone; the client adds "Bearer ". It is '
             "not shown."
+        )
+    if token and len(token) < 8:  # too short to be told from a word in messages: it could not be hidden there
+        raise SubmitError(
+            f"{TOKEN_ENV} is {len(token)} character(s) long: not a bearer token (a placeholder or a truncated value?); "
+            "give the token. It is not shown."
         )
     if not token.isascii():  # an HTTP header is Latin-1 at most, and tokens are ASCII: a pasted wrong value
         raise SubmitError(f"{TOKEN_ENV} holds characters that are not ASCII; a bearer token is ASCII. It is not shown.")

@@ -86,6 +86,9 @@ def check_caption(raw: bytes, cfg) -> tuple[str | None, Rejection | None]:
     text = text.lstrip("\ufeff").strip()
     if "\x00" in text:
         return None, ("caption_not_utf8", "caption contains NUL characters")
+    if "\ufeff" in text:  # invisible to a reader, a token to the model: two files joined after export
+        at = text.index("\ufeff")
+        return None, ("caption_not_utf8", f"a byte-order mark U+FEFF inside the caption at character {at}")
     try:
         check_text(text, "caption")
     except RecordError as error:  # control characters, bidi overrides, chat tokens: binary or a broken export

@@ -35,6 +35,7 @@ REASONS = (
     "decompression_bomb",
     "unsupported_format",
     "undecodable",
+    "animated_image",
     "truncated_image",
     "too_small",
     "too_large",

@@ -9,7 +9,7 @@ bicubic antialiased resize of the uint8 image, `(x - mean/rescale) / (std/rescal
 `temporal_patch_size` times. On the CPU the rows are bit-identical to the processor's; after DALI's GPU
 decoder they differ by the IDCT and by float-vs-uint8 resize rounding (a level or so per pixel).
 
-Backends: `torchvision` (libjpeg-turbo `decode_jpeg`, `decode_image` for PNG/WebP), `pil` (Pillow via
+Backends: `torchvision` (libjpeg-turbo `decode_jpeg`, `decode_image` for PNG, Pillow for WebP), `pil` (Pillow via
 imaging.decode_image), `dali` (`fn.decoders.image` on the GPU with device "mixed", on the CPU without a GPU).
 """
 
@@ -76,15 +76,15 @@ def _png_pil_only(data: bytes) -> bool:
 
 
 def decode_torchvision(data: bytes) -> torch.Tensor:
-    """libjpeg-turbo for JPEG (`decode_jpeg`), `decode_image` for PNG/WebP (Pillow for palette and low-bit PNGs);
-    RGB uint8 [3, H, W]."""
+    """libjpeg-turbo for JPEG (`decode_jpeg`), `decode_image` for PNG (Pillow for palette and low-bit PNGs, and for
+    WebP, whose EXIF orientation torchvision does not apply); RGB uint8 [3, H, W]."""
     from torchvision import io as tvio
 
     buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     if data[:3] == JPEG_MAGIC:
         return tvio.decode_jpeg(buffer, mode=tvio.ImageReadMode.RGB, apply_exif_orientation=True)
-    if _png_pil_only(data):
-        return decode_pil(data)
+    if _png_pil_only(data) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP"):
+        return decode_pil(data)  # torchvision 0.29 does not apply a WebP's EXIF orientation
     # RGB_ALPHA, not UNCHANGED: palette PNGs would otherwise come back as palette indices.
     image = tvio.decode_image(buffer, mode=tvio.ImageReadMode.RGB_ALPHA, apply_exif_orientation=True)
     return _to_rgb_uint8(image)

@@ -48,7 +48,7 @@ from components.extract_features.decode import (
     resize_for_qwen,
 )
 
-INPUT_COLUMNS = ("image_hash", "image", "image_format", "caption", "visual_tokens")
+INPUT_COLUMNS = ("image_hash", "image", "image_format", "caption", "visual_tokens", "width", "height")
 INDEX_FILE = "index.json"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -60,6 +60,7 @@ class Record:
     image_format: str | None
     caption: str
     visual_tokens: int | None
+    size: tuple[int, int] | None = None  # (width, height) clean_data measured, upright
 
 
 class _MergeGroupsAsRows(torch.nn.Module):
@@ -176,6 +177,7 @@ def iter_records(parts: list[Path], batch_size: int) -> Iterator[list[Record]]:
                     image_format=data.get("image_format", [None] * count)[i],
                     caption=data.get("caption", [""] * count)[i] or "",
                     visual_tokens=data.get("visual_tokens", [None] * count)[i],
+                    size=(data["width"][i], data["height"][i]) if "width" in data and "height" in data else None,
                 )
                 for i in range(count)
             ]
@@ -203,6 +205,13 @@ class BatchPreparer:
             )
 
     def _resize(self, record: Record, image: torch.Tensor) -> torch.Tensor:
+        decoded = (image.shape[-1], image.shape[-2])
+        if record.size is not None and decoded != tuple(record.size):  # same token count possible when transposed
+            raise ValueError(
+                f"image_hash {record.image_hash}: decoded {decoded[0]}x{decoded[1]} by the {self.backend} backend, "
+                f"but clean_data measured {record.size[0]}x{record.size[1]} (an EXIF orientation one decoder applies "
+                "and the other does not?): the features would be of another picture; try decode_backend: pil"
+            )
         try:
             return resize_for_qwen(
                 image, factor=self.spec.factor, min_pixels=self.cfg.min_pixels, max_pixels=self.cfg.max_pixels

@@ -31,6 +31,7 @@ PATTERN_WORDS.update(  # what a refused value must look like, said in words (thi
 )
 STORAGE_SCHEMES = ("s3", "gs", "pvc", "oci", "hf", "https", "http", "hdfs", "webhdfs", "model-registry")
 MANAGED_ARGS = ("model_name", "model_id", "model_dir", "backend", "max_model_len", "dtype")  # set by the stage
+REPEATABLE_ARGS = frozenset({"middleware"})  # vLLM's flags taken several times (action="append")
 SECRET_WORDS = re.compile(r"token|secret|passw|api[-_]?key|credential|signature|access[-_]?key", re.IGNORECASE)
 
 
@@ -169,8 +170,16 @@ class ServingSettings(SubConfig):
     @field_validator("extra_args")
     @classmethod
     def _extra_args(cls, value: list[str]) -> list[str]:
+        seen: dict[str, str] = {}
         for arg in value:
             flag = arg.split("=", 1)[0]
+            name = flag[2:].replace("-", "_")
+            if name in seen and name not in REPEATABLE_ARGS:  # argparse keeps the last: one of them is dropped
+                raise ValueError(
+                    f"extra_args: {flag} is given twice ({seen[name]!r} and {arg!r}); the server would keep the last "
+                    "alone: give it once."
+                )
+            seen[name] = arg
             if not flag.startswith("--") or any(c.isspace() for c in flag):
                 raise ValueError(f"extra_args: {arg!r} is not a --flag[=value] argument; write e.g. --enforce_eager.")
             if flag[2:].replace("-", "_") in MANAGED_ARGS:

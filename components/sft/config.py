@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Literal
 
@@ -195,6 +196,14 @@ class BuildDataConfig(SubConfig):
             )
         if len(set(self.templates)) != len(self.templates):
             raise ValueError(f"build_data.templates lists a type twice: {self.templates}.")
+        if not self.templates:
+            raise ValueError("build_data.templates is empty: no conversation type would be built; name at least one.")
+        if self.max_records is not None and self.max_records * self.max_type_share < 1:
+            raise ValueError(
+                f"build_data.max_records={self.max_records} x max_type_share={self.max_type_share} < 1: so few "
+                "conversations cannot hold every type under its share (one alone is all of them); give max_records "
+                f">= {math.ceil(1 / self.max_type_share)} or raise max_type_share."
+            )
         if self.max_type_share * len(self.templates) < 1:
             raise ValueError(
                 f"build_data.max_type_share={self.max_type_share} x {len(self.templates)} template types < 1: the "

@@ -32,7 +32,7 @@ class ParquetImage:
     null_list: bool = False  # the row's list of images is null, not a list: refused like a null image cell
 
 
-class _KeyedDecoder(json.JSONDecoder):
+class KeyedDecoder(json.JSONDecoder):
     """json's decoder that notes what it would accept quietly: keys given twice in one object (json keeps the last;
     other readers keep the first, so such a record means different things to different tools) and NaN / Infinity
     (not JSON: other readers refuse them, and a non-finite number copied into a record poisons what sums it).
@@ -129,7 +129,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     """(source, record) per non-blank line; a line that is not UTF-8 or not JSON comes as an `Unparsable`, so the
     reader reports it with every other bad record."""
     _check_line_endings(path)
-    decoder = _KeyedDecoder()
+    decoder = KeyedDecoder()
     with path.open("rb") as lines:
         for n, raw in enumerate(lines, 1):
             source = f"{path.name}:{n}"
@@ -174,7 +174,7 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, Any]]:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark may start the file
     except UnicodeDecodeError as error:
         raise ValueError(f"{path.name}: not UTF-8 text (byte {error.start}); re-encode the file as UTF-8.") from None
-    decoder = _KeyedDecoder()
+    decoder = KeyedDecoder()
     pos = _skip_space(text, 0)
     if pos < len(text) and text[pos] == "{":
         raise ValueError(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import posixpath
 import tarfile
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from components._shared.data.containers import KeyedDecoder
 from components._shared.platform import storage
 from components._shared.platform.shards import TAR_SUFFIXES
 
@@ -114,6 +114,7 @@ class _Group:
         self.record = Record(key=key, shard=shard)
         self.caption_member: str | None = None
         self.json_member: str | None = None
+        self.image_field: str | None = None  # KEY.mask.png: an image under another field
 
     def reject(self, reason: str, detail: str) -> None:
         if self.record.reject is None:  # the first problem names the record's reason
@@ -131,6 +132,8 @@ class _Group:
                 rec.image, rec.image_member = data, member
             else:
                 self._second("images", rec.image_member, member)
+        elif base_ext in IMAGE_EXTENSIONS:
+            self.image_field = self.image_field or member
         elif base_ext in CAPTION_EXTENSIONS:
             if rec.caption is None:
                 rec.caption, self.caption_member = data, member
@@ -164,22 +167,25 @@ class _Group:
     def finish(self) -> Record:
         rec = self.record
         if rec.image is None and rec.image_sha256 is None:
-            self.reject("missing_image", "no image member (.jpg/.png/.webp) for this key")
+            field = posixpath.basename(self.image_field or "")  # WebDataset splits a name at its first dot
+            said = f"; {field!r} is its field {field.split('.', 1)[-1]!r}: name the image KEY.jpg" if field else ""
+            self.reject("missing_image", f"no image member (.jpg/.png/.webp) for this key{said}")
         elif rec.caption is None and self.caption_member is None:
             self.reject("missing_caption", "no caption member (.txt) for this key")
         return rec
 
 
 def _parse_metadata(data: bytes) -> dict[str, Any]:
+    """The `.json` member, or {"metadata_error": why}: not a JSON object, a key twice (json keeps the last), NaN."""
+    decoder = KeyedDecoder()
     try:
-        value = json.loads(data.decode("utf-8"))
+        value = decoder.decode(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         return {"metadata_error": f"invalid JSON: {exc}"[:200]}
     except RecursionError:  # one hostile record must not stop the lake: it is rejected (bad_metadata) like invalid JSON
         return {"metadata_error": "invalid JSON: nested too deeply to read"}
-    return (
-        value if isinstance(value, dict) else {"metadata_error": f"expected a JSON object, got {type(value).__name__}"}
-    )
+    problem = decoder.take_duplicates() or ("" if isinstance(value, dict) else f"not an object: {type(value).__name__}")
+    return {"metadata_error": problem} if problem else value
 
 
 SPLIT_KEY_FIX = (

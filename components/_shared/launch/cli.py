@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from components._shared.platform.presets import deep_merge, parse_overrides, read_section, validate
+from components._shared.platform.presets import deep_merge, merged_map_notes, parse_overrides, read_section, validate
 from components._shared.platform.strict_yaml import KeyGivenTwice, json_object
 
 
@@ -97,6 +98,8 @@ def _run_section(
             f"override {section}.{next(iter(_dotted(overrides[section])), '...')}: a stage's overrides are relative to "
             f"its section ({section}); leave out the '{section}.' prefix (that form is qvl submit's)."
         )
+    for note in merged_map_notes(data, args.overrides):
+        print(f"note: {note}", file=sys.stderr, flush=True)
     data = deep_merge(data, overrides)
     cfg = validate(config_cls, section, data)
     if args.experiment is None:

@@ -146,7 +146,8 @@ class CheckpointStore:
         after = f"this run resumes from its own {Path(own[-1]).name}" if own else "this run trains from its own start"
         print(
             f"NOTE: {root} held {len(moved)} checkpoint(s) of another run ({', '.join(moved[:3])}; key "
-            f"{note['old_key']}: other settings, data or input models than this run's {self.key}); they were set "
+            f"{note['old_key']}: other settings (any but train.log_every, checkpoint_every, keep_checkpoints), data "
+            f"or input models than this run's {self.key}); they were set "
             f"aside, kept at {target}, and {after}.",
             flush=True,
         )

@@ -32,9 +32,26 @@ from components._shared.platform.tracking import Tracker
 SCRATCH = ".scratch"  # downloads and checkpoint staging inside the output directory; not part of the output
 
 
+# Settings that change when or how often a run reports or saves, never what it trains: a rerun that changes only
+# these resumes its checkpoints (fourteenth pass, RS4: train.log_every=1 set every checkpoint aside).
+RESULT_NEUTRAL_TRAIN = ("log_every", "checkpoint_every", "keep_checkpoints")
+
+
 def run_key(cfg, inputs: dict[str, str]) -> str:
-    """The key of this run's checkpoints: the stage config, its inputs by content and the package version."""
-    return ckpt.fingerprint(cfg.model_dump(mode="json"), inputs)
+    """The key of this run's checkpoints: the stage config (less RESULT_NEUTRAL_TRAIN in every training block), its
+    inputs by content and the package version."""
+    return ckpt.fingerprint(_without_neutral(cfg.model_dump(mode="json")), inputs)
+
+
+def _without_neutral(config: dict) -> dict:
+    out = {}
+    for name, value in config.items():
+        if name == "train" and isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k not in RESULT_NEUTRAL_TRAIN}
+        elif isinstance(value, dict):
+            value = _without_neutral(value)  # pretrain's stage1 / stage2 blocks
+        out[name] = value
+    return out
 
 
 def checkpoint_store(stage: str, train: TrainConfig, key: str, output_dir: Path) -> ckpt.CheckpointStore:

@@ -91,7 +91,7 @@ def decode_image(
 ) -> DecodedImage:
     """Decode untrusted bytes into an RGB image, or raise `ImageRejected` with a reason.
 
-    Reasons: empty_file, decompression_bomb, unsupported_format, truncated_image, undecodable.
+    Reasons: empty_file, decompression_bomb, unsupported_format, animated_image, truncated_image, undecodable.
     """
     if not data:
         raise ImageRejected("empty_file", "image member has 0 bytes")
@@ -118,6 +118,9 @@ def decode_image(
     if img.format not in allowed_formats:  # defensive: Pillow honoured `formats`, but never trust it blindly
         raise ImageRejected("unsupported_format", f"{img.format} is not in the allow-list {list(allowed_formats)}")
     fmt = img.format
+    frames = getattr(img, "n_frames", 1)
+    if frames > 1:  # kept, it would be its first frame alone; the model stages refuse it likewise
+        raise ImageRejected("animated_image", f"an animated {fmt} of {frames} frames; the model reads one still image")
     try:
         img.load()
         img = ImageOps.exif_transpose(img)

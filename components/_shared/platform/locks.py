@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from components._shared.platform import storage
+from components._shared.platform.env_numbers import env_number
 
 LOCK_FILE, HOLDER_FILE = storage.LOCK_FILES
 S3_SUFFIX = ".qvl-lock.json"
-LEASE_S = float(os.environ.get("QVL_S3_LEASE_S", "60"))
+LEASE_ENV, LEASE_DEFAULT_S = "QVL_S3_LEASE_S", 60.0
 _HELD_CODES = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
 
 
@@ -101,7 +102,11 @@ class LocalLock:
 class S3Lease:
     """A lease object PREFIX.qvl-lock.json, created conditionally and renewed in a background thread."""
 
-    def __init__(self, prefix: str, *, holder: dict[str, Any], lease_s: float = LEASE_S, renew: bool = True) -> None:
+    def __init__(
+        self, prefix: str, *, holder: dict[str, Any], lease_s: float | None = None, renew: bool = True
+    ) -> None:
+        if lease_s is None:
+            lease_s = env_number(LEASE_ENV, LEASE_DEFAULT_S, minimum=1.0, unit="seconds")
         self.bucket, key = storage.split_s3(prefix.rstrip("/"))
         self.key, self.uri, self.lease_s = key + S3_SUFFIX, prefix.rstrip("/") + S3_SUFFIX, lease_s
         self.holder = holder
@@ -156,7 +161,7 @@ class S3Lease:
             if current is None:
                 continue  # released between our two requests
             who, tag = json.loads(current[0]), current[1]
-            period = max(0.05, float(who.get("lease_s", LEASE_S)) / 5)  # the holder renews this often
+            period = max(0.05, float(who.get("lease_s", LEASE_DEFAULT_S)) / 5)  # the holder renews this often
             if _dead_here(who) or (tag == seen and time.monotonic() - since >= 2 * period):
                 etag = self._put(IfMatch=tag)  # atomic: only one of several waiting runs takes it over
                 if etag is not None:

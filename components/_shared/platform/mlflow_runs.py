@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from components._shared.platform.credential_shapes import redact, shown
+from components._shared.platform.env_numbers import env_number
 from components._shared.platform.mlflow_tracking import (
     MAX_TAG_VALUE_LENGTH,
     MlflowTracker,
@@ -226,7 +227,7 @@ def system_metrics(run_id: str | None, *, tracking_uri: str) -> Iterator[None]:
     """MLflow's system metrics (CPU, memory, disk, network, GPUs) of this node into `run_id` while the block runs,
     when $QVL_SYSTEM_METRICS_S > 0. One monitor per node (local rank 0); on a multi-node run each is tagged with its
     node id (`system/node-1/cpu_utilization_percentage`), so the nodes' values do not overwrite each other."""
-    interval = float(os.environ.get(SYSTEM_METRICS_ENV, "0") or 0)
+    interval = env_number(SYSTEM_METRICS_ENV, 0.0, unit="seconds")
     if not run_id or interval <= 0 or _rank("LOCAL_RANK") != "0":
         yield
         return

@@ -129,6 +129,31 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def merged_map_notes(base: dict[str, Any], pairs: list[str]) -> list[str]:
+    """A note per override that gives a whole map (`rewards={efficacy: 1}`) where the config already has one with
+    other keys: the map is merged, not replaced, so those keys keep their values (fourteenth pass, K04)."""
+    notes = []
+    for pair in pairs:
+        key, _, raw = pair.partition("=")
+        if not raw.lstrip().startswith("{"):
+            continue
+        node: Any = base
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        given = parse_overrides([pair])
+        for part in key.split("."):
+            given = given[part]
+        if isinstance(node, dict) and isinstance(given, dict):
+            kept = {k: v for k, v in node.items() if k not in given}
+            if kept:
+                listed = ", ".join(f"{k}={v}" for k, v in list(kept.items())[:6])
+                notes.append(
+                    f"{key}={shown(raw, 80)} is merged into the config's {key}, not put in its place: {listed} "
+                    f"{'stay' if len(kept) > 1 else 'stays'} as given there; set {key}.NAME=... to change one."
+                )
+    return notes
+
+
 # A preset's settings beside its stage sections (pipelines/presets reads the same set).
 PRESET_TOP_LEVEL = frozenset({"description", "base_model_uri", "experiment", "lake_uri", "kubernetes"})
 

@@ -13,7 +13,9 @@ import os
 import sys
 from collections.abc import Iterator
 
-MULTIPART_THRESHOLD = int(float(os.environ.get("QVL_S3_MULTIPART_THRESHOLD_MB", "64")) * 1024**2)
+from components._shared.platform.env_numbers import env_number
+
+MULTIPART_ENV, MULTIPART_DEFAULT_MB = "QVL_S3_MULTIPART_THRESHOLD_MB", 64.0
 
 
 _CREDENTIALS_HINT = (
@@ -89,7 +91,10 @@ def transfer_config(multipart_threshold: int | None):
     """boto3 transfer settings: multipart above the threshold (QVL_S3_MULTIPART_THRESHOLD_MB, default 64)."""
     from boto3.s3.transfer import TransferConfig
 
-    threshold = MULTIPART_THRESHOLD if multipart_threshold is None else multipart_threshold
+    if multipart_threshold is None:
+        mb = env_number(MULTIPART_ENV, MULTIPART_DEFAULT_MB, unit="MB")
+        multipart_threshold = int(mb * 1024**2)
+    threshold = multipart_threshold
     return TransferConfig(multipart_threshold=threshold, multipart_chunksize=max(threshold, 5 * 1024**2))
 
 
