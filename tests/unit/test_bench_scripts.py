@@ -276,3 +276,16 @@ def test_train_threads_runs_each_arm_repeatably():
     for row in rows:
         assert row["loss_same_every_repeat"] is True and 0 < row["loss_final"] < 20
         assert len(row["tokens_per_second"]) == 2 and all(speed > 0 for speed in row["tokens_per_second"])
+
+
+def test_step_profile_splits_the_demo_step_and_counts_its_ops():
+    """The parts add up to the step, the probe counted ops forward and backward and the step's FLOPs, and the baseline
+    (the same FLOPs as matmuls, timed in the same process) is positive."""
+    out = _run("bench/step_profile.py", "--steps", "7", "--json", timeout=600)
+    result = json.loads(out[out.index('{\n  "steps_timed"') :])
+    assert result["steps_timed"] == 3  # 7 steps and the probe's, less 5 warm-up steps
+    shares = result["share_of_step"]
+    assert set(shares) == {"inputs", "forward", "backward", "optimizer", "loop"}
+    assert sum(shares.values()) == pytest.approx(1.0, abs=0.01) and shares["forward"] > 0.05
+    assert result["ops_per_step"]["forward"] > 100 and result["ops_per_step"]["backward"] > 100
+    assert result["gflops_per_step"] > 0.1 and result["matmul_equivalent_s"] > 0
