@@ -35,7 +35,8 @@ def collect_regions(records: list[dict], cfg: RegionConfig) -> tuple[list[list[R
         per_record.append(regions)
         for reason in dropped:
             reasons[reason] += 1
-            example.setdefault(reason, r["image_hash"])
+            where = f"lake key {r['key']!r} of shard {r['shard']}" if r.get("key") and r.get("shard") else None
+            example.setdefault(reason, where or f"image_hash {r['image_hash']}")
     used = sum(len(regions) for regions in per_record)
     if not used:
         raise ValueError(
@@ -53,7 +54,7 @@ def collect_regions(records: list[dict], cfg: RegionConfig) -> tuple[list[list[R
             "the phrases that name objects, or set region.enabled: false."
         )
     for reason, count in sorted(reasons.items()):
-        logger.warning("pretrain: %d region chunk(s) not used: %s (e.g. record %s)", count, reason, example[reason])
+        logger.warning("pretrain: %d region chunk(s) not used: %s (e.g. %s)", count, reason, example[reason])
     metrics = {
         "region_records": sum(1 for regions in per_record if regions),
         "region_boxes": used,

@@ -3,7 +3,8 @@ brackets: a WebP's EXIF orientation applied by clean_data and not by extract_fea
 model stages refuse (an animated PNG [L20], a `.json` key given twice [L47] or NaN [L46], a U+FEFF inside a caption
 [L09]) and an image under a dotted field named as missing [L43]; a map override merged without a word [K04]; a serving
 flag given twice [PR11]; build_data quotas that cannot hold [B5, B8]; QVL_* numbers read at import or unnamed [E1,
-E3]; the KFP token percent-encoded in --host [T01], in a preset's value [T02] or one character long [T04]."""
+E3]; the KFP token percent-encoded in --host [T01], in a preset's value [T02] or one character long [T04]; a rerun
+changing only train.log_every set its checkpoints aside [RS4]."""
 
 from __future__ import annotations
 

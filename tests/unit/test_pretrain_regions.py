@@ -77,7 +77,11 @@ def test_collect_regions_counts_and_warns_and_refuses_a_run_with_no_box(caplog):
         per_record, metrics = collect_regions(records, RegionConfig(enabled=True))
     assert [len(r) for r in per_record] == [2, 0]
     assert metrics == {"region_records": 1, "region_boxes": 2, "region_phrases": 2, "region_dropped": 1}
-    assert "1 region chunk(s) not used: span outside the caption (e.g. record k1)" in caplog.text
+    assert "1 region chunk(s) not used: span outside the caption (e.g. image_hash k1)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # named where a user finds it when clean_data's output says (PT9)
+        collect_regions([{**records[0], "key": "000042", "shard": "00003.tar"}], RegionConfig(enabled=True))
+    assert "span outside the caption (e.g. lake key '000042' of shard 00003.tar)" in caplog.text
     with pytest.raises(ValueError, match=r"none of the 2 kept records has a usable box.*1 span outside the caption"):
         collect_regions([_record([[0, 500, 0, 0, 1, 1, 1.0]]), _record([], key="k2")], RegionConfig(enabled=True))
 

@@ -24,7 +24,9 @@ def load_kept(
     columns = ["image_hash", "caption"] + (["image"] if with_images else []) + (["metadata"] if with_metadata else [])
     rows: list[dict] = []
     for part in parts:
-        table = pq.read_table(part, columns=columns).to_pylist()
+        names = pq.ParquetFile(part).schema_arrow.names  # with the metadata, where it came from: its lake key, shard
+        found = [c for c in ("key", "shard") if with_metadata and c in names]
+        table = pq.read_table(part, columns=columns + found).to_pylist()
         rows += [r for r in table if r["caption"]]
         if max_records and len(rows) >= max_records:
             return rows[:max_records]
